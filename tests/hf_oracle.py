@@ -1,0 +1,59 @@
+"""The Hugging Face oracle: tiny random LlamaForCausalLM checkpoints and greedy decoding.
+
+Imported only by tests marked `hf` (torch and transformers are test dependencies).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# Two shapes the issue asks for: GQA ratio 4 with llama3 rope scaling, and tied embeddings.
+TINY_HF_CONFIGS = {
+    "gqa4-llama3-rope": dict(
+        vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=16, intermediate_size=128, rms_norm_eps=1e-5,
+        rope_theta=10_000.0, max_position_embeddings=2048, tie_word_embeddings=False,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "tied-embeddings": dict(
+        vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, head_dim=16, intermediate_size=96, rms_norm_eps=1e-6,
+        rope_theta=10_000.0, max_position_embeddings=2048, tie_word_embeddings=True),
+}
+
+
+def save_tiny_llama(path, name: str, *, seed: int = 0, max_shard_size: str = "100KB"):
+    """Saves a random-weight float32 LlamaForCausalLM to `path` (sharded safetensors)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(**TINY_HF_CONFIGS[name])
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.save_pretrained(path, safe_serialization=True, max_shard_size=max_shard_size)
+    return model
+
+
+def hf_logits(hf_model, token_ids) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        return hf_model(torch.tensor([list(token_ids)])).logits[0].float().numpy()
+
+
+def hf_greedy(hf_model, token_ids, max_new_tokens: int) -> list[int]:
+    import torch
+
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([list(token_ids)]), max_new_tokens=max_new_tokens,
+                                do_sample=False, min_new_tokens=max_new_tokens,
+                                eos_token_id=None, pad_token_id=0)
+    return out[0, len(token_ids):].tolist()
+
+
+def greedy_with_logits(model, token_ids, max_new_tokens: int) -> list[int]:
+    """Greedy decoding through our one-shot `Model.logits` (no KV reuse; the oracle path)."""
+    ids = list(token_ids)
+    for _ in range(max_new_tokens):
+        ids.append(int(np.argmax(model.logits(ids)[-1])))
+    return ids[len(token_ids):]
