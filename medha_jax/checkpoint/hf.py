@@ -1,0 +1,169 @@
+"""Hugging Face checkpoint directories: config.json + safetensors (+ tokenizer.json).
+
+    ckpt = load_hf_checkpoint("path/to/Llama-3.1-8B")
+    ckpt.tensors["layers.wq"].read((slice(0, 4), slice(None), slice(8, 16), slice(None)))
+
+Safetensors files are memory-mapped and read through `safe_open(...).get_slice`, so a
+read touches only the layers and rows it asks for. Weights may be sharded over several
+files (model.safetensors.index.json) and stored in float32, float16 or bfloat16; reads
+return float32.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any
+
+# safetensors returns BF16 slices as numpy arrays of ml_dtypes' bfloat16; importing
+# ml_dtypes (a JAX dependency) registers that dtype with numpy.
+import ml_dtypes  # noqa: F401
+import numpy as np
+from safetensors import safe_open
+
+from medha_jax.checkpoint.tensors import (
+    Checkpoint, CheckpointError, StoredTensor, canonical_tensors)
+from medha_jax.checkpoint.tokenizer import Tokenizer
+from medha_jax.config import ModelConfig, RopeScaling
+
+# Canonical key -> the tensor name in a LlamaForCausalLM state dict.
+HF_NAMES = {
+    "embed": "model.embed_tokens.weight",
+    "final_norm": "model.norm.weight",
+    "lm_head": "lm_head.weight",
+    "attn_norm": "model.layers.{layer}.input_layernorm.weight",
+    "mlp_norm": "model.layers.{layer}.post_attention_layernorm.weight",
+    "wq": "model.layers.{layer}.self_attn.q_proj.weight",
+    "wk": "model.layers.{layer}.self_attn.k_proj.weight",
+    "wv": "model.layers.{layer}.self_attn.v_proj.weight",
+    "wo": "model.layers.{layer}.self_attn.o_proj.weight",
+    "w_gate": "model.layers.{layer}.mlp.gate_proj.weight",
+    "w_up": "model.layers.{layer}.mlp.up_proj.weight",
+    "w_down": "model.layers.{layer}.mlp.down_proj.weight",
+}
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+_HF_DEFAULT_ROPE_THETA = 10_000.0   # LlamaConfig's default when config.json omits it
+
+
+def load_hf_checkpoint(path: str | pathlib.Path) -> Checkpoint:
+    """Loads a Hugging Face Llama checkpoint directory, lazily."""
+    path = pathlib.Path(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{path} has no config.json (not a Hugging Face checkpoint dir)")
+    config = config_from_hf(json.loads(config_file.read_text()), name=path.name)
+    stored = _stored_tensors(path)
+    tensors = canonical_tensors(
+        config, stored, HF_NAMES,
+        # Old checkpoints carry RoPE's inverse frequencies as a buffer; tied ones may still
+        # hold a copy of the embedding as lm_head.
+        ignored=lambda name: name.endswith("rotary_emb.inv_freq") or (
+            config.tie_word_embeddings and name == HF_NAMES["lm_head"]))
+    tokenizer_file = path / "tokenizer.json"
+    tokenizer = Tokenizer.from_file(tokenizer_file) if tokenizer_file.is_file() else None
+    return Checkpoint(config=config, tensors=tensors, tokenizer=tokenizer)
+
+
+def config_from_hf(hf: dict[str, Any], name: str = "custom") -> ModelConfig:
+    """ModelConfig from the dict of a Llama config.json (transformers 4 or 5 spelling)."""
+    architectures = hf.get("architectures") or []
+    if not any(a in SUPPORTED_ARCHITECTURES for a in architectures):
+        raise CheckpointError(
+            f"config.json architectures={architectures!r}: only {SUPPORTED_ARCHITECTURES} "
+            "(Llama-family decoders) are supported")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(
+            f"config.json hidden_act={hf['hidden_act']!r}: only 'silu' is supported")
+    for flag in ("attention_bias", "mlp_bias"):
+        if hf.get(flag):
+            raise CheckpointError(f"config.json {flag}=true: biases are not supported")
+
+    def required(key: str) -> Any:
+        if hf.get(key) is None:
+            raise CheckpointError(f"config.json is missing {key!r}")
+        return hf[key]
+
+    hidden, heads = required("hidden_size"), required("num_attention_heads")
+    # transformers 5 keeps theta and scaling in `rope_parameters`; 4 in rope_theta/rope_scaling.
+    rope_key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    rope = hf.get(rope_key) or {}
+    rope_theta = hf.get("rope_theta") or rope.get("rope_theta") or _HF_DEFAULT_ROPE_THETA
+    dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    try:
+        return ModelConfig(
+            name=name,
+            vocab_size=required("vocab_size"),
+            hidden_size=hidden,
+            num_layers=required("num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hidden // heads,
+            intermediate_size=required("intermediate_size"),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            rope_scaling=_rope_scaling(rope, rope_key),
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            dtype=dtype if dtype in ("float32", "bfloat16", "float16") else "float32",
+        )
+    except ValueError as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"config.json: {e}") from e
+
+
+def _rope_scaling(rope: dict[str, Any], key: str) -> RopeScaling | None:
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "default":
+        return None
+    if rope_type != "llama3":
+        raise CheckpointError(
+            f"config.json {key}.rope_type={rope_type!r} is not supported "
+            "(only 'llama3' or 'default')")
+    fields = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [f for f in fields if f not in rope]
+    if missing:
+        raise CheckpointError(f"config.json {key} (llama3) is missing {missing}")
+    try:
+        return RopeScaling(**{f: rope[f] for f in fields})
+    except ValueError as e:
+        raise CheckpointError(f"config.json {key}: {e}") from e
+
+
+def _stored_tensors(path: pathlib.Path) -> dict[str, StoredTensor]:
+    """Every tensor in the directory's safetensors files, as a lazy StoredTensor."""
+    index_file = path / "model.safetensors.index.json"
+    if index_file.is_file():
+        weight_map: dict[str, str] = json.loads(index_file.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{path} has no *.safetensors files")
+        weight_map = None
+
+    stored: dict[str, StoredTensor] = {}
+    for file in files:
+        if not (path / file).is_file():
+            raise CheckpointError(f"{index_file.name} names {file!r}, which is not in {path}")
+        # The handle stays open (memory-mapped) for as long as a reader refers to it.
+        handle = safe_open(str(path / file), framework="numpy")
+        for name in handle.keys():
+            if weight_map is not None and weight_map.get(name) != file:
+                continue
+            if name in stored:
+                raise CheckpointError(f"tensor {name!r} appears in more than one safetensors file")
+            shape = tuple(handle.get_slice(name).get_shape())
+            stored[name] = StoredTensor(shape, _slice_reader(handle, name))
+    if weight_map is not None:
+        absent = sorted(set(weight_map) - set(stored))
+        if absent:
+            raise CheckpointError(f"missing tensor {absent[0]!r}: indexed but not in its file")
+    return stored
+
+
+def _slice_reader(handle, name: str):
+    def read(idx: tuple[slice, ...]) -> np.ndarray:
+        return handle.get_slice(name)[idx].astype(np.float32)
+    return read

@@ -1,0 +1,192 @@
+"""The JAX engine: turns a scheduler Batch into one jitted step on the mesh.
+
+The step is one pure function (model forward over the ragged paged layout, logits of
+each sequence's last token, sampling on device) compiled ahead of time for every bucket
+shape in the ladder, with the KV cache donated so XLA updates it in place. After
+`warmup()` no batch can reach the compiler: a shape outside the ladder is an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from medha_jax.engine.buckets import BucketLadder
+from medha_jax.engine.sampler import sample
+from medha_jax.engine.step_inputs import StepInputs, build_step_inputs
+from medha_jax.kv_cache.allocator import BlockAllocator
+from medha_jax.model.llama import AttentionMetadata, KVCache
+from medha_jax.model.loading import Model
+from medha_jax.request import Batch, StepResult
+from meshes import replicated
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """Capacity and shape ladder of one engine.
+
+    The cache holds `num_pages` pages of `page_size` tokens (by default enough for
+    `max_kv_tokens`). A step holds at most `max_tokens_per_step` tokens from at most
+    `max_seqs` sequences; both are padded up to power-of-two buckets starting at
+    `min_token_bucket`.
+    """
+
+    page_size: int = 16
+    num_pages: int | None = None
+    max_kv_tokens: int = 32_768
+    max_model_len: int | None = None
+    max_tokens_per_step: int = 512
+    min_token_bucket: int = 16
+    max_seqs: int = 32
+    enable_prefix_caching: bool = True
+    attention_impl: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self):
+        for field in ("page_size", "max_kv_tokens", "max_tokens_per_step", "min_token_bucket",
+                      "max_seqs"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"EngineConfig.{field} must be an int >= 1, got {value!r}")
+        if self.num_pages is not None and self.num_pages < 1:
+            raise ValueError(f"EngineConfig.num_pages must be >= 1, got {self.num_pages}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"EngineConfig.max_model_len must be >= 1, got {self.max_model_len}")
+
+    @property
+    def total_pages(self) -> int:
+        return self.num_pages or -(-self.max_kv_tokens // self.page_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """One executed step, for fitting the runtime predictor to this machine."""
+
+    num_tokens: int
+    padded_tokens: int
+    num_seqs: int
+    sum_chunk_x_context: int     # sum over sequences of chunk tokens x context after the chunk
+    sum_chunk_sq: int
+    seconds: float               # wall time of the whole step, host work included
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "attention_impl"),
+                   donate_argnames=("kv_cache",))
+def step(graphdef, state, kv_cache: KVCache, token_ids, positions, meta: AttentionMetadata,
+         logits_indices, temperature, top_k, top_p, rng_keys, *, attention_impl: str):
+    """One engine step: forward, last-token logits per sequence, sampling. Pure.
+
+    token_ids, positions: int32 [T]; logits_indices and the sampling arrays: [S].
+    Returns (sampled token ids int32 [S], the updated cache). The cache is donated, so
+    XLA writes the new K/V in place. Engines over the same model share jit's cache.
+    """
+    module = nnx.merge(graphdef, state)
+    hidden, kv_cache = module(token_ids, positions, kv_cache, meta, attention_impl=attention_impl)
+    logits = module.logits(hidden[logits_indices])          # [S, vocab] float32
+    return sample(logits, temperature, top_k, top_p, rng_keys), kv_cache
+
+
+class Engine:
+    """Implements medha_jax.request.Executor on a loaded Model."""
+
+    def __init__(self, model: Model, config: EngineConfig | None = None):
+        config = config or EngineConfig()
+        self.model = model
+        self.config = config
+        self.max_model_len = min(config.max_model_len or model.config.max_position_embeddings,
+                                 model.config.max_position_embeddings,
+                                 config.total_pages * config.page_size)
+        self.allocator = BlockAllocator(config.total_pages, config.page_size,
+                                        enable_prefix_caching=config.enable_prefix_caching)
+        self.ladder = BucketLadder.from_limits(
+            max_tokens=config.max_tokens_per_step, min_tokens=config.min_token_bucket,
+            max_seqs=config.max_seqs,
+            max_pages_per_seq=-(-self.max_model_len // config.page_size))
+        self.max_seqs = config.max_seqs
+        self.pad_slot = config.total_pages * config.page_size
+        self.kv_cache = model.new_kv_cache(config.total_pages, config.page_size)
+        self._replicated = replicated(model.mesh)
+        self._executables: dict[tuple[int, int, int], jax.stages.Compiled] = {}
+        self.step_records: list[StepRecord] = []
+        self.warmup_seconds: float | None = None
+
+    # -- compilation -------------------------------------------------------------
+
+    def _device_args(self, inputs: StepInputs):
+        put = functools.partial(jax.device_put, device=self._replicated)
+        meta = AttentionMetadata(
+            slot_mapping=inputs.slot_mapping, page_table=inputs.page_table,
+            cu_q_lens=inputs.cu_q_lens, kv_lens=inputs.kv_lens, num_seqs=inputs.num_seqs)
+        return put((inputs.token_ids, inputs.positions, meta, inputs.logits_indices,
+                    inputs.temperature, inputs.top_k, inputs.top_p, inputs.rng_keys))
+
+    def _step_args(self, inputs: StepInputs) -> tuple:
+        return (self.model.graphdef, self.model.state, self.kv_cache, *self._device_args(inputs))
+
+    def _compile(self, shape: tuple[int, int, int]) -> jax.stages.Compiled:
+        inputs = _padding_inputs(shape, self.pad_slot)
+        return step.lower(*self._step_args(inputs),
+                          attention_impl=self.config.attention_impl).compile()
+
+    def warmup(self, progress: bool = True) -> None:
+        """Compiles every bucket shape ahead of time so no request compiles later."""
+        from tqdm.auto import tqdm
+
+        shapes = [s for s in self.ladder.all_shapes() if s not in self._executables]
+        start = time.perf_counter()
+        for shape in tqdm(shapes, desc="compiling step buckets", unit="exe", disable=not progress):
+            self._executables[shape] = self._compile(shape)
+        self.warmup_seconds = time.perf_counter() - start
+        if progress:
+            print(f"warm-up: {len(self._executables)} executables compiled in "
+                  f"{self.warmup_seconds:.1f} s")
+
+    @property
+    def num_executables(self) -> int:
+        return len(self._executables)
+
+    # -- execution ---------------------------------------------------------------
+
+    def execute(self, batch: Batch) -> StepResult:
+        start = time.perf_counter()
+        inputs = build_step_inputs(batch, self.allocator, self.ladder, pad_slot=self.pad_slot)
+        shape = inputs.padded_shape
+        args = self._step_args(inputs)
+        executable = self._executables.get(shape)
+        if executable is not None:
+            tokens, self.kv_cache = executable(*args[1:])
+        else:
+            # Only without warm-up (tests, notebooks): jit compiles on first use and shares
+            # its cache with every engine over the same model.
+            tokens, self.kv_cache = step(*args, attention_impl=self.config.attention_impl)
+        # While the device runs, do this step's bookkeeping (asynchronous dispatch).
+        sum_cx = sum(c.num_tokens * c.end for c in batch.chunks)
+        sum_sq = sum(c.num_tokens * c.num_tokens for c in batch.chunks)
+        tokens = np.asarray(tokens)                       # waits for the device
+        seconds = time.perf_counter() - start
+        self.step_records.append(StepRecord(
+            num_tokens=batch.num_tokens, padded_tokens=shape[0], num_seqs=batch.num_seqs,
+            sum_chunk_x_context=sum_cx, sum_chunk_sq=sum_sq, seconds=seconds))
+        sampled = {chunk.request.request_id: int(tokens[i])
+                   for i, chunk in enumerate(batch.chunks) if chunk.samples}
+        return StepResult(sampled_token_ids=sampled, duration_s=seconds)
+
+
+def _padding_inputs(shape: tuple[int, int, int], pad_slot: int) -> StepInputs:
+    """All-padding inputs of one bucket shape: what warm-up compiles with. Writes nothing."""
+    num_tokens, num_seqs, width = shape
+    zeros = functools.partial(np.zeros, dtype=np.int32)
+    return StepInputs(
+        token_ids=zeros(num_tokens), positions=zeros(num_tokens),
+        slot_mapping=np.full(num_tokens, pad_slot, np.int32), cu_q_lens=zeros(num_seqs + 1),
+        kv_lens=zeros(num_seqs), page_table=zeros((num_seqs, width)), num_seqs=zeros(1),
+        logits_indices=zeros(num_seqs), sample_mask=np.zeros(num_seqs, bool),
+        temperature=np.zeros(num_seqs, np.float32), top_k=zeros(num_seqs),
+        top_p=np.ones(num_seqs, np.float32), rng_keys=np.zeros((num_seqs, 2), np.uint32),
+        num_tokens=0, request_ids=())

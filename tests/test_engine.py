@@ -1,0 +1,142 @@
+"""The engine: nothing compiles after warm-up; outputs don't depend on batching or chunking."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from medha_jax import load_model
+from medha_jax.engine import Engine, EngineConfig
+from medha_jax.request import Batch, Request, ScheduledChunk
+from medha_jax.sampling_params import SamplingParams
+from tests.hf_oracle import greedy_with_logits
+
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model("tiny")
+
+
+SMALL = EngineConfig(max_kv_tokens=4096, max_tokens_per_step=128, max_seqs=8, max_model_len=512,
+                     enable_prefix_caching=False)
+
+
+def make_request(request_id, prompt, max_new_tokens, **sampling):
+    params = SamplingParams(max_tokens=max_new_tokens, **{"temperature": 0.0, **sampling})
+    return Request(request_id, len(prompt), max_new_tokens, 0.0, prompt_token_ids=list(prompt),
+                   sampling=params)
+
+
+def drive(engine, arrivals, *, rng, max_chunk, chunk_of=None):
+    """Runs requests to completion with random chunk sizes, decodes batched with prefills.
+
+    arrivals: list of (step, Request). A tiny stand-in for the controller, so that this
+    test exercises the engine alone with arbitrary chunkings.
+    """
+    arrivals = sorted(arrivals, key=lambda a: a[0])
+    running, done, step = [], {}, 0
+    while arrivals or running:
+        while arrivals and arrivals[0][0] <= step:
+            request = arrivals.pop(0)[1]
+            request.num_computed_tokens = engine.allocator.allocate(
+                request.request_id, request.prompt_token_ids)
+            running.append(request)
+        chunks, budget = [], engine.ladder.max_tokens
+        for request in running:
+            if len(chunks) == engine.ladder.max_seqs or budget == 0:
+                break
+            pending = request.num_pending_tokens
+            want = chunk_of(request) if chunk_of else int(rng.integers(1, max_chunk + 1))
+            n = min(pending, want, budget)
+            assert engine.allocator.reserve(request.request_id, request.num_computed_tokens + n)
+            chunks.append(ScheduledChunk(request, request.num_computed_tokens, n))
+            budget -= n
+        step += 1
+        if not chunks:
+            continue
+        result = engine.execute(Batch(chunks))
+        for chunk in chunks:
+            request = chunk.request
+            request.num_computed_tokens = chunk.end
+            engine.allocator.commit(request.request_id, request.token_ids(0, chunk.end), chunk.end)
+            if chunk.samples:
+                request.output_token_ids.append(result.sampled_token_ids[request.request_id])
+                if len(request.output_token_ids) == request.max_new_tokens:
+                    engine.allocator.free(request.request_id)
+                    running.remove(request)
+                    done[request.request_id] = list(request.output_token_ids)
+    return done
+
+
+@pytest.mark.slow
+def test_mixed_workload_never_compiles_after_warmup(model):
+    # Chunks up to 2048 tokens; a short ladder (6 token rungs x 1 seq rung x 3 widths) keeps
+    # warm-up quick on two cores.
+    engine = Engine(model, EngineConfig(max_kv_tokens=16_384, max_tokens_per_step=2048,
+                                        min_token_bucket=64, max_seqs=8, max_model_len=2048))
+    engine.warmup(progress=False)
+    assert engine.num_executables == len(engine.ladder.all_shapes())
+
+    compiles = []
+    listener = lambda event, duration, **kw: compiles.append(event) if event == COMPILE_EVENT else None
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        rng = np.random.default_rng(0)
+        arrivals = []
+        for i in range(60):
+            prompt_len = int(rng.choice([1, 5, 40, 300, 1500]))
+            prompt = rng.integers(0, model.config.vocab_size, prompt_len)
+            arrivals.append((int(rng.integers(0, 300)),
+                             make_request(f"r{i}", prompt, int(rng.integers(1, 24)),
+                                          temperature=float(rng.choice([0.0, 0.9])), seed=i)))
+        done = drive(engine, arrivals, rng=rng, max_chunk=2048)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert len(done) == 60
+    assert len(engine.step_records) >= 200
+    assert compiles == []
+    assert engine.allocator.num_free_pages == engine.allocator.num_pages
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.8, top_p=0.9, seed=7)],
+                         ids=["greedy", "seeded"])
+def test_outputs_do_not_depend_on_batching_or_chunking(model, sampling):
+    config = SMALL
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(0, 256, 90).tolist()
+    others = [rng.integers(0, 256, int(n)).tolist() for n in (3, 50, 120)]
+
+    alone = drive(Engine(model, config), [(0, make_request("x", prompt, 8, **sampling))],
+                  rng=rng, max_chunk=0, chunk_of=lambda r: r.num_pending_tokens)["x"]
+    batched = drive(
+        Engine(model, config),
+        [(0, make_request(f"o{i}", p, 6, temperature=0.7)) for i, p in enumerate(others)]
+        + [(2, make_request("x", prompt, 8, **sampling))],
+        rng=np.random.default_rng(2), max_chunk=17)["x"]
+    assert batched == alone
+    if not sampling.get("temperature"):
+        assert alone == greedy_with_logits(model, prompt, 8)
+
+
+def test_prefix_reuse_gives_the_same_tokens(model):
+    engine = Engine(model, dataclasses.replace(SMALL, enable_prefix_caching=True))
+    prompt = np.random.default_rng(3).integers(0, 256, 70).tolist()
+    first = drive(engine, [(0, make_request("a", prompt, 4))], rng=np.random.default_rng(0),
+                  max_chunk=64)["a"]
+    second_request = make_request("b", prompt + [5], 4)
+    second = drive(engine, [(0, second_request)], rng=np.random.default_rng(0), max_chunk=64)["b"]
+    assert second_request.num_computed_tokens >= 64  # 4 full pages came from the cache
+    assert second == greedy_with_logits(model, prompt + [5], 4)
+    assert first == greedy_with_logits(model, prompt, 4)
+
+
+def test_batch_beyond_the_largest_bucket_is_a_clear_error(model):
+    engine = Engine(model, SMALL)
+    request = make_request("big", list(range(140)), 1)
+    engine.allocator.allocate("big", request.prompt_token_ids)
+    engine.allocator.reserve("big", 140)
+    with pytest.raises(ValueError, match="exceeds the largest tokens bucket 128"):
+        engine.execute(Batch([ScheduledChunk(request, 0, 140)]))
