@@ -23,7 +23,8 @@ from medha_jax.engine.step_inputs import StepInputs, build_step_inputs
 from medha_jax.kv_cache.allocator import BlockAllocator
 from medha_jax.model.llama import AttentionMetadata, KVCache
 from medha_jax.model.loading import Model
-from medha_jax.request import Batch, StepResult
+from medha_jax.request import Batch, Request, ScheduledChunk, StepResult
+from medha_jax.scheduler.predictor import BatchFeatures, ProfiledPredictor, batch_features
 from meshes import replicated
 
 
@@ -64,18 +65,6 @@ class EngineConfig:
         return self.num_pages or -(-self.max_kv_tokens // self.page_size)
 
 
-@dataclasses.dataclass(frozen=True)
-class StepRecord:
-    """One executed step, for fitting the runtime predictor to this machine."""
-
-    num_tokens: int
-    padded_tokens: int
-    num_seqs: int
-    sum_chunk_x_context: int     # sum over sequences of chunk tokens x context after the chunk
-    sum_chunk_sq: int
-    seconds: float               # wall time of the whole step, host work included
-
-
 @functools.partial(jax.jit, static_argnames=("graphdef", "attention_impl"),
                    donate_argnames=("kv_cache",))
 def step(graphdef, state, kv_cache: KVCache, token_ids, positions, meta: AttentionMetadata,
@@ -112,8 +101,11 @@ class Engine:
         self.pad_slot = config.total_pages * config.page_size
         self.kv_cache = model.new_kv_cache(config.total_pages, config.page_size)
         self._replicated = replicated(model.mesh)
-        self._executables: dict[tuple[int, int, int], jax.stages.Compiled] = {}
-        self.step_records: list[StepRecord] = []
+        # (tokens, seqs, width) bucket -> its ahead-of-time compiled step.
+        self.executables: dict[tuple[int, int, int], jax.stages.Compiled] = {}
+        # (features, measured seconds) of every executed step: what the profiled
+        # runtime predictor is fitted to.
+        self.step_records: list[tuple[BatchFeatures, float]] = []
         self.warmup_seconds: float | None = None
 
     # -- compilation -------------------------------------------------------------
@@ -126,30 +118,32 @@ class Engine:
         return put((inputs.token_ids, inputs.positions, meta, inputs.logits_indices,
                     inputs.temperature, inputs.top_k, inputs.top_p, inputs.rng_keys))
 
-    def _step_args(self, inputs: StepInputs) -> tuple:
+    def step_args(self, inputs: StepInputs) -> tuple:
+        """Arguments of `step` (graphdef first) with the inputs on the device."""
         return (self.model.graphdef, self.model.state, self.kv_cache, *self._device_args(inputs))
 
     def _compile(self, shape: tuple[int, int, int]) -> jax.stages.Compiled:
         inputs = _padding_inputs(shape, self.pad_slot)
-        return step.lower(*self._step_args(inputs),
+        return step.lower(*self.step_args(inputs),
                           attention_impl=self.config.attention_impl).compile()
 
-    def warmup(self, progress: bool = True) -> None:
-        """Compiles every bucket shape ahead of time so no request compiles later."""
+    def warmup(self, progress: bool = True, shapes=None) -> None:
+        """Compiles every bucket shape (or just `shapes`) ahead of time, so no request
+        compiles later."""
         from tqdm.auto import tqdm
 
-        shapes = [s for s in self.ladder.all_shapes() if s not in self._executables]
+        shapes = [s for s in (shapes or self.ladder.all_shapes()) if s not in self.executables]
         start = time.perf_counter()
         for shape in tqdm(shapes, desc="compiling step buckets", unit="exe", disable=not progress):
-            self._executables[shape] = self._compile(shape)
+            self.executables[shape] = self._compile(shape)
         self.warmup_seconds = time.perf_counter() - start
         if progress:
-            print(f"warm-up: {len(self._executables)} executables compiled in "
+            print(f"warm-up: {len(self.executables)} executables compiled in "
                   f"{self.warmup_seconds:.1f} s")
 
     @property
     def num_executables(self) -> int:
-        return len(self._executables)
+        return len(self.executables)
 
     # -- execution ---------------------------------------------------------------
 
@@ -157,8 +151,8 @@ class Engine:
         start = time.perf_counter()
         inputs = build_step_inputs(batch, self.allocator, self.ladder, pad_slot=self.pad_slot)
         shape = inputs.padded_shape
-        args = self._step_args(inputs)
-        executable = self._executables.get(shape)
+        args = self.step_args(inputs)
+        executable = self.executables.get(shape)
         if executable is not None:
             tokens, self.kv_cache = executable(*args[1:])
         else:
@@ -166,16 +160,75 @@ class Engine:
             # its cache with every engine over the same model.
             tokens, self.kv_cache = step(*args, attention_impl=self.config.attention_impl)
         # While the device runs, do this step's bookkeeping (asynchronous dispatch).
-        sum_cx = sum(c.num_tokens * c.end for c in batch.chunks)
-        sum_sq = sum(c.num_tokens * c.num_tokens for c in batch.chunks)
+        features = batch_features(batch, self.ladder.token_buckets)
         tokens = np.asarray(tokens)                       # waits for the device
         seconds = time.perf_counter() - start
-        self.step_records.append(StepRecord(
-            num_tokens=batch.num_tokens, padded_tokens=shape[0], num_seqs=batch.num_seqs,
-            sum_chunk_x_context=sum_cx, sum_chunk_sq=sum_sq, seconds=seconds))
+        self.step_records.append((features, seconds))
         sampled = {chunk.request.request_id: int(tokens[i])
                    for i, chunk in enumerate(batch.chunks) if chunk.samples}
         return StepResult(sampled_token_ids=sampled, duration_s=seconds)
+
+
+    # -- calibration ---------------------------------------------------------------
+
+    def fit_predictor(self, *, repeats: int = 2, seed: int = 0) -> ProfiledPredictor:
+        """Times a sweep of synthetic batches and fits the profiled RuntimePredictor.
+
+        The sweep covers lone prefill chunks of every token bucket at several context
+        depths, decode batches of every sequence bucket, and decodes mixed with a chunk:
+        the shapes the packer will choose between. Pages are borrowed from the allocator
+        and returned; nothing is committed to the prefix cache.
+        """
+        rng = np.random.default_rng(seed)
+        page_budget = self.allocator.num_free_pages * self.allocator.page_size
+        max_context = min(self.max_model_len, page_budget // 2)
+        batches = []
+        for chunk in self.ladder.token_buckets:
+            for depth in (0.0, 0.25, 0.5, 0.9):
+                start = int(depth * (max_context - chunk))
+                if start >= 0 and start + chunk <= max_context:
+                    batches.append([(start, chunk)])
+        for num_decodes in sorted({1, *self.ladder.seq_buckets}):
+            contexts = rng.integers(1, max(2, max_context // (2 * num_decodes)), num_decodes)
+            decodes = [(int(c), 1) for c in contexts]
+            batches.append(decodes)
+            chunk = self.ladder.token_buckets[len(self.ladder.token_buckets) // 2]
+            if num_decodes < self.max_seqs and num_decodes + chunk <= self.ladder.max_tokens:
+                batches.append(decodes + [(0, chunk)])
+        records = []
+        for chunks in batches:
+            batch = self.borrow_batch(chunks, rng)
+            try:
+                for _ in range(repeats + 1):            # the first run warms caches
+                    self.execute(batch)
+                records.extend(self.step_records[-repeats:])
+            finally:
+                self.release_batch(batch)
+        del self.step_records[-len(batches) * (repeats + 1):]
+        return ProfiledPredictor.fit(records, token_buckets=self.ladder.token_buckets)
+
+    def borrow_batch(self, chunks: list[tuple[int, int]], rng) -> Batch:
+        """A synthetic batch for calibration and benchmarks: chunk i covers tokens
+        [start, start + n) of a fresh random request, whose pages are reserved here and
+        must be given back with `release_batch`. K/V before `start` is whatever the
+        borrowed pages hold: right for timing, meaningless for outputs."""
+        scheduled = []
+        for i, (start, num_tokens) in enumerate(chunks):
+            length = start + num_tokens
+            request_id = f"__calibration_{i}"
+            request = Request(request_id, length, 1, 0.0,
+                              prompt_token_ids=rng.integers(0, self.model.config.vocab_size,
+                                                            length).tolist())
+            self.allocator.allocate(request_id)
+            if not self.allocator.reserve(request_id, length):
+                raise RuntimeError(f"calibration needs {length} tokens of free KV cache")
+            request.num_computed_tokens = start
+            scheduled.append(ScheduledChunk(request, start, num_tokens))
+        return Batch(scheduled)
+
+    def release_batch(self, batch: Batch) -> None:
+        for chunk in batch.chunks:
+            self.allocator.free(chunk.request.request_id)
 
 
 def _padding_inputs(shape: tuple[int, int, int], pad_slot: int) -> StepInputs:

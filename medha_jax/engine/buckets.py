@@ -1,0 +1,125 @@
+"""Shape buckets of the engine step: every compiled executable has one of these shapes.
+
+XLA compiles once per input shape. A step's inputs have three sizes that change with
+every batch: tokens T (all chunks concatenated), sequences S, and the page-table width
+W (pages of the longest context). Each is padded up to the next rung of a short ladder,
+all (T, S, W) combinations that a real batch can reach are compiled at start-up, and no
+request triggers a compile afterwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+
+
+def geometric_buckets(smallest: int, largest: int, factor: int = 2) -> tuple[int, ...]:
+    """smallest, smallest * factor, ... while below largest, then largest itself."""
+    if not 1 <= smallest <= largest:
+        raise ValueError(f"need 1 <= {smallest=} <= {largest=}")
+    if factor < 2:
+        raise ValueError(f"{factor=} must be >= 2")
+    buckets = []
+    size = smallest
+    while size < largest:
+        buckets.append(size)
+        size *= factor
+    buckets.append(largest)
+    return tuple(buckets)
+
+
+def bucket_for(n: int, buckets: Sequence[int], what: str = "size") -> int:
+    """The smallest bucket >= n (buckets sorted ascending)."""
+    if n < 0:
+        raise ValueError(f"{what} {n=} must be >= 0")
+    for bucket in buckets:
+        if bucket >= n:
+            return bucket
+    raise ValueError(f"{what} {n=} exceeds the largest {what} bucket {buckets[-1]}")
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketLadder:
+    """Padded sizes for tokens per step, sequences per step and page-table width.
+
+    token_buckets: allowed padded token counts T (the packer prices a batch at its bucket).
+    seq_buckets:   allowed padded sequence counts S.
+    width_buckets: allowed page-table widths W, in pages.
+    Each is a strictly increasing tuple of positive ints; the last is the hard limit.
+    """
+
+    token_buckets: tuple[int, ...]
+    seq_buckets: tuple[int, ...]
+    width_buckets: tuple[int, ...]
+
+    def __post_init__(self):
+        for name in ("token_buckets", "seq_buckets", "width_buckets"):
+            buckets = tuple(getattr(self, name))
+            object.__setattr__(self, name, buckets)
+            if not buckets:
+                raise ValueError(f"BucketLadder.{name} must not be empty")
+            if any(not isinstance(b, int) or b < 1 for b in buckets):
+                raise ValueError(f"BucketLadder.{name} must be positive ints, got {buckets}")
+            if any(a >= b for a, b in zip(buckets, buckets[1:])):
+                raise ValueError(f"BucketLadder.{name} must be strictly increasing, got {buckets}")
+        if self.max_seqs > self.max_tokens:
+            raise ValueError(
+                f"max_seqs={self.max_seqs} cannot exceed max_tokens={self.max_tokens}: "
+                f"every sequence in a step has at least one token")
+
+    @classmethod
+    def from_limits(cls, *, max_tokens: int, max_seqs: int, max_pages_per_seq: int,
+                    min_tokens: int = 16, min_seqs: int = 8, min_pages_per_seq: int = 16,
+                    seq_factor: int = 4, width_factor: int = 4) -> BucketLadder:
+        """Geometric ladders up to the engine's limits.
+
+        Tokens double: the padded token count is what a step costs, so padding wastes at
+        most half a step. Sequences and widths start higher and grow 4x because padding
+        them is cheap (a padded sequence is skipped by the attention kernel and adds one
+        row of logits; a wider page table adds masked columns) while every rung multiplies
+        the number of executables. For max_tokens=2048, max_seqs=256, max_pages_per_seq=512
+        that is 8 x 4 x 4 rungs and 104 reachable shapes; for a CPU-sized engine
+        (256, 16, 128) it is 5 x 2 x 3 rungs and 30 shapes.
+        """
+        return cls(
+            token_buckets=geometric_buckets(min(min_tokens, max_tokens), max_tokens),
+            seq_buckets=geometric_buckets(min(min_seqs, max_seqs), max_seqs, seq_factor),
+            width_buckets=geometric_buckets(min(min_pages_per_seq, max_pages_per_seq),
+                                            max_pages_per_seq, width_factor))
+
+    @property
+    def max_tokens(self) -> int:
+        return self.token_buckets[-1]
+
+    @property
+    def max_seqs(self) -> int:
+        return self.seq_buckets[-1]
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        return self.width_buckets[-1]
+
+    def token_bucket(self, num_tokens: int) -> int:
+        return bucket_for(num_tokens, self.token_buckets, "tokens")
+
+    def seq_bucket(self, num_seqs: int) -> int:
+        return bucket_for(num_seqs, self.seq_buckets, "seqs")
+
+    def width_bucket(self, num_pages: int) -> int:
+        return bucket_for(num_pages, self.width_buckets, "page-table width")
+
+    def all_shapes(self) -> list[tuple[int, int, int]]:
+        """Every (tokens, seqs, width) a real batch can be padded to, the executables to compile.
+
+        A seq bucket S is reachable with token bucket T only if some batch with more
+        sequences than the rung below S still has at most T tokens: each sequence brings at
+        least one token. Width is independent of both (one decode can have a long context).
+        """
+        shapes = []
+        for t, (j, s) in itertools.product(self.token_buckets, enumerate(self.seq_buckets)):
+            fewest_seqs = self.seq_buckets[j - 1] + 1 if j else 1
+            if fewest_seqs > t:
+                continue
+            shapes.extend((t, s, w) for w in self.width_buckets)
+        return shapes

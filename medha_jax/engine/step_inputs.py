@@ -1,0 +1,202 @@
+"""Host-side inputs of one engine step: a Batch flattened into padded numpy arrays.
+
+A step runs a ragged batch: chunks of many sequences (decodes of 1 token, prefill chunks
+of many) concatenated into one run of T tokens. The arrays below are what the jitted
+step and the ragged paged attention kernel read; every size is padded to a bucket of
+the BucketLadder so that the step never recompiles:
+
+    T = ladder.token_bucket(real tokens), S = ladder.seq_bucket(real seqs),
+    W = ladder.width_bucket(pages of the longest context in the batch).
+
+Attention-kernel contract (pallas_kernels.ragged_paged_attention): the queries of
+sequence s are tokens cu_q_lens[s]:cu_q_lens[s + 1]; query i of sequence s sits at
+position kv_lens[s] - q_len_s + i; sequences s >= num_seqs are padding, with cu_q_lens
+repeating its last value and kv_lens 0. Padding tokens belong to no sequence and write
+their K/V to `pad_slot`, one past the last real slot, which a scatter with mode="drop"
+discards, so padding never touches a real page.
+
+Sampling keys: the key of a request's n-th output token is a function of (seed, n) only,
+so a request samples the same tokens whatever batch it lands in. A request's seed is
+SamplingParams.seed when given; otherwise Python's `hash(request_id)`, which is stable
+for the life of the process (tokens do not change with batching or preemption) but
+differs between processes (PYTHONHASHSEED), as an unseeded request should.
+
+The target is well under 1 ms for a few hundred sequences: the per-sequence Python work
+is a handful of list appends, everything per token or per page is vectorised numpy, and
+page tables are copied from the allocator's int32 buffers, never as Python ints. Arrays
+are fresh every step rather than reused buffers: on the CPU backend a device array may
+alias the numpy buffer it was made from, so refilling a buffer could change a step that
+is still in flight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from medha_jax.engine.buckets import BucketLadder
+from medha_jax.kv_cache.allocator import BlockAllocator
+from medha_jax.request import Batch
+
+_UINT64_MASK = (1 << 64) - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+    """Padded inputs of one step. T tokens, S sequences, W page-table columns."""
+
+    token_ids: np.ndarray       # int32 [T]; padding 0
+    positions: np.ndarray       # int32 [T]: position of each token in its sequence; padding 0
+    slot_mapping: np.ndarray    # int32 [T]: page * page_size + offset of its K/V; padding pad_slot
+    cu_q_lens: np.ndarray       # int32 [S + 1]: query starts; padding repeats the last value
+    kv_lens: np.ndarray         # int32 [S]: context length after this step; padding 0
+    page_table: np.ndarray      # int32 [S, W]: pages of each sequence's context; padding 0
+    num_seqs: np.ndarray        # int32 [1]: real sequences
+    logits_indices: np.ndarray  # int32 [S]: token index of each sequence's last token; padding 0
+    sample_mask: np.ndarray     # bool [S]: the chunk reaches its request's last token and samples
+    temperature: np.ndarray     # float32 [S]: 0 = greedy; padding 0
+    top_k: np.ndarray           # int32 [S]: 0 = off
+    top_p: np.ndarray           # float32 [S]: 1 = off
+    rng_keys: np.ndarray        # uint32 [S, 2]: threefry key data for the token each seq samples
+    num_tokens: int             # real tokens, before padding to T
+    request_ids: tuple[str, ...]  # request of each real sequence, in batch order
+
+    @property
+    def padded_shape(self) -> tuple[int, int, int]:
+        """(T, S, W): the bucket, i.e. which compiled executable runs this step."""
+        num_padded_seqs, width = self.page_table.shape
+        return self.token_ids.shape[0], num_padded_seqs, width
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The array fields by name (what goes to the device)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if isinstance(getattr(self, f.name), np.ndarray)}
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser: a bijection of uint64 (mod 2**64) that scatters nearby inputs."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def sampling_key_data(seeds: np.ndarray, output_index: np.ndarray) -> np.ndarray:
+    """Key data uint32 [S, 2] for output token `output_index` of requests with `seeds` (uint64 [S]).
+
+    For a fixed seed, n -> key is injective (mix64 is a bijection), and different
+    (seed, n) pairs collide with probability 2**-64. The pair is used as a raw threefry
+    key by the sampler.
+    """
+    key = _mix64(_mix64(seeds.astype(np.uint64)) ^ output_index.astype(np.uint64))
+    return np.stack([key >> np.uint64(32), key & np.uint64(0xFFFFFFFF)], axis=1).astype(np.uint32)
+
+
+def build_step_inputs(batch: Batch, allocator: BlockAllocator, ladder: BucketLadder, *,
+                      pad_slot: int) -> StepInputs:
+    """Flattens a batch into padded step arrays. Every chunk's pages must already be reserved.
+
+    pad_slot: the slot padding tokens write to; at least num_pages * page_size (one past
+    the last real slot) and below 2**31.
+    """
+    chunks = batch.chunks
+    num_seqs = len(chunks)
+    if num_seqs == 0:
+        raise ValueError("cannot build step inputs for an empty batch")
+    page_size = allocator.page_size
+    num_slots = allocator.num_pages * page_size
+    if not num_slots <= pad_slot < 2**31:
+        raise ValueError(
+            f"{pad_slot=} must be in [num_pages * page_size = {num_slots}, 2**31) so that "
+            f"padding tokens never write a real page")
+
+    # Per-sequence Python work: collect plain lists (and page-table views), convert once.
+    starts, q_lens, samples, out_index = [], [], [], []
+    temperature, top_k, top_p, seeds, request_ids = [], [], [], [], []
+    flat_tokens: list[int] = []
+    tables, pages_per_seq = [], []
+    for chunk in chunks:
+        request = chunk.request
+        request_id = request.request_id
+        start, num_chunk_tokens = chunk.start, chunk.num_tokens
+        end = start + num_chunk_tokens
+        if num_chunk_tokens < 1:
+            raise ValueError(f"request {request_id!r}: chunk of {num_chunk_tokens} tokens")
+        table = allocator.page_table_array(request_id)
+        num_pages = -(-end // page_size)
+        if num_pages > len(table):
+            raise ValueError(
+                f"request {request_id!r}: chunk ends at token {end}, which needs "
+                f"{num_pages} pages, but only {len(table)} are reserved; reserve first")
+        tables.append(table if len(table) == num_pages else table[:num_pages])
+        pages_per_seq.append(num_pages)
+        prompt_len = request.prompt_len
+        outputs = request.output_token_ids
+        if num_chunk_tokens == 1 and start >= prompt_len:  # decodes: one output token, no list
+            flat_tokens.append(outputs[start - prompt_len])
+        else:
+            flat_tokens.extend(request.token_ids(start, end))
+        starts.append(start)
+        q_lens.append(num_chunk_tokens)
+        samples.append(end == prompt_len + len(outputs))
+        out_index.append(len(outputs))
+        params = request.sampling
+        temperature.append(params.temperature)
+        top_k.append(params.top_k)
+        top_p.append(params.top_p)
+        seed = hash(request_id) if params.seed is None else params.seed
+        seeds.append(seed & _UINT64_MASK)
+        request_ids.append(request_id)
+
+    num_tokens = len(flat_tokens)
+    q_lens_np = np.array(q_lens, np.int32)
+    starts_np = np.array(starts, np.int32)
+    pages_np = np.array(pages_per_seq, np.int32)
+    padded_tokens = ladder.token_bucket(num_tokens)
+    padded_seqs = ladder.seq_bucket(num_seqs)
+    width = ladder.width_bucket(int(pages_np.max()))
+
+    cu_q_lens = np.empty(padded_seqs + 1, np.int32)
+    cu_q_lens[0] = 0
+    np.cumsum(q_lens_np, out=cu_q_lens[1:num_seqs + 1])
+    cu_q_lens[num_seqs + 1:] = num_tokens
+
+    kv_lens = np.zeros(padded_seqs, np.int32)
+    kv_lens[:num_seqs] = starts_np + q_lens_np
+
+    # A boolean mask fills in row-major order, i.e. in the order the tables were concatenated.
+    page_table = np.zeros((padded_seqs, width), np.int32)
+    page_table[:num_seqs][np.arange(width) < pages_np[:, None]] = np.concatenate(tables)
+
+    # Token t of sequence s sits at start_s + (t - cu_q_lens[s]).
+    seq_of_token = np.repeat(np.arange(num_seqs), q_lens_np)
+    real_positions = (np.arange(num_tokens, dtype=np.int32)
+                      + np.repeat(starts_np - cu_q_lens[:num_seqs], q_lens_np))
+    positions = np.zeros(padded_tokens, np.int32)
+    positions[:num_tokens] = real_positions
+    slot_mapping = np.full(padded_tokens, pad_slot, np.int32)
+    slot_mapping[:num_tokens] = (page_table[seq_of_token, real_positions // page_size] * page_size
+                                 + real_positions % page_size)
+    token_ids = np.zeros(padded_tokens, np.int32)
+    token_ids[:num_tokens] = flat_tokens
+
+    logits_indices = np.zeros(padded_seqs, np.int32)
+    logits_indices[:num_seqs] = cu_q_lens[1:num_seqs + 1] - 1
+    sample_mask = np.zeros(padded_seqs, bool)
+    sample_mask[:num_seqs] = samples
+    temperature_np = np.zeros(padded_seqs, np.float32)
+    temperature_np[:num_seqs] = temperature
+    top_k_np = np.zeros(padded_seqs, np.int32)
+    top_k_np[:num_seqs] = top_k
+    top_p_np = np.ones(padded_seqs, np.float32)
+    top_p_np[:num_seqs] = top_p
+    rng_keys = np.zeros((padded_seqs, 2), np.uint32)
+    rng_keys[:num_seqs] = sampling_key_data(np.array(seeds, np.uint64),
+                                            np.array(out_index, np.uint64))
+
+    return StepInputs(
+        token_ids=token_ids, positions=positions, slot_mapping=slot_mapping,
+        cu_q_lens=cu_q_lens, kv_lens=kv_lens, page_table=page_table,
+        num_seqs=np.array([num_seqs], np.int32), logits_indices=logits_indices,
+        sample_mask=sample_mask, temperature=temperature_np, top_k=top_k_np, top_p=top_p_np,
+        rng_keys=rng_keys, num_tokens=num_tokens, request_ids=tuple(request_ids))

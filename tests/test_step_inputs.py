@@ -1,0 +1,290 @@
+"""BucketLadder and build_step_inputs: exact values against a slow builder; the kernel contract."""
+
+import math
+
+import numpy as np
+import pytest
+
+from medha_jax.engine.buckets import BucketLadder, bucket_for, geometric_buckets
+from medha_jax.engine.step_inputs import build_step_inputs, sampling_key_data
+from medha_jax.kv_cache.allocator import BlockAllocator
+from medha_jax.request import Batch, Request, ScheduledChunk
+from medha_jax.sampling_params import SamplingParams
+
+MASK64 = (1 << 64) - 1
+
+
+# ----------------------------------------------------------------------------- buckets
+
+def test_geometric_buckets_and_bucket_for():
+    assert geometric_buckets(16, 2048) == (16, 32, 64, 128, 256, 512, 1024, 2048)
+    assert geometric_buckets(16, 3000) == (16, 32, 64, 128, 256, 512, 1024, 2048, 3000)
+    assert geometric_buckets(1, 256, 4) == (1, 4, 16, 64, 256)
+    assert geometric_buckets(5, 5) == (5,)
+    assert [bucket_for(n, (16, 32, 64)) for n in (0, 1, 16, 17, 64)] == [16, 16, 16, 32, 64]
+    with pytest.raises(ValueError, match="tokens n=65 exceeds the largest tokens bucket 64"):
+        bucket_for(65, (16, 32, 64), "tokens")
+    with pytest.raises(ValueError, match="smallest=0"):
+        geometric_buckets(0, 8)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(token_buckets=(), seq_buckets=(1,), width_buckets=(1,)), "token_buckets must not be"),
+    (dict(token_buckets=(16, 16), seq_buckets=(1,), width_buckets=(1,)), "strictly increasing"),
+    (dict(token_buckets=(16,), seq_buckets=(0, 4), width_buckets=(1,)), "positive ints"),
+    (dict(token_buckets=(16,), seq_buckets=(32,), width_buckets=(1,)), "max_seqs=32 cannot exceed"),
+])
+def test_ladder_validates(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        BucketLadder(**kwargs)
+
+
+def test_all_shapes_are_exactly_the_reachable_ones():
+    ladder = BucketLadder(token_buckets=(4, 8, 16), seq_buckets=(1, 2, 8, 12), width_buckets=(2, 5))
+    reachable = {(ladder.token_bucket(t), ladder.seq_bucket(s), w)
+                 for t in range(1, 17) for s in range(1, min(t, 12) + 1) for w in (2, 5)}
+    shapes = ladder.all_shapes()
+    assert len(shapes) == len(set(shapes)) and set(shapes) == reachable
+    assert (4, 8, 2) in shapes and (8, 12, 2) not in shapes   # 9..12 sequences need 9+ tokens
+
+
+def test_default_ladder_sizes():
+    ladder = BucketLadder.from_limits(max_tokens=2048, max_seqs=256, max_pages_per_seq=512)
+    assert ladder.token_buckets == (16, 32, 64, 128, 256, 512, 1024, 2048)
+    assert ladder.seq_buckets == (8, 32, 128, 256)
+    assert ladder.width_buckets == (16, 64, 256, 512)
+    assert len(ladder.all_shapes()) == 104
+    small = BucketLadder.from_limits(max_tokens=256, max_seqs=16, max_pages_per_seq=128)
+    assert len(small.all_shapes()) == 30
+    tiny = BucketLadder.from_limits(max_tokens=8, max_seqs=4, max_pages_per_seq=2)
+    assert tiny == BucketLadder((8,), (4,), (2,))
+
+
+# ------------------------------------------------------------------- the slow builder
+
+def _splitmix_finaliser(x):
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
+
+
+def _key_pair(seed, output_index):
+    key = _splitmix_finaliser(_splitmix_finaliser(seed & MASK64) ^ output_index)
+    return [key >> 32, key & 0xFFFFFFFF]
+
+
+def slow_step_inputs(batch, allocator, ladder, pad_slot):
+    """One token at a time, straight from the definitions."""
+    ps = allocator.page_size
+    chunks = batch.chunks
+    T = ladder.token_bucket(sum(c.num_tokens for c in chunks))
+    S = ladder.seq_bucket(len(chunks))
+    W = ladder.width_bucket(max(math.ceil(c.end / ps) for c in chunks))
+    out = dict(token_ids=[0] * T, positions=[0] * T, slot_mapping=[pad_slot] * T,
+               cu_q_lens=[0] * (S + 1), kv_lens=[0] * S, page_table=[[0] * W for _ in range(S)],
+               logits_indices=[0] * S, sample_mask=[False] * S, temperature=[0.0] * S,
+               top_k=[0] * S, top_p=[1.0] * S, rng_keys=[[0, 0] for _ in range(S)])
+    t = 0
+    for s, chunk in enumerate(chunks):
+        request = chunk.request
+        all_tokens = request.prompt_token_ids + request.output_token_ids
+        table = allocator.page_table(request.request_id)
+        for i in range(math.ceil(chunk.end / ps)):
+            out["page_table"][s][i] = table[i]
+        for pos in range(chunk.start, chunk.end):
+            out["token_ids"][t] = all_tokens[pos]
+            out["positions"][t] = pos
+            out["slot_mapping"][t] = table[pos // ps] * ps + pos % ps
+            t += 1
+        out["kv_lens"][s] = chunk.end
+        out["logits_indices"][s] = t - 1
+        out["sample_mask"][s] = chunk.end == len(all_tokens)
+        params = request.sampling
+        out["temperature"][s], out["top_k"][s], out["top_p"][s] = (
+            params.temperature, params.top_k, params.top_p)
+        seed = hash(request.request_id) if params.seed is None else params.seed
+        out["rng_keys"][s] = _key_pair(seed, len(request.output_token_ids))
+        out["cu_q_lens"][s + 1] = t
+    for s in range(len(chunks), S):
+        out["cu_q_lens"][s + 1] = t
+    return out, t
+
+
+def check_kernel_contract(inputs, page_size, pad_slot):
+    """The ragged paged attention contract, checked on the arrays alone."""
+    n = int(inputs.num_seqs[0])
+    cu, kv = inputs.cu_q_lens, inputs.kv_lens
+    assert cu[0] == 0 and cu[n] == inputs.num_tokens and np.all(cu[n:] == cu[n])
+    assert np.all(kv[n:] == 0) and np.all(inputs.page_table[n:] == 0)
+    for s in range(n):
+        q_len = cu[s + 1] - cu[s]
+        assert 1 <= q_len <= kv[s]
+        for i in range(q_len):
+            token = cu[s] + i
+            pos = inputs.positions[token]
+            assert pos == kv[s] - q_len + i
+            assert inputs.slot_mapping[token] == (inputs.page_table[s, pos // page_size] * page_size
+                                                  + pos % page_size)
+        assert inputs.logits_indices[s] == cu[s + 1] - 1
+        assert np.all(inputs.page_table[s, math.ceil(kv[s] / page_size):] == 0)
+    assert np.all(inputs.slot_mapping[inputs.num_tokens:] == pad_slot)
+
+
+# ----------------------------------------------------------------------- random batches
+
+def _sampling(rng):
+    # Seeds may be negative or wider than 64 bits.
+    seed = None if rng.random() < 0.5 else int(rng.integers(-2**62, 2**62)) * 64
+    return SamplingParams(temperature=float(rng.choice([0.0, 0.7, 1.0])),
+                          top_k=int(rng.choice([0, 5])), top_p=float(rng.choice([1.0, 0.9])),
+                          seed=seed)
+
+
+def random_batch(rng, allocator):
+    """Decodes, first / middle / last prefill chunks, prefix-reused prompts and recomputes."""
+    ps = allocator.page_size
+    shared_prefix = rng.integers(0, 1000, 3 * ps).tolist()
+    chunks = []
+    for i in range(int(rng.integers(1, 12))):
+        kind = rng.choice(["decode", "prefill", "reused", "recompute"])
+        prompt_len = int(rng.integers(1, 5 * ps))
+        prompt = rng.integers(0, 1000, prompt_len).tolist()
+        outputs = []
+        if kind in ("decode", "recompute"):
+            outputs = rng.integers(0, 1000, int(rng.integers(1, 2 * ps))).tolist()
+        if kind == "reused":
+            prompt = shared_prefix + prompt
+        request = Request(f"req-{i}", len(prompt), 64, 0.0, prompt_token_ids=prompt,
+                          sampling=_sampling(rng))
+        request.output_token_ids = outputs
+        start = allocator.allocate(request.request_id, prompt + outputs)
+        num_tokens = request.num_tokens
+        if kind == "decode":
+            start = num_tokens - 1
+        elif kind != "reused":
+            start = max(start, int(rng.integers(0, num_tokens)))
+        end = int(rng.integers(start + 1, num_tokens + 1))
+        reserve_ahead = int(rng.integers(0, 2 * ps))    # columns past the context stay 0
+        assert allocator.reserve(request.request_id, min(end + reserve_ahead, num_tokens + ps))
+        chunks.append(ScheduledChunk(request, start, end - start))
+        if kind == "reused" or rng.random() < 0.3:     # later requests may reuse this prefix
+            allocator.commit(request.request_id, prompt + outputs, end)
+    return Batch(chunks)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_matches_slow_builder_and_kernel_contract(seed):
+    rng = np.random.default_rng(seed)
+    page_size = int(rng.choice([1, 4, 16]))
+    allocator = BlockAllocator(num_pages=2000, page_size=page_size)
+    ladder = BucketLadder.from_limits(max_tokens=1024, max_seqs=16, max_pages_per_seq=512,
+                                      min_seqs=2, min_pages_per_seq=2)
+    pad_slot = allocator.num_pages * page_size
+    batch = random_batch(rng, allocator)
+    inputs = build_step_inputs(batch, allocator, ladder, pad_slot=pad_slot)
+    expected, num_tokens = slow_step_inputs(batch, allocator, ladder, pad_slot)
+    assert inputs.num_tokens == num_tokens == batch.num_tokens
+    assert inputs.request_ids == tuple(c.request.request_id for c in batch.chunks)
+    assert inputs.num_seqs.tolist() == [len(batch.chunks)]
+    assert inputs.padded_shape == (len(expected["token_ids"]), len(expected["kv_lens"]),
+                                   len(expected["page_table"][0]))
+    dtypes = dict(sample_mask=np.bool_, temperature=np.float32, top_p=np.float32,
+                  rng_keys=np.uint32)
+    for name, value in expected.items():
+        actual = getattr(inputs, name)
+        assert actual.dtype == dtypes.get(name, np.int32), name
+        np.testing.assert_array_equal(actual, np.array(value, actual.dtype), err_msg=name)
+    assert set(inputs.arrays()) == set(expected) | {"num_seqs"}
+    check_kernel_contract(inputs, page_size, pad_slot)
+
+
+def test_hand_written_example():
+    """Two decodes and a prefill chunk, page_size 4, every value written out."""
+    allocator = BlockAllocator(num_pages=16, page_size=4)
+    ladder = BucketLadder(token_buckets=(8, 16), seq_buckets=(4,), width_buckets=(2, 4))
+    a = Request("a", 5, 8, 0.0, prompt_token_ids=[10, 11, 12, 13, 14])
+    a.output_token_ids = [15, 16]                       # decode of token 16 at position 6
+    b = Request("b", 2, 8, 0.0, prompt_token_ids=[20, 21])
+    b.output_token_ids = [22]                           # decode of token 22 at position 2
+    c = Request("c", 9, 8, 0.0, prompt_token_ids=list(range(30, 39)))  # chunk of tokens 2..6
+    for request, tokens in ((a, 7), (b, 3), (c, 7)):
+        allocator.allocate(request.request_id)
+        assert allocator.reserve(request.request_id, tokens)
+    assert [allocator.page_table(r) for r in "abc"] == [[0, 1], [2], [3, 4]]
+    batch = Batch([ScheduledChunk(a, 6, 1), ScheduledChunk(b, 2, 1), ScheduledChunk(c, 2, 5)])
+    inputs = build_step_inputs(batch, allocator, ladder, pad_slot=64)
+    assert inputs.padded_shape == (8, 4, 2) and inputs.num_tokens == 7
+    assert inputs.token_ids.tolist() == [16, 22, 32, 33, 34, 35, 36, 0]
+    assert inputs.positions.tolist() == [6, 2, 2, 3, 4, 5, 6, 0]
+    assert inputs.slot_mapping.tolist() == [1 * 4 + 2, 2 * 4 + 2, 3 * 4 + 2, 3 * 4 + 3,
+                                            4 * 4 + 0, 4 * 4 + 1, 4 * 4 + 2, 64]
+    assert inputs.cu_q_lens.tolist() == [0, 1, 2, 7, 7]
+    assert inputs.kv_lens.tolist() == [7, 3, 7, 0]
+    assert inputs.page_table.tolist() == [[0, 1], [2, 0], [3, 4], [0, 0]]
+    assert inputs.num_seqs.tolist() == [3]
+    assert inputs.logits_indices.tolist() == [0, 1, 6, 0]
+    assert inputs.sample_mask.tolist() == [True, True, False, False]
+    assert inputs.temperature.tolist() == [0, 0, 0, 0]  # Request's default is greedy
+    assert inputs.top_k.tolist() == [0, 0, 0, 0] and inputs.top_p.tolist() == [1, 1, 1, 1]
+
+
+def test_prefix_reused_request_writes_only_its_own_pages():
+    allocator = BlockAllocator(num_pages=32, page_size=4)
+    ladder = BucketLadder.from_limits(max_tokens=64, max_seqs=8, max_pages_per_seq=16)
+    prompt = list(range(100, 118))                      # 18 tokens: 4 full pages + 2
+    allocator.allocate("first", prompt)
+    allocator.reserve("first", 18)
+    allocator.commit("first", prompt, 18)
+    second = Request("second", 18, 4, 0.0, prompt_token_ids=prompt)
+    reused = allocator.allocate("second", prompt)
+    assert reused == 16
+    allocator.reserve("second", 18)
+    batch = Batch([ScheduledChunk(second, reused, 2)])
+    inputs = build_step_inputs(batch, allocator, ladder, pad_slot=32 * 4)
+    shared = set(allocator.page_table("first")[:4])
+    assert inputs.page_table[0, :4].tolist() == allocator.page_table("first")[:4]
+    written_pages = set(inputs.slot_mapping[:2] // 4)
+    assert written_pages.isdisjoint(shared)
+    assert inputs.positions[:2].tolist() == [16, 17] and inputs.kv_lens[0] == 18
+    assert inputs.sample_mask[0]
+
+
+def test_sampling_key_depends_only_on_seed_and_output_index():
+    allocator = BlockAllocator(num_pages=64, page_size=4)
+    ladder = BucketLadder.from_limits(max_tokens=64, max_seqs=8, max_pages_per_seq=16)
+
+    def decode(rid, seed, num_outputs):
+        request = Request(rid, 3, 16, 0.0, prompt_token_ids=[1, 2, 3],
+                          sampling=SamplingParams(seed=seed))
+        request.output_token_ids = [7] * num_outputs
+        allocator.allocate(rid)
+        allocator.reserve(rid, request.num_tokens)
+        return ScheduledChunk(request, request.num_tokens - 1, 1)
+
+    chunks = [decode("x", 42, 3), decode("y", 42, 3), decode("z", 42, 4), decode("u", None, 3)]
+    keys = build_step_inputs(Batch(chunks), allocator, ladder, pad_slot=256).rng_keys
+    assert keys[0].tolist() == keys[1].tolist()          # same seed, same output index
+    assert keys[0].tolist() != keys[2].tolist()          # next output token
+    assert keys[3].tolist() == _key_pair(hash("u"), 3)   # unseeded: hash of the request id
+    alone = build_step_inputs(Batch(chunks[2:][::-1]), allocator, ladder, pad_slot=256).rng_keys
+    assert alone[1].tolist() == keys[2].tolist() and alone[0].tolist() == keys[3].tolist()
+    # For one seed, consecutive output indices never share a key.
+    many = sampling_key_data(np.full(10_000, 42, np.uint64), np.arange(10_000, dtype=np.uint64))
+    assert len({tuple(k) for k in many.tolist()}) == 10_000
+
+
+def test_errors():
+    allocator = BlockAllocator(num_pages=8, page_size=4)
+    ladder = BucketLadder(token_buckets=(8,), seq_buckets=(2,), width_buckets=(4,))
+    request = Request("r", 12, 4, 0.0, prompt_token_ids=list(range(12)))
+    allocator.allocate("r")
+    allocator.reserve("r", 4)
+    with pytest.raises(ValueError, match="empty batch"):
+        build_step_inputs(Batch([]), allocator, ladder, pad_slot=32)
+    with pytest.raises(ValueError, match="pad_slot=31 must be in"):
+        build_step_inputs(Batch([ScheduledChunk(request, 0, 4)]), allocator, ladder, pad_slot=31)
+    with pytest.raises(ValueError, match="ends at token 6, which needs 2 pages, but only 1"):
+        build_step_inputs(Batch([ScheduledChunk(request, 0, 6)]), allocator, ladder, pad_slot=32)
+    allocator.reserve("r", 12)
+    with pytest.raises(ValueError, match="tokens n=12 exceeds the largest tokens bucket 8"):
+        build_step_inputs(Batch([ScheduledChunk(request, 0, 12)]), allocator, ladder, pad_slot=32)
