@@ -140,3 +140,18 @@ def test_batch_beyond_the_largest_bucket_is_a_clear_error(model):
     engine.allocator.reserve("big", 140)
     with pytest.raises(ValueError, match="exceeds the largest tokens bucket 128"):
         engine.execute(Batch([ScheduledChunk(request, 0, 140)]))
+
+
+def test_fit_predictor_times_a_sweep_and_returns_every_page(model):
+    engine = Engine(model, SMALL)
+    predictor = engine.fit_predictor(repeats=1)
+    assert engine.allocator.num_free_pages == engine.allocator.num_pages
+    assert engine.step_records == []          # calibration steps are not traffic
+    assert predictor.num_records >= 10
+    assert predictor.token_buckets == engine.ladder.token_buckets
+    assert np.isfinite(predictor.median_rel_error)
+    # More work never predicts less time (the packer's binary search relies on it).
+    from medha_jax.scheduler.predictor import BatchFeatures
+    small = predictor.predict_features(BatchFeatures(16, 16, 1, 16 * 16, 256, 16, 16))
+    large = predictor.predict_features(BatchFeatures(128, 128, 1, 128 * 512, 128 ** 2, 512, 128))
+    assert large >= small > 0
