@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from medha_jax import load_model
+from medha_jax import ParallelConfig, load_model
 from medha_jax.engine import Engine, EngineConfig
 from medha_jax.request import Batch, Request, ScheduledChunk
 from medha_jax.sampling_params import SamplingParams
@@ -155,3 +155,19 @@ def test_fit_predictor_times_a_sweep_and_returns_every_page(model):
     small = predictor.predict_features(BatchFeatures(16, 16, 1, 16 * 16, 256, 16, 16))
     large = predictor.predict_features(BatchFeatures(128, 128, 1, 128 * 512, 128 ** 2, 512, 128))
     assert large >= small > 0
+
+
+@pytest.mark.parametrize("parallel", [ParallelConfig(kvp=2, tp=2), ParallelConfig(spp=2, tp=4)],
+                         ids=str)
+def test_engine_on_a_mesh_gives_the_one_device_tokens(model, parallel):
+    sharded = load_model("tiny", parallel=parallel)
+    assert sharded.parallel == parallel
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, 256, int(n)).tolist() for n in (37, 5, 80)]
+
+    def run(m):
+        arrivals = [(i, make_request(f"p{i}", p, 6, temperature=0.8, seed=i))
+                    for i, p in enumerate(prompts)]
+        return drive(Engine(m, SMALL), arrivals, rng=np.random.default_rng(5), max_chunk=24)
+
+    assert run(sharded) == run(model)
