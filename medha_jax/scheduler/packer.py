@@ -1,0 +1,370 @@
+"""Batch packers: which chunks of which requests run in the next iteration.
+
+`AdaptivePacker` is Medha's (seed 000, appendix A):
+  Algorithm 1: all decodes first, then prefill chunks in priority order while the
+               predicted batch time is below t_target.
+  Algorithm 2: each prefill gets the largest chunk (binary search on the predictor)
+               that keeps the batch within its budget; with space sharing a long
+               prefill yields min(rho, rho_max) of the budget; at most one long prefill
+               per batch. Late chunks of a long prefill attend to a long context, so a
+               fixed time budget shrinks them: adaptive chunking.
+  Multi-prefill batching (section 4.2): short prefills fill what a long late-stage
+               chunk leaves of the budget.
+`TokenBudgetPacker` is the baselines': Sarathi-Serve's fixed token budget per batch
+(decodes + chunks), and with the whole step as budget and head-of-line blocking, the
+non-preemptive convoy baseline.
+
+Engine limits: a batch is padded to the next token bucket, so the predictor prices the
+padded size; the binary search then lets the last chunk grow into the padding whenever
+that still fits the budget. Decodes are never left out, except when there are more of
+them than one step can hold (max_seqs_per_batch or the largest token bucket): then
+they take turns, the one that waited longest for a token first.
+
+KV space: packers ask a `ChunkGate` (the controller) before they commit to a chunk.
+`prepare(request)` registers a waiting request's pages (its cached prefix sets where
+the first chunk starts); `reserve(chunk)` finds KV space for it, preempting lower
+priority requests when needed. A chunk the gate refuses is left out of this batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from medha_jax.request import Batch, Request, ScheduledChunk
+from medha_jax.scheduler.policies import relative_slack
+from medha_jax.scheduler.predictor import BatchFeatures, RuntimePredictor, padded_size
+
+
+class ChunkGate(Protocol):
+    def prepare(self, request: Request) -> bool: ...
+
+    def reserve(self, chunk: ScheduledChunk) -> bool: ...
+
+
+class OpenGate:
+    """Admits everything: for packing without a KV cache (tests, benchmarks, Algorithm 3)."""
+
+    def prepare(self, request: Request) -> bool:
+        return True
+
+    def reserve(self, chunk: ScheduledChunk) -> bool:
+        return True
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineLimits:
+    """What one step of the engine can hold.
+
+    token_buckets:        sorted allowed padded token counts; None = no padding.
+    max_tokens_per_batch: tokens per step; defaults to the largest bucket (no limit
+                          without buckets, e.g. in the simulator).
+    max_seqs_per_batch:   sequences per step.
+    """
+
+    token_buckets: tuple[int, ...] | None = None
+    max_tokens_per_batch: int | None = None
+    max_seqs_per_batch: int = 256
+
+    def __post_init__(self):
+        buckets = self.token_buckets
+        if buckets is not None:
+            buckets = tuple(buckets)
+            object.__setattr__(self, "token_buckets", buckets)
+            if not buckets or any(not isinstance(b, int) or b < 1 for b in buckets) or \
+                    any(a >= b for a, b in zip(buckets, buckets[1:])):
+                raise ValueError(
+                    f"token_buckets must be strictly increasing positive ints, got {buckets}")
+            if self.max_tokens_per_batch is None:
+                object.__setattr__(self, "max_tokens_per_batch", buckets[-1])
+            elif self.max_tokens_per_batch > buckets[-1]:
+                raise ValueError(f"max_tokens_per_batch={self.max_tokens_per_batch} exceeds the "
+                                 f"largest token bucket {buckets[-1]}")
+        if self.max_tokens_per_batch is not None and self.max_tokens_per_batch < 1:
+            raise ValueError(f"max_tokens_per_batch must be >= 1, got {self.max_tokens_per_batch}")
+        if not isinstance(self.max_seqs_per_batch, int) or self.max_seqs_per_batch < 1:
+            raise ValueError(
+                f"max_seqs_per_batch must be an int >= 1, got {self.max_seqs_per_batch!r}")
+
+    @property
+    def token_limit(self) -> int | float:
+        return self.max_tokens_per_batch if self.max_tokens_per_batch is not None else math.inf
+
+
+def largest_chunk(predictor: RuntimePredictor, base: BatchFeatures, *, start: int, max_tokens: int,
+                  remaining: int, budget_s: float, token_buckets: Sequence[int] | None,
+                  guess: int | None = None, tolerance: float = 1 / 128) -> int:
+    """About the largest n in [1, max_tokens] whose batch (base + chunk) is predicted
+    <= budget_s; 0 if none. Never over budget; at most `tolerance` (relative) short of
+    the exact largest, which saves a third of the predictions at long contexts.
+
+    The chunk covers tokens [start, start + n) of a request with `remaining` tokens left;
+    it samples when n == remaining. Predicted time grows with n except possibly at that
+    last point (a sampling step may cost more, e.g. the pipeline depth under SPP), so
+    max_tokens is tried first and the search runs over the monotone part below it.
+    `guess` (e.g. the chunk a lone prefill gets at this context) starts a galloping
+    search next to the answer instead of a bisection of the whole range.
+    """
+    predict = predictor.predict_features
+    base_tokens, seqs = base.tokens, base.seqs + 1
+    sum_cx, sum_sq, sum_ctx, sampling = (base.sum_chunk_x_context, base.sum_chunk_sq,
+                                         base.sum_context, base.sampling_tokens)
+
+    def fits(n: int) -> bool:
+        tokens, end = base_tokens + n, start + n
+        return predict(BatchFeatures(
+            tokens, padded_size(tokens, token_buckets), seqs, sum_cx + n * end, sum_sq + n * n,
+            sum_ctx + end, sampling + n if n == remaining else sampling)) <= budget_s
+
+    if max_tokens < 1:
+        return 0
+    if fits(max_tokens):
+        return max_tokens
+    lo, hi = 0, max_tokens             # invariant: lo == 0 or fits(lo); not fits(hi)
+    if guess is not None and 1 <= guess < max_tokens:
+        step = max(1, guess >> 4)
+        if fits(guess):
+            lo = guess
+            while lo + step < hi and fits(lo + step):
+                lo += step
+                step *= 2
+            hi = min(hi, lo + step)
+        else:
+            hi = guess
+            while hi - step > 0 and not fits(hi - step):
+                hi -= step
+                step *= 2
+            lo = max(0, hi - step)
+    while hi - lo > max(1, int(lo * tolerance)):
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    if token_buckets is not None and lo:
+        # The padding up to the bucket edge is paid for already: fill it if the extra
+        # attention still fits.
+        fill = padded_size(base_tokens + lo, token_buckets) - base_tokens
+        if lo < fill < hi and fits(fill):
+            lo = fill
+    return lo
+
+
+def lone_prefill_chunk(predictor: RuntimePredictor, limits: EngineLimits, *, context_len: int,
+                       remaining: int, t_target: float, min_chunk_tokens: int,
+                       guess: int | None = None) -> int:
+    """GetOptimalChunk of Algorithm 3: the chunk a prefill alone in a batch gets at t_target.
+
+    The same choice the AdaptivePacker makes, including its progress guarantee (at least
+    min_chunk_tokens even when a single token exceeds the budget).
+    """
+    cap = int(min(remaining, limits.token_limit))
+    n = largest_chunk(predictor, BatchFeatures(), start=context_len, max_tokens=cap,
+                      remaining=remaining, budget_s=t_target, token_buckets=limits.token_buckets,
+                      guess=guess)
+    return n or min(min_chunk_tokens, cap)
+
+
+class BatchPacker:
+    """Forms one Batch from the decodes and the prioritised prefills."""
+
+    def __init__(self, predictor: RuntimePredictor, limits: EngineLimits):
+        self.predictor = predictor
+        self.limits = limits
+
+    def pack(self, decodes: Sequence[Request], prefills: Sequence[Request], now: float,
+             gate: ChunkGate = OpenGate()) -> Batch:
+        """decodes: in the order they should get the step's seats (longest waiting first).
+        prefills: the most urgent prefill requests, most urgent first."""
+        raise NotImplementedError
+
+    def _add_decodes(self, decodes: Sequence[Request], gate: ChunkGate,
+                     chunks: list[ScheduledChunk]) -> BatchFeatures:
+        """Phase 1 of Algorithm 1: every decode the step can hold."""
+        # The one loop that runs over every decode each iteration: kept lean.
+        seat_limit = min(self.limits.max_seqs_per_batch, self.limits.token_limit)
+        reserve, append = gate.reserve, chunks.append
+        tokens = sum_ctx = 0
+        for request in decodes:
+            if tokens >= seat_limit:
+                break
+            end = request.prompt_len + len(request.output_token_ids)
+            chunk = ScheduledChunk(request, end - 1, 1)
+            if reserve(chunk):
+                append(chunk)
+                tokens += 1
+                sum_ctx += end
+        return BatchFeatures(tokens, padded_size(tokens, self.limits.token_buckets), tokens,
+                             sum_ctx, tokens, sum_ctx, tokens)
+
+    def _room(self, features: BatchFeatures) -> int | float:
+        if features.seqs >= self.limits.max_seqs_per_batch:
+            return 0
+        return self.limits.token_limit - features.tokens
+
+
+class AdaptivePacker(BatchPacker):
+    """Algorithms 1 and 2 of Medha: time-budgeted, adaptively chunked prefills.
+
+    target_batch_time_s: t_target when no running decode asks for less through its TPOT
+                         SLO (the budget is min(target, every decode's tpot_s)).
+    multi_prefill:       several prefills per batch (at most one long); False = one.
+    space_sharing:       a long prefill yields min(rho, rho_max) of the budget to the
+                         other prefills (only when there are others to yield to).
+    long_prefill_tokens: IsLong of Algorithm 2: sequences at least this long. The
+                         default 8192 is the short/long boundary of seed 000, sec. 6.5.
+    min_chunk_tokens:    progress guarantee: when no prefill fits the budget (decodes
+                         alone fill it, or one token of a huge context exceeds it), the
+                         most urgent prefill still gets this many tokens. So a batch
+                         exceeds max(t_target, decode time) by at most one such chunk.
+    chunk_hint:          context length -> a likely chunk size (the lone-prefill chunk of
+                         the PrefillTimeCache), where each chunk search starts.
+    """
+
+    def __init__(self, predictor: RuntimePredictor, limits: EngineLimits, *,
+                 remaining_work: Callable[[Request], float],
+                 target_batch_time_s: float = 0.05, multi_prefill: bool = False,
+                 space_sharing: bool = False, rho_max: float = 0.4,
+                 long_prefill_tokens: int = 8192, min_chunk_tokens: int = 16,
+                 chunk_hint: Callable[[int], int] | None = None):
+        super().__init__(predictor, limits)
+        if not target_batch_time_s > 0:
+            raise ValueError(f"target_batch_time_s must be > 0, got {target_batch_time_s!r}")
+        if not 0 <= rho_max < 1:
+            raise ValueError(f"rho_max must be in [0, 1), got {rho_max!r}")
+        if long_prefill_tokens < 1 or min_chunk_tokens < 1:
+            raise ValueError(f"{long_prefill_tokens=} and {min_chunk_tokens=} must be >= 1")
+        self.remaining_work = remaining_work
+        self.target_batch_time_s = target_batch_time_s
+        self.multi_prefill = multi_prefill
+        self.space_sharing = space_sharing
+        self.rho_max = rho_max
+        self.long_prefill_tokens = long_prefill_tokens
+        self.min_chunk_tokens = min_chunk_tokens
+        self.chunk_hint = chunk_hint
+
+    def t_target(self, decodes: Sequence[ScheduledChunk]) -> float:
+        """The batch's time budget: the strictest TPOT among its decodes, or the default."""
+        budget = self.target_batch_time_s
+        for chunk in decodes:
+            tpot = chunk.request.slo.tpot_s
+            if tpot < budget:
+                budget = tpot
+        return budget
+
+    def pack(self, decodes: Sequence[Request], prefills: Sequence[Request], now: float,
+             gate: ChunkGate = OpenGate()) -> Batch:
+        chunks: list[ScheduledChunk] = []
+        features = self._add_decodes(decodes, gate, chunks)
+        t_target = self.t_target(chunks)
+        t_pred = self.predictor.predict_features(features)
+        buckets = self.limits.token_buckets
+        max_prefills = self.limits.max_seqs_per_batch if self.multi_prefill else 1
+        num_prefills, has_long = 0, False
+        unserved: list[Request] = []      # prepared, but no chunk fit the budget
+        i = 0
+        while i < len(prefills) and t_pred < t_target and num_prefills < max_prefills:
+            request = prefills[i]
+            i += 1
+            room = self._room(features)
+            if room < 1:
+                break
+            is_long = request.num_tokens >= self.long_prefill_tokens
+            if is_long and has_long:        # Algorithm 2, line 3
+                continue
+            if not gate.prepare(request):
+                continue
+            budget = t_target
+            if self.space_sharing and is_long and len(prefills) > 1:
+                # Algorithm 2, lines 7-10. Deviation: only long prefills yield, and only
+                # when another prefill is waiting; the pseudo-code caps every request, which
+                # would idle part of the budget when a long prefill runs alone and make a
+                # short request yield to nobody (the text says long prefills yield).
+                rho = relative_slack(request, now, self.remaining_work(request))
+                budget = t_target * (1 - min(self.rho_max, max(0.0, rho)))
+            start = request.num_computed_tokens
+            remaining = request.num_tokens - start
+            n = largest_chunk(self.predictor, features, start=start,
+                              max_tokens=int(min(remaining, room)), remaining=remaining,
+                              budget_s=budget, token_buckets=buckets,
+                              guess=self.chunk_hint(start) if self.chunk_hint else None)
+            if n == 0:
+                unserved.append(request)    # Algorithm 1, line 17: requeued, tries next time
+                continue
+            chunk = ScheduledChunk(request, start, n)
+            if not gate.reserve(chunk):
+                continue
+            chunks.append(chunk)
+            features = features.plus_chunk(n, start, chunk.samples, buckets)
+            t_pred = self.predictor.predict_features(features)
+            num_prefills += 1
+            has_long = has_long or is_long
+        if num_prefills == 0:
+            features = self._guarantee_progress(unserved + list(prefills[i:]), features, gate,
+                                                chunks)
+        return Batch(chunks, self.predictor.predict_features(features))
+
+    def _guarantee_progress(self, candidates: Sequence[Request], features: BatchFeatures,
+                            gate: ChunkGate, chunks: list[ScheduledChunk]) -> BatchFeatures:
+        """The most urgent prefill that can run gets a minimum chunk (deviation from
+        Algorithm 1, which would starve prefills while decodes alone fill t_target)."""
+        for request in candidates:
+            room = self._room(features)
+            if room < 1:
+                break
+            if not gate.prepare(request):
+                continue
+            start = request.num_computed_tokens
+            n = int(min(self.min_chunk_tokens, request.num_tokens - start, room))
+            chunk = ScheduledChunk(request, start, n)
+            if gate.reserve(chunk):
+                chunks.append(chunk)
+                return features.plus_chunk(n, start, chunk.samples, self.limits.token_buckets)
+        return features
+
+
+class TokenBudgetPacker(BatchPacker):
+    """Decodes, then prefill chunks in priority order up to a fixed token budget.
+
+    token_budget=512 or 2048 with FCFS order: Sarathi-Serve's static chunking (decodes
+    count against the budget; several prefills may share a batch).
+    token_budget=None with head_of_line_blocking: the non-preemptive baseline. The
+    budget is the whole step (max_tokens_per_batch; unlimited without buckets), so the
+    head prefill runs to completion in as few steps as the engine allows, and no later
+    prefill starts while it cannot (a refused head blocks the queue). Decodes are
+    co-batched with it, as in vLLM's default scheduler, so they stall behind it.
+    """
+
+    def __init__(self, predictor: RuntimePredictor, limits: EngineLimits, *,
+                 token_budget: int | None, head_of_line_blocking: bool = False):
+        super().__init__(predictor, limits)
+        if token_budget is not None and token_budget < 1:
+            raise ValueError(f"token_budget must be >= 1 or None, got {token_budget!r}")
+        self.token_budget = token_budget
+        self.head_of_line_blocking = head_of_line_blocking
+
+    def pack(self, decodes: Sequence[Request], prefills: Sequence[Request], now: float,
+             gate: ChunkGate = OpenGate()) -> Batch:
+        chunks: list[ScheduledChunk] = []
+        features = self._add_decodes(decodes, gate, chunks)
+        budget = min(self.token_budget or math.inf, self.limits.token_limit)
+        for request in prefills:
+            room = min(self._room(features), budget - features.tokens)
+            if room < 1:
+                break
+            if not gate.prepare(request):
+                if self.head_of_line_blocking:
+                    break
+                continue
+            start = request.num_computed_tokens
+            n = int(min(request.num_tokens - start, room))
+            chunk = ScheduledChunk(request, start, n)
+            if not gate.reserve(chunk):
+                if self.head_of_line_blocking:
+                    break
+                continue
+            chunks.append(chunk)
+            features = features.plus_chunk(n, start, chunk.samples, self.limits.token_buckets)
+        return Batch(chunks, self.predictor.predict_features(features))

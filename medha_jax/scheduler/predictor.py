@@ -1,0 +1,378 @@
+"""Runtime predictors: how long will one iteration (one Batch) take?
+
+The batch packer asks this many times per iteration (a binary search per prefill), so
+every predictor works on `BatchFeatures`, a handful of sums the packer updates in O(1)
+as it adds a chunk. Two implementations:
+
+- `AnalyticalPredictor`: a roofline over ModelConfig x ParallelConfig x HardwareSpec,
+  per operator class (linear layers, attention over the earlier context, attention
+  within the chunk), each the slower of its compute and its memory traffic, with
+  efficiency factors; plus the collectives of tensor and KV-cache parallelism and the
+  stage time of stream pipeline parallelism. What the simulator runs on.
+- `ProfiledPredictor`: the latency model of Tetris (seed 001, Eq. 1), constant + linear
+  in tokens + tokens x context + tokens^2, fitted by least squares to step times the
+  engine measured on this machine. What the server runs on.
+
+A chunk of c tokens that ends at context length e (= chunk.start + c) attends to
+c * e - c * (c - 1) / 2 (query, key) pairs: c * (e - c) over the earlier context and
+c * (c + 1) / 2 within the chunk (causal).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import json
+import math
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple, Protocol
+
+import numpy as np
+
+from medha_jax.config import ModelConfig, ParallelConfig
+from medha_jax.request import Batch
+from medha_jax.scheduler.hardware import HardwareSpec, hardware_preset
+
+
+class BatchFeatures(NamedTuple):
+    """What a predictor needs to know about a batch; sums over its chunks.
+
+    tokens:              real tokens (decodes count 1 each).
+    padded_tokens:       tokens after padding to the engine's next token bucket (what
+                         the step costs); equal to `tokens` without buckets.
+    seqs:                sequences (chunks) in the batch.
+    sum_chunk_x_context: sum of chunk tokens x context length after the chunk (chunk.end),
+                         the same convention as the engine's step records.
+    sum_chunk_sq:        sum of chunk tokens squared.
+    sum_context:         sum of context lengths after the chunk: KV tokens attention reads.
+    sampling_tokens:     tokens of the chunks that sample (decodes, last prefill chunks).
+    """
+
+    tokens: int = 0
+    padded_tokens: int = 0
+    seqs: int = 0
+    sum_chunk_x_context: int = 0
+    sum_chunk_sq: int = 0
+    sum_context: int = 0
+    sampling_tokens: int = 0
+
+    def plus_chunk(self, num_tokens: int, start: int, samples: bool,
+                   token_buckets: Sequence[int] | None = None) -> BatchFeatures:
+        """These features with one more chunk of num_tokens tokens starting at `start`."""
+        tokens = self.tokens + num_tokens
+        end = start + num_tokens
+        return BatchFeatures(
+            tokens, padded_size(tokens, token_buckets), self.seqs + 1,
+            self.sum_chunk_x_context + num_tokens * end,
+            self.sum_chunk_sq + num_tokens * num_tokens, self.sum_context + end,
+            self.sampling_tokens + num_tokens if samples else self.sampling_tokens)
+
+
+def padded_size(tokens: int, token_buckets: Sequence[int] | None) -> int:
+    """The smallest bucket >= tokens (tokens itself without buckets)."""
+    if token_buckets is None or tokens == 0:
+        return tokens
+    i = bisect.bisect_left(token_buckets, tokens)
+    if i == len(token_buckets):
+        raise ValueError(f"{tokens=} exceeds the largest token bucket {token_buckets[-1]}")
+    return token_buckets[i]
+
+
+def batch_features(batch: Batch, token_buckets: Sequence[int] | None = None) -> BatchFeatures:
+    """Features of a whole batch (the engine records these beside each measured step)."""
+    tokens = sum_cx = sum_sq = sum_ctx = sampling = 0
+    for chunk in batch.chunks:
+        n, end = chunk.num_tokens, chunk.end
+        tokens += n
+        sum_cx += n * end
+        sum_sq += n * n
+        sum_ctx += end
+        if chunk.samples:
+            sampling += n
+    return BatchFeatures(tokens, padded_size(tokens, token_buckets), len(batch.chunks),
+                         sum_cx, sum_sq, sum_ctx, sampling)
+
+
+class RuntimePredictor(Protocol):
+    """Predicted seconds of one iteration."""
+
+    token_buckets: tuple[int, ...] | None
+
+    def predict_features(self, features: BatchFeatures) -> float: ...
+
+    def predict(self, batch: Batch) -> float: ...
+
+
+# ----------------------------------------------------------------------------- analytical
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Efficiency:
+    """Fractions of the hardware peaks real kernels reach, and fixed costs.
+
+    The defaults are typical published figures for bf16 on H100-class parts: large GEMMs
+    reach ~70% of peak, flash attention forward ~50%, streaming kernels ~85% of HBM
+    bandwidth, NCCL/ICI collectives ~75% of link bandwidth. step_overhead_s covers host
+    dispatch and sampling of one step; collective_latency_s is the fixed cost of one
+    collective or point-to-point transfer.
+    """
+
+    matmul: float = 0.7
+    attention: float = 0.6
+    hbm: float = 0.85
+    interconnect: float = 0.75
+    step_overhead_s: float = 1e-3
+    collective_latency_s: float = 10e-6
+
+    def __post_init__(self):
+        for field in ("matmul", "attention", "hbm", "interconnect"):
+            value = getattr(self, field)
+            if not 0 < value <= 1:
+                raise ValueError(f"Efficiency.{field} must be in (0, 1], got {value!r}")
+        for field in ("step_overhead_s", "collective_latency_s"):
+            if getattr(self, field) < 0:
+                raise ValueError(f"Efficiency.{field} must be >= 0, got {getattr(self, field)!r}")
+
+
+def _bytes_per_value(dtype: str) -> int:
+    return 4 if dtype == "float32" else 2
+
+
+class AnalyticalPredictor:
+    """Roofline time of one iteration of one replica.
+
+    Per operator class, time = max(FLOPs / (peak * eff), bytes / (HBM bandwidth * eff)):
+      linear layers:     2 x params x padded tokens FLOPs (the LM head only for the
+                         sequences' last tokens); reads every weight once per step.
+      earlier context:   4 x heads x head_dim FLOPs per (query, key) pair; reads the KV
+                         cache of every sequence's context.
+      within the chunk:  causal pairs c (c + 1) / 2; reads/writes the chunk's Q, K, V, O.
+    Parallelism (one replica = spp x kvp x cp x tp devices; dp replicas are separate):
+      tp  divides heads and weights; each layer adds two ring all-reduces of the
+          activations. KV heads are replicated when tp > num_kv_heads.
+      kvp divides attention over the earlier context (each group holds a slice of the
+          long sequences' KV) and adds one merge of partial outputs per layer. Medha
+          grows KVP progressively with the context; we assume all groups take part.
+      cp  divides tokens (balanced 2N-chunk sharding): linear work and attention FLOPs
+          shrink by cp, and the ring passes the context's KV, overlapped with attention.
+      spp stage time covers layers / spp. The prefill stream costs one stage per
+          iteration (chunk i+1 enters stage 0 while chunk i is in stage 1, seed 000
+          sec. 3.3). A sampled token, though, leaves only after its sequence crossed every
+          stage, and the sequence's next step needs it: an iteration that samples also
+          waits for the sampling chunks' own work in the other spp - 1 stages (their
+          linear layers or the weight read, whichever is slower, plus the batch's KV
+          reads, an upper bound since the features do not split them by chunk).
+          So decodes pay the full pipeline depth while co-batched prefill chunks still
+          stream (decodes are not micro-batched in this model).
+    """
+
+    def __init__(self, model: ModelConfig, parallel: ParallelConfig = ParallelConfig(),
+                 hardware: HardwareSpec | str = "h100", *, efficiency: Efficiency = Efficiency(),
+                 token_buckets: Sequence[int] | None = None):
+        if isinstance(hardware, str):
+            hardware = hardware_preset(hardware)
+        self.model, self.parallel, self.hardware = model, parallel, hardware
+        self.efficiency = efficiency
+        self.token_buckets = tuple(token_buckets) if token_buckets is not None else None
+        m, p, hw, eff = model, parallel, hardware, efficiency
+        b = _bytes_per_value(m.dtype)
+        d, hd = m.hidden_size, m.head_dim
+        layers = math.ceil(m.num_layers / p.spp)                # layers of the slowest stage
+        tp_kv = min(p.tp, m.num_kv_heads)                       # KV heads split at most this far
+        flops_s = hw.peak_flops
+        hbm_s = hw.hbm_bandwidth * eff.hbm
+        link_s = hw.interconnect_bandwidth * eff.interconnect
+        layer_params = d * hd * (2 * m.num_heads + 2 * m.num_kv_heads) + 3 * d * m.intermediate_size
+        head_params = m.vocab_size * d
+
+        # Linear layers: seconds per padded token / per sequence (LM head row), and the
+        # weight read that bounds small batches.
+        self._linear_s_per_token = \
+            2 * layer_params * layers / (p.tp * p.cp) / (flops_s * eff.matmul)
+        self._head_s_per_seq = 2 * head_params / p.tp / (flops_s * eff.matmul)
+        self._weights_read_s = b * (layer_params * layers + head_params) / p.tp / hbm_s
+        # Activations in and out of each matmul (x, qkv, attn out, gate/up, down).
+        act_values = 3 * d + hd * (m.num_heads + 2 * m.num_kv_heads) + 3 * m.intermediate_size
+        self._act_read_s_per_token = b * act_values * layers / (p.tp * p.cp) / hbm_s
+
+        attn_flops_per_pair = 4 * m.num_heads * hd * layers / (p.tp * p.cp)
+        self._attn_s_per_pair = attn_flops_per_pair / (flops_s * eff.attention)
+        kv_bytes_per_token = 2 * m.num_kv_heads * hd * b * layers / tp_kv   # K and V, this device
+        self._kv_read_s_per_token = kv_bytes_per_token / hbm_s
+        self._kvp, self._cp = p.kvp, p.cp
+        # Within-chunk traffic: Q and O read/written, K and V written, per token.
+        self._chunk_io_s_per_token = \
+            b * hd * (2 * m.num_heads / p.tp + 2 * m.num_kv_heads / tp_kv) * layers / p.cp / hbm_s
+        # Context parallel ring: each rank receives the other ranks' KV of the context.
+        self._ring_s_per_token = \
+            (kv_bytes_per_token * (p.cp - 1) / p.cp / link_s) if p.cp > 1 else 0.0
+
+        lat = eff.collective_latency_s
+        # TP: two ring all-reduces of [tokens, d] per layer.
+        self._tp_s_per_token = \
+            (2 * layers * 2 * (p.tp - 1) / p.tp * b * d / p.cp / link_s) if p.tp > 1 else 0.0
+        self._tp_fixed_s = 2 * layers * lat if p.tp > 1 else 0.0
+        # KVP: one merge (all-gather of partial outputs and LSE) per layer.
+        self._kvp_s_per_token = \
+            (layers * (p.kvp - 1) / p.kvp * b * (m.num_heads * hd / p.tp + 1) / link_s) \
+            if p.kvp > 1 else 0.0
+        self._kvp_fixed_s = layers * lat if p.kvp > 1 else 0.0
+        # SPP: activations [tokens, d] to the next stage.
+        self._p2p_s_per_token = (b * d / p.tp / link_s) if p.spp > 1 else 0.0
+        self._p2p_fixed_s = lat if p.spp > 1 else 0.0
+        self._fixed_collectives_s = self._tp_fixed_s + self._kvp_fixed_s + self._p2p_fixed_s
+        self._spp = p.spp
+        self._overhead_s = eff.step_overhead_s
+
+    def predict_features(self, f: BatchFeatures) -> float:
+        # Called thousands of times per iteration by the packer's searches: plain
+        # conditional expressions instead of max() keep it at about a microsecond.
+        if f.seqs == 0:
+            return 0.0
+        padded, tokens = f.padded_tokens, f.tokens
+        compute = self._linear_s_per_token * padded + self._head_s_per_seq * f.seqs
+        memory = self._weights_read_s + self._act_read_s_per_token * padded
+        linear = compute if compute > memory else memory
+        earlier_kv_s = self._kv_read_s_per_token * (f.sum_context - tokens) / (self._kvp * self._cp)
+        context = self._attn_s_per_pair * (f.sum_chunk_x_context - f.sum_chunk_sq) / self._kvp
+        if earlier_kv_s > context:
+            context = earlier_kv_s
+        ring = self._ring_s_per_token * f.sum_context
+        if ring > context:
+            context = ring
+        within = self._attn_s_per_pair * (f.sum_chunk_sq + tokens) / 2
+        chunk_io = self._chunk_io_s_per_token * tokens
+        if chunk_io > within:
+            within = chunk_io
+        collectives = (self._fixed_collectives_s + self._tp_s_per_token * padded
+                       + self._kvp_s_per_token * tokens + self._p2p_s_per_token * padded)
+        t = self._overhead_s + linear + context + within + collectives
+        if self._spp > 1 and f.sampling_tokens:
+            tail = self._linear_s_per_token * f.sampling_tokens
+            if tail < self._weights_read_s:
+                tail = self._weights_read_s
+            t += (self._spp - 1) * (tail + earlier_kv_s + self._p2p_fixed_s)
+        return t
+
+    def predict(self, batch: Batch) -> float:
+        return self.predict_features(batch_features(batch, self.token_buckets))
+
+
+# ------------------------------------------------------------------------------ profiled
+
+PROFILED_FEATURES = ("1", "padded_tokens", "sum_chunk_x_context", "sum_chunk_sq")
+
+
+def _feature_row(f: BatchFeatures) -> tuple[float, float, float, float]:
+    return (1.0, f.padded_tokens, f.sum_chunk_x_context, f.sum_chunk_sq)
+
+
+def _nonnegative_least_squares(a: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """argmin ||a x - y|| subject to x >= 0, exactly, for a handful of columns.
+
+    Tries every subset of free columns (2^4 = 16 small solves) and keeps the best
+    feasible one: with few features this is exact and simpler than an active-set loop.
+    """
+    n = a.shape[1]
+    best, best_residual = np.zeros(n), float(np.sum(y * y))
+    for mask in range(1, 2 ** n):
+        cols = [j for j in range(n) if mask >> j & 1]
+        sol, *_ = np.linalg.lstsq(a[:, cols], y, rcond=None)
+        if np.any(sol < 0):
+            continue
+        x = np.zeros(n)
+        x[cols] = sol
+        residual = float(np.sum((a @ x - y) ** 2))
+        if residual < best_residual:
+            best, best_residual = x, residual
+    return best
+
+
+class ProfiledPredictor:
+    """t = c0 + c1 * padded_tokens + c2 * sum(chunk x context) + c3 * sum(chunk^2).
+
+    The form of Tetris Eq. 1 (constant, fully connected layers, attention with the
+    history, attention within the chunk), summed over the chunks of a batch.
+    """
+
+    def __init__(self, coefficients: Sequence[float], *, token_buckets: Sequence[int] | None = None,
+                 median_rel_error: float | None = None, p90_rel_error: float | None = None,
+                 num_records: int = 0):
+        coefficients = tuple(float(c) for c in coefficients)
+        if len(coefficients) != len(PROFILED_FEATURES):
+            raise ValueError(f"need {len(PROFILED_FEATURES)} coefficients for {PROFILED_FEATURES}, "
+                             f"got {coefficients}")
+        if any(not math.isfinite(c) or c < 0 for c in coefficients):
+            raise ValueError(f"coefficients must be finite and >= 0 (so time grows with work), "
+                             f"got {coefficients}")
+        self.coefficients = coefficients
+        self.token_buckets = tuple(token_buckets) if token_buckets is not None else None
+        self.median_rel_error = median_rel_error
+        self.p90_rel_error = p90_rel_error
+        self.num_records = num_records
+
+    @classmethod
+    def fit(cls, records: Iterable[tuple[BatchFeatures, float]], *,
+            token_buckets: Sequence[int] | None = None) -> ProfiledPredictor:
+        """Least squares on (features, measured seconds) pairs.
+
+        Rows are divided by the measured time, so the fit minimises relative error:
+        step times span milliseconds (decodes) to seconds (long chunks) and plain least
+        squares would fit only the long ones. Coefficients are kept >= 0 so predicted
+        time never falls when work is added (the packer's binary search relies on it).
+        """
+        records = list(records)
+        if len(records) < len(PROFILED_FEATURES):
+            raise ValueError(f"need at least {len(PROFILED_FEATURES)} records to fit "
+                             f"{PROFILED_FEATURES}, got {len(records)}")
+        seconds = np.array([s for _, s in records], dtype=np.float64)
+        if np.any(~np.isfinite(seconds)) or np.any(seconds <= 0):
+            raise ValueError("measured seconds must be finite and > 0")
+        a = np.array([_feature_row(f) for f, _ in records], dtype=np.float64)
+        # Scale columns to unit size so the solve is well conditioned (features reach 1e12).
+        scale = np.maximum(np.abs(a).max(axis=0), 1e-30)
+        x = _nonnegative_least_squares(a / scale / seconds[:, None], np.ones_like(seconds)) / scale
+        rel = np.abs(a @ x - seconds) / seconds
+        return cls(x, token_buckets=token_buckets, median_rel_error=float(np.median(rel)),
+                   p90_rel_error=float(np.percentile(rel, 90)), num_records=len(records))
+
+    def predict_features(self, f: BatchFeatures) -> float:
+        if f.seqs == 0:
+            return 0.0
+        c0, c1, c2, c3 = self.coefficients
+        return c0 + c1 * f.padded_tokens + c2 * f.sum_chunk_x_context + c3 * f.sum_chunk_sq
+
+    def predict(self, batch: Batch) -> float:
+        return self.predict_features(batch_features(batch, self.token_buckets))
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "kind": "profiled", "features": list(PROFILED_FEATURES),
+            "coefficients": list(self.coefficients),
+            "token_buckets": list(self.token_buckets) if self.token_buckets is not None else None,
+            "median_rel_error": self.median_rel_error, "p90_rel_error": self.p90_rel_error,
+            "num_records": self.num_records}, indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> ProfiledPredictor:
+        data = json.loads(text)
+        if data.get("kind") != "profiled" or tuple(data.get("features", ())) != PROFILED_FEATURES:
+            raise ValueError(f"not a profiled predictor with features {PROFILED_FEATURES}: "
+                             f"kind={data.get('kind')!r} features={data.get('features')!r}")
+        return cls(data["coefficients"], token_buckets=data["token_buckets"],
+                   median_rel_error=data["median_rel_error"], p90_rel_error=data["p90_rel_error"],
+                   num_records=data["num_records"])
+
+    def save(self, path) -> None:
+        with open(path, "w") as f:
+            f.write(self.to_json())
+
+    @classmethod
+    def load(cls, path) -> ProfiledPredictor:
+        with open(path) as f:
+            return cls.from_json(f.read())
+
+    def __repr__(self) -> str:
+        c = ", ".join(f"{name}={value:.3e}"
+                      for name, value in zip(PROFILED_FEATURES, self.coefficients))
+        return f"ProfiledPredictor({c}, median_rel_error={self.median_rel_error})"

@@ -1,0 +1,279 @@
+"""Discrete-event simulation of serving: the real controllers and policies on a virtual clock.
+
+Each replica is a `ReplicaController` (made by the scheduler factory, exactly as the
+server makes it) whose executor is a `SimulatedExecutor`: it prices each batch with the
+runtime predictor (by default the analytical roofline for the model, parallel layout
+and hardware) and moves that replica's virtual clock forward by that much. Requests
+enter at their arrival times; an idle replica's clock jumps to its next arrival. A
+router places each request on the replica with the least outstanding work, or on the
+replica that served its session before (prefix-cache affinity).
+
+KV capacity per replica: device memory x utilisation minus the weights (replicated over
+kvp and cp), divided by the KV bytes of one token (KV heads replicated when tp exceeds
+them). Sampled tokens are dummies and end-of-sequence is off, so every request emits
+exactly max_new_tokens tokens; prefix caching is not simulated.
+
+    result = simulate(requests, policy="lars-mp", model=model_preset("llama3-8b"),
+                      parallel=ParallelConfig(tp=8, spp=2), hardware="a100")
+    result.requests   # copies of the inputs with their timestamps, in input order
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+import time
+from collections.abc import Sequence
+
+from medha_jax.config import ModelConfig, ParallelConfig
+from medha_jax.request import (Batch, FinishReason, Request, RequestState, StepResult,
+                               VirtualClock)
+from medha_jax.scheduler.controller import ReplicaController
+from medha_jax.scheduler.factory import make_controller
+from medha_jax.scheduler.hardware import HardwareSpec, hardware_preset
+from medha_jax.scheduler.predictor import AnalyticalPredictor, BatchFeatures, RuntimePredictor
+
+DUMMY_TOKEN_ID = 0
+
+
+class CountingAllocator:
+    """The BlockAllocator interface with page counts only (no page ids, no prefix cache).
+
+    The simulator needs capacity, not addresses; counting keeps a million-token request
+    O(1) per reservation instead of a page-id list of 60,000 entries.
+    """
+
+    def __init__(self, num_pages: int, page_size: int):
+        if num_pages < 1 or page_size < 1:
+            raise ValueError(f"{num_pages=} and {page_size=} must be >= 1")
+        self.num_pages, self.page_size = num_pages, page_size
+        self._pages: dict[str, int] = {}
+        self._used = 0
+
+    @property
+    def num_free_pages(self) -> int:
+        return self.num_pages - self._used
+
+    def pages_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def can_ever_fit(self, num_tokens: int) -> bool:
+        return self.pages_needed(num_tokens) <= self.num_pages
+
+    def allocate(self, request_id: str, token_ids: Sequence[int] | None = None) -> int:
+        if request_id in self._pages:
+            raise ValueError(f"request {request_id!r} is already allocated; free it first")
+        self._pages[request_id] = 0
+        return 0
+
+    def reserve(self, request_id: str, num_tokens: int) -> bool:
+        extra = self.pages_needed(num_tokens) - self._pages[request_id]
+        if extra <= 0:
+            return True
+        if extra > self.num_pages - self._used:
+            return False
+        self._pages[request_id] += extra
+        self._used += extra
+        return True
+
+    def commit(self, request_id: str, token_ids: Sequence[int], num_computed: int) -> None:
+        pass   # no prefix cache to register pages in
+
+    def free(self, request_id: str) -> None:
+        self._used -= self._pages.pop(request_id)
+
+    def has(self, request_id: str) -> bool:
+        return request_id in self._pages
+
+
+class SimulatedExecutor:
+    """Runs a batch in zero host time: the clock advances by the predicted step time."""
+
+    def __init__(self, predictor: RuntimePredictor, clock: VirtualClock):
+        self.predictor, self.clock = predictor, clock
+
+    def execute(self, batch: Batch) -> StepResult:
+        seconds = self.predictor.predict(batch)
+        self.clock.advance(seconds)
+        return StepResult({c.request.request_id: DUMMY_TOKEN_ID for c in batch.chunks if c.samples},
+                          seconds)
+
+
+def kv_capacity_tokens(model: ModelConfig, parallel: ParallelConfig, hardware: HardwareSpec,
+                       memory_utilization: float = 0.9) -> int:
+    """Tokens of KV cache one replica (spp x kvp x cp x tp devices) holds."""
+    devices = parallel.spp * parallel.kvp * parallel.cp * parallel.tp
+    bytes_per_value = 4 if model.dtype == "float32" else 2
+    weights = model.num_params() * bytes_per_value * parallel.kvp * parallel.cp
+    free = devices * hardware.memory_bytes * memory_utilization - weights
+    kv_replication = max(1, parallel.tp // model.num_kv_heads)
+    per_token = model.kv_bytes_per_token(bytes_per_value) * kv_replication
+    if free < per_token:
+        raise ValueError(
+            f"{model.name} weights ({weights / 2**30:.1f} GiB over kvp x cp) leave no KV memory on "
+            f"{devices} x {hardware.name} ({hardware.memory_bytes / 2**30:.0f} GiB each) at "
+            f"{memory_utilization=}; use more devices (tp or spp)")
+    return int(free // per_token)
+
+
+@dataclasses.dataclass
+class SimulationResult:
+    """A finished simulation. Times are on the virtual clock, in seconds."""
+
+    requests: list[Request]         # copies of the inputs, in input order, with timestamps
+    makespan_s: float               # first arrival to last finish
+    num_iterations: int             # steps over all replicas
+    num_preemptions: int
+    num_rejected: int               # could never fit (FinishReason.ERROR, .error says why)
+    policy: str
+    hardware: str
+    predictor: str
+    num_replicas: int
+    kv_capacity_tokens: int         # per replica
+    wall_s: float                   # host seconds the simulation took
+    replica_of: dict[str, int]      # request_id -> the replica the router chose
+
+    @property
+    def finished(self) -> list[Request]:
+        return [r for r in self.requests if r.state is RequestState.FINISHED]
+
+
+def _fresh_copy(r: Request) -> Request:
+    """The request as it arrives: no progress, lengths only, eos off."""
+    return Request(
+        request_id=r.request_id, prompt_len=r.prompt_len, max_new_tokens=r.max_new_tokens,
+        arrival_time=r.arrival_time, slo=r.slo, priority=r.priority, session_id=r.session_id,
+        sampling=dataclasses.replace(r.sampling, stop_token_ids=(), ignore_eos=True))
+
+
+class _Router:
+    """Least outstanding work, with session affinity."""
+
+    def __init__(self, controllers: list[ReplicaController], decode_token_s: float):
+        self.controllers = controllers
+        self.decode_token_s = decode_token_s
+        self._session_replica: dict[str, int] = {}
+
+    def route(self, request: Request) -> int:
+        if len(self.controllers) == 1:
+            return 0
+        sid = request.session_id
+        if sid is not None and sid in self._session_replica:
+            return self._session_replica[sid]
+        loads = [(c.outstanding_work_s(self.decode_token_s), c.num_running + c.num_waiting, i)
+                 for i, c in enumerate(self.controllers)]
+        replica = min(loads)[2]
+        if sid is not None:
+            self._session_replica[sid] = replica
+        return replica
+
+
+def simulate(requests: list[Request], *, policy: str, model: ModelConfig, parallel: ParallelConfig,
+             hardware: HardwareSpec | str, num_replicas: int = 1,
+             predictor: RuntimePredictor | None = None, progress: bool = False,
+             time_limit_s: float | None = None, page_size: int = 16,
+             memory_utilization: float = 0.9, max_model_len: int | None = None,
+             **controller_knobs) -> SimulationResult:
+    """Serves `requests` (lengths, arrivals, SLOs) with `policy` on simulated hardware.
+
+    num_replicas x parallel.dp replicas, each of spp x kvp x cp x tp devices.
+    predictor: prices every batch for the packer and for the clock (default: the
+      analytical roofline of model x parallel x hardware).
+    time_limit_s: stop once the virtual clock passes this many seconds; requests not
+      finished by then keep their partial timestamps (finish_time None).
+    max_model_len: longest prompt + output admitted (default: the longest request).
+    controller_knobs: passed to make_controller (token_buckets, max_seqs_per_batch,
+      target_batch_time_s, rho_max, long_prefill_tokens, ...).
+    """
+    if isinstance(hardware, str):
+        hardware = hardware_preset(hardware)
+    if num_replicas < 1:
+        raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
+    if not requests:
+        raise ValueError("simulate needs at least one request")
+    wall_start = time.perf_counter()
+    replica_parallel = dataclasses.replace(parallel, dp=1)
+    predictor = predictor or AnalyticalPredictor(
+        model, replica_parallel, hardware, token_buckets=controller_knobs.get("token_buckets"))
+    copies = [_fresh_copy(r) for r in requests]
+    arrivals = sorted(copies, key=lambda r: r.arrival_time)
+    max_model_len = max_model_len or max(r.prompt_len + r.max_new_tokens for r in copies)
+
+    capacity = kv_capacity_tokens(model, replica_parallel, hardware, memory_utilization)
+    controllers: list[ReplicaController] = []
+    for _ in range(num_replicas * parallel.dp):
+        clock = VirtualClock(arrivals[0].arrival_time)
+        if controllers:   # Algorithm 3's table depends only on predictor and knobs: share it
+            controller_knobs["prefill_time_cache"] = controllers[0].prefill_time_cache
+        controllers.append(make_controller(
+            policy, executor=SimulatedExecutor(predictor, clock),
+            allocator=CountingAllocator(capacity // page_size, page_size), clock=clock,
+            predictor=predictor, model_config=model, max_model_len=max_model_len,
+            **controller_knobs))
+    # The router prices a decode token as a full decode batch's step time per sequence.
+    seats = controllers[0].packer.limits.max_seqs_per_batch
+    full_decode = BatchFeatures(seats, seats, seats, seats, seats, seats, seats)
+    router = _Router(controllers, predictor.predict_features(full_decode) / seats)
+
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=len(copies), desc=f"simulating {policy}", unit="req")
+    horizon = math.inf if time_limit_s is None else arrivals[0].arrival_time + time_limit_s
+    num_rejected = 0
+    replica_of: dict[str, int] = {}
+    next_arrival = 0
+    # Busy replicas by the time their next iteration starts.
+    busy: list[tuple[float, int]] = []
+    while next_arrival < len(arrivals) or busy:
+        t_arrival = (arrivals[next_arrival].arrival_time if next_arrival < len(arrivals)
+                     else math.inf)
+        t_step = busy[0][0] if busy else math.inf
+        if min(t_arrival, t_step) > horizon:
+            break
+        if t_arrival <= t_step:
+            request = arrivals[next_arrival]
+            next_arrival += 1
+            i = replica_of[request.request_id] = router.route(request)
+            controller = controllers[i]
+            was_idle = not controller.has_unfinished()
+            controller.clock.advance_to(request.arrival_time)
+            try:
+                controller.add_request(request)
+            except ValueError as e:   # CapacityError included: it can never run here
+                request.state, request.finish_reason = RequestState.FINISHED, FinishReason.ERROR
+                request.error = str(e)
+                num_rejected += 1
+                if bar is not None:
+                    bar.update(1)
+                continue
+            if was_idle:
+                heapq.heappush(busy, (controller.clock.now(), i))
+            continue
+        _, i = heapq.heappop(busy)
+        controller = controllers[i]
+        before, steps = len(controller.finished), controller.num_steps
+        controller.step()
+        if controller.num_steps == steps:
+            raise RuntimeError(
+                f"replica {i} ({policy}) formed an empty batch with {controller.num_waiting} "
+                f"waiting and {controller.num_running} running requests at "
+                f"t={controller.clock.now():.3f}")
+        if bar is not None and len(controller.finished) != before:
+            bar.update(len(controller.finished) - before)
+        if controller.has_unfinished():
+            heapq.heappush(busy, (controller.clock.now(), i))
+    if bar is not None:
+        bar.close()
+
+    finished = [r for r in copies if r.finish_time is not None]
+    makespan = (max(r.finish_time for r in finished) - arrivals[0].arrival_time
+                if finished else 0.0)
+    return SimulationResult(
+        requests=copies, makespan_s=makespan,
+        num_iterations=sum(c.num_steps for c in controllers),
+        num_preemptions=sum(c.num_preemptions for c in controllers), num_rejected=num_rejected,
+        policy=policy, hardware=hardware.name, predictor=type(predictor).__name__,
+        num_replicas=len(controllers), kv_capacity_tokens=capacity,
+        wall_s=time.perf_counter() - wall_start, replica_of=replica_of)

@@ -1,0 +1,188 @@
+"""ReplicaController: admission, finishing, cancellation, KV pages and preemption."""
+
+import random
+
+import pytest
+
+from medha_jax.config import ParallelConfig, model_preset
+from medha_jax.kv_cache.allocator import BlockAllocator
+from medha_jax.request import FinishReason, Request, RequestState, StepResult, VirtualClock
+from medha_jax.sampling_params import SamplingParams
+from medha_jax.scheduler.controller import CapacityError
+from medha_jax.scheduler.factory import POLICY_NAMES, make_controller
+from medha_jax.scheduler.predictor import AnalyticalPredictor
+
+MODEL = model_preset("tiny")
+PREDICTOR = AnalyticalPredictor(MODEL, ParallelConfig(), "a100")
+
+
+def token_at(position: int) -> int:
+    """The token a request samples after `position` tokens: depends on nothing else, so
+    a recomputed (preempted) request must produce exactly the same output."""
+    return 10 + position % 50
+
+
+EOS = token_at(42)
+
+
+class FakeEngine:
+    """Samples token_at(num_tokens), advances the clock by the predictor's time, and checks
+    that every chunk continues where the request's KV cache ends."""
+
+    def __init__(self, clock, allocator):
+        self.clock, self.allocator = clock, allocator
+        self.batches = []
+
+    def execute(self, batch):
+        for c in batch.chunks:
+            assert c.start == c.request.num_computed_tokens
+            pages = self.allocator.page_table(c.request.request_id)
+            assert len(pages) * self.allocator.page_size >= c.end
+        self.batches.append(batch)
+        seconds = PREDICTOR.predict(batch)
+        self.clock.advance(seconds)
+        sampled = {c.request.request_id: token_at(c.end) for c in batch.chunks if c.samples}
+        return StepResult(sampled, seconds)
+
+
+def _setup(policy="lars-mp", num_pages=256, page_size=16, eos=(), **knobs):
+    clock = VirtualClock()
+    allocator = BlockAllocator(num_pages, page_size)
+    engine = FakeEngine(clock, allocator)
+    knobs = {"max_seqs_per_batch": 8, "token_buckets": (16, 32, 64, 128, 256),
+             "target_batch_time_s": 0.002, **knobs}
+    controller = make_controller(policy, executor=engine, allocator=allocator, clock=clock,
+                                 predictor=PREDICTOR, model_config=MODEL, eos_token_ids=eos,
+                                 max_model_len=2048, **knobs)
+    return controller, allocator, engine
+
+
+def _request(rid, prompt_len=40, max_new=5, arrival=0.0, ids=True, **sampling):
+    prompt = [random.Random(rid).randrange(3, 200) for _ in range(prompt_len)] if ids else None
+    return Request(rid, prompt_len, max_new, arrival, prompt_token_ids=prompt,
+                   sampling=SamplingParams(temperature=0.0, **sampling))
+
+
+def _run(controller, limit=10_000):
+    updates = []
+    for _ in range(limit):
+        if not controller.has_unfinished():
+            return updates
+        updates += controller.step()
+    raise AssertionError("requests did not finish")
+
+
+@pytest.mark.parametrize("policy", POLICY_NAMES)
+def test_every_policy_serves_requests_to_completion(policy):
+    controller, allocator, _ = _setup(policy)
+    requests = [_request(f"r{i}", prompt_len=20 + 37 * i, max_new=3 + i) for i in range(6)]
+    for r in requests:
+        controller.add_request(r)
+    assert controller.num_waiting == 6 and controller.num_running == 0
+    updates = _run(controller)
+    for r in requests:
+        assert r.finish_reason is FinishReason.LENGTH
+        assert len(r.output_token_ids) == r.max_new_tokens
+        assert r.output_token_ids == [token_at(r.prompt_len + k) for k in range(r.max_new_tokens)]
+        assert r.arrival_time <= r.first_scheduled_time <= r.first_token_time <= r.last_token_time \
+            == r.finish_time
+        assert r.w_total > 0
+        assert controller.get(r.request_id) is r
+    # One update per sampled token, the last one marked finished.
+    assert sum(len(u.new_token_ids) for u in updates) == sum(r.max_new_tokens for r in requests)
+    assert sum(u.finished for u in updates) == len(requests)
+    assert allocator.num_free_pages == allocator.num_pages and not controller.has_unfinished()
+
+
+def test_stop_tokens_and_eos():
+    controller, _, _ = _setup(eos=(EOS,))
+    # From a 40-token prompt, tokens token_at(40), token_at(41), ... are sampled; EOS is the third.
+    eos = _request("eos", prompt_len=40, max_new=50)
+    stop = _request("stop", prompt_len=40, max_new=50, ignore_eos=True,
+                    stop_token_ids=[token_at(43)])
+    ignore = _request("ignore", prompt_len=40, max_new=3, ignore_eos=True)
+    for r in (eos, stop, ignore):
+        controller.add_request(r)
+    _run(controller)
+    assert eos.finish_reason is FinishReason.STOP and eos.output_token_ids[-1] == EOS
+    assert len(eos.output_token_ids) == 3
+    assert stop.finish_reason is FinishReason.STOP and len(stop.output_token_ids) == 4
+    assert ignore.finish_reason is FinishReason.LENGTH and ignore.output_token_ids[-1] == EOS
+
+
+def test_admission_errors_name_the_problem():
+    controller, allocator, _ = _setup(num_pages=8, page_size=16)      # 128 tokens of KV
+    with pytest.raises(ValueError, match=r"prompt_len=2000 \+ max_new_tokens=100 = 2100 "
+                                         r"exceeds max_model_len=2048"):
+        controller.add_request(_request("long", prompt_len=2000, max_new=100))
+    with pytest.raises(CapacityError, match="RESOURCE.*needs 10 KV pages of 16 tokens.*has 8"):
+        controller.add_request(_request("big", prompt_len=150, max_new=2))
+    assert issubclass(CapacityError, ValueError)
+    controller.add_request(_request("ok", prompt_len=100, max_new=29))    # 128 cached tokens: fits
+    with pytest.raises(ValueError, match="request_id 'ok' is already in use"):
+        controller.add_request(_request("ok"))
+    with pytest.raises(ValueError, match="unknown policy 'sjf'"):
+        _setup("sjf")
+
+
+def test_cancel_and_finish_free_pages():
+    controller, allocator, _ = _setup()
+    a, b, c = (_request(x, prompt_len=100, max_new=20) for x in "abc")
+    for r in (a, b, c):
+        controller.add_request(r)
+    for _ in range(3):
+        controller.step()
+    assert allocator.num_free_pages < allocator.num_pages
+    assert controller.cancel("a") is True and controller.cancel("a") is False
+    assert a.finish_reason is FinishReason.CANCELLED and a.state is RequestState.FINISHED
+    assert controller.finish("b", FinishReason.STOP) is True
+    assert b.finish_reason is FinishReason.STOP and not allocator.has("b")
+    assert controller.cancel("nobody") is False
+    _run(controller)
+    assert c.finish_reason is FinishReason.LENGTH
+    assert allocator.num_free_pages == allocator.num_pages
+
+
+@pytest.mark.parametrize("policy", ["fcfs-np", "sarathi-512", "lars", "lars-mp"])
+def test_preemption_under_kv_pressure_never_drops_a_request(policy):
+    # 24 pages x 16 tokens = 384 tokens of KV for 12 requests of up to ~200 tokens each.
+    controller, allocator, _ = _setup(policy, num_pages=24, page_size=16, max_seqs_per_batch=16)
+    rng = random.Random(policy)
+    requests = [_request(f"r{i}", prompt_len=rng.randint(30, 150), max_new=rng.randint(20, 60),
+                         arrival=0.0) for i in range(12)]
+    for r in requests:
+        controller.add_request(r)
+    _run(controller)
+    assert controller.num_preemptions > 0
+    assert sum(r.num_preemptions for r in requests) == controller.num_preemptions
+    for r in requests:
+        assert r.finish_reason is FinishReason.LENGTH
+        assert r.output_token_ids == [token_at(r.prompt_len + k) for k in range(r.max_new_tokens)]
+    assert allocator.num_free_pages == allocator.num_pages
+
+
+def test_prefix_cache_hits_skip_computed_pages():
+    controller, allocator, engine = _setup()
+    first = _request("first", prompt_len=100, max_new=2)
+    controller.add_request(first)
+    _run(controller)
+    second = Request("second", 120, 2, 0.0, prompt_token_ids=first.prompt_token_ids + [7] * 20,
+                     sampling=SamplingParams(temperature=0.0))
+    controller.add_request(second)
+    _run(controller)
+    assert second.num_cached_tokens == 96                # six full pages of the shared prefix
+    first_chunk = next(c for b in engine.batches for c in b.chunks if c.request is second)
+    assert first_chunk.start == 96
+
+
+def test_a_full_step_makes_new_requests_wait_for_a_seat():
+    controller, _, engine = _setup(max_seqs_per_batch=4)
+    requests = [_request(f"r{i}", prompt_len=10, max_new=30) for i in range(6)]
+    for r in requests:
+        controller.add_request(r)
+    _run(controller)
+    assert max(len(b.chunks) for b in engine.batches) == 4
+    # The first four take the seats and decode to the end; the others start as seats free.
+    first_free_seat = min(q.finish_time for q in requests[:4])
+    assert all(r.first_scheduled_time >= first_free_seat for r in requests[4:])
+    assert all(r.finish_reason is FinishReason.LENGTH for r in requests)

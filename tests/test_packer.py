@@ -1,0 +1,206 @@
+"""Batch packers: Algorithms 1 and 2, engine limits, and the baselines."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from medha_jax.config import ParallelConfig, model_preset
+from medha_jax.request import SLO, Batch, Request, RequestState, ScheduledChunk
+from medha_jax.scheduler.packer import AdaptivePacker, EngineLimits, OpenGate, TokenBudgetPacker
+from medha_jax.scheduler.predictor import AnalyticalPredictor, ProfiledPredictor, batch_features
+
+PREDICTOR = AnalyticalPredictor(model_preset("llama3-8b"), ParallelConfig(tp=8), "h100")
+
+
+def _prefill(rid, prompt_len, computed=0, arrival=0.0, ttft=10.0, w_total=1.0):
+    r = Request(rid, prompt_len, 16, arrival, slo=SLO(ttft_s=ttft))
+    r.num_computed_tokens = computed
+    r.w_total = w_total
+    return r
+
+
+def _decode(rid, context, tpot=0.5):
+    r = Request(rid, context, 64, 0.0, slo=SLO(tpot_s=tpot))
+    r.output_token_ids.append(1)
+    r.num_computed_tokens = r.num_tokens - 1
+    r.state = RequestState.RUNNING
+    r.last_token_time = 0.0
+    return r
+
+
+def _adaptive(limits=EngineLimits(), *, multi=False, remaining_work=lambda r: 1.0, **kw):
+    return AdaptivePacker(PREDICTOR, limits, remaining_work=remaining_work, multi_prefill=multi,
+                          space_sharing=multi, **kw)
+
+
+def _predict(chunks, buckets):
+    return PREDICTOR.predict_features(batch_features(Batch(list(chunks)), buckets))
+
+
+def test_decodes_first_then_one_prefill_up_to_t_target():
+    decodes = [_decode(f"d{i}", 1000 * (i + 1)) for i in range(8)]
+    prefills = [_prefill("p0", 50_000), _prefill("p1", 300)]
+    packer = _adaptive(target_batch_time_s=0.05)
+    batch = packer.pack(decodes, prefills, now=0.0)
+    assert [c.request.request_id for c in batch.chunks] == [f"d{i}" for i in range(8)] + ["p0"]
+    assert all(c.is_decode for c in batch.chunks[:8])
+    assert batch.predicted_time_s <= 0.05
+    # The chunk is the largest that fits, to the search's 1/128 tolerance.
+    n = batch.chunks[-1].num_tokens
+    longer = ScheduledChunk(prefills[0], 0, n + n // 128 + 1)
+    assert _predict(batch.chunks[:8] + [longer], None) > 0.05
+
+
+def test_budget_comes_from_the_strictest_tpot_slo():
+    packer = _adaptive(target_batch_time_s=0.05)
+    relaxed = packer.pack([_decode("d", 1000, tpot=1.0)], [_prefill("p", 100_000)], now=0.0)
+    strict = packer.pack([_decode("d", 1000, tpot=0.02)], [_prefill("p", 100_000)], now=0.0)
+    assert 0.02 < relaxed.predicted_time_s <= 0.05
+    assert strict.predicted_time_s <= 0.02
+    assert strict.chunks[1].num_tokens < relaxed.chunks[1].num_tokens
+
+
+def test_last_chunk_grows_to_fill_its_bucket():
+    # Cost depends on the padded size only: filling the bucket is free, so the packer does.
+    flat = ProfiledPredictor([1e-3, 1e-5, 0.0, 0.0])
+    limits = EngineLimits(token_buckets=(64, 128, 256, 512))
+    packer = AdaptivePacker(flat, limits, remaining_work=lambda r: 1.0,
+                            target_batch_time_s=1e-3 + 300e-5)
+    batch = packer.pack([_decode("d0", 10), _decode("d1", 10)], [_prefill("p", 10_000)], now=0.0)
+    assert batch.num_tokens == 256          # 2 decodes + a 254-token chunk: no padding
+
+
+def test_space_sharing_yields_to_a_short_prefill():
+    long = _prefill("long", 200_000, computed=100_000, w_total=20.0, ttft=100.0)
+    short = _prefill("short", 2_000, w_total=0.1, ttft=5.0)
+    work = {"long": 10.0, "short": 0.1}
+    packer = _adaptive(multi=True, remaining_work=lambda r: work[r.request_id], rho_max=0.4)
+    # rho of the long one = (100 - 0 - 10) / 20 = 4.5 -> capped at 0.4: it uses 60% of the budget.
+    shared = packer.pack([], [long, short], now=0.0)
+    alone = packer.pack([], [long], now=0.0)
+    assert [c.request.request_id for c in shared.chunks] == ["long", "short"]
+    assert shared.chunks[0].num_tokens < alone.chunks[0].num_tokens
+    assert _predict(shared.chunks[:1], None) <= 0.6 * 0.05
+    assert alone.predicted_time_s > 0.9 * 0.05       # alone it yields to nobody
+    assert shared.predicted_time_s <= 0.05
+
+
+def test_at_most_one_long_prefill_per_batch_and_one_prefill_without_multi():
+    longs = [_prefill(f"long{i}", 100_000, computed=90_000) for i in range(3)]
+    shorts = [_prefill(f"short{i}", 100) for i in range(3)]
+    multi = _adaptive(multi=True, target_batch_time_s=0.2).pack([], longs + shorts, now=0.0)
+    ids = [c.request.request_id for c in multi.chunks]
+    assert ids[0] == "long0" and sum(i.startswith("long") for i in ids) == 1
+    assert {"short0", "short1", "short2"} <= set(ids)
+    single = _adaptive(target_batch_time_s=0.2).pack([], longs + shorts, now=0.0)
+    assert [c.request.request_id for c in single.chunks] == ["long0"]
+
+
+def test_progress_guarantee_when_decodes_fill_the_budget():
+    decodes = [_decode(f"d{i}", 500_000) for i in range(4)]
+    packer = _adaptive(target_batch_time_s=0.005, min_chunk_tokens=16)
+    decode_only = packer.pack(decodes, [], now=0.0).predicted_time_s
+    assert decode_only > 0.005
+    batch = packer.pack(decodes, [_prefill("p", 1000)], now=0.0)
+    assert [c.num_tokens for c in batch.chunks] == [1, 1, 1, 1, 16]
+
+
+def test_adaptive_chunking_shrinks_chunks_as_the_context_grows():
+    packer = _adaptive(EngineLimits(token_buckets=tuple(256 * 2**i for i in range(6))),
+                       target_batch_time_s=0.05)
+    request = _prefill("long", 300_000)
+    decodes = [_decode(f"d{i}", 2000) for i in range(16)]
+    sizes = []
+    while request.num_pending_tokens > 0:
+        (chunk,) = [c for c in packer.pack(decodes, [request], now=0.0).chunks if not c.is_decode]
+        sizes.append(chunk.num_tokens)
+        request.num_computed_tokens = chunk.end
+    assert sizes[0] > 4 * sizes[-2]                 # (the last chunk is what is left)
+    # Non-increasing, up to where a chunk snaps to a bucket edge.
+    assert all(b <= a * 1.05 or b <= 256 for a, b in zip(sizes, sizes[1:-1]))
+
+
+def test_engine_limits_split_decodes_over_iterations():
+    decodes = [_decode(f"d{i}", 100) for i in range(10)]
+    packer = _adaptive(EngineLimits(max_seqs_per_batch=4))
+    batch = packer.pack(decodes, [_prefill("p", 100)], now=0.0)
+    assert [c.request.request_id for c in batch.chunks] == ["d0", "d1", "d2", "d3"]
+    with pytest.raises(ValueError, match="exceeds the largest token bucket"):
+        EngineLimits(token_buckets=(16, 32), max_tokens_per_batch=64)
+
+
+class _Refuse(OpenGate):
+    def __init__(self, refused):
+        self.refused = refused
+
+    def reserve(self, chunk):
+        return chunk.request.request_id not in self.refused
+
+
+def test_sarathi_and_non_preemptive_baselines():
+    decodes = [_decode(f"d{i}", 100) for i in range(10)]
+    prefills = [_prefill("a", 3000, arrival=0.0), _prefill("b", 3000, arrival=1.0)]
+    sarathi = TokenBudgetPacker(PREDICTOR, EngineLimits(), token_budget=512)
+    batch = sarathi.pack(decodes, prefills, now=0.0)
+    assert batch.num_tokens == 512 and batch.chunks[-1].request.request_id == "a"
+    sarathi = TokenBudgetPacker(PREDICTOR, EngineLimits(), token_budget=4096)
+    assert [c.num_tokens for c in sarathi.pack([], prefills, now=0.0).chunks] == [3000, 1096]
+    # Non-preemptive: the whole prompt when the engine allows, else the largest step.
+    whole = TokenBudgetPacker(PREDICTOR, EngineLimits(), token_budget=None,
+                              head_of_line_blocking=True)
+    batch = whole.pack(decodes, [_prefill("x", 1_000_000)], now=0.0)
+    assert [c.num_tokens for c in batch.chunks[10:]] == [1_000_000]
+    capped = TokenBudgetPacker(PREDICTOR, EngineLimits(token_buckets=(1024, 2048)),
+                               token_budget=None, head_of_line_blocking=True)
+    assert capped.pack([], prefills, now=0.0).chunks[0].num_tokens == 2048
+    # A head that cannot get KV space blocks everyone behind it.
+    assert not capped.pack([], prefills, now=0.0, gate=_Refuse({"a"})).chunks
+    first = sarathi.pack([], prefills, now=0.0, gate=_Refuse({"a"})).chunks[0]
+    assert first.request.request_id == "b"
+
+
+# ------------------------------------------------------------------------ properties
+
+_requests = st.lists(st.tuples(st.integers(1, 300_000), st.floats(0.0, 1.0)), max_size=6)
+_buckets = st.sampled_from([None, (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192), (512, 4096)])
+
+
+@settings(max_examples=150, deadline=None)
+@given(decode_contexts=st.lists(st.integers(1, 400_000), max_size=40),
+       prefills=_requests,
+       buckets=_buckets,
+       max_seqs=st.integers(1, 64),
+       t_target=st.floats(0.002, 0.2),
+       multi=st.booleans(),
+       min_chunk=st.integers(1, 64))
+def test_packer_properties(decode_contexts, prefills, buckets, max_seqs, t_target, multi,
+                           min_chunk):
+    limits = EngineLimits(token_buckets=buckets, max_seqs_per_batch=max_seqs)
+    decodes = [_decode(f"d{i}", c) for i, c in enumerate(decode_contexts)]
+    queue = [_prefill(f"p{i}", n, computed=int(frac * (n - 1)), w_total=1.0)
+             for i, (n, frac) in enumerate(prefills)]
+    packer = _adaptive(limits, multi=multi, target_batch_time_s=t_target,
+                       min_chunk_tokens=min_chunk, long_prefill_tokens=8192,
+                       remaining_work=lambda r: 0.5)
+    batch = packer.pack(decodes, queue, now=0.0)
+
+    batch_decodes = [c for c in batch.chunks if c.is_decode]
+    batch_prefills = [c for c in batch.chunks if not c.is_decode]
+    # Decodes are never left out, unless the step cannot hold them all.
+    assert len(batch_decodes) == min(len(decodes), max_seqs)
+    assert batch.num_seqs <= max_seqs and batch.num_tokens <= limits.token_limit
+    assert len({c.request.request_id for c in batch.chunks}) == batch.num_seqs
+    for c in batch_prefills:
+        assert c.start == c.request.num_computed_tokens
+        assert 1 <= c.num_tokens <= c.request.num_pending_tokens
+    assert len(batch_prefills) <= (max_seqs if multi else 1)
+    assert sum(c.request.num_tokens >= 8192 for c in batch_prefills) <= 1
+    # Never over t_target by more than one minimum chunk: a batch over budget is either
+    # decodes alone, or decodes plus the single minimum chunk of the progress guarantee.
+    predicted = _predict(batch.chunks, buckets)
+    assert predicted == pytest.approx(batch.predicted_time_s)
+    if predicted > t_target * (1 + 1e-9) and batch_prefills:
+        assert len(batch_prefills) == 1 and batch_prefills[0].num_tokens <= min_chunk
+    # Work is never left idle when it fits: with room left, some prefill got a chunk.
+    if queue and not batch_prefills:
+        assert batch.num_seqs == max_seqs or batch.num_tokens == limits.token_limit

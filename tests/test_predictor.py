@@ -1,0 +1,172 @@
+"""Runtime predictors, hardware presets and the prefill time cache (Algorithm 3)."""
+
+import random
+
+import numpy as np
+import pytest
+
+from medha_jax.config import ParallelConfig, model_preset
+from medha_jax.request import Batch, Request, ScheduledChunk
+from medha_jax.scheduler.hardware import HARDWARE_PRESETS, HardwareSpec, hardware_preset
+from medha_jax.scheduler.packer import EngineLimits
+from medha_jax.scheduler.prefill_time_cache import PrefillTimeCache
+from medha_jax.scheduler.predictor import (AnalyticalPredictor, BatchFeatures, ProfiledPredictor,
+                                           batch_features, padded_size)
+
+LLAMA_8B = model_preset("llama3-8b")
+
+
+def _chunk(num_tokens, start, prompt_len=None, output=0):
+    r = Request("r", prompt_len or start + num_tokens, 8, 0.0)
+    r.output_token_ids.extend([1] * output)
+    return ScheduledChunk(r, start, num_tokens)
+
+
+def _prefill(num_tokens, context=0, samples=False):
+    return BatchFeatures().plus_chunk(num_tokens, context, samples)
+
+
+def test_hardware_presets_and_errors():
+    assert set(HARDWARE_PRESETS) == {"a100", "h100", "h200", "tpu-v5e", "tpu-v5p"}
+    h100 = hardware_preset("h100")
+    assert h100.peak_flops == 989e12 and h100.hbm_bandwidth == 3.35e12
+    assert hardware_preset("h200").hbm_bandwidth > h100.hbm_bandwidth
+    with pytest.raises(ValueError, match="unknown hardware preset 'b200'.*a100"):
+        hardware_preset("b200")
+    with pytest.raises(ValueError, match="peak_flops"):
+        HardwareSpec(name="x", peak_flops=0, hbm_bandwidth=1, interconnect_bandwidth=1,
+                     memory_bytes=1)
+
+
+def test_batch_features_by_hand():
+    decode = _chunk(1, 300, prompt_len=299, output=2)       # context 300 -> 301
+    first = _chunk(64, 0, prompt_len=200)                  # [0, 64), does not sample
+    last = _chunk(36, 164, prompt_len=200)                 # [164, 200), samples
+    f = batch_features(Batch([decode, first, last]), token_buckets=(64, 128, 256))
+    assert f == BatchFeatures(tokens=101, padded_tokens=128, seqs=3,
+                              sum_chunk_x_context=301 + 64 * 64 + 36 * 200,
+                              sum_chunk_sq=1 + 64 * 64 + 36 * 36, sum_context=301 + 64 + 200,
+                              sampling_tokens=1 + 36)
+    assert padded_size(129, (64, 128, 256)) == 256 and padded_size(7, None) == 7
+    with pytest.raises(ValueError, match="exceeds the largest token bucket 256"):
+        padded_size(257, (64, 128, 256))
+
+
+def test_analytical_roofline_regimes():
+    p = AnalyticalPredictor(LLAMA_8B, ParallelConfig(), "h100")
+    h100 = hardware_preset("h100")
+    eff = p.efficiency
+    # One decode at a short context is bound by reading the weights once (all but the
+    # embedding table, of which a step reads only its tokens' rows).
+    embedding = LLAMA_8B.vocab_size * LLAMA_8B.hidden_size
+    weights_s = 2 * (LLAMA_8B.num_params() - embedding) / (h100.hbm_bandwidth * eff.hbm)
+    decode = _prefill(1, 100, samples=True)
+    assert p.predict_features(decode) == pytest.approx(eff.step_overhead_s + weights_s, rel=0.05)
+    # A large chunk at context 0 is bound by the linear layers' FLOPs.
+    n = 8192
+    t = p.predict_features(_prefill(n))
+    linear_flops = 2 * (LLAMA_8B.num_params() - 2 * LLAMA_8B.vocab_size * LLAMA_8B.hidden_size) * n
+    linear_s = linear_flops / (h100.peak_flops * eff.matmul)
+    assert linear_s < t < 1.5 * linear_s
+    # Work grows with chunk size and with context.
+    assert p.predict_features(_prefill(512, 0)) < p.predict_features(_prefill(1024, 0))
+    assert p.predict_features(_prefill(512, 0)) < p.predict_features(_prefill(512, 100_000))
+
+
+def test_parallelism_in_the_analytical_model():
+    def t(parallel, features):
+        return AnalyticalPredictor(LLAMA_8B, parallel, "h100").predict_features(features)
+
+    big = _prefill(8192)
+    assert t(ParallelConfig(tp=8), big) < t(ParallelConfig(tp=1), big) / 4     # TP divides the work
+    assert t(ParallelConfig(tp=8), big) > t(ParallelConfig(tp=1), big) / 8     # + all-reduces
+    # SPP: a prefill-stream step costs one stage; a sampled token crosses every stage.
+    assert t(ParallelConfig(spp=4), big) < t(ParallelConfig(), big) / 3
+    sampling = _prefill(8192, samples=True)
+    assert t(ParallelConfig(spp=4), sampling) > 0.8 * t(ParallelConfig(), sampling)
+    decodes = BatchFeatures(64, 64, 64, 64 * 5000, 64, 64 * 5000, 64)
+    assert t(ParallelConfig(spp=4), decodes) == pytest.approx(t(ParallelConfig(), decodes), rel=0.1)
+    # ... while a prefill chunk beside a few decodes still streams.
+    mixed = big.plus_chunk(1, 5000, True)
+    assert t(ParallelConfig(spp=4), mixed) < 0.5 * t(ParallelConfig(), mixed)
+    # KVP splits attention over a long context: a small chunk at 1M tokens nearly halves.
+    late = _prefill(256, 1_000_000)
+    assert t(ParallelConfig(kvp=2), late) < 0.6 * t(ParallelConfig(), late)
+
+
+def _random_features(rng, buckets):
+    chunks = [(rng.randint(1, 512), rng.randint(0, 50_000)) for _ in range(rng.randint(1, 6))]
+    f = BatchFeatures()
+    for n, start in chunks:
+        f = f.plus_chunk(n, start, False)
+    return f._replace(padded_tokens=padded_size(f.tokens, buckets))
+
+
+@pytest.mark.parametrize("noise", [0.0, 0.02])
+def test_profiled_fit_recovers_known_coefficients(noise):
+    rng = random.Random(0)
+    buckets = (128, 256, 512, 1024, 2048, 4096)
+    true = (2e-3, 3e-6, 4e-10, 5e-9)
+    records = []
+    for _ in range(400):
+        f = _random_features(rng, buckets)
+        exact = (true[0] + true[1] * f.padded_tokens + true[2] * f.sum_chunk_x_context
+                 + true[3] * f.sum_chunk_sq)
+        records.append((f, exact * (1 + rng.gauss(0, noise))))
+    fitted = ProfiledPredictor.fit(records, token_buckets=buckets)
+    assert np.allclose(fitted.coefficients, true, rtol=1e-6 if noise == 0 else 0.1)
+    assert fitted.median_rel_error <= noise + 1e-9
+    assert fitted.p90_rel_error <= 2 * noise + 1e-9
+    assert fitted.num_records == 400
+
+
+def test_profiled_predictor_json_round_trip(tmp_path):
+    rng = random.Random(1)
+    records = [(f, 1e-3 + 2e-6 * f.padded_tokens + 1e-9 * f.sum_chunk_sq)
+               for f in (_random_features(rng, None) for _ in range(50))]
+    fitted = ProfiledPredictor.fit(records)
+    path = tmp_path / "predictor.json"
+    fitted.save(path)
+    loaded = ProfiledPredictor.load(path)
+    assert loaded.coefficients == fitted.coefficients
+    assert loaded.median_rel_error == fitted.median_rel_error
+    batch = Batch([_chunk(100, 50)])
+    assert loaded.predict(batch) == fitted.predict(batch) > 0
+    with pytest.raises(ValueError, match="at least 4 records"):
+        ProfiledPredictor.fit(records[:3])
+    with pytest.raises(ValueError, match=">= 0"):
+        ProfiledPredictor([1.0, -1.0, 0.0, 0.0])
+
+
+def test_prefill_time_cache_is_algorithm_3():
+    predictor = AnalyticalPredictor(LLAMA_8B, ParallelConfig(tp=8), "h100")
+    limits = EngineLimits(token_buckets=(256, 512, 1024, 2048, 4096, 8192))
+    cache = PrefillTimeCache(predictor, limits, max_len=200_000, t_target=0.05, step=1024)
+    # Adaptive chunking made visible: chunks shrink as the context grows.
+    sizes = cache.chunk_sizes()
+    assert sizes[0] == 8192                         # the largest bucket fits at context 0
+    assert sizes[-2] < sizes[0] / 4
+    body = sizes[:-1]                               # the last one is whatever is left
+    assert all(b <= a + 256 for a, b in zip(body, body[1:]))   # non-increasing, up to bucket steps
+    # The table: C[0] = 0, then every `step` tokens up to max_len.
+    table = cache.table()
+    assert table[0] == (0, 0.0) and table[-1][0] == 200_000
+    assert [l for l, _ in table[:-1]] == list(range(0, 200_000, 1024))
+    # Monotone, and interpolation close to the exact lone-prefill simulation.
+    assert cache.prefill_time(0) == 0.0
+    lengths = [1, 10, 1000, 1024, 5000, 77_777, 200_000]
+    times = [cache.prefill_time(l) for l in lengths]
+    assert all(a < b for a, b in zip(times, times[1:]))
+    for l in (20_000, 77_777, 150_001):
+        assert cache.prefill_time(l) == pytest.approx(cache._simulated(l), rel=0.01)
+    # Within one padded chunk the exact curve steps at bucket edges; interpolation smooths it.
+    assert cache.prefill_time(5000) == pytest.approx(cache._simulated(5000), rel=0.1)
+    # A short prompt costs a whole step, not a sliver of the first table interval.
+    assert cache.prefill_time(10) > 0.5 * predictor.predict_features(_prefill(10, samples=True))
+    # w(t) = C[total] - C[computed]
+    r = Request("r", 100_000, 8, 0.0)
+    r.num_computed_tokens = 30_000
+    expected = cache.prefill_time(100_000) - cache.prefill_time(30_000)
+    assert cache.remaining_work(r) == pytest.approx(expected)
+    with pytest.raises(ValueError, match="outside the cache's range"):
+        cache.prefill_time(200_001)

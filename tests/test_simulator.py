@@ -1,0 +1,118 @@
+"""The discrete-event simulator: real controllers on a virtual clock."""
+
+import random
+
+import numpy as np
+import pytest
+
+from medha_jax.config import ParallelConfig, model_preset
+from medha_jax.request import SLO, FinishReason, Request, RequestState
+from medha_jax.sampling_params import SamplingParams
+from medha_jax.scheduler.hardware import hardware_preset
+from medha_jax.simulator import CountingAllocator, kv_capacity_tokens, simulate
+
+LLAMA_8B = model_preset("llama3-8b")
+TP8 = ParallelConfig(tp=8)
+
+
+def _workload(n, *, qps, long_fraction, long_range=(64_000, 256_000), seed=0, sessions=0):
+    """Short chat-like requests with a few long documents, Poisson arrivals."""
+    rng = random.Random(seed)
+    requests, t = [], 0.0
+    for i in range(n):
+        t += rng.expovariate(qps)
+        long = rng.random() < long_fraction
+        prompt = rng.randint(*long_range) if long else rng.randint(20, 2000)
+        requests.append(Request(
+            f"{'long' if long else 'short'}-{i}", prompt, rng.randint(1, 200), t,
+            slo=SLO(ttft_s=60.0 if long else 1.0, tpot_s=0.1),
+            session_id=f"s{rng.randrange(sessions)}" if sessions else None,
+            sampling=SamplingParams(temperature=0.0, stop_token_ids=[0])))   # sim tokens are 0
+    return requests
+
+
+def _short_ttft_p99(result):
+    return float(np.percentile([r.first_token_time - r.arrival_time for r in result.requests
+                                if r.request_id.startswith("short")], 99))
+
+
+def test_a_mixed_run_finishes_every_request():
+    requests = _workload(300, qps=4.0, long_fraction=0.05)
+    result = simulate(requests, policy="lars-mp", model=LLAMA_8B, parallel=TP8, hardware="h100")
+    assert len(result.requests) == 300 and result.num_rejected == 0
+    for original, r in zip(requests, result.requests):
+        assert r.request_id == original.request_id and r is not original
+        assert r.state is RequestState.FINISHED and r.finish_reason is FinishReason.LENGTH
+        assert len(r.output_token_ids) == r.max_new_tokens     # eos and stop ids are off
+        assert r.arrival_time <= r.first_scheduled_time <= r.first_token_time <= r.finish_time
+    # The inputs are left as they were, so one list serves every policy.
+    assert all(r.state is RequestState.WAITING and not r.output_token_ids for r in requests)
+    last_finish = max(r.finish_time for r in result.requests)
+    assert result.makespan_s == pytest.approx(last_finish - min(r.arrival_time for r in requests))
+    assert result.num_iterations > 300 and result.hardware == "h100"
+    assert result.predictor == "AnalyticalPredictor"
+
+
+def test_lars_beats_fcfs_np_on_short_ttft_in_a_convoy():
+    # Long prompts every ~10 s, each taking seconds to prefill: a convoy for FCFS.
+    requests = _workload(400, qps=8.0, long_fraction=0.03)
+    lars = simulate(requests, policy="lars-mp", model=LLAMA_8B, parallel=TP8, hardware="h100")
+    fcfs = simulate(requests, policy="fcfs-np", model=LLAMA_8B, parallel=TP8, hardware="h100")
+    assert all(r.state is RequestState.FINISHED for r in lars.requests + fcfs.requests)
+    assert _short_ttft_p99(lars) < _short_ttft_p99(fcfs) / 5
+
+
+def test_replicas_share_the_load_and_keep_sessions_together():
+    requests = _workload(200, qps=20.0, long_fraction=0.0, sessions=12)
+    result = simulate(requests, policy="lars", model=LLAMA_8B, parallel=TP8, hardware="h100",
+                      num_replicas=3)
+    assert result.num_replicas == 3
+    replicas_of_session = {}
+    for r in requests:
+        replicas_of_session.setdefault(r.session_id, set()).add(result.replica_of[r.request_id])
+    assert all(len(replicas) == 1 for replicas in replicas_of_session.values())
+    assert len(set(result.replica_of.values())) == 3
+    # Without sessions the least-loaded replica takes each request: all three stay busy.
+    plain = [Request(r.request_id, r.prompt_len, r.max_new_tokens, r.arrival_time)
+             for r in requests]
+    counts = np.bincount(list(simulate(plain, policy="lars", model=LLAMA_8B, parallel=TP8,
+                                       hardware="h100", num_replicas=3).replica_of.values()))
+    assert counts.min() > 200 / 3 / 2
+
+
+def test_requests_that_cannot_fit_are_rejected_and_the_rest_served():
+    capacity = kv_capacity_tokens(LLAMA_8B, ParallelConfig(), hardware_preset("a100"))
+    # (80 GiB x 0.9 - 16 GB of bf16 weights) / 128 KiB of K and V per token.
+    assert capacity == int((80 * 2**30 * 0.9 - 2 * LLAMA_8B.num_params()) // (32 * 8 * 128 * 2 * 2))
+    requests = [Request("too-big", capacity + 100, 4, 0.0), Request("fine", 1000, 4, 0.5)]
+    result = simulate(requests, policy="lars", model=LLAMA_8B, parallel=ParallelConfig(),
+                      hardware="a100")
+    too_big, fine = result.requests
+    assert too_big.finish_reason is FinishReason.ERROR and "RESOURCE" in too_big.error
+    assert fine.finish_reason is FinishReason.LENGTH and result.num_rejected == 1
+    with pytest.raises(ValueError, match="no KV memory"):
+        simulate(requests, policy="lars", model=model_preset("llama3-70b"),
+                 parallel=ParallelConfig(), hardware="a100")
+
+
+def test_time_limit_stops_the_clock():
+    requests = _workload(100, qps=2.0, long_fraction=0.0)
+    result = simulate(requests, policy="lars", model=LLAMA_8B, parallel=TP8, hardware="h100",
+                      time_limit_s=10.0)
+    start = requests[0].arrival_time
+    done = [r for r in result.requests if r.finish_time is not None]
+    assert 0 < len(done) < 100
+    assert all(r.finish_time <= start + 10.0 + 1.0 for r in done)
+    assert all(r.arrival_time > start + 5.0 for r in result.requests if r.first_token_time is None)
+
+
+def test_counting_allocator_keeps_the_block_allocator_contract():
+    a = CountingAllocator(num_pages=10, page_size=16)
+    assert a.allocate("x") == 0 and a.has("x")
+    assert a.reserve("x", 100) and a.num_free_pages == 10 - 7
+    assert a.reserve("x", 50) and a.num_free_pages == 3          # never shrinks
+    a.allocate("y")
+    assert not a.reserve("y", 64) and a.num_free_pages == 3       # shortage changes nothing
+    a.free("x")
+    assert a.num_free_pages == 10 and not a.has("x")
+    assert a.can_ever_fit(160) and not a.can_ever_fit(161)
