@@ -1,0 +1,296 @@
+"""Ragged paged attention: one kernel for a mixed batch of prefill chunks and decodes.
+
+Every step of the engine is a flat run of query tokens from many sequences; each sequence's
+queries sit at the end of its cache (its new K/V already written) and attend causally inside
+their chunk and fully over the earlier context, read through the sequence's page table.
+
+The Pallas kernel parallelises over queries AND keys (seed 000, section 3.1: this is what
+makes small chunks over a long context cheap):
+
+    grid = (query block, kv head, kv split)
+
+- A query block is <= block_q tokens of one sequence (`plan_query_blocks`); the q_per_kv
+  query heads sharing a KV head are folded into the block's rows, so each K/V tile is read
+  once for the whole GQA group and K/V are never repeated per query head.
+- The keys a block needs (0 .. its last query's position) are cut into `num_kv_splits`
+  contiguous ranges of tiles, one program each, merged afterwards by log-sum-exp
+  (`merge_attention`). The ranges are sized per block at run time, so short and long
+  contexts in one batch both spread over all splits.
+- Inside a program, a loop over K/V tiles gathers kv_pages_per_block pages by page id and
+  folds them into an online softmax (`online_softmax_update`, shared with the reference).
+- A decode here is a query block with one live token: its K/V reads, which bound decode
+  time, are those of a dedicated decode kernel, but most MMA rows idle. `decode_attention`
+  packs only the GQA group into the rows for decode-only batches.
+
+The kernel is written for the Triton lowering (GPU): whole-array refs with pointer-style
+indexing, page gathers with a vector of page ids, power-of-2 tiles, dot sides >= 16.
+With interpret=True it runs on the CPU (the tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.block_sizes import BlockSizes, resolve
+from pallas_kernels.merge import (merge_attention, online_softmax_finish, online_softmax_init,
+                                  online_softmax_update)
+from pallas_kernels.reference import (attention_scores, plan_query_blocks,
+                                      ragged_paged_attention_reference)
+
+
+# Enough programs to keep a GPU busy (~8 per SM of a 132-SM H100); see the ragged wrapper.
+MIN_GRID_PROGRAMS = 1024
+
+
+def check_paged_inputs(q, k_pages, v_pages, page_table) -> None:
+    """Shape checks common to the ragged and decode entry points; errors name the values."""
+    if q.ndim != 3:
+        raise ValueError(f"q must be [tokens, q_heads, head_dim], got {q.shape=}")
+    if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
+        raise ValueError(
+            "k_pages and v_pages must both be [num_pages, page_size, kv_heads, head_dim], got "
+            f"{k_pages.shape=} {v_pages.shape=}")
+    q_heads, head_dim = q.shape[1:]
+    kv_heads, kv_head_dim = k_pages.shape[2:]
+    if kv_head_dim != head_dim:
+        raise ValueError(f"q head_dim={head_dim} != k_pages head_dim={kv_head_dim}")
+    if q_heads % kv_heads:
+        raise ValueError(f"{q_heads=} must be a multiple of {kv_heads=} (grouped-query attention)")
+    if page_table.ndim != 2 or not jnp.issubdtype(page_table.dtype, jnp.integer):
+        raise ValueError(f"page_table must be int [max_seqs, pages_per_seq], got "
+                         f"{page_table.shape=} {page_table.dtype=}")
+
+
+def kernel_rows(tokens: int, q_per_kv: int) -> int:
+    """Rows of a kernel query tile: tokens x the GQA group, padded to a power of 2 (Triton
+    tensors) and to >= 16 (the smallest tl.dot M). Interpret mode uses the same layout."""
+    return max(16, 1 << (tokens * q_per_kv - 1).bit_length())
+
+
+# ----------------------------------------------------------------------------------------
+# The kernel
+# ----------------------------------------------------------------------------------------
+
+
+def _paged_attention_kernel(
+    block_seq_ref,         # int32 [blocks]: sequence of each query block
+    block_first_pos_ref,   # int32 [blocks]: cache position of the block's first query
+    block_num_tokens_ref,  # int32 [blocks]: queries in the block (0 = empty block)
+    page_table_ref,        # int32 [max_seqs, pages_per_seq]: width a multiple of the tile
+    q_ref,                 # [rows, head_dim]: row r = token r // q_per_kv, head r % q_per_kv
+    k_pages_ref,           # [num_pages, page_size, head_dim]: this program's KV head
+    v_pages_ref,           # [num_pages, page_size, head_dim]
+    out_ref,               # [rows, head_dim] f32: this split's partial output (normalised)
+    lse_ref,               # [rows] f32: its log-sum-exp; -inf where it saw no key
+    *,
+    sm_scale: float,
+    q_per_kv: int,
+    kv_pages_per_block: int,
+    num_kv_splits: int,
+):
+    block, split = pl.program_id(0), pl.program_id(2)
+    rows, head_dim = q_ref.shape
+    page_size = k_pages_ref.shape[1]
+    block_kv = kv_pages_per_block * page_size
+
+    seq = block_seq_ref[block]
+    first_pos = block_first_pos_ref[block]
+    num_tokens = block_num_tokens_ref[block]
+    row_token = jnp.arange(rows, dtype=jnp.int32) // q_per_kv
+    row_live = row_token < num_tokens          # also False for the power-of-2 padding rows
+    row_pos = first_pos + row_token
+
+    # Keys 0 .. last query position, as tiles; this split takes its contiguous share.
+    keys_needed = jnp.where(num_tokens > 0, first_pos + num_tokens, 0)
+    # Never past the page table, even if a caller's kv_len overstates it (no wild reads).
+    num_tiles = jnp.minimum((keys_needed + block_kv - 1) // block_kv,
+                            page_table_ref.shape[1] // kv_pages_per_block)
+    tiles_per_split = (num_tiles + num_kv_splits - 1) // num_kv_splits
+    first_tile = split * tiles_per_split
+    end_tile = jnp.minimum(first_tile + tiles_per_split, num_tiles)
+
+    q = q_ref[...]
+    key_offsets = jnp.arange(block_kv, dtype=jnp.int32)
+
+    def tile_step(tile, state):
+        page_ids = page_table_ref[seq, pl.ds(tile * kv_pages_per_block, kv_pages_per_block)]
+        k = k_pages_ref[page_ids].reshape(block_kv, head_dim)
+        v = v_pages_ref[page_ids].reshape(block_kv, head_dim)
+        scores = attention_scores(q, k, sm_scale)                        # [rows, keys]
+        key_pos = tile * block_kv + key_offsets
+        visible = row_live[:, None] & (key_pos[None, :] <= row_pos[:, None])
+        scores = jnp.where(visible, scores, -jnp.inf)
+        return online_softmax_update(state, scores, v)
+
+    state = online_softmax_init((rows,), head_dim)
+    state = jax.lax.fori_loop(first_tile, end_tile, tile_step, state)
+    out, lse = online_softmax_finish(state)
+    out_ref[...] = out
+    lse_ref[...] = lse
+
+
+def paged_attention_blocks(
+    q_blocks: jax.Array,          # [blocks, kv_heads, rows, head_dim] (see kernel_rows)
+    k_pages: jax.Array,           # [num_pages, page_size, kv_heads, head_dim]
+    v_pages: jax.Array,           # [num_pages, page_size, kv_heads, head_dim]
+    page_table: jax.Array,        # int32 [max_seqs, pages_per_seq]
+    block_seq: jax.Array,         # int32 [blocks]
+    block_first_pos: jax.Array,   # int32 [blocks]
+    block_num_tokens: jax.Array,  # int32 [blocks]
+    *,
+    sm_scale: float,
+    q_per_kv: int,
+    block_sizes: BlockSizes,
+    interpret: bool,
+) -> tuple[jax.Array, jax.Array]:  # out [blocks, kv_heads, rows, head_dim] f32, lse [.., rows]
+    """Runs the kernel over (block, kv head, kv split) and merges the splits by LSE.
+
+    Also the engine of `decode_attention` (a decode is a block of one token).
+    """
+    num_blocks, kv_heads, rows, head_dim = q_blocks.shape
+    num_pages, page_size, _, _ = k_pages.shape
+    pages_per_tile = block_sizes.kv_pages_per_block
+    splits = block_sizes.num_kv_splits
+    if rows < q_per_kv:
+        raise ValueError(f"{rows=} must hold at least one GQA group of {q_per_kv=}")
+    # Whole tiles of page ids; the padding is page 0, a valid id that positions mask out.
+    page_table = jnp.pad(page_table.astype(jnp.int32),
+                         ((0, 0), (0, -page_table.shape[1] % pages_per_tile)))
+
+    kernel = functools.partial(_paged_attention_kernel, sm_scale=sm_scale, q_per_kv=q_per_kv,
+                               kv_pages_per_block=pages_per_tile, num_kv_splits=splits)
+    whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+    kv_head_of_cache = pl.BlockSpec((num_pages, page_size, pl.squeezed, head_dim),
+                                    lambda b, h, s: (0, 0, h, 0))
+    compiler_params = None
+    if not interpret:
+        from jax.experimental.pallas import triton as pl_triton
+        compiler_params = pl_triton.CompilerParams(num_warps=4, num_stages=2)
+
+    out_parts, lse_parts = pl.pallas_call(
+        kernel,
+        grid=(num_blocks, kv_heads, splits),
+        in_specs=[
+            whole((num_blocks,)),
+            whole((num_blocks,)),
+            whole((num_blocks,)),
+            whole(page_table.shape),
+            pl.BlockSpec((pl.squeezed, pl.squeezed, rows, head_dim), lambda b, h, s: (b, h, 0, 0)),
+            kv_head_of_cache,
+            kv_head_of_cache,
+        ],
+        out_specs=[
+            pl.BlockSpec((pl.squeezed, pl.squeezed, pl.squeezed, rows, head_dim),
+                         lambda b, h, s: (s, b, h, 0, 0)),
+            pl.BlockSpec((pl.squeezed, pl.squeezed, pl.squeezed, rows),
+                         lambda b, h, s: (s, b, h, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((splits, num_blocks, kv_heads, rows, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((splits, num_blocks, kv_heads, rows), jnp.float32),
+        ],
+        interpret=interpret,
+        compiler_params=compiler_params,
+        name="ragged_paged_attention",
+    )(block_seq, block_first_pos, block_num_tokens, page_table, q_blocks, k_pages, v_pages)
+
+    if splits == 1:
+        return out_parts[0], lse_parts[0]
+    flat = num_blocks * kv_heads * rows
+    out, lse = merge_attention(out_parts.reshape(splits, flat, 1, head_dim),
+                               lse_parts.reshape(splits, flat, 1))
+    return (out.reshape(num_blocks, kv_heads, rows, head_dim),
+            lse.reshape(num_blocks, kv_heads, rows))
+
+
+# ----------------------------------------------------------------------------------------
+# The ragged entry point
+# ----------------------------------------------------------------------------------------
+
+
+def _ragged_paged_attention_kernel(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens,
+                                   num_seqs, *, sm_scale, block_sizes, interpret):
+    num_tokens, q_heads, head_dim = q.shape
+    kv_heads = k_pages.shape[2]
+    q_per_kv = q_heads // kv_heads
+    block_q = block_sizes.block_q
+    rows = kernel_rows(block_q, q_per_kv)
+    plan = plan_query_blocks(cu_q_lens, kv_lens, num_seqs, num_tokens=num_tokens,
+                             block_q=block_q)
+    num_blocks = plan.seq.shape[0]
+    # KV splits pay only while query blocks x KV heads leave the device idle, and each one
+    # costs a [blocks, kv_heads, rows, head_dim] f32 partial in memory, so a large token
+    # bucket gets fewer (the bucket, hence num_blocks, is static).
+    splits = min(block_sizes.num_kv_splits,
+                 max(1, -(-MIN_GRID_PROGRAMS // (num_blocks * kv_heads))))
+    block_sizes = dataclasses.replace(block_sizes, num_kv_splits=splits)
+
+    # Query blocks: [blocks, block_q, q_heads, d] -> rows (token, head of the group) per KV head.
+    token = jnp.minimum(plan.first_token[:, None] + jnp.arange(block_q), num_tokens - 1)
+    q_blocks = (q[token].reshape(num_blocks, block_q, kv_heads, q_per_kv, head_dim)
+                .transpose(0, 2, 1, 3, 4)
+                .reshape(num_blocks, kv_heads, block_q * q_per_kv, head_dim))
+    q_blocks = jnp.pad(q_blocks, ((0, 0), (0, 0), (0, rows - block_q * q_per_kv), (0, 0)))
+
+    out_blocks, lse_blocks = paged_attention_blocks(
+        q_blocks, k_pages, v_pages, page_table, plan.seq, plan.first_pos, plan.num_tokens,
+        sm_scale=sm_scale, q_per_kv=q_per_kv, block_sizes=block_sizes, interpret=interpret)
+
+    # Back to token order: [blocks, kv, rows, d] -> [blocks, block_q, q_heads, d] -> [tokens, ...].
+    out_blocks = (out_blocks[:, :, : block_q * q_per_kv]
+                  .reshape(num_blocks, kv_heads, block_q, q_per_kv, head_dim)
+                  .transpose(0, 2, 1, 3, 4).reshape(num_blocks, block_q, q_heads, head_dim))
+    lse_blocks = (lse_blocks[:, :, : block_q * q_per_kv]
+                  .reshape(num_blocks, kv_heads, block_q, q_per_kv)
+                  .transpose(0, 2, 1, 3).reshape(num_blocks, block_q, q_heads))
+    valid = plan.token_valid
+    out = jnp.where(valid[:, None, None], out_blocks[plan.token_block, plan.token_row], 0.0)
+    lse = jnp.where(valid[:, None], lse_blocks[plan.token_block, plan.token_row], -jnp.inf)
+    return out.astype(q.dtype), lse
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "impl", "block_sizes"))
+def ragged_paged_attention(
+    q: jax.Array,           # [tokens, q_heads, head_dim]
+    k_pages: jax.Array,     # [num_pages, page_size, kv_heads, head_dim] (one layer's cache)
+    v_pages: jax.Array,     # [num_pages, page_size, kv_heads, head_dim]
+    page_table: jax.Array,  # int32 [max_seqs, pages_per_seq]: page ids of each sequence, in order
+    cu_q_lens: jax.Array,   # int32 [max_seqs + 1]: seq s owns q[cu_q_lens[s]:cu_q_lens[s+1]]
+    kv_lens: jax.Array,     # int32 [max_seqs]: cache length of seq s AFTER this step
+    num_seqs: jax.Array,    # int32 [1]: sequences in use; later ones are padding
+    *,
+    sm_scale: float,
+    impl: str = "auto",
+    block_sizes: BlockSizes | None = None,
+) -> tuple[jax.Array, jax.Array]:  # out [tokens, q_heads, head_dim], lse [tokens, q_heads]
+    """Causal attention of a ragged batch of prefill chunks and decodes over a paged KV cache.
+
+    Query i of sequence s sits at position kv_lens[s] - q_len_s + i and attends keys
+    0..position of its own sequence. Query head h reads KV head h // (q_heads // kv_heads).
+    Rows past cu_q_lens[num_seqs] are padding: out 0, lse -inf. lse is the natural-log
+    log-sum-exp of the scaled scores, so partial results merge with `merge_attention`.
+
+    impl: "reference" (jnp), "pallas" (native kernel), "interpret" (kernel, interpret
+    mode), "auto" (native on GPU, reference elsewhere; see block_sizes.resolve).
+    """
+    check_paged_inputs(q, k_pages, v_pages, page_table)
+    max_seqs = page_table.shape[0]
+    if cu_q_lens.shape != (max_seqs + 1,) or kv_lens.shape != (max_seqs,) or num_seqs.shape != (1,):
+        raise ValueError(
+            f"want cu_q_lens [max_seqs + 1], kv_lens [max_seqs], num_seqs [1] with "
+            f"max_seqs={max_seqs} (page_table rows); got {cu_q_lens.shape=} {kv_lens.shape=} "
+            f"{num_seqs.shape=}")
+    impl, block_sizes = resolve(impl, block_sizes, head_dim=q.shape[2],
+                                page_size=k_pages.shape[1])
+    if impl == "reference":
+        return ragged_paged_attention_reference(
+            q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, num_seqs,
+            sm_scale=sm_scale, block_sizes=block_sizes)
+    return _ragged_paged_attention_kernel(
+        q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, num_seqs,
+        sm_scale=sm_scale, block_sizes=block_sizes, interpret=impl == "interpret")
