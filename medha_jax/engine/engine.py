@@ -124,8 +124,9 @@ class Engine:
 
     def _compile(self, shape: tuple[int, int, int]) -> jax.stages.Compiled:
         inputs = _padding_inputs(shape, self.pad_slot)
-        return step.lower(*self.step_args(inputs),
-                          attention_impl=self.config.attention_impl).compile()
+        with jax.set_mesh(self.model.mesh):
+            return step.lower(*self.step_args(inputs),
+                              attention_impl=self.config.attention_impl).compile()
 
     def warmup(self, progress: bool = True, shapes=None) -> None:
         """Compiles every bucket shape (or just `shapes`) ahead of time, so no request
@@ -158,7 +159,8 @@ class Engine:
         else:
             # Only without warm-up (tests, notebooks): jit compiles on first use and shares
             # its cache with every engine over the same model.
-            tokens, self.kv_cache = step(*args, attention_impl=self.config.attention_impl)
+            with jax.set_mesh(self.model.mesh):
+                tokens, self.kv_cache = step(*args, attention_impl=self.config.attention_impl)
         # While the device runs, do this step's bookkeeping (asynchronous dispatch).
         features = batch_features(batch, self.ladder.token_buckets)
         tokens = np.asarray(tokens)                       # waits for the device

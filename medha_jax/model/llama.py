@@ -19,6 +19,7 @@ from flax import nnx
 
 from medha_jax.config import ModelConfig
 from medha_jax.model import layers
+from medha_jax.model.attention import paged_attention
 
 # Logical axes of every parameter, by canonical name (the checkpoint loaders' names).
 PARAM_AXES: dict[str, tuple[str | None, ...]] = {
@@ -160,8 +161,6 @@ def _decoder_layer(carry, layer, *, config: ModelConfig, positions, meta: Attent
                    inv_freq, attention_impl: str):
     """One decoder layer inside the scan. The whole cache rides in the carry so the K/V
     write is an in-place scatter at [layer, slot] rather than a copy of a layer's pages."""
-    from pallas_kernels import ragged_paged_attention
-
     x, k_cache, v_cache = carry
     p, layer_id = layer
     h = layers.rms_norm(x, p["attn_norm"], config.rms_norm_eps)
@@ -174,9 +173,8 @@ def _decoder_layer(carry, layer, *, config: ModelConfig, positions, meta: Attent
     k_cache = layers.write_kv(k_cache, layer_id, k, meta.slot_mapping)
     v_cache = layers.write_kv(v_cache, layer_id, v, meta.slot_mapping)
 
-    attn, _ = ragged_paged_attention(
-        q, k_cache[layer_id], v_cache[layer_id], meta.page_table, meta.cu_q_lens, meta.kv_lens, meta.num_seqs,
-        sm_scale=config.head_dim ** -0.5, impl=attention_impl)
+    attn, _ = paged_attention(q, k_cache[layer_id], v_cache[layer_id], meta,
+                              sm_scale=config.head_dim ** -0.5, impl=attention_impl)
     x = x + jnp.einsum("thk,hkd->td", attn.astype(x.dtype), p["wo"])
     h = layers.rms_norm(x, p["mlp_norm"], config.rms_norm_eps)
     x = x + layers.swiglu_mlp(h, p["w_gate"], p["w_up"], p["w_down"])

@@ -51,7 +51,9 @@ class Model:
         # the logits of the real tokens.
         padded = np.zeros(max(16, 1 << (ids.size - 1).bit_length()), dtype=np.int32)
         padded[:ids.size] = ids
-        out = self._one_shot_logits(self.state, jnp.asarray(padded), attention_impl=attention_impl)
+        with jax.set_mesh(self.mesh):
+            out = self._one_shot_logits(self.state, jnp.asarray(padded),
+                                        attention_impl=attention_impl)
         return np.asarray(out)[:ids.size]
 
     def kv_cache_sharding(self, num_pages: int, page_size: int):
