@@ -173,12 +173,22 @@ def _decoder_layer(carry, layer, *, config: ModelConfig, positions, meta: Attent
     k_cache = layers.write_kv(k_cache, layer_id, k, meta.slot_mapping)
     v_cache = layers.write_kv(v_cache, layer_id, v, meta.slot_mapping)
 
-    attn, _ = paged_attention(q, k_cache[layer_id], v_cache[layer_id], meta,
+    # Attend through a [layers * pages, ...] view of the whole cache with this layer's page
+    # ids offset by layer * pages: slicing out k_cache[layer_id] would copy a whole layer
+    # of the cache every layer of every step.
+    num_pages = k_cache.shape[1]
+    layer_meta = dataclasses.replace(meta, page_table=meta.page_table + layer_id * num_pages)
+    attn, _ = paged_attention(q, _all_layer_pages(k_cache), _all_layer_pages(v_cache), layer_meta,
                               sm_scale=config.head_dim ** -0.5, impl=attention_impl)
     x = x + jnp.einsum("thk,hkd->td", attn.astype(x.dtype), p["wo"])
     h = layers.rms_norm(x, p["mlp_norm"], config.rms_norm_eps)
     x = x + layers.swiglu_mlp(h, p["w_gate"], p["w_up"], p["w_down"])
     return (x, k_cache, v_cache), None
+
+
+def _all_layer_pages(cache):
+    """[L, P, page_size, K, hd] -> [L * P, page_size, K, hd]: a free, contiguous view."""
+    return cache.reshape(-1, *cache.shape[2:])
 
 
 def one_sequence_metadata(num_tokens: int, page_size: int) -> AttentionMetadata:
