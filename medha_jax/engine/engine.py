@@ -8,6 +8,7 @@ shape in the ladder, with the KV cache donated so XLA updates it in place. After
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import time
@@ -26,6 +27,9 @@ from medha_jax.model.loading import Model
 from medha_jax.request import Batch, Request, ScheduledChunk, StepResult
 from medha_jax.scheduler.predictor import BatchFeatures, ProfiledPredictor, batch_features
 from meshes import replicated
+
+
+STEP_RECORDS_KEPT = 10_000
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -103,9 +107,10 @@ class Engine:
         self._replicated = replicated(model.mesh)
         # (tokens, seqs, width) bucket -> its ahead-of-time compiled step.
         self.executables: dict[tuple[int, int, int], jax.stages.Compiled] = {}
-        # (features, measured seconds) of every executed step: what the profiled
-        # runtime predictor is fitted to.
-        self.step_records: list[tuple[BatchFeatures, float]] = []
+        # (features, measured seconds) of recent steps: what the profiled runtime
+        # predictor is refitted to. Bounded, so a long-running server does not grow.
+        self.step_records: collections.deque[tuple[BatchFeatures, float]] = collections.deque(
+            maxlen=STEP_RECORDS_KEPT)
         self.warmup_seconds: float | None = None
 
     # -- compilation -------------------------------------------------------------
@@ -201,12 +206,13 @@ class Engine:
         for chunks in batches:
             batch = self.borrow_batch(chunks, rng)
             try:
-                for _ in range(repeats + 1):            # the first run warms caches
+                for run in range(repeats + 1):          # the first run warms caches
                     self.execute(batch)
-                records.extend(self.step_records[-repeats:])
+                    record = self.step_records.pop()   # calibration is not traffic
+                    if run:
+                        records.append(record)
             finally:
                 self.release_batch(batch)
-        del self.step_records[-len(batches) * (repeats + 1):]
         return ProfiledPredictor.fit(records, token_buckets=self.ladder.token_buckets)
 
     def borrow_batch(self, chunks: list[tuple[int, int]], rng) -> Batch:

@@ -1,0 +1,215 @@
+"""Load test of the gRPC service: N concurrent streaming clients on loopback.
+
+    python -m benchmarks.load --quick
+    python -m benchmarks.load --model smollm2-135m --clients 1 8 32 --requests 200 --json load.json
+
+Starts a Server and its GrpcServer on 127.0.0.1 (a free port), then for each client count
+runs that many client threads, each sending Generate calls back to back (random prompt
+token ids, seeded) until the request count or the time limit is reached. Every call ends
+in exactly one of:
+
+    completed: a final message with finish_reason "length" or "stop"
+    failed:    an error status, or a final message saying "error" / "cancelled"
+    lost:      the stream ended with neither (must be 0: the service never drops a call)
+
+TTFT is the time from sending the call to the first message carrying tokens; e2e to the
+final message. Latency percentiles cover completed calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import threading
+import time
+
+import numpy as np
+
+QUICK = dict(model="tiny", clients=[4, 32], requests=400, duration_s=30.0, prompt_tokens=64,
+             max_tokens=16)
+
+
+@dataclasses.dataclass
+class CallRecord:
+    outcome: str                 # "completed" | "failed" | "lost"
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    num_tokens: int = 0
+    detail: str = ""
+
+
+def one_call(stub, medha_pb2, prompt: list[int], max_tokens: int, metadata) -> CallRecord:
+    import grpc
+
+    msg = medha_pb2.GenerateRequest(
+        token_ids=medha_pb2.TokenIds(ids=prompt),
+        sampling=medha_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                          ignore_eos=True))
+    start = time.perf_counter()
+    first = final = None
+    num_tokens = 0
+    try:
+        for response in stub.Generate(msg, metadata=metadata):
+            if response.token_ids and first is None:
+                first = time.perf_counter()
+            num_tokens += len(response.token_ids)
+            if response.finished:
+                final = response
+    except grpc.RpcError as e:
+        return CallRecord("failed", detail=f"{e.code().name}: {e.details()}")
+    end = time.perf_counter()
+    if final is None:
+        return CallRecord("lost", detail="stream ended without a final message")
+    if final.finish_reason not in ("length", "stop"):
+        return CallRecord("failed", detail=f"{final.finish_reason}: {final.error}")
+    return CallRecord("completed", ttft_s=None if first is None else first - start,
+                      e2e_s=end - start, num_tokens=num_tokens)
+
+
+def run_load(address: str, *, clients: int, requests: int, duration_s: float,
+             prompt_tokens: int, max_tokens: int, vocab_size: int, token: str | None,
+             seed: int) -> tuple[list[CallRecord], float]:
+    """`clients` threads share `requests` calls (or stop at duration_s); returns records
+    and the wall time."""
+    import grpc
+
+    from serving.proto import medha_pb2, medha_pb2_grpc
+
+    metadata = (("authorization", f"Bearer {token}"),) if token else None
+    records: list[CallRecord] = []
+    lock = threading.Lock()
+    issued = iter(range(requests))
+    deadline = time.perf_counter() + duration_s
+
+    def client(index: int) -> None:
+        rng = np.random.default_rng([seed, index])
+        with grpc.insecure_channel(address) as channel:
+            stub = medha_pb2_grpc.MedhaStub(channel)
+            while time.perf_counter() < deadline:
+                with lock:
+                    if next(issued, None) is None:
+                        return
+                prompt = rng.integers(0, vocab_size, prompt_tokens).tolist()
+                record = one_call(stub, medha_pb2, prompt, max_tokens, metadata)
+                with lock:
+                    records.append(record)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return records, time.perf_counter() - start
+
+
+def summarize(records: list[CallRecord], wall_s: float) -> dict:
+    done = [r for r in records if r.outcome == "completed"]
+
+    def pct(values, q):
+        return float(np.percentile(values, q)) if values else None
+
+    ttft = [r.ttft_s for r in done if r.ttft_s is not None]
+    e2e = [r.e2e_s for r in done]
+    failures = sorted({r.detail for r in records if r.outcome != "completed"})
+    return {
+        "completed": len(done),
+        "failed": sum(r.outcome == "failed" for r in records),
+        "lost": sum(r.outcome == "lost" for r in records),
+        "wall_s": wall_s,
+        "req_per_s": len(done) / wall_s if wall_s > 0 else None,
+        "tok_per_s": sum(r.num_tokens for r in done) / wall_s if wall_s > 0 else None,
+        "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
+        "e2e_p50_s": pct(e2e, 50), "e2e_p99_s": pct(e2e, 99),
+        "failure_kinds": failures[:5],
+    }
+
+
+COLUMNS = ("clients", "completed", "failed", "lost", "req_per_s", "tok_per_s", "ttft_p50_s",
+           "ttft_p99_s", "e2e_p50_s", "e2e_p99_s")
+
+
+def format_rows(rows: list[dict]) -> str:
+    def cell(v):
+        return "-" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))
+
+    table = [list(COLUMNS)] + [[cell(row[c]) for c in COLUMNS] for row in rows]
+    widths = [max(len(r[i]) for r in table) for i in range(len(COLUMNS))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in table]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def context(server, args) -> dict:
+    import jax
+    import jaxlib
+
+    devices = jax.devices()
+    return {
+        "benchmark": "load", "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "backend": jax.default_backend(), "device_kind": devices[0].device_kind,
+        "device_count": len(devices), "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+        "model": server.config.name, "dtype": server.config.dtype,
+        "mesh_shape": dict(server.model.mesh.shape), "policy": server.policy,
+        "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
+        "requests_per_config": args.requests, "duration_s_per_config": args.duration_s,
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny",
+                        help="preset, checkpoint dir or .gguf (default: tiny random weights)")
+    parser.add_argument("--policy", default="lars")
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32],
+                        help="concurrent clients, one row per value")
+    parser.add_argument("--requests", type=int, default=128, help="calls per configuration")
+    parser.add_argument("--duration-s", type=float, default=120.0,
+                        help="time limit per configuration")
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--token", default=None, help="run the server with this bearer token")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help=f"about a minute: {QUICK}")
+    parser.add_argument("--json", default=None, help="write every figure and the context here")
+    args = parser.parse_args(argv)
+    if args.quick:
+        for key, value in QUICK.items():
+            setattr(args, key, value)
+
+    from medha_jax.engine import EngineConfig
+    from serving.grpc_service import GrpcServer
+    from serving.server import Server
+
+    max_clients = max(args.clients)
+    engine_config = EngineConfig(max_kv_tokens=max(16_384, 2 * max_clients * (
+        args.prompt_tokens + args.max_tokens)), max_model_len=args.prompt_tokens + args.max_tokens,
+        max_tokens_per_step=128, max_seqs=16)
+    rows = []
+    with Server(args.model, scheduler=args.policy, engine_config=engine_config) as server, \
+            GrpcServer(server, port=0, token=args.token,
+                       max_concurrent_rpcs=max_clients + 4) as endpoint:
+        print(f"serving {server.config.name} ({server.policy}) on {endpoint.address}", flush=True)
+        for clients in args.clients:
+            records, wall = run_load(endpoint.address, clients=clients, requests=args.requests,
+                                     duration_s=args.duration_s, prompt_tokens=args.prompt_tokens,
+                                     max_tokens=args.max_tokens,
+                                     vocab_size=server.config.vocab_size, token=args.token,
+                                     seed=args.seed)
+            row = {"clients": clients, **summarize(records, wall)}
+            rows.append(row)
+            print(f"  {clients} clients: {row['completed']} completed, {row['failed']} failed, "
+                  f"{row['lost']} lost in {wall:.1f} s", flush=True)
+        info = context(server, args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"context": info, "results": rows}, f, indent=2)
+    print(format_rows(rows))
+    return 1 if any(row["lost"] for row in rows) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,161 @@
+"""The `medha-jax` command: generate, serve, demo.
+
+    medha-jax generate "What is the capital of France?" --max-tokens 32
+    medha-jax serve --port 50051 --token "$MEDHA_TOKEN" --metrics-port 9100
+    medha-jax demo
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+
+DEFAULT_PORT = 50051
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2-135m",
+                        help="preset name, Hugging Face checkpoint directory or .gguf file "
+                             "(default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                        help="weights and KV-cache dtype (default float32)")
+    parser.add_argument("--parallel", default="",
+                        help="mesh degrees, e.g. 'tp=2' (default: one device)")
+    parser.add_argument("--policy", default="lars",
+                        help="scheduling policy: lars (default), lars-mp, lrs, edf, fcfs-np, "
+                             "sarathi-512, sarathi-2048")
+    engine = parser.add_argument_group("engine (defaults: EngineConfig's)")
+    for flag, help in [("--max-kv-tokens", "KV-cache capacity in tokens"),
+                       ("--max-model-len", "longest prompt + output, in tokens"),
+                       ("--max-tokens-per-step", "tokens in one step (largest shape bucket)"),
+                       ("--max-seqs", "sequences in one step")]:
+        engine.add_argument(flag, type=int, default=None, help=help)
+
+
+ENGINE_FLAGS = ("max_kv_tokens", "max_model_len", "max_tokens_per_step", "max_seqs")
+
+
+def _make_server(args, *, warmup: bool, calibrate: bool):
+    """calibrate=False plans with the analytical predictor instead of timing a sweep of
+    steps: enough for one request, whose schedule is the same whatever the timings."""
+    from medha_jax.config import ParallelConfig
+    from medha_jax.engine import EngineConfig
+    from medha_jax.model import load_model
+    from medha_jax.scheduler.predictor import AnalyticalPredictor
+    from serving.server import Server
+
+    parallel = ParallelConfig.parse(args.parallel)
+    model = load_model(args.model, parallel=parallel, dtype=args.dtype)
+    sizes = {f: getattr(args, f) for f in ENGINE_FLAGS if getattr(args, f) is not None}
+    return Server(model, scheduler=args.policy, engine_config=EngineConfig(**sizes),
+                  metrics_port=getattr(args, "metrics_port", None), warmup=warmup,
+                  predictor=None if calibrate else AnalyticalPredictor(model.config, parallel))
+
+
+def _generate(args) -> int:
+    from medha_jax.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.seed, stop=tuple(args.stop))
+    # One request needs only the shapes it touches: compile those lazily, not the ladder.
+    with _make_server(args, warmup=False, calibrate=False) as server:
+        prompt = args.prompt
+        if not args.raw and server.tokenizer is not None and server.tokenizer.chat_template:
+            prompt = server.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        final = None
+        for delta in server.generate_stream(prompt, params):
+            print(delta.text, end="", flush=True)
+            final = delta
+        print()
+        m = final.metrics
+        print(f"[{m.num_output_tokens} tokens, finish_reason={final.finish_reason}, "
+              f"ttft={m.ttft:.3f} s, tpot={m.tpot * 1e3:.1f} ms]", file=sys.stderr)
+        if final.finish_reason == "error":
+            print(f"error: {final.error}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def _serve(args) -> int:
+    from serving.grpc_service import GrpcServer
+
+    token = args.token or os.environ.get("MEDHA_TOKEN") or None
+    with _make_server(args, warmup=True, calibrate=True) as server:
+        limits = ({"max_message_bytes": args.max_message_bytes}
+                  if args.max_message_bytes is not None else {})
+        grpc_server = GrpcServer(server, host=args.host, port=args.port, token=token,
+                                 max_concurrent_rpcs=args.max_concurrent_rpcs, **limits)
+        print(f"serving {server.config.name} ({server.policy}) on {grpc_server.address}"
+              + (" (bearer token required)" if token else "")
+              + (f"; metrics on http://127.0.0.1:{server.metrics_port}/metrics"
+                 if server.metrics_port is not None else ""), flush=True)
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        stop.wait()
+        print("stopping: finishing open calls", flush=True)
+        grpc_server.stop(grace=args.grace)
+    return 0
+
+
+def _demo(args) -> int:
+    from serving import demo
+
+    return demo.main(quick=args.quick)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="medha-jax", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    gen = commands.add_parser("generate", help="generate text for one prompt")
+    gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--raw", action="store_true",
+                     help="send the prompt as is, without the model's chat template")
+    _add_model_args(gen)
+    gen.set_defaults(run=_generate)
+
+    serve = commands.add_parser("serve", help="serve the gRPC API (medha.v1.Medha + health)")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="bind address (default 127.0.0.1; 0.0.0.0 exposes it to the network)")
+    serve.add_argument("--port", type=int, default=DEFAULT_PORT)
+    serve.add_argument("--token", default=None,
+                       help="require 'authorization: Bearer TOKEN' (default: $MEDHA_TOKEN if set)")
+    serve.add_argument("--metrics-port", type=int, default=None,
+                       help="serve Prometheus metrics over HTTP on this port")
+    serve.add_argument("--max-concurrent-rpcs", type=int, default=64,
+                       help="open calls at most; more are refused with RESOURCE_EXHAUSTED")
+    serve.add_argument("--max-message-bytes", type=int, default=None,
+                       help="largest request or response message (default 64 MiB)")
+    serve.add_argument("--grace", type=float, default=5.0,
+                       help="seconds open calls get to finish on shutdown")
+    _add_model_args(serve)
+    serve.set_defaults(run=_serve)
+
+    demo = commands.add_parser("demo", help="the convoy effect and its cure, on the CPU")
+    demo.add_argument("--quick", action="store_true", help="a smaller workload")
+    demo.set_defaults(run=_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except ValueError as e:          # bad arguments: the message names the value
+        print(f"medha-jax {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""The gRPC front end of a Server: medha.v1.Medha (Generate, Metrics) and grpc.health.v1.Health.
+
+    grpc_server = GrpcServer(server, port=50051, token="s3cret")   # serving now
+    grpc_server.wait()                                              # until stop()
+
+One worker thread per open call (grpc's synchronous server): a Generate call blocks its
+thread reading the request's deltas, which costs nothing while it waits. Calls beyond
+`max_concurrent_rpcs` are refused at once with RESOURCE_EXHAUSTED rather than queued
+without an answer. Whatever ends a call (the client cancels, its deadline passes, the
+connection drops, the server stops) cancels the request, so its KV pages return to the pool.
+
+Bad input fails the call with INVALID_ARGUMENT, and a prompt that can never fit the KV
+cache with RESOURCE_EXHAUSTED, each with the server's message naming the field.
+"""
+
+from __future__ import annotations
+
+import hmac
+import threading
+from concurrent import futures
+
+import grpc
+
+from medha_jax.request import SLO
+from medha_jax.sampling_params import SamplingParams
+from medha_jax.scheduler.controller import CapacityError
+from serving.outputs import StreamDelta
+from serving.proto import health_pb2, health_pb2_grpc, medha_pb2, medha_pb2_grpc
+from serving.server import Server
+
+SERVICE_NAME = "medha.v1.Medha"
+HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
+DEFAULT_MAX_MESSAGE_BYTES = 64 << 20     # a million-token prompt is ~4 MiB of varints
+
+
+def request_from_proto(msg: medha_pb2.GenerateRequest
+                       ) -> tuple[str | list[int], SamplingParams, SLO | None]:
+    """The prompt, SamplingParams and SLO a GenerateRequest asks for (ValueError if bad)."""
+    which = msg.WhichOneof("prompt")
+    if which is None:
+        raise ValueError("prompt: set either text or token_ids")
+    prompt = msg.text if which == "text" else list(msg.token_ids.ids)
+    fields = {}
+    for name in ("temperature", "top_k", "top_p", "max_tokens", "seed"):
+        if msg.sampling.HasField(name):
+            fields[name] = getattr(msg.sampling, name)
+    params = SamplingParams(**fields, stop=tuple(msg.sampling.stop),
+                            stop_token_ids=tuple(msg.sampling.stop_token_ids),
+                            ignore_eos=msg.sampling.ignore_eos)
+    slo = SLO(ttft_s=msg.slo.ttft_s, tpot_s=msg.slo.tpot_s) if msg.HasField("slo") else None
+    return prompt, params, slo
+
+
+def response_from_delta(delta: StreamDelta) -> medha_pb2.GenerateResponse:
+    response = medha_pb2.GenerateResponse(
+        request_id=delta.request_id, token_ids=delta.token_ids, text=delta.text,
+        finished=delta.finished, finish_reason=delta.finish_reason or "",
+        error=delta.error or "")
+    if delta.metrics is not None:
+        m = delta.metrics
+        response.metrics.CopyFrom(medha_pb2.RequestMetrics(
+            ttft_s=m.ttft, tpot_s=m.tpot, queue_time_s=m.queue_time,
+            num_prompt_tokens=m.num_prompt_tokens, num_output_tokens=m.num_output_tokens,
+            num_preemptions=m.num_preemptions))
+    return response
+
+
+class MedhaServicer(medha_pb2_grpc.MedhaServicer):
+    def __init__(self, server: Server):
+        self._server = server
+
+    def Generate(self, request, context):
+        try:
+            prompt, params, slo = request_from_proto(request)
+            handle = self._server.submit(prompt, params, slo=slo, priority=request.priority,
+                                         request_id=request.request_id or None)
+        except CapacityError as e:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except (ValueError, TypeError) as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except RuntimeError as e:                  # the server is closing
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        # Runs when the call ends for any reason; a no-op once the request has finished.
+        context.add_callback(handle.cancel)
+        for delta in handle:
+            yield response_from_delta(delta)
+
+    def Metrics(self, request, context):
+        return medha_pb2.MetricsResponse(text=self._server.metrics_text())
+
+
+class HealthServicer(health_pb2_grpc.HealthServicer):
+    """The standard health protocol: "" (the whole server) and "medha.v1.Medha"."""
+
+    def __init__(self):
+        self._status = {"": health_pb2.HealthCheckResponse.SERVING,
+                        SERVICE_NAME: health_pb2.HealthCheckResponse.SERVING}
+        self._changed = threading.Condition()
+
+    def set_serving(self, serving: bool) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        with self._changed:
+            for service in self._status:
+                self._status[service] = status
+            self._changed.notify_all()
+
+    def Check(self, request, context):
+        status = self._status.get(request.service)
+        if status is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
+        return health_pb2.HealthCheckResponse(status=status)
+
+    def Watch(self, request, context):
+        last = None
+        while context.is_active():
+            with self._changed:
+                status = self._status.get(request.service,
+                                          health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+                if status == last:
+                    # Wake now and then to notice a client that went away.
+                    self._changed.wait(timeout=1.0)
+                    continue
+            last = status
+            yield health_pb2.HealthCheckResponse(status=status)
+
+
+class _BearerToken(grpc.ServerInterceptor):
+    """Refuses calls without metadata "authorization: Bearer <token>" (health probes exempt)."""
+
+    def __init__(self, token: str):
+        self._expected = f"Bearer {token}".encode()
+
+        def deny(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    def intercept_service(self, continuation, handler_call_details):
+        if handler_call_details.method.startswith(HEALTH_METHOD_PREFIX):
+            return continuation(handler_call_details)
+        given = dict(handler_call_details.invocation_metadata).get("authorization", "")
+        if hmac.compare_digest(given.encode(), self._expected):
+            return continuation(handler_call_details)
+        return self._deny
+
+
+class GrpcServer:
+    """Serves a Server over gRPC on host:port (port 0 picks a free one: see `.port`)."""
+
+    def __init__(self, server: Server, *, host: str = "127.0.0.1", port: int = 0,
+                 token: str | None = None, max_concurrent_rpcs: int = 64,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+        if max_concurrent_rpcs < 1:
+            raise ValueError(f"max_concurrent_rpcs must be >= 1, got {max_concurrent_rpcs}")
+        if token is not None and not token:
+            raise ValueError("token must be a non-empty string or None")
+        self.server = server
+        self.health = HealthServicer()
+        self._grpc = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_concurrent_rpcs,
+                                       thread_name_prefix="medha-grpc"),
+            interceptors=[_BearerToken(token)] if token else [],
+            maximum_concurrent_rpcs=max_concurrent_rpcs,
+            options=[("grpc.max_receive_message_length", max_message_bytes),
+                     ("grpc.max_send_message_length", max_message_bytes),
+                     ("grpc.so_reuseport", 0)])
+        medha_pb2_grpc.add_MedhaServicer_to_server(MedhaServicer(server), self._grpc)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
+        self.host = host
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self.port = self._grpc.add_insecure_port(address)
+        if self.port == 0:
+            raise OSError(f"could not bind the gRPC server to {address}")
+        self._grpc.start()
+
+    @property
+    def address(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    def stop(self, grace: float | None = 5.0) -> None:
+        """Reports NOT_SERVING, then stops; open calls get `grace` seconds to finish."""
+        self.health.set_serving(False)
+        self._grpc.stop(grace).wait()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._grpc.wait_for_termination(timeout)
+
+    def __enter__(self) -> "GrpcServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

