@@ -274,7 +274,7 @@ class Server:
         if not isinstance(priority, int):
             raise TypeError(f"priority must be an int, got {priority!r}")
         prompt_ids = self._prompt_token_ids(prompt)
-        self._check_fits(len(prompt_ids), params.max_tokens)
+        self.controller.check_fits(len(prompt_ids), params.max_tokens)
         return prompt_ids
 
     def _prompt_token_ids(self, prompt: Prompt) -> list[int]:
@@ -298,23 +298,6 @@ class Server:
         if not ids:
             raise ValueError("prompt is empty: it needs at least one token")
         return ids
-
-    def _check_fits(self, prompt_len: int, max_tokens: int) -> None:
-        """Refuses here, on the caller's thread, what the controller's add_request would
-        refuse later on the loop thread (the same two conditions), so the caller gets the
-        exception. The controller stays single-threaded; these read only fixed sizes."""
-        total = prompt_len + max_tokens
-        if total > self.max_model_len:
-            raise ValueError(f"prompt has {prompt_len} tokens and max_tokens={max_tokens}: "
-                             f"together {total}, more than max_model_len={self.max_model_len}, "
-                             "the longest sequence this server holds (the model's context, "
-                             "capped by the KV cache)")
-        allocator = self.engine.allocator
-        if not allocator.can_ever_fit(total - 1):   # the last sampled token is never cached
-            raise CapacityError(
-                f"prompt has {prompt_len} tokens and max_tokens={max_tokens}: they need "
-                f"{allocator.pages_needed(total - 1)} KV pages of {allocator.page_size} tokens; "
-                f"the whole cache has {allocator.num_pages}")
 
     # ------------------------------------------------------------------ the loop thread
 
@@ -367,7 +350,7 @@ class Server:
         try:
             self.controller.add_request(request)
         except Exception as e:
-            # The controller refused what _check_fits passed: report it on the stream.
+            # The controller refused what check_fits passed: report it on the stream.
             self._finish(stream, FinishReason.ERROR, error=f"{type(e).__name__}: {e}")
             return
         self._streams[request.request_id] = stream

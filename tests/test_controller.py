@@ -112,7 +112,7 @@ def test_stop_tokens_and_eos():
 
 def test_admission_errors_name_the_problem():
     controller, allocator, _ = _setup(num_pages=8, page_size=16)      # 128 tokens of KV
-    with pytest.raises(ValueError, match=r"prompt_len=2000 \+ max_new_tokens=100 = 2100 "
+    with pytest.raises(ValueError, match=r"prompt_len=2000 \+ max_tokens=100 = 2100 "
                                          r"exceeds max_model_len=2048"):
         controller.add_request(_request("long", prompt_len=2000, max_new=100))
     with pytest.raises(CapacityError, match="RESOURCE.*needs 10 KV pages of 16 tokens.*has 8"):

@@ -162,23 +162,29 @@ class ReplicaController:
             raise ValueError(f"request {rid!r} already has progress (state={request.state.value}, "
                              f"num_computed_tokens={request.num_computed_tokens}, "
                              f"{len(request.output_token_ids)} output tokens)")
-        total = request.prompt_len + request.max_new_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"request {rid!r}: prompt_len={request.prompt_len} + max_new_tokens="
-                f"{request.max_new_tokens} = {total} exceeds max_model_len={self.max_model_len}")
-        cached_tokens = total - 1   # the last sampled token is never computed
-        if not self.allocator.can_ever_fit(cached_tokens):
-            raise CapacityError(
-                f"RESOURCE: request {rid!r} needs {self.allocator.pages_needed(cached_tokens)} KV "
-                f"pages of {self.allocator.page_size} tokens (prompt_len={request.prompt_len} + "
-                f"max_new_tokens={request.max_new_tokens}) but the whole cache has "
-                f"{self.allocator.num_pages}")
+        self.check_fits(request.prompt_len, request.max_new_tokens, request_id=rid)
         request.w_total = self.prefill_time_cache.prefill_time(request.prompt_len)
         self._requests[rid] = request
         self._admission[rid] = self._num_admitted
         self._num_admitted += 1
         self._prefills.add(request)
+
+    def check_fits(self, prompt_len: int, max_new_tokens: int, *, request_id: str = "") -> None:
+        """Raises when a request of this size can never run here: longer than max_model_len
+        (ValueError) or more KV pages than the whole cache (CapacityError). Reads only fixed
+        sizes, so a server may call it on the caller's thread before queueing the request."""
+        name = f"request {request_id!r}: " if request_id else ""
+        total = prompt_len + max_new_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"{name}prompt_len={prompt_len} + max_tokens={max_new_tokens} = {total} exceeds "
+                f"max_model_len={self.max_model_len} (the model's context, capped by the KV cache)")
+        cached_tokens = total - 1   # the last sampled token is never computed
+        if not self.allocator.can_ever_fit(cached_tokens):
+            raise CapacityError(
+                f"RESOURCE: {name}needs {self.allocator.pages_needed(cached_tokens)} KV pages of "
+                f"{self.allocator.page_size} tokens (prompt_len={prompt_len} + max_tokens="
+                f"{max_new_tokens}) but the whole cache has {self.allocator.num_pages}")
 
     def cancel(self, request_id: str) -> bool:
         """Cancels an unfinished request and frees its pages; False if there is none."""
