@@ -14,6 +14,8 @@ its output, timing it as a client sees it (time.monotonic, from just before subm
 Nothing is lost: every trace entry yields one record, completed (finished by length or
 stop) or failed with the error (refused at submission, finished with "error" or
 "cancelled", timed out, or the stream broke).
+
+The same replay runs against a remote `medha-jax serve` through `GrpcTarget(address)`.
 """
 
 from __future__ import annotations
@@ -109,9 +111,11 @@ def replay_trace(server: StreamingTarget, trace: Sequence[TraceRequest], *, voca
         raise ValueError(f"time_scale must be > 0, got {time_scale!r}")
     requests = to_requests(trace, slo_policy=slo_policy, prefill_time_s=prefill_time_s,
                            vocab_size=vocab_size, seed=seed, first_token_id=first_token_id)
-    run = lambda: asyncio.run(_replay(server, trace, requests, progress=progress,
-                                      time_scale=time_scale,
-                                      request_timeout_s=request_timeout_s))
+
+    def run() -> list[ReplayRecord]:
+        return asyncio.run(_replay(server, trace, requests, progress=progress,
+                                   time_scale=time_scale, request_timeout_s=request_timeout_s))
+
     try:
         asyncio.get_running_loop()
     except RuntimeError:

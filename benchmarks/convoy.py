@@ -1,0 +1,471 @@
+"""The convoy experiment (seed 000: figure 1, sections 6.1-6.4): short requests stuck
+behind long prefills, per scheduling policy.
+
+ShareGPT4-like short requests mixed with a fraction of Medha-SWE-like long ones
+(medha_jax.workloads), Poisson arrivals at each QPS of a sweep, run under each policy;
+reports short-request TTFT percentiles, long-request TTFT and completions, TPOT and
+throughput, side by side on the same trace.
+
+    python -m benchmarks.convoy --simulate --model llama3-8b --hardware a100 --gpus 16 \\
+        --parallel tp=8,spp=2 --qps 0.75 --out results/convoy --json results/convoy.json
+    python -m benchmarks.convoy --server --policies lars,fcfs-np       # live, on the CPU
+    python -m benchmarks.convoy --validate-simulator                   # simulator vs engine
+
+--simulate runs the discrete-event simulator (medha_jax.simulator) over the analytical
+predictor of a hardware preset; every figure it prints is simulated (--quick: 300
+requests, 3 policies, well under a minute). --server replays the trace (lengths scaled
+down to fit a CPU) against a live Server per policy, all over one engine compiled and
+calibrated once (that start-up takes minutes on 2 cores, --quick or not).
+--validate-simulator runs one policy live and simulates the same trace with the predictor
+fitted by engine.fit_predictor(), comparing TTFT/TPOT percentiles (within 25% passes); as
+a diagnosis it also simulates with a predictor fitted to the run's own iteration times,
+which separates the simulator's error from calibration drift (a shared CPU's step times
+change with its load).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+from typing import Sequence
+
+from medha_jax.config import ParallelConfig, model_preset
+from medha_jax.latency_report import (LatencyRecord, format_table, records_from_requests,
+                                      summarize)
+from medha_jax.request import SLO
+from medha_jax.workloads import (SLOPolicy, TraceRequest, WorkloadSpec, fit_lengths,
+                                 generate_workload, load_azure_trace, request_id, to_requests)
+
+ALL_POLICIES = ("fcfs-np", "sarathi-512", "sarathi-2048", "edf", "lrs", "lars", "lars-mp")
+
+# Scaled lengths for the live CPU server: short prompts of tens to hundreds of tokens
+# (p50 86), long ones of a few thousand (p50 ~2K), outputs of tens (ShareGPT4 and
+# Medha-SWE shapes kept), within the engine below.
+SERVER_SCALES = dict(short_scale=0.05, long_scale=0.005, output_scale=0.04,
+                     max_output_tokens=64)
+# A CPU-sized engine: a short context and few buckets keep warm-up and calibration to
+# minutes on 2 cores. Prefix caching off: every policy replays the same prompts, and a
+# later one must not find an earlier one's pages in the cache.
+SERVER_ENGINE = dict(page_size=16, max_kv_tokens=16_384, max_model_len=4096,
+                     max_tokens_per_step=256, min_token_bucket=32, max_seqs=16,
+                     enable_prefix_caching=False)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.convoy", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--simulate", action="store_true",
+                      help="simulate a cluster (the default mode)")
+    mode.add_argument("--server", action="store_true",
+                      help="replay against a live Server per policy (CPU-sized lengths)")
+    mode.add_argument("--validate-simulator", action="store_true",
+                      help="live run plus a simulation with the engine-fitted predictor; "
+                           "compares their TTFT/TPOT percentiles")
+    p.add_argument("--model", default=None,
+                   help="simulate: a preset (default llama3-8b); server: a model name or "
+                        "path for load_model (default smollm2-135m)")
+    p.add_argument("--hardware", default="a100", help="simulate: hardware preset")
+    p.add_argument("--gpus", type=int, default=16,
+                   help="simulate: devices in all; replicas = gpus / parallel size")
+    p.add_argument("--parallel", default="tp=8,spp=2", help="simulate: e.g. tp=8,spp=2")
+    p.add_argument("--long-fraction", type=float, default=0.05)
+    p.add_argument("--qps", default=None,
+                   help="comma list, a sweep (default 0.75 simulated, 0.5 on the server)")
+    p.add_argument("--requests", type=int, default=None,
+                   help="requests per run (default 1000 simulated, 40 on the server)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--arrival", choices=("poisson", "bursty"), default="poisson")
+    p.add_argument("--short-lengths-from", default=None, metavar="AZURE_CSV",
+                   help="draw short requests from lognormals fitted to this Azure trace "
+                        "(e.g. shared/traces/azure2023_splitwise_conv.csv) instead of "
+                        "ShareGPT4's")
+    p.add_argument("--policies", default=None,
+                   help=f"comma list of {','.join(ALL_POLICIES)} "
+                        "(default all simulated, lars,fcfs-np on the server)")
+    p.add_argument("--short-ttft", type=float, default=SLOPolicy().short_ttft_s,
+                   help="TTFT deadline of short requests, s")
+    p.add_argument("--long-ttft-factor", type=float, default=SLOPolicy().long_ttft_factor,
+                   help="long-request deadline = this x its predicted prefill time")
+    p.add_argument("--out", default=None, help="directory for the figures (PNG)")
+    p.add_argument("--json", default=None, help="write every figure and the context here")
+    p.add_argument("--quick", action="store_true", help="a small run (about a minute)")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    args.mode = ("server" if args.server else
+                 "validate" if args.validate_simulator else "simulate")
+    live = args.mode != "simulate"
+    if args.model is None:
+        args.model = "smollm2-135m" if live else "llama3-8b"
+    if args.policies is None:
+        args.policies = (("lars", "fcfs-np") if live else
+                         ("fcfs-np", "lars", "lars-mp") if args.quick else ALL_POLICIES)
+    else:
+        args.policies = tuple(x.strip() for x in args.policies.split(",") if x.strip())
+    unknown = set(args.policies) - set(ALL_POLICIES)
+    if unknown:
+        p.error(f"unknown policies {sorted(unknown)}; known: {','.join(ALL_POLICIES)}")
+    if args.mode == "validate":
+        args.policies = args.policies[:1]
+    args.qps = tuple(float(q) for q in (args.qps or ("0.5" if live else "0.75")).split(","))
+    if args.requests is None:
+        args.requests = ((20 if args.quick else 40) if live else
+                         (300 if args.quick else 1000))
+    if not 0 <= args.long_fraction <= 1:
+        p.error(f"--long-fraction must be in [0, 1], got {args.long_fraction}")
+    return args
+
+
+def workload(args: argparse.Namespace, qps: float, *, max_prompt_tokens: int | None = None
+             ) -> list[TraceRequest]:
+    live = args.mode != "simulate"
+    shapes = {}
+    if args.short_lengths_from:
+        shapes["short_prompt"], shapes["short_output"] = fit_lengths(
+            load_azure_trace(args.short_lengths_from))
+    return generate_workload(WorkloadSpec(
+        num_requests=args.requests, qps=qps, long_fraction=args.long_fraction, seed=args.seed,
+        arrival=args.arrival, max_prompt_tokens=max_prompt_tokens,
+        **shapes, **(SERVER_SCALES if live else {})))
+
+
+def slo_policy(args: argparse.Namespace) -> SLOPolicy:
+    return SLOPolicy(short_ttft_s=args.short_ttft, long_ttft_factor=args.long_ttft_factor)
+
+
+def long_ids(trace: Sequence[TraceRequest]) -> set[str]:
+    return {request_id(i) for i, r in enumerate(trace) if r.is_long}
+
+
+# ---------------------------------------------------------------------------------------
+# Simulated cluster
+# ---------------------------------------------------------------------------------------
+
+def simulate_policy(trace: Sequence[TraceRequest], policy: str, *, slo: SLOPolicy,
+                    prefill_time_cache, progress: bool = False, **sim_kwargs
+                    ) -> list[LatencyRecord]:
+    """Runs one policy over the trace in the simulator and returns its records.
+
+    prefill_time_cache: the scheduler's Algorithm 3 table for the simulator's predictor;
+    it sets long requests' deadlines (SLOPolicy) and is reused by every replica and every
+    policy, so all runs share one w_total. sim_kwargs go to `simulate` (model, parallel,
+    hardware, num_replicas, predictor, max_model_len, ...).
+    """
+    from medha_jax.simulator import simulate
+
+    # Fresh Requests per run: the controller mutates them.
+    requests = to_requests(trace, slo_policy=slo, prefill_time_s=prefill_time_cache)
+    result = simulate(requests, policy=policy, progress=progress,
+                      prefill_time_cache=prefill_time_cache, **sim_kwargs)
+    return records_from_requests(result.requests, long_ids=long_ids(trace))
+
+
+def run_simulated(args: argparse.Namespace) -> tuple[dict, dict]:
+    from medha_jax.scheduler import AnalyticalPredictor, hardware_preset, make_prefill_time_cache
+
+    model = model_preset(args.model)
+    parallel = ParallelConfig.parse(args.parallel)
+    if args.gpus % parallel.num_devices:
+        raise SystemExit(f"--gpus {args.gpus} is not a multiple of the parallel size "
+                         f"{parallel.num_devices} ({parallel})")
+    replicas = args.gpus // parallel.num_devices
+    hardware = hardware_preset(args.hardware)
+    # The simulator's own default predictor, built here so SLOs can use its prefill times.
+    predictor = AnalyticalPredictor(model, dataclasses.replace(parallel, dp=1), hardware)
+    runs: dict[str, dict[str, list[LatencyRecord]]] = {}
+    for qps in args.qps:
+        trace = workload(args, qps)
+        max_model_len = max(r.prompt_tokens + r.output_tokens for r in trace)
+        cache = make_prefill_time_cache(predictor, max_model_len=max_model_len)
+        runs[f"{qps:g}"] = {
+            policy: simulate_policy(trace, policy, slo=slo_policy(args), prefill_time_cache=cache,
+                                    progress=not args.no_progress, model=model,
+                                    parallel=parallel, hardware=hardware,
+                                    num_replicas=replicas, predictor=predictor,
+                                    max_model_len=max_model_len)
+            for policy in args.policies}
+    context = {"mode": "simulated", "predictor": f"AnalyticalPredictor ({hardware.name})",
+               "hardware": hardware.name, "gpus": args.gpus, "parallel": str(parallel),
+               "replicas": replicas, "model": model.name, "dtype": model.dtype}
+    return runs, context
+
+
+# ---------------------------------------------------------------------------------------
+# Live server
+# ---------------------------------------------------------------------------------------
+
+def run_live(args: argparse.Namespace) -> tuple[dict, dict, dict | None]:
+    """Replays the trace against a live Server per policy; when validating, also simulates
+    the same trace with the predictor the server fitted to its engine's step times.
+
+    One engine, compiled and calibrated once, serves every policy in turn (a Server per
+    policy over it), so policies differ only in scheduling.
+    """
+    from medha_jax.engine import Engine, EngineConfig
+    from medha_jax.model import load_model
+    import numpy as np
+
+    from medha_jax.scheduler import EngineLimits, ProfiledPredictor
+    from medha_jax.scheduler.factory import default_target_batch_time
+    from serving.replay import replay_trace
+    from serving.server import Server
+
+    engine = Engine(load_model(args.model), EngineConfig(**SERVER_ENGINE))
+    engine.warmup(progress=not args.no_progress)
+    print("fitting the runtime predictor to this machine ...", flush=True)
+    predictor = engine.fit_predictor()
+    print(f"  {predictor}", flush=True)
+    # Medha derives the batch time budget from the TPOT SLO. A CPU step costs far more than
+    # an accelerator's, so the TPOT this machine is asked to meet is the scheduler's own
+    # default budget for it (4x the smallest step), not an accelerator's tens of ms.
+    tpot_s = default_target_batch_time(
+        predictor, EngineLimits(token_buckets=engine.ladder.token_buckets,
+                                max_seqs_per_batch=engine.max_seqs))
+    slo = dataclasses.replace(slo_policy(args), tpot_s=tpot_s)
+    runs: dict[str, dict[str, list[LatencyRecord]]] = {}
+    validation = None
+    for qps in args.qps:
+        runs[f"{qps:g}"] = by_policy = {}
+        # Prompt + output must fit the served context.
+        trace = workload(args, qps, max_prompt_tokens=engine.max_model_len
+                         - SERVER_SCALES["max_output_tokens"])
+        for policy in args.policies:
+            with Server(engine, scheduler=policy, predictor=predictor, warmup=False,
+                        default_slo=SLO(ttft_s=slo.short_ttft_s, tpot_s=slo.tpot_s)
+                        ) as server:
+                cache = server.controller.prefill_time_cache
+                steps = _record_steps(engine) if args.mode == "validate" else None
+                by_policy[policy] = replay_trace(
+                    server, trace, vocab_size=engine.model.config.vocab_size,
+                    progress=not args.no_progress, slo_policy=slo, prefill_time_s=cache,
+                    seed=args.seed)
+                if args.mode == "validate":
+                    del engine.execute                      # drop the recording wrapper
+                    simulated = simulate_policy(trace, policy, slo=slo, prefill_time_cache=cache,
+                                                **server_twin(server, predictor))
+                    validation = validation or {}
+                    validation[f"{qps:g}"] = check = compare(by_policy[policy], simulated)
+                    check["calibration_error_on_run_steps"] = prediction_error(
+                        predictor, [(f, seconds) for f, seconds, _ in steps])
+                    by_policy[f"{policy} (simulated)"] = simulated
+                    # Diagnosis: the same simulation priced by whole iterations of this run
+                    # (start to next start: the step plus the controller's and server's
+                    # host work, which engine.fit_predictor() does not time) separates the
+                    # simulator's own error from the predictor's.
+                    iterations = iteration_times(steps)
+                    refit = ProfiledPredictor.fit(iterations,
+                                                  token_buckets=engine.ladder.token_buckets)
+                    resimulated = simulate_policy(trace, policy, slo=slo,
+                                                  prefill_time_cache=cache,
+                                                  **server_twin(server, refit))
+                    check["host_overhead_per_iteration_s"] = float(np.median(
+                        [gap - seconds for (_, gap), (_, seconds, _) in zip(iterations, steps)]))
+                    check["with_predictor_fitted_to_run_iterations"] = compare(
+                        by_policy[policy], resimulated)
+                    check["requests"] = [
+                        {"prompt_tokens": m.prompt_tokens, "output_tokens": m.output_tokens,
+                         "is_long": m.is_long, "measured_ttft_s": m.ttft_s,
+                         "measured_tpot_s": m.tpot_s, "simulated_ttft_s": s.ttft_s,
+                         "simulated_tpot_s": s.tpot_s}
+                        for m, s in zip(by_policy[policy], simulated)]
+                    by_policy[f"{policy} (simulated, run-fitted)"] = resimulated
+    context = {"mode": "live server" if args.mode == "server" else "live server + simulator",
+               "model": engine.model.config.name, "dtype": engine.model.config.dtype,
+               "engine": SERVER_ENGINE, "tpot_slo_s": tpot_s,
+               "predictor": repr(predictor)}
+    return runs, context, validation
+
+
+def server_twin(server, predictor) -> dict:
+    """simulate() arguments that mirror a live Server (engine limits, SLO default, KV
+    capacity, one replica of one device), pricing steps with `predictor`."""
+    from medha_jax.scheduler import HardwareSpec
+    from medha_jax.simulator import kv_capacity_tokens
+
+    config, engine = server.config, server.engine
+    capacity = engine.allocator.num_pages * engine.allocator.page_size
+    # The simulator sizes the KV cache from device memory minus weights; give it a device
+    # whose memory holds exactly the engine's pages. Its compute peaks are never read:
+    # the fitted predictor prices every step.
+    bytes_per_value = 4 if config.dtype == "float32" else 2
+    memory = config.num_params() * bytes_per_value + capacity * config.kv_bytes_per_token(
+        bytes_per_value)
+    device = HardwareSpec(name="this-engine", peak_flops=1.0, hbm_bandwidth=1.0,
+                          interconnect_bandwidth=1.0, memory_bytes=memory)
+    if kv_capacity_tokens(config, ParallelConfig(), device, 1.0) != capacity:
+        raise RuntimeError(f"simulated KV capacity differs from the engine's {capacity} tokens")
+    return dict(model=config, parallel=ParallelConfig(), hardware=device,
+                memory_utilization=1.0, page_size=engine.allocator.page_size,
+                predictor=predictor,
+                max_model_len=server.max_model_len,
+                token_buckets=engine.ladder.token_buckets, max_seqs_per_batch=engine.max_seqs,
+                default_slo=server.default_slo)
+
+
+# TTFT and TPOT percentiles of all requests, simulated vs measured.
+VALIDATED = (("ttft", 50), ("ttft", 90), ("tpot", 50), ("tpot", 90))
+VALIDATION_TOLERANCE = 0.25
+
+
+def compare(measured: Sequence[LatencyRecord], simulated: Sequence[LatencyRecord]) -> dict:
+    """Relative error of the simulator's TTFT/TPOT percentiles against measured ones."""
+    import numpy as np
+
+    out = {}
+    for metric, q in VALIDATED:
+        values = {name: [getattr(r, f"{metric}_s") for r in records
+                         if r.completed and getattr(r, f"{metric}_s") is not None]
+                  for name, records in (("measured", measured), ("simulated", simulated))}
+        m, s = (float(np.percentile(values[k], q)) for k in ("measured", "simulated"))
+        out[f"{metric}_p{q}"] = {"measured_s": m, "simulated_s": s,
+                                 "rel_error": abs(s - m) / m}
+    out["within_tolerance"] = all(v["rel_error"] <= VALIDATION_TOLERANCE
+                                  for v in out.values())
+    out["tolerance"] = VALIDATION_TOLERANCE
+    return out
+
+
+def _record_steps(engine) -> list[tuple[object, float, float]]:
+    """Wraps this engine instance's execute to record (features, seconds, start time) of
+    every step (validation only; `del engine.execute` restores the class's method)."""
+    steps: list[tuple[object, float, float]] = []
+    execute = engine.execute
+
+    def recorded_execute(batch):
+        start = time.perf_counter()
+        result = execute(batch)
+        features, seconds = engine.step_records[-1]
+        steps.append((features, seconds, start))
+        return result
+
+    engine.execute = recorded_execute
+    return steps
+
+
+def iteration_times(steps: Sequence[tuple[object, float, float]], idle_after_s: float = 2.0
+                    ) -> list[tuple[object, float]]:
+    """(features, seconds from this step's start to the next one's) for back-to-back
+    steps. A gap of more than idle_after_s beyond the step itself means the server had
+    nothing to do (waiting for arrivals); such steps keep their own duration."""
+    out = []
+    for i, (features, seconds, start) in enumerate(steps):
+        gap = steps[i + 1][2] - start if i + 1 < len(steps) else seconds
+        out.append((features, gap if gap - seconds <= idle_after_s else seconds))
+    return out
+
+
+def prediction_error(predictor, steps) -> dict:
+    """How a predictor's step times compare with measured ones: median relative error and
+    median measured / predicted (above 1: the steps ran slower than predicted), over all
+    steps and over decode-only steps and steps with prefill work apart."""
+    import numpy as np
+
+    def errors(subset):
+        if not subset:
+            return {"steps": 0}
+        predicted = np.array([predictor.predict_features(f) for f, _ in subset])
+        measured = np.array([seconds for _, seconds in subset])
+        return {"steps": len(subset),
+                "median_rel_error": float(np.median(np.abs(predicted - measured) / measured)),
+                "median_measured_over_predicted": float(np.median(measured / predicted))}
+
+    decode_only = [(f, s) for f, s in steps if f.tokens == f.seqs]
+    with_prefill = [(f, s) for f, s in steps if f.tokens > f.seqs]
+    return {**errors(steps), "decode_only": errors(decode_only),
+            "with_prefill": errors(with_prefill)}
+
+
+# ---------------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------------
+
+def environment() -> dict:
+    """Back-end and versions (BENCHMARKS.md), for the JSON context."""
+    import jax
+    import jaxlib
+
+    devices = jax.devices()
+    return {"backend": jax.default_backend(), "device_kind": devices[0].device_kind,
+            "device_count": len(devices), "jax": jax.__version__,
+            "jaxlib": jaxlib.__version__, "python": platform.python_version(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def write_figures(runs: dict[str, dict[str, list[LatencyRecord]]], out_dir: str,
+                  title: str) -> list[str]:
+    from benchmarks.plots import plot_ttft_cdfs, plot_ttft_over_time
+
+    panels = {f"{qps} QPS": by_policy for qps, by_policy in runs.items()}
+    paths = [plot_ttft_cdfs(panels, os.path.join(out_dir, "ttft_cdf_short.png"),
+                            request_class="short", title=f"{title}: short requests"),
+             plot_ttft_cdfs(panels, os.path.join(out_dir, "ttft_cdf_long.png"),
+                            request_class="long", title=f"{title}: long requests")]
+    for qps, by_policy in runs.items():
+        paths.append(plot_ttft_over_time(
+            by_policy, os.path.join(out_dir, f"ttft_over_time_qps{qps}.png"),
+            title=f"{title}, {qps} QPS"))
+    return paths
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.mode == "simulate":
+        runs, context = run_simulated(args)
+        validation = None
+    else:
+        runs, context, validation = run_live(args)
+    context.update(environment(), workload={
+        "requests": args.requests, "long_fraction": args.long_fraction, "seed": args.seed,
+        "arrival": args.arrival, "qps": list(args.qps),
+        "short_lengths": args.short_lengths_from or "ShareGPT4 (Sarathi-Serve Table 2)",
+        "slo": dataclasses.asdict(slo_policy(args))},
+        command=" ".join(["python -m benchmarks.convoy"] + list(sys.argv[1:] if argv is None
+                                                                   else argv)))
+    summaries = {qps: {policy: summarize(records) for policy, records in by_policy.items()}
+                 for qps, by_policy in runs.items()}
+    report = {"context": context, "results": summaries}
+    if validation is not None:
+        report["validation"] = validation
+    if args.out:
+        title = f"{context['model']} ({context['mode']})"
+        report["figures"] = write_figures(runs, args.out, title)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    for qps, check in (validation or {}).items():
+        calibration = check["calibration_error_on_run_steps"]
+        print(f"\nsimulator vs measured at {qps} QPS, {context['predictor']}: on this run's "
+              f"{calibration['steps']} steps its median error is "
+              f"{calibration['median_rel_error']:.1%}, measured/predicted "
+              f"{calibration['median_measured_over_predicted']:.2f} (decode-only steps "
+              f"{calibration['decode_only'].get('median_measured_over_predicted', 0):.2f}, "
+              f"steps with prefill "
+              f"{calibration['with_prefill'].get('median_measured_over_predicted', 0):.2f})")
+        print(f"  host work between steps (median): "
+              f"{check['host_overhead_per_iteration_s'] * 1e3:.0f} ms per iteration")
+        for name, result in (("engine.fit_predictor()", check),
+                             ("refitted to this run's iteration times",
+                              check["with_predictor_fitted_to_run_iterations"])):
+            print(f"  {name}:")
+            for metric, q in VALIDATED:
+                v = result[f"{metric}_p{q}"]
+                print(f"    {metric}_p{q}: measured {v['measured_s']:.4g} s, simulated "
+                      f"{v['simulated_s']:.4g} s, error {v['rel_error']:.1%}")
+            print(f"    all within {VALIDATION_TOLERANCE:.0%}: {result['within_tolerance']}")
+    rows = {f"{policy}@{qps}qps": s for qps, by_policy in summaries.items()
+            for policy, s in by_policy.items()}
+    print(f"\n{context['mode']}: {context['model']}, {context.get('hardware', '')} "
+          f"{context.get('parallel', '')}".rstrip())
+    print(format_table(rows, label="policy@load"))
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""The convoy experiment, simulated: LARS cures the convoy that non-preemptive FCFS builds."""
+
+import json
+
+import pytest
+
+from benchmarks import convoy
+
+
+def test_lars_cures_the_convoy_on_16_a100s(tmp_path):
+    # Seed 000, figure 1 / section 6.2: Llama-3 8B on 16 A100s (TP-8, SPP-2), ShareGPT4-like
+    # traffic with 5% Medha-SWE long requests (128K-1M tokens) at 0.75 QPS. 300 requests
+    # (15 long) keep the test short; `python -m benchmarks.convoy` runs 1000.
+    out_dir, json_path = tmp_path / "figures", tmp_path / "convoy.json"
+    report = convoy.main([
+        "--simulate", "--model", "llama3-8b", "--hardware", "a100", "--gpus", "16",
+        "--parallel", "tp=8,spp=2", "--long-fraction", "0.05", "--qps", "0.75",
+        "--requests", "300", "--seed", "0", "--policies", "fcfs-np,lars",
+        "--out", str(out_dir), "--json", str(json_path), "--no-progress"])
+    fcfs, lars = (report["results"]["0.75"][p] for p in ("fcfs-np", "lars"))
+    assert lars["short_ttft_p50"] * 10 <= fcfs["short_ttft_p50"]
+    assert lars["short_ttft_p99"] * 10 <= fcfs["short_ttft_p99"]
+    for summary in (fcfs, lars):
+        assert summary["long_total"] == 15
+        assert summary["long_completed"] == summary["long_total"]
+        assert summary["num_completed"] == summary["num_requests"] == 300
+
+    written = json.loads(json_path.read_text())
+    assert written["results"]["0.75"]["lars"] == pytest.approx(lars)
+    context = written["context"]
+    assert context["mode"] == "simulated" and context["replicas"] == 1
+    assert context["hardware"] == "a100" and "AnalyticalPredictor" in context["predictor"]
+    for key in ("backend", "device_count", "jax", "jaxlib", "date", "workload"):
+        assert key in context
+    assert {p.name for p in out_dir.iterdir()} == {
+        "ttft_cdf_short.png", "ttft_cdf_long.png", "ttft_over_time_qps0.75.png"}
+    assert all(p.stat().st_size > 10_000 for p in out_dir.iterdir())
+
+
+def test_arguments_validate_and_default_by_mode():
+    args = convoy.parse_args(["--quick"])
+    assert args.mode == "simulate" and args.model == "llama3-8b" and args.qps == (0.75,)
+    assert args.policies == ("fcfs-np", "lars", "lars-mp")
+    args = convoy.parse_args(["--server", "--qps", "0.5,1"])
+    assert args.mode == "server" and args.model == "smollm2-135m" and args.qps == (0.5, 1.0)
+    assert args.policies == ("lars", "fcfs-np")
+    with pytest.raises(SystemExit):
+        convoy.parse_args(["--policies", "lars,sjf"])
+    with pytest.raises(SystemExit):
+        convoy.parse_args(["--server", "--simulate"])
+
+
+def test_gpus_must_split_into_replicas():
+    with pytest.raises(SystemExit, match="multiple"):
+        convoy.main(["--simulate", "--gpus", "12", "--parallel", "tp=8", "--requests", "10",
+                     "--no-progress"])
+
+
+@pytest.mark.slow
+def test_live_validation_path_on_the_tiny_model(tmp_path, monkeypatch):
+    # The --server / --validate-simulator path end to end on a tiny engine (one compiled
+    # shape), so it runs in seconds; the percentiles' agreement is not asserted (timing on
+    # a shared CPU), only that every figure is produced from complete runs.
+    monkeypatch.setattr(convoy, "SERVER_ENGINE", dict(
+        page_size=16, max_kv_tokens=2048, max_model_len=256, max_tokens_per_step=64,
+        min_token_bucket=64, max_seqs=8, enable_prefix_caching=False))
+    monkeypatch.setattr(convoy, "SERVER_SCALES", dict(
+        short_scale=0.02, long_scale=2e-4, output_scale=0.01, max_output_tokens=6))
+    report = convoy.main(["--validate-simulator", "--model", "tiny", "--policies", "lars",
+                          "--requests", "12", "--qps", "8", "--long-fraction", "0.2",
+                          "--json", str(tmp_path / "v.json"), "--no-progress"])
+    runs = report["results"]["8"]
+    assert set(runs) == {"lars", "lars (simulated)", "lars (simulated, run-fitted)"}
+    for summary in runs.values():
+        assert summary["num_completed"] == summary["num_requests"] == 12
+        assert summary["long_completed"] == summary["long_total"] == 2
+    check = report["validation"]["8"]
+    for result in (check, check["with_predictor_fitted_to_run_iterations"]):
+        for key in ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90"):
+            v = result[key]
+            assert v["measured_s"] > 0 and v["simulated_s"] > 0
+            assert v["rel_error"] == pytest.approx(
+                abs(v["simulated_s"] - v["measured_s"]) / v["measured_s"])
+        assert result["within_tolerance"] == all(
+            result[k]["rel_error"] <= 0.25 for k in ("ttft_p50", "ttft_p90", "tpot_p50",
+                                                     "tpot_p90"))
+    assert check["calibration_error_on_run_steps"]["steps"] > 0
+    assert len(check["requests"]) == 12
+    assert json.loads((tmp_path / "v.json").read_text())["context"]["mode"] == \
+        "live server + simulator"
