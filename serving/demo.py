@@ -17,7 +17,6 @@ prefills in seconds, keeping long prompts ~20x the short ones.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 
@@ -54,17 +53,14 @@ def demo_workload(num_requests: int, seed: int = 5):
         max_prompt_tokens=1900, max_output_tokens=32))
 
 
-def class_summary(records, is_long: bool) -> dict:
-    """TTFT/TPOT percentiles of one class of requests (short or long)."""
-    from medha_jax.latency_report import summarize
-
-    # summarize() reports TTFT p50/p99 under its short_* keys; relabelling one class as
-    # "short" gives those figures for that class alone.
-    subset = [dataclasses.replace(r, is_long=False) for r in records if r.is_long == is_long]
-    s = summarize(subset)
-    return {"ttft_p50": s["short_ttft_p50"], "ttft_p99": s["short_ttft_p99"],
-            "tpot_p50": s["tpot_p50"], "tpot_p99": s["tpot_p99"],
-            "completed": s["num_completed"], "requests": s["num_requests"]}
+def class_summary(summary: dict, request_class: str) -> dict:
+    """TTFT/TPOT percentiles of one class ("short" or "long") from latency_report.summarize."""
+    return {"ttft_p50": summary[f"{request_class}_ttft_p50"],
+            "ttft_p99": summary[f"{request_class}_ttft_p99"],
+            "tpot_p50": summary[f"{request_class}_tpot_p50"],
+            "tpot_p99": summary[f"{request_class}_tpot_p99"],
+            "completed": summary[f"{request_class}_completed"],
+            "requests": summary[f"{request_class}_total"]}
 
 
 TABLE_COLUMNS = (("ttft_p50", "ttft_p50_s"), ("ttft_p99", "ttft_p99_s"),
@@ -74,7 +70,7 @@ TABLE_COLUMNS = (("ttft_p50", "ttft_p50_s"), ("ttft_p99", "ttft_p99_s"),
 
 def main(quick: bool = False) -> int:
     from medha_jax.engine import Engine
-    from medha_jax.latency_report import format_table
+    from medha_jax.latency_report import format_table, summarize
     from medha_jax.model import DEFAULT_MODEL, load_model
     from medha_jax.request import SLO
     from medha_jax.sampling_params import SamplingParams
@@ -125,8 +121,9 @@ def main(quick: bool = False) -> int:
         failed = [r for r in records if not r.completed]
         if failed:
             print(f"  {len(failed)} requests failed, e.g. {failed[0].error}", flush=True)
-        rows[f"{policy} short"] = class_summary(records, is_long=False)
-        rows[f"{policy} long"] = class_summary(records, is_long=True)
+        summary = summarize(records)
+        rows[f"{policy} short"] = class_summary(summary, "short")
+        rows[f"{policy} long"] = class_summary(summary, "long")
 
     fcfs, lars = rows["fcfs-np short"]["ttft_p99"], rows["lars short"]["ttft_p99"]
     print(f"\nShort requests' p99 TTFT: {fcfs:.2f} s stuck behind whole long prefills "
