@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from pallas_kernels import (BlockSizes, decode_attention, default_block_sizes,
                             dense_attention_oracle)
 from pallas_kernels.reference import random_page_table
+from tests.attention_checks import assert_attention_close
 
 # (q_heads, kv_heads, head_dim, page_size): fixed buffer shapes, one compile each.
 SHAPES = [(4, 4, 64, 8), (8, 2, 128, 4), (12, 4, 64, 16)]
@@ -37,15 +38,6 @@ def oracle(batch, sm_scale):
         sm_scale=sm_scale)
 
 
-def assert_close(out, lse, want_out, want_lse, atol=2e-5):
-    out, lse = np.asarray(out, np.float64), np.asarray(lse, np.float64)
-    assert not np.isnan(out).any() and not np.isnan(lse).any()
-    np.testing.assert_allclose(out, want_out, atol=atol, rtol=1e-4)
-    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
-    finite = np.isfinite(want_lse)
-    np.testing.assert_allclose(lse[finite], want_lse[finite], atol=atol, rtol=1e-5)
-
-
 @st.composite
 def decode_batches(draw):
     shapes = draw(st.sampled_from(SHAPES))
@@ -68,7 +60,7 @@ def test_kernel_and_reference_equal_dense_oracle(batch_spec, num_kv_splits):
         out, lse = decode_attention(**batch, sm_scale=sm_scale, impl=impl, block_sizes=tiling,
                                     num_kv_splits=num_kv_splits)
         assert out.shape == batch["q"].shape and lse.shape == batch["q"].shape[:2]
-        assert_close(out, lse, *want)
+        assert_attention_close(out, lse, *want)
 
 
 def test_more_splits_than_tiles_and_default_tiles():
@@ -77,9 +69,9 @@ def test_more_splits_than_tiles_and_default_tiles():
     batch = make_decode_batch(7, shapes, [3, 0, 48, 17, 1, 30])
     want = oracle(batch, 0.1)
     out, lse = decode_attention(**batch, sm_scale=0.1, impl="interpret", num_kv_splits=16)
-    assert_close(out, lse, *want)
+    assert_attention_close(out, lse, *want)
     out, lse = decode_attention(**batch, sm_scale=0.1)   # auto: the reference, CPU tiles
-    assert_close(out, lse, *want)
+    assert_attention_close(out, lse, *want)
 
 
 def test_bfloat16():
@@ -93,7 +85,7 @@ def test_bfloat16():
         out, lse = decode_attention(**bf16, sm_scale=0.125, impl=impl,
                                     block_sizes=default_block_sizes("interpret", 64, 16))
         assert out.dtype == jnp.bfloat16
-        assert_close(np.asarray(out, np.float32), lse, *want, atol=2e-2)
+        assert_attention_close(np.asarray(out, np.float32), lse, *want, atol=2e-2)
 
 
 def test_shape_errors_name_the_values():

@@ -19,6 +19,7 @@ from pallas_kernels import (BlockSizes, dense_attention_oracle, ragged_paged_att
 from pallas_kernels.block_sizes import default_block_sizes, resolve
 from pallas_kernels.ragged_paged_attention import kernel_rows, paged_attention_blocks
 from pallas_kernels.reference import plan_query_blocks, random_page_table
+from tests.attention_checks import assert_attention_close
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,12 +93,8 @@ def ragged_batches(draw, shapes_choices=tuple(SHAPES), max_chunk=24):
 
 def assert_matches_oracle(out, lse, batch, sm_scale, *, atol=2e-5):
     want_out, want_lse = dense_attention_oracle(**batch, sm_scale=sm_scale)
-    out, lse = np.asarray(out, np.float64), np.asarray(lse, np.float64)
-    assert not np.isnan(out).any() and not np.isnan(lse).any()
-    np.testing.assert_allclose(out, want_out, atol=atol, rtol=1e-4)
-    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
-    finite = np.isfinite(want_lse)
-    np.testing.assert_allclose(lse[finite], want_lse[finite], atol=atol, rtol=1e-5)
+    assert_attention_close(out, lse, want_out, want_lse, atol=atol)
+    out, lse = np.asarray(out), np.asarray(lse)
     padding = np.arange(out.shape[0]) >= batch["cu_q_lens"][batch["num_seqs"][0]]
     assert (out[padding] == 0).all() and np.isneginf(lse[padding]).all()
 
