@@ -51,7 +51,6 @@ class EngineConfig:
     max_seqs: int = 32
     enable_prefix_caching: bool = True
     attention_impl: str = "auto"
-    seed: int = 0
 
     def __post_init__(self):
         for field in ("page_size", "max_kv_tokens", "max_tokens_per_step", "min_token_bucket",
