@@ -171,15 +171,19 @@ class _Router:
 
 def simulate(requests: list[Request], *, policy: str, model: ModelConfig, parallel: ParallelConfig,
              hardware: HardwareSpec | str, num_replicas: int = 1,
-             predictor: RuntimePredictor | None = None, progress: bool = False,
+             predictor: RuntimePredictor | None = None,
+             device_predictor: RuntimePredictor | None = None, progress: bool = False,
              time_limit_s: float | None = None, page_size: int = 16,
              memory_utilization: float = 0.9, max_model_len: int | None = None,
              **controller_knobs) -> SimulationResult:
     """Serves `requests` (lengths, arrivals, SLOs) with `policy` on simulated hardware.
 
     num_replicas x parallel.dp replicas, each of spp x kvp x cp x tp devices.
-    predictor: prices every batch for the packer and for the clock (default: the
-      analytical roofline of model x parallel x hardware).
+    predictor: what the scheduler plans with: it prices candidate batches for the packer
+      (default: the analytical roofline of model x parallel x hardware).
+    device_predictor: what a step takes on the simulated device, i.e. how far the clock
+      moves (default: `predictor`). A different one models a scheduler whose predictor
+      is off, as a live server's is when its calibration drifts from the steps it runs.
     time_limit_s: stop once the virtual clock passes this many seconds; requests not
       finished by then keep their partial timestamps (finish_time None).
     max_model_len: longest prompt + output admitted (default: the longest request).
@@ -207,13 +211,14 @@ def simulate(requests: list[Request], *, policy: str, model: ModelConfig, parall
         if controllers:   # Algorithm 3's table depends only on predictor and knobs: share it
             controller_knobs["prefill_time_cache"] = controllers[0].prefill_time_cache
         controllers.append(make_controller(
-            policy, executor=SimulatedExecutor(predictor, clock),
+            policy, executor=SimulatedExecutor(device_predictor or predictor, clock),
             allocator=CountingAllocator(capacity // page_size, page_size), clock=clock,
             predictor=predictor, model_config=model, max_model_len=max_model_len,
             **controller_knobs))
     # The router prices a decode token as a full decode batch's step time per sequence.
     seats = controllers[0].packer.limits.max_seqs_per_batch
-    full_decode = BatchFeatures(seats, seats, seats, seats, seats, seats, seats)
+    full_decode = BatchFeatures(seats, seats, seats, seats, seats, seats, seats,
+                                max_decode_context=1)
     router = _Router(controllers, predictor.predict_features(full_decode) / seats)
 
     bar = None

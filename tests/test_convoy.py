@@ -70,12 +70,12 @@ def test_live_validation_path_on_the_tiny_model(tmp_path, monkeypatch):
                           "--requests", "12", "--qps", "8", "--long-fraction", "0.2",
                           "--json", str(tmp_path / "v.json"), "--no-progress"])
     runs = report["results"]["8"]
-    assert set(runs) == {"lars", "lars (simulated)", "lars (simulated, run-fitted)"}
+    assert set(runs) == {"lars", "lars (simulated, as calibrated)", "lars (simulated, as run)"}
     for summary in runs.values():
         assert summary["num_completed"] == summary["num_requests"] == 12
         assert summary["long_completed"] == summary["long_total"] == 2
     check = report["validation"]["8"]
-    for result in (check, check["with_predictor_fitted_to_run_iterations"]):
+    for result in (check["as calibrated"], check["as run"]):
         for key in ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90"):
             v = result[key]
             assert v["measured_s"] > 0 and v["simulated_s"] > 0
@@ -84,6 +84,7 @@ def test_live_validation_path_on_the_tiny_model(tmp_path, monkeypatch):
         assert result["within_tolerance"] == all(
             result[k]["rel_error"] <= 0.25 for k in ("ttft_p50", "ttft_p90", "tpot_p50",
                                                      "tpot_p90"))
+    assert check["within_tolerance"] == check["as run"]["within_tolerance"]
     assert check["calibration_error_on_run_steps"]["steps"] > 0
     assert len(check["requests"]) == 12
     assert json.loads((tmp_path / "v.json").read_text())["context"]["mode"] == \

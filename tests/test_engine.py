@@ -152,9 +152,13 @@ def test_fit_predictor_times_a_sweep_and_returns_every_page(model):
     assert np.isfinite(predictor.median_rel_error)
     # More work never predicts less time (the packer's binary search relies on it).
     from medha_jax.scheduler.predictor import BatchFeatures
-    small = predictor.predict_features(BatchFeatures(16, 16, 1, 16 * 16, 256, 16, 16))
-    large = predictor.predict_features(BatchFeatures(128, 128, 1, 128 * 512, 128 ** 2, 512, 128))
+    buckets = engine.ladder.token_buckets
+    small = predictor.predict_features(BatchFeatures().plus_chunk(16, 0, True, buckets))
+    large = predictor.predict_features(BatchFeatures().plus_chunk(128, 384, True, buckets))
     assert large >= small > 0
+    decodes = BatchFeatures().plus_chunk(1, 50, True, buckets)
+    assert predictor.predict_features(decodes.plus_chunk(1, 900, True, buckets)) >= \
+        predictor.predict_features(decodes) > 0
 
 
 @pytest.mark.parametrize("parallel", [ParallelConfig(kvp=2, tp=2), ParallelConfig(spp=2, tp=4)],

@@ -46,9 +46,10 @@ def test_batch_features_by_hand():
     assert f == BatchFeatures(tokens=101, padded_tokens=128, seqs=3,
                               sum_chunk_x_context=301 + 64 * 64 + 36 * 200,
                               sum_chunk_sq=1 + 64 * 64 + 36 * 36, sum_context=301 + 64 + 200,
-                              sampling_tokens=1 + 36)
+                              sampling_tokens=1 + 36, prefill_chunks=2,
+                              sum_prefill_context=64 + 200, max_decode_context=301)
     assert padded_size(129, (64, 128, 256)) == 256 and padded_size(7, None) == 7
-    with pytest.raises(ValueError, match="exceeds the largest token bucket 256"):
+    with pytest.raises(ValueError, match="exceeds the largest bucket 256"):
         padded_size(257, (64, 128, 256))
 
 
@@ -84,7 +85,8 @@ def test_parallelism_in_the_analytical_model():
     assert t(ParallelConfig(spp=4), big) < t(ParallelConfig(), big) / 3
     sampling = _prefill(8192, samples=True)
     assert t(ParallelConfig(spp=4), sampling) > 0.8 * t(ParallelConfig(), sampling)
-    decodes = BatchFeatures(64, 64, 64, 64 * 5000, 64, 64 * 5000, 64)
+    decodes = BatchFeatures(64, 64, 64, 64 * 5000, 64, 64 * 5000, 64,
+                            max_decode_context=5000)
     assert t(ParallelConfig(spp=4), decodes) == pytest.approx(t(ParallelConfig(), decodes), rel=0.1)
     # ... while a prefill chunk beside a few decodes still streams.
     mixed = big.plus_chunk(1, 5000, True)
@@ -95,47 +97,63 @@ def test_parallelism_in_the_analytical_model():
 
 
 def _random_features(rng, buckets):
-    chunks = [(rng.randint(1, 512), rng.randint(0, 50_000)) for _ in range(rng.randint(1, 6))]
+    """A few prefill chunks and decodes (half of the chunks are single tokens)."""
     f = BatchFeatures()
-    for n, start in chunks:
-        f = f.plus_chunk(n, start, False)
+    for _ in range(rng.randint(1, 6)):
+        n = 1 if rng.random() < 0.5 else rng.randint(2, 512)
+        f = f.plus_chunk(n, rng.randint(0, 50_000), n == 1)
     return f._replace(padded_tokens=padded_size(f.tokens, buckets))
+
+
+def test_features_split_prefill_chunks_from_decodes():
+    f = (BatchFeatures().plus_chunk(1, 99, True).plus_chunk(30, 10, False)
+         .plus_chunk(1, 499, True).plus_chunk(2, 0, True))
+    assert (f.prefill_chunks, f.sum_prefill_context, f.max_decode_context) == (2, 40 + 2, 500)
+    batch = Batch([_chunk(1, 99), _chunk(30, 10), _chunk(1, 499), _chunk(2, 0)])
+    assert batch_features(batch) == f._replace(sampling_tokens=batch_features(batch).sampling_tokens)
 
 
 @pytest.mark.parametrize("noise", [0.0, 0.02])
 def test_profiled_fit_recovers_known_coefficients(noise):
     rng = random.Random(0)
-    buckets = (128, 256, 512, 1024, 2048, 4096)
-    true = (2e-3, 3e-6, 4e-10, 5e-9)
+    buckets, seq_buckets = (128, 256, 512, 1024, 2048, 4096), (8, 32)
+    true = (2e-3, 3e-6, 4e-10, 5e-9, 1e-3, 2e-8, 3e-9)
     records = []
     for _ in range(400):
         f = _random_features(rng, buckets)
+        padded_seqs = 8 if f.seqs <= 8 else 32
         exact = (true[0] + true[1] * f.padded_tokens + true[2] * f.sum_chunk_x_context
-                 + true[3] * f.sum_chunk_sq)
+                 + true[3] * f.sum_chunk_sq + true[4] * f.prefill_chunks
+                 + true[5] * f.sum_prefill_context + true[6] * padded_seqs * f.max_decode_context)
         records.append((f, exact * (1 + rng.gauss(0, noise))))
-    fitted = ProfiledPredictor.fit(records, token_buckets=buckets)
-    assert np.allclose(fitted.coefficients, true, rtol=1e-6 if noise == 0 else 0.1)
+    fitted = ProfiledPredictor.fit(records, token_buckets=buckets, seq_buckets=seq_buckets)
+    assert np.allclose(fitted.coefficients, true, rtol=1e-6 if noise == 0 else 0.25)
     assert fitted.median_rel_error <= noise + 1e-9
     assert fitted.p90_rel_error <= 2 * noise + 1e-9
     assert fitted.num_records == 400
+    f, seconds = records[0]
+    assert fitted.predict_features(f) == pytest.approx(seconds, rel=1e-6 if noise == 0 else 0.1)
 
 
 def test_profiled_predictor_json_round_trip(tmp_path):
     rng = random.Random(1)
     records = [(f, 1e-3 + 2e-6 * f.padded_tokens + 1e-9 * f.sum_chunk_sq)
                for f in (_random_features(rng, None) for _ in range(50))]
-    fitted = ProfiledPredictor.fit(records)
+    fitted = ProfiledPredictor.fit(records, seq_buckets=(8, 16))
     path = tmp_path / "predictor.json"
     fitted.save(path)
     loaded = ProfiledPredictor.load(path)
     assert loaded.coefficients == fitted.coefficients
+    assert loaded.seq_buckets == fitted.seq_buckets == (8, 16)
     assert loaded.median_rel_error == fitted.median_rel_error
     batch = Batch([_chunk(100, 50)])
     assert loaded.predict(batch) == fitted.predict(batch) > 0
-    with pytest.raises(ValueError, match="at least 4 records"):
-        ProfiledPredictor.fit(records[:3])
+    with pytest.raises(ValueError, match="at least 7 records"):
+        ProfiledPredictor.fit(records[:6])
     with pytest.raises(ValueError, match=">= 0"):
-        ProfiledPredictor([1.0, -1.0, 0.0, 0.0])
+        ProfiledPredictor([1.0, -1.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+    with pytest.raises(ValueError, match="need 7 coefficients"):
+        ProfiledPredictor([1.0, 1.0, 0.0, 0.0])
 
 
 def test_prefill_time_cache_is_algorithm_3():

@@ -116,3 +116,32 @@ def test_counting_allocator_keeps_the_block_allocator_contract():
     a.free("x")
     assert a.num_free_pages == 10 and not a.has("x")
     assert a.can_ever_fit(160) and not a.can_ever_fit(161)
+
+
+class _Scaled:
+    """A predictor `factor` times another's (a device slower than the scheduler thinks)."""
+
+    def __init__(self, predictor, factor):
+        self.predictor, self.factor = predictor, factor
+        self.token_buckets = predictor.token_buckets
+
+    def predict_features(self, features):
+        return self.factor * self.predictor.predict_features(features)
+
+    def predict(self, batch):
+        return self.factor * self.predictor.predict(batch)
+
+
+def test_device_predictor_moves_the_clock_and_predictor_plans():
+    from medha_jax.scheduler import AnalyticalPredictor
+
+    requests = _workload(60, qps=0.5, long_fraction=0.0, seed=3)   # an idle-ish server
+    planner = AnalyticalPredictor(LLAMA_8B, TP8, hardware_preset("h100"))
+    common = dict(policy="lars", model=LLAMA_8B, parallel=TP8, hardware="h100", predictor=planner)
+    same = simulate(requests, **common)
+    slow = simulate(requests, **common, device_predictor=_Scaled(planner, 2.0))
+    # Requests run alone, so each one's decode time doubles with the device's step time.
+    for fast_r, slow_r in zip(same.requests, slow.requests):
+        assert slow_r.finish_time - slow_r.first_token_time == pytest.approx(
+            2 * (fast_r.finish_time - fast_r.first_token_time), rel=0.2)
+    assert same.num_rejected == slow.num_rejected == 0

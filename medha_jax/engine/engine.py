@@ -220,29 +220,44 @@ class Engine:
     def fit_predictor(self, *, repeats: int = 2, seed: int = 0) -> ProfiledPredictor:
         """Times a sweep of synthetic batches and fits the profiled RuntimePredictor.
 
-        The sweep covers lone prefill chunks of every token bucket at several context
-        depths, decode batches of every sequence bucket, and decodes mixed with a chunk:
-        the shapes the packer will choose between. Pages are borrowed from the allocator
-        and returned; nothing is committed to the prefix cache.
+        The sweep covers the shapes the packer chooses between: lone prefill chunks of
+        every token bucket at several context depths; decode batches of every sequence
+        bucket whose longest context runs from short to the longest that fits, the rest
+        short (a long request decoding among chats, as in serving); and decodes beside a
+        chunk, both a large one at the start and a small one deep in its context. Pages
+        are borrowed from the allocator and returned; nothing enters the prefix cache.
         """
         rng = np.random.default_rng(seed)
         page_budget = self.allocator.num_free_pages * self.allocator.page_size
         max_context = min(self.max_model_len, page_budget // 2)
+        buckets = self.ladder.token_buckets
+        depths = (0.0, 0.25, 0.5, 0.9)
         batches = []
-        for chunk in self.ladder.token_buckets:
-            for depth in (0.0, 0.25, 0.5, 0.9):
+        for chunk in buckets:
+            for depth in depths:
                 start = int(depth * (max_context - chunk))
                 if start >= 0 and start + chunk <= max_context:
                     batches.append([(start, chunk)])
+        small_chunk, large_chunk = buckets[0], buckets[len(buckets) // 2]
         for num_decodes in sorted({1, *self.ladder.seq_buckets}):
-            contexts = rng.integers(1, max(2, max_context // (2 * num_decodes)), num_decodes)
-            decodes = [(int(c), 1) for c in contexts]
-            batches.append(decodes)
-            chunk = self.ladder.token_buckets[len(self.ladder.token_buckets) // 2]
-            if num_decodes < self.max_seqs and num_decodes + chunk <= self.ladder.max_tokens:
-                batches.append(decodes + [(0, chunk)])
+            for depth in depths[1:]:
+                longest = max(2, int(depth * max_context))
+                # One long context, the others short: together at most 2 x max_context.
+                others = rng.integers(1, max(2, longest // num_decodes), num_decodes - 1)
+                decodes = [(longest - 1, 1)] + [(int(c), 1) for c in others]
+                batches.append(decodes)
+                if num_decodes >= self.max_seqs:
+                    continue
+                if depth == depths[1] and num_decodes + large_chunk <= self.ladder.max_tokens:
+                    batches.append(decodes + [(0, large_chunk)])
+                if num_decodes + small_chunk <= self.ladder.max_tokens:
+                    start = min(longest, max_context - small_chunk)
+                    batches.append(decodes + [(start, small_chunk)])
+        page_size = self.allocator.page_size
         records = []
         for chunks in batches:
+            if sum(-(-(start + n) // page_size) for start, n in chunks) * page_size > page_budget:
+                continue                      # a small cache: this shape cannot occur
             batch = self.borrow_batch(chunks, rng)
             try:
                 for run in range(repeats + 1):          # the first run warms caches
@@ -252,7 +267,8 @@ class Engine:
                         records.append(record)
             finally:
                 self.release_batch(batch)
-        return ProfiledPredictor.fit(records, token_buckets=self.ladder.token_buckets)
+        return ProfiledPredictor.fit(records, token_buckets=self.ladder.token_buckets,
+                                     seq_buckets=self.ladder.seq_buckets)
 
     def borrow_batch(self, chunks: list[tuple[int, int]], rng) -> Batch:
         """A synthetic batch for calibration and benchmarks: chunk i covers tokens

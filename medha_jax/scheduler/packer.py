@@ -107,16 +107,10 @@ def largest_chunk(predictor: RuntimePredictor, base: BatchFeatures, *, start: in
     `guess` (e.g. the chunk a lone prefill gets at this context) starts a galloping
     search next to the answer instead of a bisection of the whole range.
     """
-    predict = predictor.predict_features
-    base_tokens, seqs = base.tokens, base.seqs + 1
-    sum_cx, sum_sq, sum_ctx, sampling = (base.sum_chunk_x_context, base.sum_chunk_sq,
-                                         base.sum_context, base.sampling_tokens)
+    predict, plus_chunk, base_tokens = predictor.predict_features, base.plus_chunk, base.tokens
 
     def fits(n: int) -> bool:
-        tokens, end = base_tokens + n, start + n
-        return predict(BatchFeatures(
-            tokens, padded_size(tokens, token_buckets), seqs, sum_cx + n * end, sum_sq + n * n,
-            sum_ctx + end, sampling + n if n == remaining else sampling)) <= budget_s
+        return predict(plus_chunk(n, start, n == remaining, token_buckets)) <= budget_s
 
     if max_tokens < 1:
         return 0
@@ -186,7 +180,7 @@ class BatchPacker:
         # The one loop that runs over every decode each iteration: kept lean.
         seat_limit = min(self.limits.max_seqs_per_batch, self.limits.token_limit)
         reserve, append = gate.reserve, chunks.append
-        tokens = sum_ctx = 0
+        tokens = sum_ctx = max_ctx = 0
         for request in decodes:
             if tokens >= seat_limit:
                 break
@@ -196,8 +190,9 @@ class BatchPacker:
                 append(chunk)
                 tokens += 1
                 sum_ctx += end
+                max_ctx = max(max_ctx, end)
         return BatchFeatures(tokens, padded_size(tokens, self.limits.token_buckets), tokens,
-                             sum_ctx, tokens, sum_ctx, tokens)
+                             sum_ctx, tokens, sum_ctx, tokens, max_decode_context=max_ctx)
 
     def _room(self, features: BatchFeatures) -> int | float:
         if features.seqs >= self.limits.max_seqs_per_batch:

@@ -46,6 +46,14 @@ class BatchFeatures(NamedTuple):
     sum_chunk_sq:        sum of chunk tokens squared.
     sum_context:         sum of context lengths after the chunk: KV tokens attention reads.
     sampling_tokens:     tokens of the chunks that sample (decodes, last prefill chunks).
+    prefill_chunks:      chunks of two or more tokens. Attention kernels take single-token
+                         chunks (decodes) and longer ones down different paths: a longer
+                         chunk pays per query block (a fixed cost, and one pass over its
+                         context per block), whatever its length below the block size.
+    sum_prefill_context: sum of context lengths after the chunk over those chunks.
+    max_decode_context:  the longest context of a single-token chunk. A batched decode
+                         that cannot skip ragged ends (the CPU attention path) streams
+                         every sequence slot up to it.
     """
 
     tokens: int = 0
@@ -55,32 +63,39 @@ class BatchFeatures(NamedTuple):
     sum_chunk_sq: int = 0
     sum_context: int = 0
     sampling_tokens: int = 0
+    prefill_chunks: int = 0
+    sum_prefill_context: int = 0
+    max_decode_context: int = 0
 
     def plus_chunk(self, num_tokens: int, start: int, samples: bool,
                    token_buckets: Sequence[int] | None = None) -> BatchFeatures:
         """These features with one more chunk of num_tokens tokens starting at `start`."""
         tokens = self.tokens + num_tokens
         end = start + num_tokens
+        prefill = num_tokens > 1
         return BatchFeatures(
             tokens, padded_size(tokens, token_buckets), self.seqs + 1,
             self.sum_chunk_x_context + num_tokens * end,
             self.sum_chunk_sq + num_tokens * num_tokens, self.sum_context + end,
-            self.sampling_tokens + num_tokens if samples else self.sampling_tokens)
+            self.sampling_tokens + num_tokens if samples else self.sampling_tokens,
+            self.prefill_chunks + prefill,
+            self.sum_prefill_context + end if prefill else self.sum_prefill_context,
+            self.max_decode_context if prefill else max(self.max_decode_context, end))
 
 
-def padded_size(tokens: int, token_buckets: Sequence[int] | None) -> int:
-    """The smallest bucket >= tokens (tokens itself without buckets)."""
-    if token_buckets is None or tokens == 0:
-        return tokens
-    i = bisect.bisect_left(token_buckets, tokens)
-    if i == len(token_buckets):
-        raise ValueError(f"{tokens=} exceeds the largest token bucket {token_buckets[-1]}")
-    return token_buckets[i]
+def padded_size(size: int, buckets: Sequence[int] | None) -> int:
+    """The smallest bucket >= size (size itself without buckets): padded tokens or seqs."""
+    if buckets is None or size == 0:
+        return size
+    i = bisect.bisect_left(buckets, size)
+    if i == len(buckets):
+        raise ValueError(f"{size} exceeds the largest bucket {buckets[-1]} of {tuple(buckets)}")
+    return buckets[i]
 
 
 def batch_features(batch: Batch, token_buckets: Sequence[int] | None = None) -> BatchFeatures:
     """Features of a whole batch (the engine records these beside each measured step)."""
-    tokens = sum_cx = sum_sq = sum_ctx = sampling = 0
+    tokens = sum_cx = sum_sq = sum_ctx = sampling = prefills = sum_prefill_ctx = max_decode = 0
     for chunk in batch.chunks:
         n, end = chunk.num_tokens, chunk.end
         tokens += n
@@ -89,8 +104,13 @@ def batch_features(batch: Batch, token_buckets: Sequence[int] | None = None) -> 
         sum_ctx += end
         if chunk.samples:
             sampling += n
+        if n > 1:
+            prefills += 1
+            sum_prefill_ctx += end
+        else:
+            max_decode = max(max_decode, end)
     return BatchFeatures(tokens, padded_size(tokens, token_buckets), len(batch.chunks),
-                         sum_cx, sum_sq, sum_ctx, sampling)
+                         sum_cx, sum_sq, sum_ctx, sampling, prefills, sum_prefill_ctx, max_decode)
 
 
 class RuntimePredictor(Protocol):
@@ -260,17 +280,19 @@ class AnalyticalPredictor:
 
 # ------------------------------------------------------------------------------ profiled
 
-PROFILED_FEATURES = ("1", "padded_tokens", "sum_chunk_x_context", "sum_chunk_sq")
+PROFILED_FEATURES = ("1", "padded_tokens", "sum_chunk_x_context", "sum_chunk_sq",
+                     "prefill_chunks", "sum_prefill_context", "padded_seqs_x_max_decode_context")
 
 
-def _feature_row(f: BatchFeatures) -> tuple[float, float, float, float]:
-    return (1.0, f.padded_tokens, f.sum_chunk_x_context, f.sum_chunk_sq)
+def _feature_row(f: BatchFeatures, seq_buckets: Sequence[int] | None) -> tuple[float, ...]:
+    return (1.0, f.padded_tokens, f.sum_chunk_x_context, f.sum_chunk_sq, f.prefill_chunks,
+            f.sum_prefill_context, padded_size(f.seqs, seq_buckets) * f.max_decode_context)
 
 
 def _nonnegative_least_squares(a: np.ndarray, y: np.ndarray) -> np.ndarray:
     """argmin ||a x - y|| subject to x >= 0, exactly, for a handful of columns.
 
-    Tries every subset of free columns (2^4 = 16 small solves) and keeps the best
+    Tries every subset of free columns (2^7 = 128 small solves) and keeps the best
     feasible one: with few features this is exact and simpler than an active-set loop.
     """
     n = a.shape[1]
@@ -289,13 +311,28 @@ def _nonnegative_least_squares(a: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 class ProfiledPredictor:
-    """t = c0 + c1 * padded_tokens + c2 * sum(chunk x context) + c3 * sum(chunk^2).
+    """A linear latency model fitted to step times measured on this machine:
 
-    The form of Tetris Eq. 1 (constant, fully connected layers, attention with the
-    history, attention within the chunk), summed over the chunks of a batch.
+        t = c0 + c1 * padded_tokens + c2 * sum(chunk x context) + c3 * sum(chunk^2)
+               + c4 * prefill_chunks + c5 * sum(prefill chunk context)
+               + c6 * padded_seqs x max_decode_context
+
+    The first four terms are Tetris Eq. 1 (seed 001: constant, fully connected layers,
+    attention with the history, attention within the chunk). We add three, because
+    Eq. 1 assumes attention work proportional to (query, key) pairs and the kernels we
+    run are not: a prefill chunk pays per query block, so a 20-token chunk costs nearly
+    what a full block does (c4), and reads its context at least once (c5); the CPU's
+    batched decode streams every padded sequence slot up to the longest decode context
+    (c6; a ragged GPU kernel has c6 = 0 and its decodes fall to c2). Without them the
+    fit over-predicted decode-only steps by ~20% and under-predicted steps holding a
+    small chunk by as much (benchmarks/convoy.py --validate-simulator). Coefficients
+    are non-negative; a term that does not apply to a back-end fits to 0.
+
+    token_buckets, seq_buckets: the engine's padded token and sequence counts.
     """
 
     def __init__(self, coefficients: Sequence[float], *, token_buckets: Sequence[int] | None = None,
+                 seq_buckets: Sequence[int] | None = None,
                  median_rel_error: float | None = None, p90_rel_error: float | None = None,
                  num_records: int = 0):
         coefficients = tuple(float(c) for c in coefficients)
@@ -307,13 +344,15 @@ class ProfiledPredictor:
                              f"got {coefficients}")
         self.coefficients = coefficients
         self.token_buckets = tuple(token_buckets) if token_buckets is not None else None
+        self.seq_buckets = tuple(seq_buckets) if seq_buckets is not None else None
         self.median_rel_error = median_rel_error
         self.p90_rel_error = p90_rel_error
         self.num_records = num_records
 
     @classmethod
     def fit(cls, records: Iterable[tuple[BatchFeatures, float]], *,
-            token_buckets: Sequence[int] | None = None) -> ProfiledPredictor:
+            token_buckets: Sequence[int] | None = None,
+            seq_buckets: Sequence[int] | None = None) -> ProfiledPredictor:
         """Least squares on (features, measured seconds) pairs.
 
         Rows are divided by the measured time, so the fit minimises relative error:
@@ -328,19 +367,23 @@ class ProfiledPredictor:
         seconds = np.array([s for _, s in records], dtype=np.float64)
         if np.any(~np.isfinite(seconds)) or np.any(seconds <= 0):
             raise ValueError("measured seconds must be finite and > 0")
-        a = np.array([_feature_row(f) for f, _ in records], dtype=np.float64)
+        a = np.array([_feature_row(f, seq_buckets) for f, _ in records], dtype=np.float64)
         # Scale columns to unit size so the solve is well conditioned (features reach 1e12).
         scale = np.maximum(np.abs(a).max(axis=0), 1e-30)
         x = _nonnegative_least_squares(a / scale / seconds[:, None], np.ones_like(seconds)) / scale
         rel = np.abs(a @ x - seconds) / seconds
-        return cls(x, token_buckets=token_buckets, median_rel_error=float(np.median(rel)),
+        return cls(x, token_buckets=token_buckets, seq_buckets=seq_buckets,
+                   median_rel_error=float(np.median(rel)),
                    p90_rel_error=float(np.percentile(rel, 90)), num_records=len(records))
 
     def predict_features(self, f: BatchFeatures) -> float:
         if f.seqs == 0:
             return 0.0
-        c0, c1, c2, c3 = self.coefficients
-        return c0 + c1 * f.padded_tokens + c2 * f.sum_chunk_x_context + c3 * f.sum_chunk_sq
+        # Plain arithmetic: the packer calls this hundreds of times per iteration.
+        c0, c1, c2, c3, c4, c5, c6 = self.coefficients
+        return (c0 + c1 * f.padded_tokens + c2 * f.sum_chunk_x_context + c3 * f.sum_chunk_sq
+                + c4 * f.prefill_chunks + c5 * f.sum_prefill_context
+                + c6 * padded_size(f.seqs, self.seq_buckets) * f.max_decode_context)
 
     def predict(self, batch: Batch) -> float:
         return self.predict_features(batch_features(batch, self.token_buckets))
@@ -350,6 +393,7 @@ class ProfiledPredictor:
             "kind": "profiled", "features": list(PROFILED_FEATURES),
             "coefficients": list(self.coefficients),
             "token_buckets": list(self.token_buckets) if self.token_buckets is not None else None,
+            "seq_buckets": list(self.seq_buckets) if self.seq_buckets is not None else None,
             "median_rel_error": self.median_rel_error, "p90_rel_error": self.p90_rel_error,
             "num_records": self.num_records}, indent=2)
 
@@ -360,6 +404,7 @@ class ProfiledPredictor:
             raise ValueError(f"not a profiled predictor with features {PROFILED_FEATURES}: "
                              f"kind={data.get('kind')!r} features={data.get('features')!r}")
         return cls(data["coefficients"], token_buckets=data["token_buckets"],
+                   seq_buckets=data.get("seq_buckets"),
                    median_rel_error=data["median_rel_error"], p90_rel_error=data["p90_rel_error"],
                    num_records=data["num_records"])
 
