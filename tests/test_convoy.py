@@ -43,7 +43,10 @@ def test_arguments_validate_and_default_by_mode():
     assert args.policies == ("fcfs-np", "lars", "lars-mp")
     args = convoy.parse_args(["--server", "--qps", "0.5,1"])
     assert args.mode == "server" and args.model == "smollm2-135m" and args.qps == (0.5, 1.0)
-    assert args.policies == ("lars", "fcfs-np")
+    assert args.policies == ("lars", "fcfs-np") and args.requests == 40
+    args = convoy.parse_args(["--validate-simulator"])
+    assert args.mode == "validate" and args.policies == ("lars", "fcfs-np")
+    assert args.requests == 80
     with pytest.raises(SystemExit):
         convoy.parse_args(["--policies", "lars,sjf"])
     with pytest.raises(SystemExit):
@@ -74,7 +77,7 @@ def test_live_validation_path_on_the_tiny_model(tmp_path, monkeypatch):
     for summary in runs.values():
         assert summary["num_completed"] == summary["num_requests"] == 12
         assert summary["long_completed"] == summary["long_total"] == 2
-    check = report["validation"]["8"]
+    check = report["validation"]["8"]["lars"]
     for result in (check["as calibrated"], check["as run"]):
         for key in ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90"):
             v = result[key]

@@ -240,33 +240,41 @@ class Engine:
                     batches.append([(start, chunk)])
         small_chunk, large_chunk = buckets[0], buckets[len(buckets) // 2]
         for num_decodes in sorted({1, *self.ladder.seq_buckets}):
-            for depth in depths[1:]:
+            for depth in (0.02, *depths[1:]):           # chats alone, then beside a long one
                 longest = max(2, int(depth * max_context))
-                # One long context, the others short: together at most 2 x max_context.
-                others = rng.integers(1, max(2, longest // num_decodes), num_decodes - 1)
+                # One context of `longest`, the others up to max_context / num_decodes in
+                # all, so the batch always fits in 2 x max_context.
+                bound = min(longest, max_context // num_decodes)
+                others = rng.integers(1, max(2, bound), num_decodes - 1)
                 decodes = [(longest - 1, 1)] + [(int(c), 1) for c in others]
                 batches.append(decodes)
                 if num_decodes >= self.max_seqs:
                     continue
-                if depth == depths[1] and num_decodes + large_chunk <= self.ladder.max_tokens:
+                if depth == 0.25 and num_decodes + large_chunk <= self.ladder.max_tokens:
                     batches.append(decodes + [(0, large_chunk)])
                 if num_decodes + small_chunk <= self.ladder.max_tokens:
                     start = min(longest, max_context - small_chunk)
                     batches.append(decodes + [(start, small_chunk)])
         page_size = self.allocator.page_size
+        # A small cache cannot hold some of these shapes: they cannot occur, skip them.
+        batches = [chunks for chunks in batches
+                   if sum(-(-(start + n) // page_size) for start, n in chunks) * page_size
+                   <= page_budget]
+        # Each pass runs every batch once, in a new order and on newly borrowed pages, as
+        # serving does: no step finds its own K/V in the CPU's caches from a run just
+        # before, and a shared machine's slow drifts spread over every shape instead of
+        # biasing some. The first pass is not recorded (first touches of the buffers).
         records = []
-        for chunks in batches:
-            if sum(-(-(start + n) // page_size) for start, n in chunks) * page_size > page_budget:
-                continue                      # a small cache: this shape cannot occur
-            batch = self.borrow_batch(chunks, rng)
-            try:
-                for run in range(repeats + 1):          # the first run warms caches
+        for run in range(repeats + 1):
+            for i in rng.permutation(len(batches)):
+                batch = self.borrow_batch(batches[i], rng)
+                try:
                     self.execute(batch)
-                    record = self.step_records.pop()   # calibration is not traffic
-                    if run:
-                        records.append(record)
-            finally:
-                self.release_batch(batch)
+                finally:
+                    self.release_batch(batch)
+                record = self.step_records.pop()       # calibration is not traffic
+                if run:
+                    records.append(record)
         return ProfiledPredictor.fit(records, token_buckets=self.ladder.token_buckets,
                                      seq_buckets=self.ladder.seq_buckets)
 
