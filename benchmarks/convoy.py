@@ -32,7 +32,6 @@ import json
 import os
 import platform
 import sys
-import time
 from typing import Sequence
 
 from medha_jax.config import ParallelConfig, model_preset
@@ -332,10 +331,11 @@ def check_simulator(server, predictor, trace: Sequence[TraceRequest], policy: st
     fitted before the run), as the live one did. The simulated device runs steps:
       "as calibrated": at the speed that predictor predicts;
       "as run":        at the speed of the same model fitted to the step times measured
-                       in this run. On a shared 2-core CPU the steps of a live run are
-                       slower than calibration's (the server and client threads compete
-                       with XLA's), so this separates the simulator's own error from
-                       calibration drift. This is the check the 25% bar applies to.
+                       in this run. A shared 2-core CPU runs a live run's steps at a
+                       different speed from calibration's minutes before (0.95-1.34x
+                       measured: the machine drifts, and the server's and client's
+                       threads compete with XLA's), so this separates the simulator's
+                       own error from calibration drift. The 25% bar applies to it.
     Returns (the comparison, {name: simulated records}).
     """
     from medha_jax.scheduler import ProfiledPredictor
@@ -352,8 +352,7 @@ def check_simulator(server, predictor, trace: Sequence[TraceRequest], policy: st
                                           device_predictor=device)
         check[name] = compare(measured, simulated[name])
     check["within_tolerance"] = check["as run"]["within_tolerance"]
-    check["calibration_error_on_run_steps"] = prediction_error(
-        predictor, steps)
+    check["calibration_error_on_run_steps"] = prediction_error(predictor, steps)
     check["run_fitted_predictor"] = repr(run_fitted)
     check["requests"] = [
         {"prompt_tokens": m.prompt_tokens, "output_tokens": m.output_tokens,
