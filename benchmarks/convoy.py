@@ -65,8 +65,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     mode.add_argument("--server", action="store_true",
                       help="replay against a live Server per policy (CPU-sized lengths)")
     mode.add_argument("--validate-simulator", action="store_true",
-                      help="live run plus a simulation with the engine-fitted predictor; "
-                           "compares their TTFT/TPOT percentiles")
+                      help="live run per policy plus simulations of the same trace "
+                           "(steps as calibrated and as run); compares TTFT/TPOT "
+                           "percentiles")
     p.add_argument("--model", default=None,
                    help="simulate: a preset (default llama3-8b); server: a model name or "
                         "path for load_model (default smollm2-135m)")
