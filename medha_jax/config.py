@@ -1,13 +1,12 @@
-"""Static configuration: the model's shape and the parallel layout.
+"""Static configuration: the model's shape. The parallel layout lives in `meshes.parallel`.
 
-Both are frozen dataclasses: hashable, so they can be static arguments of jitted
-functions, and validated once at construction.
+Frozen dataclasses: hashable, so they can be static arguments of jitted functions, and
+validated once at construction.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,50 +136,9 @@ def model_preset(name: str) -> ModelConfig:
             f"unknown model preset {name!r}; known: {', '.join(sorted(MODEL_PRESETS))}") from None
 
 
-MESH_AXES = ("dp", "spp", "kvp", "cp", "tp")
+# The parallel layout belongs to `meshes` (DESIGN.md: dependencies point medha_jax -> meshes);
+# re-exported here so `from medha_jax.config import ParallelConfig` keeps working.
+from meshes.parallel import MESH_AXES, ParallelConfig  # noqa: E402
 
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ParallelConfig:
-    """Degrees of the five mesh axes, outermost first (see DESIGN.md, 'Mesh axes')."""
-
-    dp: int = 1
-    spp: int = 1
-    kvp: int = 1
-    cp: int = 1
-    tp: int = 1
-
-    def __post_init__(self):
-        for axis in MESH_AXES:
-            value = getattr(self, axis)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"ParallelConfig.{axis} must be an int >= 1, got {value!r}")
-
-    @property
-    def axis_sizes(self) -> tuple[int, ...]:
-        return tuple(getattr(self, axis) for axis in MESH_AXES)
-
-    @property
-    def num_devices(self) -> int:
-        return math.prod(self.axis_sizes)
-
-    @classmethod
-    def parse(cls, text: str) -> "ParallelConfig":
-        """Parses 'tp=8,spp=2' (the command-line form)."""
-        if not text.strip():
-            return cls()
-        sizes = {}
-        for part in text.split(","):
-            axis, sep, value = part.partition("=")
-            axis = axis.strip()
-            if not sep or axis not in MESH_AXES:
-                raise ValueError(
-                    f"bad parallel spec {part!r} in {text!r}: expected AXIS=N with AXIS in {MESH_AXES}")
-            try:
-                sizes[axis] = int(value)
-            except ValueError:
-                raise ValueError(f"bad parallel degree {value!r} for axis {axis!r}") from None
-        return cls(**sizes)
-
-    def __str__(self) -> str:
-        return ",".join(f"{axis}={size}" for axis, size in zip(MESH_AXES, self.axis_sizes))
+__all__ = ["MESH_AXES", "MODEL_PRESETS", "ModelConfig", "ParallelConfig", "RopeScaling",
+           "model_preset"]

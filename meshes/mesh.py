@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import jax
 from jax.sharding import AxisType, Mesh
 
-from medha_jax.config import MESH_AXES, ParallelConfig
+from meshes.parallel import MESH_AXES, ParallelConfig
 
 
 def make_mesh(parallel: ParallelConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from medha_jax.config import MESH_AXES
+from meshes.parallel import MESH_AXES
 
 LOGICAL_AXES = ("embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers", "pages",
                 "page_slot", "tokens", "seqs")
@@ -22,14 +22,12 @@ LOGICAL_AXES = ("embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layer
 class LogicalRules:
     """Maps each logical axis to a mesh axis (or None = replicated).
 
-    `replicate_if_indivisible` names logical axes that fall back to replication when the
-    dimension does not divide the mesh axis: K/V heads are replicated across tensor-parallel
-    groups when tp > kv_heads, as in Megatron-style GQA serving. Any other indivisible
-    dimension is an error.
+    A dimension that does not divide its mesh axis is an error that names both. (Shapes that
+    real checkpoints do not divide are changed before they get here: the model pads its
+    vocabulary and repeats K/V heads, see medha_jax.model.params.MeshLayout.)
     """
 
     rules: tuple[tuple[str, str | None], ...]
-    replicate_if_indivisible: frozenset[str] = frozenset({"kv_heads"})
 
     def __post_init__(self):
         seen = set()
@@ -69,18 +67,12 @@ class LogicalRules:
         if len(shape) != len(logical_axes):
             raise ValueError(f"shape {tuple(shape)} has {len(shape)} dims but logical axes "
                              f"{tuple(logical_axes)} name {len(logical_axes)}")
-        spec = list(self.spec(logical_axes))
-        for dim, (size, logical, mesh_axis) in enumerate(zip(shape, logical_axes, spec)):
-            if mesh_axis is None:
-                continue
-            degree = mesh.shape[mesh_axis]
-            if size % degree:
-                if logical in self.replicate_if_indivisible:
-                    spec[dim] = None
-                    continue
-                raise ValueError(
-                    f"dimension {logical}={size} is not divisible by {mesh_axis}={degree}")
-        return NamedSharding(mesh, PartitionSpec(*spec))
+        spec = self.spec(logical_axes)
+        for size, logical, mesh_axis in zip(shape, logical_axes, spec):
+            if mesh_axis is not None and size % mesh.shape[mesh_axis]:
+                raise ValueError(f"dimension {logical}={size} is not divisible by "
+                                 f"{mesh_axis}={mesh.shape[mesh_axis]}")
+        return NamedSharding(mesh, spec)
 
 
 DEFAULT_RULES = LogicalRules(rules=(

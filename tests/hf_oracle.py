@@ -22,13 +22,15 @@ TINY_HF_CONFIGS = {
 }
 
 
-def save_tiny_llama(path, name: str, *, seed: int = 0, max_shard_size: str = "100KB"):
-    """Saves a random-weight float32 LlamaForCausalLM to `path` (sharded safetensors)."""
+def save_tiny_llama(path, name: str, *, seed: int = 0, max_shard_size: str = "100KB",
+                    **overrides):
+    """Saves a random-weight float32 LlamaForCausalLM to `path` (sharded safetensors);
+    `overrides` change fields of the named config (vocab_size=257, ...)."""
     import torch
     import transformers
 
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(**TINY_HF_CONFIGS[name])
+    config = transformers.LlamaConfig(**{**TINY_HF_CONFIGS[name], **overrides})
     model = transformers.LlamaForCausalLM(config).eval()
     model.save_pretrained(path, safe_serialization=True, max_shard_size=max_shard_size)
     return model

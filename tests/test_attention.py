@@ -1,23 +1,72 @@
-"""The model's attention entry point: the Pallas kernel per device on sharded meshes."""
+"""The model's attention wrapper: specs from the rules, the kernel per device, KV shards merged."""
 
+import functools
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from medha_jax import ParallelConfig, load_model
+from medha_jax.model.loading import _one_shot_logits
+from meshes import DEFAULT_RULES, LogicalRules
 
 
 @pytest.fixture(scope="module")
 def one_device_logits():
     ids = np.random.default_rng(0).integers(0, 256, 30).tolist()
-    return ids, load_model("tiny").logits(ids)
+    return ids, load_model("tiny", verbose=False).logits(ids)
 
 
-@pytest.mark.parametrize("parallel", [ParallelConfig(tp=2), ParallelConfig(kvp=2, tp=2),
-                                      ParallelConfig(tp=4)], ids=str)
+def shard_map_specs(model, num_tokens=16):
+    """The in_specs of every shard_map in the one-shot forward's jaxpr."""
+    with jax.set_mesh(model.mesh):
+        jaxpr = jax.make_jaxpr(functools.partial(_one_shot_logits, model.graphdef,
+                                                 num_tokens=num_tokens))(
+            model.state, jnp.zeros(num_tokens, jnp.int32))
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "shard_map":
+                found.append(eqn.params["in_specs"])
+            for param in eqn.params.values():
+                inner = getattr(param, "jaxpr", param)
+                if hasattr(inner, "eqns"):
+                    walk(inner)
+    walk(jaxpr.jaxpr)
+    return found
+
+
+# tiny has 8 query heads and 2 K/V heads: tp=2 splits both, tp=4 and tp=8 repeat each K/V
+# head 2 and 4 times so every device holds its own group's K/V and the kernel still runs.
+@pytest.mark.parametrize("parallel", [ParallelConfig(tp=2), ParallelConfig(tp=4),
+                                      ParallelConfig(tp=8)], ids=str)
 def test_pallas_kernel_under_shard_map_matches_one_device(one_device_logits, parallel):
-    # tiny has 8 query heads and 2 K/V heads: tp=2 splits both (shard_map path), tp=4
-    # replicates K/V heads (the GSPMD reference path).
     ids, expected = one_device_logits
-    model = load_model("tiny", parallel=parallel)
-    np.testing.assert_allclose(model.logits(ids, attention_impl="interpret"), expected,
-                               atol=2e-5, rtol=0)
+    model = load_model("tiny", parallel=parallel, attention_impl="interpret", verbose=False)
+    assert model.layout.attention_impl == "interpret"
+    specs = shard_map_specs(model)
+    assert specs and specs[0][0] == P(None, "tp", None)      # the kernel ran per device
+    np.testing.assert_allclose(model.logits(ids), expected, atol=2e-5, rtol=0)
+
+
+def test_shard_map_specs_come_from_the_models_rules(one_device_logits):
+    ids, expected = one_device_logits
+    # Attention replicated (heads and K/V heads on no axis), MLP and vocabulary over tp.
+    rules = LogicalRules(rules=tuple((name, None if name in ("heads", "kv_heads") else axis)
+                                     for name, axis in DEFAULT_RULES.rules))
+    model = load_model("tiny", parallel=ParallelConfig(tp=2), rules=rules, verbose=False)
+    assert model.layout.rules == rules
+    q_spec, k_spec = shard_map_specs(model)[0][:2]
+    assert q_spec == k_spec == P(None, None, None)
+    default_specs = shard_map_specs(load_model("tiny", parallel=ParallelConfig(tp=2),
+                                               verbose=False))[0]
+    assert default_specs[0] == P(None, "tp", None)
+    np.testing.assert_allclose(model.logits(ids), expected, atol=2e-5, rtol=0)
+
+
+def test_pallas_on_the_cpu_is_a_clear_error():
+    with pytest.raises(ValueError, match="'pallas' needs a GPU"):
+        load_model("tiny", attention_impl="pallas", verbose=False)

@@ -47,9 +47,9 @@ def write_tiny_gguf(path, config, sd, *, qtype=GGMLQuantizationType.F32, arch="l
             if hf not in sd:
                 continue
             array = sd[hf]
-            if key == "wq":
+            if key == "layers.wq":
                 array = llama_cpp_permute(array, config.num_heads)
-            elif key == "wk":
+            elif key == "layers.wk":
                 array = llama_cpp_permute(array, config.num_kv_heads)
             tensors[gguf_name] = array
     tensors.update(tensor_overrides or {})
@@ -100,7 +100,7 @@ def test_errors_name_the_tensor_or_field(tmp_path, case, message):
     if case == "arch":
         kwargs["arch"] = "gpt2"
     elif case == "missing":
-        del sd[HF_NAMES["w_up"].format(layer=1)]
+        del sd[HF_NAMES["layers.w_up"].format(layer=1)]
     elif case == "shape":
         kwargs["tensor_overrides"] = {"blk.0.attn_k.weight": np.zeros((16, 64), np.float32)}
     elif case == "quant":   # a type gguf.quants.dequantize cannot turn into floats
@@ -171,20 +171,20 @@ def test_smollm2_tensors_equal_transformers_gguf_load(smollm2, transformers_smol
     for layer in (0, 17, 29):
         index = (slice(layer, layer + 1),)
         for key in ("wq", "wk", "wv"):
-            hf = sd[HF_NAMES[key].format(layer=layer)]           # [heads * hd, D]
+            hf = sd[HF_NAMES[f"layers.{key}"].format(layer=layer)]           # [heads * hd, D]
             want = hf.T.reshape(D, -1, hd)[None]
             np.testing.assert_allclose(smollm2.tensors[f"layers.{key}"].read(index), want,
                                        rtol=0, atol=1e-6, err_msg=f"{key} layer {layer}")
-        hf = sd[HF_NAMES["wo"].format(layer=layer)]              # [D, heads * hd]
+        hf = sd[HF_NAMES["layers.wo"].format(layer=layer)]              # [D, heads * hd]
         np.testing.assert_allclose(smollm2.tensors["layers.wo"].read(index),
                                    hf.T.reshape(-1, hd, D)[None], rtol=0, atol=1e-6)
         for key in ("w_gate", "w_up", "w_down"):
-            hf = sd[HF_NAMES[key].format(layer=layer)]
+            hf = sd[HF_NAMES[f"layers.{key}"].format(layer=layer)]
             np.testing.assert_allclose(smollm2.tensors[f"layers.{key}"].read(index), hf.T[None],
                                        rtol=0, atol=1e-6, err_msg=f"{key} layer {layer}")
         for key in ("attn_norm", "mlp_norm"):
             np.testing.assert_array_equal(smollm2.tensors[f"layers.{key}"].read(index),
-                                          sd[HF_NAMES[key].format(layer=layer)][None])
+                                          sd[HF_NAMES[f"layers.{key}"].format(layer=layer)][None])
     np.testing.assert_allclose(smollm2.tensors["embed"].read_all(), sd[HF_NAMES["embed"]],
                                rtol=0, atol=1e-6)
     np.testing.assert_array_equal(smollm2.tensors["final_norm"].read_all(),

@@ -20,7 +20,7 @@ def canonical_from_state_dict(sd: dict[str, np.ndarray], config) -> dict[str, np
                       config.num_kv_heads, config.head_dim)
 
     def stack(key):   # [L, out, in]
-        return np.stack([sd[HF_NAMES[key].format(layer=i)] for i in range(L)])
+        return np.stack([sd[HF_NAMES[f"layers.{key}"].format(layer=i)] for i in range(L)])
 
     out = {
         "embed": sd[HF_NAMES["embed"]],
@@ -51,7 +51,8 @@ def random_state_dict(config, seed=0) -> dict[str, np.ndarray]:
     if not config.tie_word_embeddings:
         sd[HF_NAMES["lm_head"]] = (V, D)
     for i in range(config.num_layers):
-        sd.update({HF_NAMES[key].format(layer=i): shape for key, shape in shapes.items()})
+        sd.update({HF_NAMES[f"layers.{key}"].format(layer=i): shape
+                   for key, shape in shapes.items()})
     return {name: rng.standard_normal(shape).astype(np.float32) for name, shape in sd.items()}
 
 
@@ -178,16 +179,16 @@ def test_reads_touch_only_the_requested_layers_and_heads():
         return read
 
     stored = {name: StoredTensor(array.shape, spy(name)) for name, array in sd.items()}
-    tensors = canonical_tensors(config, stored, HF_NAMES)
+    tensors = canonical_tensors(config, stored, "hf")
     hd = config.head_dim
     # Layer 1 only, kv head 1 only, hidden rows 3..9.
     got = tensors["layers.wk"].read((slice(1, 2), slice(3, 10), slice(1, 2), slice(None)))
-    assert touched == [(HF_NAMES["wk"].format(layer=1), (slice(hd, 2 * hd), slice(3, 10)))]
+    assert touched == [(HF_NAMES["layers.wk"].format(layer=1), (slice(hd, 2 * hd), slice(3, 10)))]
     want = canonical_from_state_dict(sd, config)["layers.wk"][1:2, 3:10, 1:2, :]
     np.testing.assert_array_equal(got, want)
     touched.clear()
     tensors["layers.wo"].read((slice(0, 1), slice(2, 4), slice(None), slice(5, 6)))
-    assert touched == [(HF_NAMES["wo"].format(layer=0), (slice(5, 6), slice(2 * hd, 4 * hd)))]
+    assert touched == [(HF_NAMES["layers.wo"].format(layer=0), (slice(5, 6), slice(2 * hd, 4 * hd)))]
 
 
 # --- Without transformers: numpy-written directories ---------------------------------------

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
-from medha_jax.config import MESH_AXES, ParallelConfig
+from meshes import MESH_AXES, ParallelConfig
 from meshes import DEFAULT_RULES, LogicalRules, initialize_distributed, make_mesh, parallel_config_of
 
 
@@ -53,13 +53,22 @@ def test_rules_map_logical_axes_and_reject_collisions():
         LogicalRules(rules=(("heads", "tp"), ("heads", None)))
 
 
-def test_indivisible_dimension_is_an_error_except_kv_heads():
+def test_indivisible_dimension_is_an_error():
     mesh = make_mesh(ParallelConfig(tp=4))
     with pytest.raises(ValueError, match="dimension heads=9 is not divisible by tp=4"):
         DEFAULT_RULES.sharding(mesh, (576, 9, 64), ("embed", "heads", "head_dim"))
-    # K/V heads fall back to replication when tp exceeds them (GQA with large TP).
-    sharding = DEFAULT_RULES.sharding(mesh, (576, 2, 64), ("embed", "kv_heads", "head_dim"))
-    assert sharding.spec == PartitionSpec(None, None, None)
+    with pytest.raises(ValueError, match="dimension kv_heads=2 is not divisible by tp=4"):
+        DEFAULT_RULES.sharding(mesh, (576, 2, 64), ("embed", "kv_heads", "head_dim"))
+
+
+def test_meshes_imports_nothing_from_medha_jax():
+    import subprocess
+    import sys
+
+    code = ("import sys, meshes; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'medha_jax'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
 
 
 def test_initialize_distributed_is_a_no_op_on_one_host(monkeypatch):

@@ -49,6 +49,40 @@ def test_every_mesh_shape_gives_the_one_device_logits(tmp_path_factory, parallel
     np.testing.assert_allclose(sharded_model.logits(ids), single, atol=2e-5, rtol=0)
 
 
+@pytest.fixture(scope="module")
+def odd_vocab_checkpoint(tmp_path_factory):
+    """A vocabulary no tp divides (257, like 32001 or 50257 in real checkpoints)."""
+    path = tmp_path_factory.mktemp("odd-vocab")
+    return path, save_tiny_llama(path, "gqa4-llama3-rope", vocab_size=257)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_vocabulary_that_no_tp_divides_matches_transformers(odd_vocab_checkpoint, tp):
+    path, hf_model = odd_vocab_checkpoint
+    model = load_model(path, parallel=ParallelConfig(tp=tp), verbose=False)
+    assert model.layout.padded_vocab_size == -(-257 // tp) * tp
+    ids = np.random.default_rng(3).integers(0, 257, size=33).tolist()
+    ours = model.logits(ids)
+    assert ours.shape == (33, 257)                       # exactly vocab_size columns
+    np.testing.assert_array_less(np.abs(ours - hf_logits(hf_model, ids)).max(), 1e-4)
+    prompt = [3, 256, 99, 5]
+    assert greedy_with_logits(model, prompt, 8) == hf_greedy(hf_model, prompt, 8)
+
+
+def test_dtype_defaults_to_float32_on_the_cpu_and_is_said(odd_vocab_checkpoint, capsys):
+    from medha_jax.model.loading import default_dtype
+
+    assert default_dtype("bfloat16", "cpu") == "float32"
+    assert default_dtype("bfloat16", "gpu") == default_dtype("bfloat16", "tpu") == "bfloat16"
+    path, _ = odd_vocab_checkpoint
+    assert load_model(path).config.dtype == "float32"
+    assert "in float32" in capsys.readouterr().err
+    model = load_model(path, dtype="bfloat16")
+    assert model.config.dtype == "bfloat16"
+    assert model.module.embed[...].dtype == np.dtype("bfloat16")
+    assert "bfloat16 (as asked)" in capsys.readouterr().err
+
+
 def test_checkpoint_errors_name_the_tensor_or_field(tmp_path):
     from medha_jax.checkpoint import CheckpointError
 

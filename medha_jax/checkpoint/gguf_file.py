@@ -22,22 +22,10 @@ from medha_jax.checkpoint.tensors import (
     Checkpoint, CheckpointError, StoredTensor, canonical_tensors)
 from medha_jax.checkpoint.tokenizer import Tokenizer
 from medha_jax.config import ModelConfig
+from medha_jax.model.params import checkpoint_names
 
-# Canonical key -> GGUF tensor name (llama.cpp's standard names for the llama architecture).
-GGUF_NAMES = {
-    "embed": "token_embd.weight",
-    "final_norm": "output_norm.weight",
-    "lm_head": "output.weight",
-    "attn_norm": "blk.{layer}.attn_norm.weight",
-    "mlp_norm": "blk.{layer}.ffn_norm.weight",
-    "wq": "blk.{layer}.attn_q.weight",
-    "wk": "blk.{layer}.attn_k.weight",
-    "wv": "blk.{layer}.attn_v.weight",
-    "wo": "blk.{layer}.attn_output.weight",
-    "w_gate": "blk.{layer}.ffn_gate.weight",
-    "w_up": "blk.{layer}.ffn_up.weight",
-    "w_down": "blk.{layer}.ffn_down.weight",
-}
+# Canonical name -> GGUF tensor name (llama.cpp's names, from the parameter table).
+GGUF_NAMES = checkpoint_names("gguf")
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _LLAMA_CPP_DEFAULT_ROPE_THETA = 10_000.0
@@ -69,7 +57,7 @@ def load_gguf_checkpoint(path: str | pathlib.Path) -> Checkpoint:
     config = config_from_gguf(reader, name=path.stem)
     stored = {t.name: _stored_tensor(t) for t in reader.tensors}
     _check_quantization_types(reader)
-    tensors = canonical_tensors(config, stored, GGUF_NAMES, rope_interleaved_qk=True)
+    tensors = canonical_tensors(config, stored, "gguf", rope_interleaved_qk=True)
     tokenizer = Tokenizer.from_gguf(reader) if "tokenizer.ggml.model" in reader.fields else None
     return Checkpoint(config=config, tensors=tensors, tokenizer=tokenizer)
 

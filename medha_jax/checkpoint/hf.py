@@ -25,22 +25,10 @@ from medha_jax.checkpoint.tensors import (
     Checkpoint, CheckpointError, StoredTensor, canonical_tensors)
 from medha_jax.checkpoint.tokenizer import Tokenizer
 from medha_jax.config import ModelConfig, RopeScaling
+from medha_jax.model.params import checkpoint_names
 
-# Canonical key -> the tensor name in a LlamaForCausalLM state dict.
-HF_NAMES = {
-    "embed": "model.embed_tokens.weight",
-    "final_norm": "model.norm.weight",
-    "lm_head": "lm_head.weight",
-    "attn_norm": "model.layers.{layer}.input_layernorm.weight",
-    "mlp_norm": "model.layers.{layer}.post_attention_layernorm.weight",
-    "wq": "model.layers.{layer}.self_attn.q_proj.weight",
-    "wk": "model.layers.{layer}.self_attn.k_proj.weight",
-    "wv": "model.layers.{layer}.self_attn.v_proj.weight",
-    "wo": "model.layers.{layer}.self_attn.o_proj.weight",
-    "w_gate": "model.layers.{layer}.mlp.gate_proj.weight",
-    "w_up": "model.layers.{layer}.mlp.up_proj.weight",
-    "w_down": "model.layers.{layer}.mlp.down_proj.weight",
-}
+# Canonical name -> the tensor name in a LlamaForCausalLM state dict (from the parameter table).
+HF_NAMES = checkpoint_names("hf")
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 _HF_DEFAULT_ROPE_THETA = 10_000.0   # LlamaConfig's default when config.json omits it
@@ -55,7 +43,7 @@ def load_hf_checkpoint(path: str | pathlib.Path) -> Checkpoint:
     config = config_from_hf(json.loads(config_file.read_text()), name=path.name)
     stored = _stored_tensors(path)
     tensors = canonical_tensors(
-        config, stored, HF_NAMES,
+        config, stored, "hf",
         # Old checkpoints carry RoPE's inverse frequencies as a buffer; tied ones may still
         # hold a copy of the embedding as lm_head.
         ignored=lambda name: name.endswith("rotary_emb.inv_freq") or (

@@ -22,6 +22,7 @@ its stored tensors (`StoredTensor`: shape + a reader of contiguous slices) and t
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 
 from typing import TYPE_CHECKING
@@ -31,6 +32,7 @@ import numpy as np
 from medha_jax.config import ModelConfig
 
 if TYPE_CHECKING:
+    from medha_jax.model.params import ParamSpec
     from medha_jax.checkpoint.tokenizer import Tokenizer
 
 # A reader of contiguous, in-bounds slices (step 1, one per dimension) -> float32 array.
@@ -136,51 +138,63 @@ def stacked(layer: Callable[[int], Reader]) -> Reader:
     return read
 
 
-# --- The canonical set. ------------------------------------------------------------------
+# --- The canonical set: the model's parameter table (medha_jax.model.params). ------------
 
-# Keys of `_stored_shapes` that exist once per layer (stacked as "layers.<key>").
-_LAYER_WEIGHTS = ("attn_norm", "mlp_norm", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+def _stored_shape(spec: ParamSpec, head_dim: int) -> tuple[int, ...]:
+    """The shape a checkpoint stores one layer's (or a global) tensor in."""
+    shape = spec.shape[1:] if spec.per_layer else spec.shape
+    if spec.stored_layout == "linear":
+        return shape[::-1]                                   # [in, out] -> [out, in]
+    if spec.stored_layout in ("qk_heads", "v_heads"):
+        d_in, heads, _ = shape
+        return (heads * head_dim, d_in)
+    if spec.stored_layout == "o_heads":
+        heads, _, d_out = shape
+        return (d_out, heads * head_dim)
+    return shape
 
 
-def _stored_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """The [out, in] shape every format stores each weight in (per layer for layers.*)."""
-    d, f, v, hd = config.hidden_size, config.intermediate_size, config.vocab_size, config.head_dim
-    q, kv = config.num_heads * hd, config.num_kv_heads * hd
-    shapes = {
-        "embed": (v, d), "final_norm": (d,), "lm_head": (v, d),
-        "attn_norm": (d,), "mlp_norm": (d,),
-        "wq": (q, d), "wk": (kv, d), "wv": (kv, d), "wo": (d, q),
-        "w_gate": (f, d), "w_up": (f, d), "w_down": (d, f),
-    }
-    if config.tie_word_embeddings:
-        del shapes["lm_head"]
-    return shapes
+def _canonical_reader(spec: ParamSpec, read: Reader, head_dim: int,
+                      rope_interleaved_qk: bool) -> Reader:
+    if spec.stored_layout == "linear":
+        return transposed(read)
+    if spec.stored_layout == "qk_heads":
+        return split_out_heads(read, head_dim, rope_interleaved_qk)
+    if spec.stored_layout == "v_heads":
+        return split_out_heads(read, head_dim)
+    if spec.stored_layout == "o_heads":
+        return merge_in_heads(read, head_dim)
+    return read
 
 
 def canonical_tensors(
     config: ModelConfig,
     stored: Mapping[str, StoredTensor],
-    names: Mapping[str, str],
+    checkpoint_format: str,
     *,
     ignored: Callable[[str], bool] = lambda name: False,
     rope_interleaved_qk: bool = False,
 ) -> dict[str, TensorSource]:
     """Checks a checkpoint's stored tensors against `config` and maps them to canonical ones.
 
-    names: canonical key ("embed", "wq", ...) -> stored name; per-layer names contain
-      "{layer}". ignored(name): stored tensors that may be present and are not weights
-      (e.g. a tied checkpoint's duplicate lm_head); any other unknown tensor is an error,
-      since silently dropping one (an attention bias, say) would give a wrong model.
+    checkpoint_format: "hf" or "gguf", which names of the parameter table to look for
+      (per-layer names contain "{layer}"). ignored(name): stored tensors that may be present
+      and are not weights (e.g. a tied checkpoint's duplicate lm_head); any other unknown
+      tensor is an error, since silently dropping one (an attention bias, say) would give a
+      wrong model.
     rope_interleaved_qk: Q and K rows are in llama.cpp's interleaved-rope order.
     """
-    shapes = _stored_shapes(config)
+    from medha_jax.model.params import param_specs
+
+    specs = param_specs(config)
+    head_dim = config.head_dim
     expected: dict[str, tuple[str, tuple[int, ...]]] = {}   # stored name -> (canonical, shape)
-    for key, shape in shapes.items():
-        if key in _LAYER_WEIGHTS:
-            for layer in range(config.num_layers):
-                expected[names[key].format(layer=layer)] = (f"layers.{key}", shape)
-        else:
-            expected[names[key]] = (key, shape)
+    for key, spec in specs.items():
+        name = spec.checkpoint_name(checkpoint_format)
+        shape = _stored_shape(spec, head_dim)
+        layers = range(config.num_layers) if spec.per_layer else [None]
+        for layer in layers:
+            expected[name.format(layer=layer)] = (key, shape)
 
     for stored_name, (canonical, shape) in expected.items():
         if stored_name not in stored:
@@ -195,31 +209,16 @@ def canonical_tensors(
             f"unexpected tensors {unknown[:5]}{' ...' if len(unknown) > 5 else ''}: not weights "
             "of a Llama decoder with this config")
 
-    def layer_reader(key: str, wrap: Callable[[Reader], Reader]) -> Reader:
-        return stacked(lambda i: wrap(stored[names[key].format(layer=i)].read))
-
-    hd, L = config.head_dim, config.num_layers
-    D, F, H, K = config.hidden_size, config.intermediate_size, config.num_heads, config.num_kv_heads
-    identity = lambda read: read  # noqa: E731
-    qk_heads = lambda read: split_out_heads(read, hd, rope_interleaved_qk)  # noqa: E731
-    tensors = {
-        "embed": lazy_source((config.vocab_size, D), stored[names["embed"]].read),
-        "final_norm": lazy_source((D,), stored[names["final_norm"]].read),
-        "layers.attn_norm": lazy_source((L, D), layer_reader("attn_norm", identity)),
-        "layers.mlp_norm": lazy_source((L, D), layer_reader("mlp_norm", identity)),
-        "layers.wq": lazy_source((L, D, H, hd), layer_reader("wq", qk_heads)),
-        "layers.wk": lazy_source((L, D, K, hd), layer_reader("wk", qk_heads)),
-        "layers.wv": lazy_source((L, D, K, hd),
-                                 layer_reader("wv", lambda read: split_out_heads(read, hd))),
-        "layers.wo": lazy_source((L, H, hd, D),
-                                 layer_reader("wo", lambda read: merge_in_heads(read, hd))),
-        "layers.w_gate": lazy_source((L, D, F), layer_reader("w_gate", transposed)),
-        "layers.w_up": lazy_source((L, D, F), layer_reader("w_up", transposed)),
-        "layers.w_down": lazy_source((L, F, D), layer_reader("w_down", transposed)),
-    }
-    if not config.tie_word_embeddings:
-        tensors["lm_head"] = lazy_source((D, config.vocab_size),
-                                         transposed(stored[names["lm_head"]].read))
+    tensors = {}
+    for key, spec in specs.items():
+        name = spec.checkpoint_name(checkpoint_format)
+        wrap = functools.partial(_canonical_reader, spec, head_dim=head_dim,
+                                 rope_interleaved_qk=rope_interleaved_qk)
+        if spec.per_layer:
+            read = stacked(lambda i, name=name, wrap=wrap: wrap(stored[name.format(layer=i)].read))
+        else:
+            read = wrap(stored[name].read)
+        tensors[key] = lazy_source(spec.shape, read)
     return tensors
 
 

@@ -22,7 +22,7 @@ from medha_jax.engine.buckets import BucketLadder
 from medha_jax.engine.sampler import sample
 from medha_jax.engine.step_inputs import StepInputs, build_step_inputs
 from medha_jax.kv_cache.allocator import BlockAllocator
-from medha_jax.model.llama import AttentionMetadata, KVCache
+from medha_jax.model import AttentionMetadata, KVCache
 from medha_jax.model.loading import Model
 from medha_jax.request import Batch, Request, ScheduledChunk, StepResult
 from medha_jax.scheduler.predictor import BatchFeatures, ProfiledPredictor, batch_features
@@ -50,7 +50,6 @@ class EngineConfig:
     min_token_bucket: int = 16
     max_seqs: int = 32
     enable_prefix_caching: bool = True
-    attention_impl: str = "auto"
 
     def __post_init__(self):
         for field in ("page_size", "max_kv_tokens", "max_tokens_per_step", "min_token_bucket",
@@ -100,10 +99,10 @@ def _unpack_int32(ints, shape: tuple[int, int, int]) -> dict:
     return arrays
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "shape", "attention_impl"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "shape"),
                    donate_argnames=("kv_cache",))
 def step(graphdef, state, kv_cache: KVCache, ints, floats, rng_keys, *,
-         shape: tuple[int, int, int], attention_impl: str):
+         shape: tuple[int, int, int]):
     """One engine step: forward, last-token logits per sequence, sampling. Pure.
 
     ints: the packed int32 inputs of bucket `shape` = (T, S, W) (see pack_inputs);
@@ -112,12 +111,12 @@ def step(graphdef, state, kv_cache: KVCache, ints, floats, rng_keys, *,
     XLA writes the new K/V in place. Engines over the same model share jit's cache.
     """
     x = _unpack_int32(ints, shape)
-    meta = AttentionMetadata(slot_mapping=x["slot_mapping"], page_table=x["page_table"],
-                             cu_q_lens=x["cu_q_lens"], kv_lens=x["kv_lens"],
+    # One KV shard: the metadata's leading shard dimension is 1.
+    meta = AttentionMetadata(slot_mapping=x["slot_mapping"][None], page_table=x["page_table"][None],
+                             cu_q_lens=x["cu_q_lens"], kv_lens=x["kv_lens"][None],
                              num_seqs=x["num_seqs"])
     module = nnx.merge(graphdef, state)
-    hidden, kv_cache = module(x["token_ids"], x["positions"], kv_cache, meta,
-                              attention_impl=attention_impl)
+    hidden, kv_cache = module(x["token_ids"], x["positions"], kv_cache, meta)
     logits = module.logits(hidden[x["logits_indices"]])      # [S, vocab] float32
     temperature, top_p = floats[0], floats[1]
     return sample(logits, temperature, x["top_k"], top_p, rng_keys), kv_cache
@@ -162,8 +161,7 @@ class Engine:
     def _compile(self, shape: tuple[int, int, int]) -> jax.stages.Compiled:
         inputs = _padding_inputs(shape, self.pad_slot)
         with jax.set_mesh(self.model.mesh):
-            return step.lower(*self.step_args(inputs), shape=shape,
-                              attention_impl=self.config.attention_impl).compile()
+            return step.lower(*self.step_args(inputs), shape=shape).compile()
 
     def warmup(self, progress: bool = True, shapes=None) -> None:
         """Compiles every bucket shape (or just `shapes`) ahead of time, so no request
@@ -197,8 +195,7 @@ class Engine:
             # Only without warm-up (tests, notebooks): jit compiles on first use and shares
             # its cache with every engine over the same model.
             with jax.set_mesh(self.model.mesh):
-                tokens, self.kv_cache = step(*args, shape=shape,
-                                             attention_impl=self.config.attention_impl)
+                tokens, self.kv_cache = step(*args, shape=shape)
         dispatched = time.perf_counter()
         # While the device runs, do this step's bookkeeping (asynchronous dispatch).
         features = batch_features(batch, self.ladder.token_buckets)

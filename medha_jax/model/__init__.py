@@ -1,8 +1,10 @@
-"""The Llama-3 family model: layers, the NNX module, and loading."""
+"""The Llama-3 family model: the parameter table and mesh layout, layers, the NNX module,
+attention, and loading."""
 
-from medha_jax.model.llama import (KV_CACHE_AXES, PARAM_AXES, AttentionMetadata, KVCache, Llama,
-                                   param_shapes)
+from medha_jax.model.attention import AttentionMetadata
+from medha_jax.model.llama import KVCache, Llama
 from medha_jax.model.loading import DEFAULT_MODEL, Model, load_model
+from medha_jax.model.params import KV_CACHE_AXES, MeshLayout, ParamSpec, param_specs
 
-__all__ = ["DEFAULT_MODEL", "KV_CACHE_AXES", "PARAM_AXES", "AttentionMetadata", "KVCache", "Llama",
-           "Model", "load_model", "param_shapes"]
+__all__ = ["DEFAULT_MODEL", "KV_CACHE_AXES", "AttentionMetadata", "KVCache", "Llama", "MeshLayout",
+           "Model", "ParamSpec", "load_model", "param_specs"]

