@@ -1,0 +1,109 @@
+"""What a compiled program sends between devices: the collectives of its optimized HLO.
+
+Equal tokens do not show that a mesh axis does parallel work (a layout that XLA answers
+with an all-gather of the whole KV cache gives the same tokens); the collectives do. This
+reads `compiled.as_text()` and lists every all-reduce, all-gather, reduce-scatter,
+all-to-all and collective-permute with the bytes of its result and how many times it runs
+per call: an instruction inside a while loop (the layer scan) runs once per iteration, so
+its count is the product of the known trip counts of the loops around it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+COLLECTIVE_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+                  "collective-permute")
+
+_BYTES_PER_ELEMENT = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+                      "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
+                      "c128": 16}
+_ARRAY = re.compile(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]")
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s")
+_INSTRUCTION = re.compile(
+    r"=\s*(?P<shape>\(.*?\)|\S+)\s+(?P<op>" + "|".join(COLLECTIVE_OPS) + r")(?P<start>-start)?\(")
+_CALLEE = re.compile(r"\b(?:calls|to_apply|body|condition)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective instruction: its kind, result shape text, bytes and runs per call."""
+
+    op: str
+    shape: str
+    bytes: int
+    count: int
+    is_async: bool
+
+    @property
+    def bytes_per_call(self) -> int:
+        return self.bytes * self.count
+
+
+def array_bytes(shape_text: str) -> int:
+    """Bytes of every array in an HLO shape ("f32[4,8]{1,0}" or a tuple of them)."""
+    total = 0
+    for dtype, dims in _ARRAY.findall(shape_text):
+        if dtype not in _BYTES_PER_ELEMENT:
+            continue
+        size = _BYTES_PER_ELEMENT[dtype]
+        for dim in filter(None, dims.split(",")):
+            size *= int(dim)
+        total += size
+    return total
+
+
+def collectives(hlo_text: str) -> list[Collective]:
+    """Every collective of an optimized HLO module (`jax.stages.Compiled.as_text()`)."""
+    computations: dict[str, list[str]] = {}
+    entry, current = None, None
+    for line in hlo_text.splitlines():
+        # Computation headers start in column 0 and open a brace; instructions are indented.
+        match = _COMPUTATION.match(line)
+        if match and not line[:1].isspace() and line.rstrip().endswith("{"):
+            current = match.group(1)
+            computations[current] = []
+            if line.lstrip().startswith("ENTRY"):
+                entry = current
+        elif current is not None:
+            computations[current].append(line)
+    if entry is None:
+        raise ValueError("no ENTRY computation in this HLO text")
+
+    # Runs per call of each computation: the entry once; a while body or condition its
+    # loop's trip count times its caller's runs (1 when XLA did not record a trip count).
+    runs: dict[str, int] = {entry: 1}
+    pending = [entry]
+    while pending:
+        caller = pending.pop()
+        for line in computations.get(caller, ()):
+            callees = _CALLEE.findall(line) + [
+                name.strip().lstrip("%") for group in _BRANCHES.findall(line)
+                for name in group.split(",")]
+            if not callees:
+                continue
+            trips = _TRIP_COUNT.search(line)
+            factor = int(trips.group(1)) if trips and " while(" in line else 1
+            for callee in callees:
+                if callee in computations and callee not in runs:
+                    runs[callee] = runs[caller] * factor
+                    pending.append(callee)
+
+    found = []
+    for name, lines in computations.items():
+        for line in lines:
+            match = _INSTRUCTION.search(line)
+            if match:
+                found.append(Collective(op=match.group("op"), shape=match.group("shape"),
+                                        bytes=array_bytes(match.group("shape")),
+                                        count=runs.get(name, 1),
+                                        is_async=match.group("start") is not None))
+    return found
+
+
+def bytes_per_call(hlo_text: str) -> int:
+    """Bytes of all collectives' results in one call of the program."""
+    return sum(c.bytes_per_call for c in collectives(hlo_text))

@@ -1,0 +1,39 @@
+"""Reading collectives and their sizes out of optimized HLO."""
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from medha_jax import hlo
+
+
+def compiled_text(fn, *args):
+    return jax.jit(fn).lower(*args).compile().as_text()
+
+
+def test_collectives_sizes_and_loop_counts():
+    mesh = jax.make_mesh((2, 2), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2,
+                         devices=jax.devices()[:4])
+
+    def body(x):                                               # x: [4, 8] per device
+        def step(i, acc):
+            return acc + jax.lax.psum(acc * i, "a")
+        looped = jax.lax.fori_loop(0, 5, step, x)
+        passed = jax.lax.ppermute(x, "b", [(0, 1), (1, 0)])
+        gathered = jax.lax.all_gather(x, "a", tiled=True)      # [8, 8]
+        return looped + passed, gathered
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=P("a", "b"),
+                       out_specs=(P("a", "b"), P(None, "b")), check_vma=False)
+    found = hlo.collectives(compiled_text(fn, jnp.ones((8, 16), jnp.float32)))
+    by_op = {c.op: c for c in found}
+    assert set(by_op) == {"all-reduce", "collective-permute", "all-gather"}
+    assert by_op["all-reduce"].bytes == 4 * 8 * 4 and by_op["all-reduce"].count == 5
+    assert by_op["collective-permute"].bytes == 4 * 8 * 4 and by_op["collective-permute"].count == 1
+    assert by_op["all-gather"].bytes == 8 * 8 * 4
+    assert hlo.bytes_per_call(compiled_text(fn, jnp.ones((8, 16), jnp.float32))) == \
+        5 * 128 + 128 + 256
+
+
+def test_array_bytes_of_tuples_and_dtypes():
+    assert hlo.array_bytes("(f32[4,8]{1,0}, bf16[3]{0}, s32[])") == 4 * 32 + 2 * 3 + 4
