@@ -9,7 +9,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from medha_jax import ParallelConfig, load_model
-from medha_jax.model.loading import _one_shot_logits
+from medha_jax.model.attention import num_kv_shards
+from medha_jax.model.llama import one_sequence_metadata
+from medha_jax.model.loading import _chunk_logits
 from meshes import DEFAULT_RULES, LogicalRules
 
 
@@ -20,11 +22,14 @@ def one_device_logits():
 
 
 def shard_map_specs(model, num_tokens=16):
-    """The in_specs of every shard_map in the one-shot forward's jaxpr."""
+    """The in_specs of every shard_map in the jaxpr of a one-chunk forward."""
+    shards = num_kv_shards(model.layout)
+    meta = one_sequence_metadata(0, num_tokens, num_tokens, page_size=16, num_kv_shards=shards,
+                                 tokens_per_shard=num_tokens)
     with jax.set_mesh(model.mesh):
-        jaxpr = jax.make_jaxpr(functools.partial(_one_shot_logits, model.graphdef,
-                                                 num_tokens=num_tokens))(
-            model.state, jnp.zeros(num_tokens, jnp.int32))
+        jaxpr = jax.make_jaxpr(functools.partial(_chunk_logits, model.graphdef))(
+            model.state, model.new_kv_cache(shards, 16), jnp.zeros(num_tokens, jnp.int32),
+            jnp.arange(num_tokens, dtype=jnp.int32), meta)
     found = []
 
     def walk(jaxpr):

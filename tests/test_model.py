@@ -49,6 +49,18 @@ def test_every_mesh_shape_gives_the_one_device_logits(tmp_path_factory, parallel
     np.testing.assert_allclose(sharded_model.logits(ids), single, atol=2e-5, rtol=0)
 
 
+def test_any_chunking_gives_the_one_shot_logits():
+    model = load_model("tiny", verbose=False)
+    rng = np.random.default_rng(4)
+    ids = rng.integers(0, 256, size=70).tolist()
+    one_shot = model.logits(ids)
+    for chunks in ([1] * 5 + [65], [33, 1, 1, 35], [16, 16, 16, 16, 6]):
+        np.testing.assert_allclose(model.logits(ids, chunk_sizes=chunks), one_shot,
+                                   atol=2e-5, rtol=0, err_msg=str(chunks))
+    with pytest.raises(ValueError, match="must be positive and sum to 70"):
+        model.logits(ids, chunk_sizes=[10, 10])
+
+
 @pytest.fixture(scope="module")
 def odd_vocab_checkpoint(tmp_path_factory):
     """A vocabulary no tp divides (257, like 32001 or 50257 in real checkpoints)."""

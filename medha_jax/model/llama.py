@@ -122,33 +122,31 @@ def _decoder_layer(carry, layer, *, config: ModelConfig, layout: MeshLayout, pos
     return (x, k_cache, v_cache), None
 
 
-def one_sequence_metadata(num_tokens: int, page_size: int, num_kv_shards: int = 1
-                          ) -> tuple[AttentionMetadata, int]:
-    """Metadata of one sequence prefilled from position 0 in a single step.
+def one_sequence_metadata(start: int, end: int, padded_tokens: int, *, page_size: int,
+                          num_kv_shards: int, tokens_per_shard: int) -> AttentionMetadata:
+    """Metadata of one sequence computing its tokens [start, end) in one step (host numpy).
 
-    Its tokens are split into `num_kv_shards` contiguous, page-aligned segments, segment i on
-    shard i in local pages 0, 1, 2, ... (with one shard: pages 0, 1, 2, ... of the only pool).
-    Returns the metadata and the pages each shard's pool needs.
+    Its cache is laid out contiguously: tokens [k * tokens_per_shard, (k + 1) *
+    tokens_per_shard) on KV shard k, in that shard's pages 0, 1, 2, ... (tokens_per_shard is
+    a multiple of page_size). Tokens past `end` up to padded_tokens are padding.
     """
-    per_shard = -(-num_tokens // (num_kv_shards * page_size)) * page_size   # tokens, page-aligned
-    pages = per_shard // page_size
-    positions = np.arange(num_tokens)
-    owner = positions // per_shard
-    local = positions - owner * per_shard
-    pad_slot = pages * page_size
-    slot_mapping = np.where(owner[None, :] == np.arange(num_kv_shards)[:, None], local[None, :],
-                            pad_slot).astype(np.int32)                   # [N, T]
+    pages = tokens_per_shard // page_size
+    positions = np.arange(start, end)
+    owner, local = np.divmod(positions, tokens_per_shard)
+    shards = np.arange(num_kv_shards)[:, None]
+    slot_mapping = np.full((num_kv_shards, padded_tokens), pages * page_size, np.int32)
+    slot_mapping[:, :end - start] = np.where(owner[None, :] == shards, local[None, :],
+                                             pages * page_size)
     if num_kv_shards == 1:
-        kv_lens = np.array([[num_tokens]], np.int32)   # causal over the cache, new tokens included
-    else:
-        kv_lens = np.zeros((num_kv_shards, 1), np.int32)   # nothing cached before this step
-    meta = AttentionMetadata(
-        slot_mapping=jnp.asarray(slot_mapping),
-        page_table=jnp.broadcast_to(jnp.arange(pages, dtype=jnp.int32), (num_kv_shards, 1, pages)),
-        cu_q_lens=jnp.array([0, num_tokens], dtype=jnp.int32),
-        kv_lens=jnp.asarray(kv_lens),
-        num_seqs=jnp.array([1], dtype=jnp.int32))
-    return meta, pages
+        kv_lens = np.array([[end]])          # causal over the cache, new tokens included
+    else:                                    # tokens each shard cached before this step
+        kv_lens = np.clip(start - shards * tokens_per_shard, 0, tokens_per_shard)
+    return AttentionMetadata(
+        slot_mapping=slot_mapping,
+        page_table=np.broadcast_to(np.arange(pages, dtype=np.int32), (num_kv_shards, 1, pages)),
+        cu_q_lens=np.array([0, end - start], np.int32),
+        kv_lens=kv_lens.astype(np.int32),
+        num_seqs=np.array([1], np.int32))
 
 
 def init_random_params(config: ModelConfig, layout: MeshLayout, key) -> dict[str, jax.Array]:

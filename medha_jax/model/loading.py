@@ -39,25 +39,51 @@ class Model:
         graphdef, state = nnx.split(module)
         self.graphdef = graphdef
         self.state = state
-        self._one_shot_logits = jax.jit(functools.partial(_one_shot_logits, graphdef),
-                                        static_argnames=("num_tokens",))
+        self._chunk_logits = jax.jit(functools.partial(_chunk_logits, graphdef),
+                                     donate_argnames=("kv_cache",))
 
-    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
-        """float32 logits [tokens, vocab_size] of a one-shot causal forward over `token_ids`."""
+    def logits(self, token_ids: Sequence[int], *, chunk_sizes: Sequence[int] | None = None,
+               kv_tokens_per_shard: int | None = None, page_size: int = 16) -> np.ndarray:
+        """float32 logits [tokens, vocab_size] of a causal forward over `token_ids`.
+
+        One-shot by default. With `chunk_sizes` (summing to the number of tokens) the prompt
+        runs as successive chunks through a paged cache, as the engine's chunked prefill
+        and decodes (chunks of 1) do; on a mesh with several KV shards the cache is spread
+        over them, `kv_tokens_per_shard` tokens a shard in order (default: evenly). This is
+        the oracle of chunking and of KV-cache parallelism.
+        """
         ids = np.asarray(token_ids, dtype=np.int32)
         if ids.ndim != 1 or ids.size == 0:
             raise ValueError(f"token_ids must be a non-empty 1-D sequence, got shape {ids.shape}")
         if ids.min() < 0 or ids.max() >= self.config.vocab_size:
             raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}), "
                              f"got min {ids.min()} max {ids.max()}")
-        # Pad to a power of two so a growing prompt (greedy loops, tests) compiles a few
-        # shapes, not one per length. Attention is causal: trailing padding cannot change
-        # the logits of the real tokens.
-        padded = np.zeros(max(16, 1 << (ids.size - 1).bit_length()), dtype=np.int32)
-        padded[:ids.size] = ids
+        chunk_sizes = [ids.size] if chunk_sizes is None else [int(n) for n in chunk_sizes]
+        if min(chunk_sizes) < 1 or sum(chunk_sizes) != ids.size:
+            raise ValueError(f"{chunk_sizes=} must be positive and sum to {ids.size} tokens")
+        shards = num_kv_shards(self.layout)
+        if kv_tokens_per_shard is None:
+            kv_tokens_per_shard = -(-ids.size // shards)
+        per_shard = -(-kv_tokens_per_shard // page_size) * page_size
+        if per_shard * shards < ids.size:
+            raise ValueError(f"{kv_tokens_per_shard=} x {shards} KV shards cannot hold "
+                             f"{ids.size} tokens")
+        cache = self.new_kv_cache(shards * (per_shard // page_size), page_size)
+        out, start = [], 0
         with jax.set_mesh(self.mesh):
-            out = self._one_shot_logits(self.state, jnp.asarray(padded), num_tokens=padded.size)
-        return np.asarray(out)[:ids.size]
+            for n in chunk_sizes:
+                # Pad to a power of two so growing prompts compile a few shapes, not one per
+                # length. Padding tokens write no page and are no query of the sequence.
+                padded = max(16, 1 << (n - 1).bit_length())
+                chunk = np.zeros(padded, np.int32)
+                chunk[:n] = ids[start:start + n]
+                meta = one_sequence_metadata(start, start + n, padded, page_size=page_size,
+                                             num_kv_shards=shards, tokens_per_shard=per_shard)
+                positions = np.arange(start, start + padded, dtype=np.int32)
+                logits, cache = self._chunk_logits(self.state, cache, chunk, positions, meta)
+                out.append(np.asarray(logits)[:n])
+                start += n
+        return np.concatenate(out)
 
     def kv_cache_sharding(self, num_pages: int, page_size: int):
         """Shape and sharding of a cache of `num_pages` pages over all KV shards."""
@@ -74,20 +100,11 @@ class Model:
         return KVCache(k=zeros(), v=zeros())
 
 
-def _one_shot_logits(graphdef, state, token_ids, *, num_tokens: int, page_size: int = 16):
+def _chunk_logits(graphdef, state, kv_cache: KVCache, token_ids, positions, meta):
+    """Logits [T, vocab_size] of every token of one chunk, and the updated cache."""
     module = nnx.merge(graphdef, state)
-    shards = num_kv_shards(module.layout)
-    meta, pages_per_shard = one_sequence_metadata(num_tokens, page_size, shards)
-    cache_shape = (module.config.num_layers, shards * pages_per_shard, page_size,
-                   module.config.num_kv_heads * module.layout.kv_head_replicas,
-                   module.config.head_dim)
-    sharding = module.layout.sharding(cache_shape, KV_CACHE_AXES)
-    dtype = numpy_dtype(module.config.dtype)
-    cache = KVCache(*(jax.lax.with_sharding_constraint(jnp.zeros(cache_shape, dtype), sharding)
-                      for _ in range(2)))
-    positions = jnp.arange(num_tokens, dtype=jnp.int32)
-    hidden, _ = module(token_ids, positions, cache, meta)
-    return module.logits(hidden)
+    hidden, kv_cache = module(token_ids, positions, kv_cache, meta)
+    return module.logits(hidden), kv_cache
 
 
 def default_dtype(checkpoint_dtype: str, backend: str) -> str:
