@@ -85,13 +85,10 @@ class Llama(nnx.Module):
         config = self.config
         x = jnp.take(self.embed[...], token_ids, axis=0)
         stacked = {name: p[...] for name, p in self.layers.items()}
-        layer_body = functools.partial(
-            _decoder_layer, config=config, layout=self.layout, positions=positions, meta=meta,
-            inv_freq=self.inv_freq[...])
-        layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
-        (x, k, v), _ = jax.lax.scan(layer_body, (x, kv_cache.k, kv_cache.v), (stacked, layer_ids))
+        x, kv_cache = decoder_layers(x, stacked, kv_cache, positions, meta, config=config,
+                                     layout=self.layout, inv_freq=self.inv_freq[...])
         x = layers.rms_norm(x, self.final_norm[...], config.rms_norm_eps)
-        return x, KVCache(k=k, v=v)
+        return x, kv_cache
 
     def logits(self, hidden):
         """hidden: [S, D] (already final-normed) -> float32 logits [S, vocab_size].
@@ -100,6 +97,19 @@ class Llama(nnx.Module):
         head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
         logits = jnp.einsum("sd,dv->sv", hidden, head, preferred_element_type=jnp.float32)
         return logits[:, :self.config.vocab_size]
+
+
+def decoder_layers(x, stacked: dict[str, jax.Array], kv_cache: KVCache, positions,
+                   meta: AttentionMetadata, *, config: ModelConfig, layout: MeshLayout, inv_freq):
+    """Runs the decoder layers whose weights are stacked in `stacked` ([layers, ...] each)
+    over x [T, D], under a scan; kv_cache holds exactly those layers. -> (x, kv_cache).
+
+    Any contiguous range of layers works the same way (a pipeline stage runs its own)."""
+    layer_body = functools.partial(_decoder_layer, config=config, layout=layout,
+                                   positions=positions, meta=meta, inv_freq=inv_freq)
+    layer_ids = jnp.arange(kv_cache.k.shape[0], dtype=jnp.int32)
+    (x, k, v), _ = jax.lax.scan(layer_body, (x, kv_cache.k, kv_cache.v), (stacked, layer_ids))
+    return x, KVCache(k=k, v=v)
 
 
 def _decoder_layer(carry, layer, *, config: ModelConfig, layout: MeshLayout, positions,
