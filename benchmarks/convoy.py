@@ -18,7 +18,7 @@ down to fit a CPU) against a live Server per policy, all over one engine compile
 calibrated once (that start-up takes minutes on 2 cores, --quick or not).
 --validate-simulator runs each policy live and simulates the same trace with the server's
 scheduler and predictor, comparing TTFT/TPOT percentiles (within 25% passes): once with
-the simulated device as fast as engine.fit_predictor() predicts, and once as fast as the
+the simulated device as fast as calibration.fit_predictor(engine) predicts, and once as fast as the
 steps measured in the run (a shared CPU's step times change with its load; the second
 separates the simulator's own error from that drift, and is the one the bar applies to).
 """
@@ -148,10 +148,11 @@ def long_ids(trace: Sequence[TraceRequest]) -> set[str]:
 # Simulated cluster
 # ---------------------------------------------------------------------------------------
 
-def simulate_policy(trace: Sequence[TraceRequest], policy: str, *, slo: SLOPolicy,
+def simulate_policy(trace: Sequence[TraceRequest], scheduler, *, slo: SLOPolicy,
                     prefill_time_cache, progress: bool = False, **sim_kwargs
                     ) -> list[LatencyRecord]:
-    """Runs one policy over the trace in the simulator and returns its records.
+    """Runs one scheduler (a policy name or a SchedulerConfig) over the trace in the
+    simulator and returns its records.
 
     prefill_time_cache: the scheduler's Algorithm 3 table for the simulator's predictor;
     it sets long requests' deadlines (SLOPolicy) and is reused by every replica and every
@@ -162,7 +163,7 @@ def simulate_policy(trace: Sequence[TraceRequest], policy: str, *, slo: SLOPolic
 
     # Fresh Requests per run: the controller mutates them.
     requests = to_requests(trace, slo_policy=slo, prefill_time_s=prefill_time_cache)
-    result = simulate(requests, policy=policy, progress=progress,
+    result = simulate(requests, scheduler=scheduler, progress=progress,
                       prefill_time_cache=prefill_time_cache, **sim_kwargs)
     return records_from_requests(result.requests, long_ids=long_ids(trace))
 
@@ -209,6 +210,7 @@ def run_live(args: argparse.Namespace) -> tuple[dict, dict, dict | None]:
     policy over it), so policies differ only in scheduling.
     """
     from medha_jax.engine import Engine, EngineConfig
+    from medha_jax.engine.calibration import fit_predictor
     from medha_jax.model import load_model
     from medha_jax.scheduler import EngineLimits
     from medha_jax.scheduler.factory import default_target_batch_time
@@ -218,7 +220,7 @@ def run_live(args: argparse.Namespace) -> tuple[dict, dict, dict | None]:
     engine = Engine(load_model(args.model), EngineConfig(**SERVER_ENGINE))
     engine.warmup(progress=not args.no_progress)
     print("fitting the runtime predictor to this machine ...", flush=True)
-    predictor = engine.fit_predictor()
+    predictor = fit_predictor(engine)
     print(f"  {predictor}", flush=True)
     # Medha derives the batch time budget from the TPOT SLO. A CPU step costs far more than
     # an accelerator's, so the TPOT this machine is asked to meet is the scheduler's own
@@ -248,7 +250,7 @@ def run_live(args: argparse.Namespace) -> tuple[dict, dict, dict | None]:
                     del engine.execute                      # drop the recording wrapper
                     validation = validation or {}
                     validation.setdefault(f"{qps:g}", {})[policy], simulated = check_simulator(
-                        server, predictor, trace, policy, slo=slo, measured=by_policy[policy],
+                        server, predictor, trace, slo=slo, measured=by_policy[policy],
                         steps=steps)
                     for name, records in simulated.items():
                         by_policy[f"{policy} (simulated, {name})"] = records
@@ -260,8 +262,9 @@ def run_live(args: argparse.Namespace) -> tuple[dict, dict, dict | None]:
 
 
 def server_twin(server, predictor) -> dict:
-    """simulate() arguments that mirror a live Server (engine limits, SLO default, KV
-    capacity, one replica of one device), pricing steps with `predictor`."""
+    """simulate() arguments that mirror a live Server (its scheduler config with the
+    engine's limits and SLO default, KV capacity, one replica of one device), pricing steps
+    with `predictor`."""
     from medha_jax.scheduler import HardwareSpec
     from medha_jax.simulator import kv_capacity_tokens
 
@@ -279,10 +282,8 @@ def server_twin(server, predictor) -> dict:
         raise RuntimeError(f"simulated KV capacity differs from the engine's {capacity} tokens")
     return dict(model=config, parallel=ParallelConfig(), hardware=device,
                 memory_utilization=1.0, page_size=engine.allocator.page_size,
-                predictor=predictor,
-                max_model_len=server.max_model_len,
-                token_buckets=engine.ladder.token_buckets, max_seqs_per_batch=engine.max_seqs,
-                default_slo=server.default_slo)
+                predictor=predictor, max_model_len=server.max_model_len,
+                scheduler=server.scheduler_config)
 
 
 # TTFT and TPOT percentiles of all requests, simulated vs measured.
@@ -323,12 +324,13 @@ def _record_steps(engine) -> list[tuple[object, float]]:
     return steps
 
 
-def check_simulator(server, predictor, trace: Sequence[TraceRequest], policy: str, *,
+def check_simulator(server, predictor, trace: Sequence[TraceRequest], *,
                     slo: SLOPolicy, measured: Sequence[LatencyRecord], steps
                     ) -> tuple[dict, dict]:
-    """Simulates the trace the live server just ran and compares percentiles.
+    """Simulates the trace the live server just ran, with its scheduler config, and
+    compares percentiles.
 
-    The simulated scheduler plans with `predictor`, the live server's (engine.fit_predictor(),
+    The simulated scheduler plans with `predictor`, the live server's (calibration.fit_predictor(engine),
     fitted before the run), as the live one did. The simulated device runs steps:
       "as calibrated": at the speed that predictor predicts;
       "as run":        at the speed of the same model fitted to the step times measured
@@ -348,8 +350,9 @@ def check_simulator(server, predictor, trace: Sequence[TraceRequest], policy: st
                                        seq_buckets=engine.ladder.seq_buckets)
     simulated, check = {}, {}
     for name, device in (("as calibrated", predictor), ("as run", run_fitted)):
-        simulated[name] = simulate_policy(trace, policy, slo=slo, prefill_time_cache=cache,
-                                          **server_twin(server, predictor),
+        twin = server_twin(server, predictor)
+        simulated[name] = simulate_policy(trace, twin.pop("scheduler"), slo=slo,
+                                          prefill_time_cache=cache, **twin,
                                           device_predictor=device)
         check[name] = compare(measured, simulated[name])
     check["within_tolerance"] = check["as run"]["within_tolerance"]

@@ -46,6 +46,7 @@ def scenarios(quick: bool) -> dict[str, list[tuple[int, int]]]:
 def run(model_name: str, quick: bool, repeats: int):
     from medha_jax import load_model
     from medha_jax.engine import Engine, EngineConfig
+    from medha_jax.engine.calibration import borrow_batch, release_batch
     from medha_jax.engine.step_inputs import build_step_inputs
 
     model = load_model(model_name)
@@ -54,7 +55,7 @@ def run(model_name: str, quick: bool, repeats: int):
     rng = np.random.default_rng(1)
     rows = []
     for name, chunks in scenarios(quick).items():
-        batch = engine.borrow_batch(chunks, rng)
+        batch = borrow_batch(engine, chunks, rng)
         try:
             inputs = build_step_inputs(batch, engine.allocator, engine.ladder,
                                        pad_slot=engine.pad_slot)
@@ -79,7 +80,7 @@ def run(model_name: str, quick: bool, repeats: int):
             device_only()
             device = _median_seconds(device_only, repeats)
         finally:
-            engine.release_batch(batch)
+            release_batch(engine, batch)
         rows.append({
             "scenario": name, "tokens": batch.num_tokens, "padded_shape": list(inputs.padded_shape),
             "step_ms": total * 1e3, "device_ms": device * 1e3,

@@ -1,9 +1,9 @@
 """Attention kernel benchmark: prefill chunks over long contexts, decode batches, and the
 cost of chunking (seed 000, section 3.1 and figure 3b).
 
-    python -m benchmarks.kernels --quick                     # CPU: the jnp references, small sizes
+    python -m benchmarks.kernels --quick                     # CPU: the XLA path, small sizes
     python -m benchmarks.kernels --json results/kernels.json # GPU: the Pallas kernels, 4K..1M
-    python -m benchmarks.kernels --compare                   # also time the reference; ratio
+    python -m benchmarks.kernels --compare                   # also time the XLA path; ratio
 
 Three measurements, each on one layer's attention (one sequence's chunk, or a decode batch):
 
@@ -22,7 +22,7 @@ Three measurements, each on one layer's attention (one sequence's chunk, or a de
 Peaks come from medha_jax.scheduler.hardware (preset picked from the device kind, or
 --hardware). On the CPU there is no preset: absolute numbers only, fractions shown as "-".
 Times are medians over --repeats runs after a warm-up (compile) run; min and max go to the
-JSON. "auto" runs the Pallas kernels on a GPU and the jnp references on a CPU.
+JSON. "auto" runs the Pallas kernel on a GPU and the XLA path on a CPU.
 """
 
 from __future__ import annotations
@@ -44,8 +44,9 @@ import numpy as np
 
 from medha_jax.config import model_preset
 from pallas_kernels import decode_attention, ragged_paged_attention
-from pallas_kernels.block_sizes import resolve
-from pallas_kernels.reference import random_page_table
+from pallas_kernels.block_sizes import device_kind_of
+from pallas_kernels.dense_reference import random_page_table
+from pallas_kernels.dispatch import IMPLS, block_sizes_for, resolve_impl
 
 K = 1024
 PAGE_SIZE = 16
@@ -284,7 +285,7 @@ def environment(heads: Heads, model: str, dtype, impl: str, hardware) -> dict:
     import jaxlib
     device = jax.devices()[0]
     head_dim = heads.head_dim
-    _, tiles = resolve(impl, None, head_dim=head_dim, page_size=PAGE_SIZE)
+    tiles = block_sizes_for(impl, device_kind_of(device), head_dim, PAGE_SIZE)
     return {"backend": jax.default_backend(), "device_kind": device.device_kind,
             "device_count": jax.device_count(), "mesh_shape": "1 device (one layer, unsharded)",
             "jax": jax.__version__, "jaxlib": jaxlib.__version__,
@@ -307,9 +308,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="tensor-parallel degree: benchmark one device's share of the heads")
     p.add_argument("--dtype", default=None,
                    help="bfloat16 | float32 (default: bfloat16 on an accelerator, float32 on CPU)")
-    p.add_argument("--impl", default="auto", choices=("auto", "reference", "pallas", "interpret"))
+    p.add_argument("--impl", default="auto", choices=IMPLS)
     p.add_argument("--compare", action="store_true",
-                   help="also time the jnp reference on the same inputs and report the speedup")
+                   help="also time the XLA path on the same inputs and report the speedup")
     p.add_argument("--hardware", default=None,
                    help="medha_jax.scheduler.hardware preset for the peaks (default: from the "
                         "device kind; none on a CPU)")
@@ -328,8 +329,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         raise SystemExit(f"--tp={args.tp} must divide num_kv_heads={config.num_kv_heads}")
     heads = Heads(config.num_heads // args.tp, config.num_kv_heads // args.tp, config.head_dim)
     dtype = jnp.dtype(args.dtype or ("float32" if on_cpu else "bfloat16"))
-    impl, _ = resolve(args.impl, None, head_dim=heads.head_dim, page_size=PAGE_SIZE)
-    impls = [impl] + (["reference"] if args.compare and impl != "reference" else [])
+    impl = resolve_impl(args.impl, backend)
+    impls = [impl] + (["xla"] if args.compare and impl != "xla" else [])
     compare = impls[1] if len(impls) > 1 else None
     repeats = args.repeats or 5
     device = jax.devices()[0]

@@ -3,7 +3,7 @@
     python -m benchmarks.scheduler_overhead [--quick] [--json FILE] [--policies lars-mp,lars]
 
 Times batch formation (priority ordering of the queue, the decode phase, the adaptive
-chunk searches on the predictor, KV reservations) inside real `ReplicaController.step()`
+chunk searches on the predictor, KV reservations) inside real `ReplicaController.schedule()`
 calls, as the controller itself measures it (`last_schedule_seconds`). The mix: N queued
 requests waiting for their prefill (95% ShareGPT-like prompts, 5% of 128K-1M tokens,
 arrivals spread over the last minute so slacks differ; each leaves at its first token and
@@ -29,7 +29,7 @@ import statistics
 
 from medha_jax.config import ParallelConfig, model_preset
 from medha_jax.request import SLO, Request, VirtualClock
-from medha_jax.scheduler.factory import POLICY_NAMES, make_controller
+from medha_jax.scheduler import POLICY_NAMES, SchedulerConfig, make_controller, run_one_step
 from medha_jax.scheduler.hardware import hardware_preset
 from medha_jax.scheduler.predictor import AnalyticalPredictor
 from medha_jax.simulator import CountingAllocator, SimulatedExecutor, kv_capacity_tokens
@@ -80,23 +80,22 @@ def measure(policy: str, queued: int, *, decodes: int, max_seqs: int, warmup_ste
     capacity = kv_capacity_tokens(model, PARALLEL, hardware)
     executor = _RecordingExecutor(predictor, clock)
     controller = make_controller(
-        policy, executor=executor,
+        SchedulerConfig(policy, token_buckets=TOKEN_BUCKETS, max_seqs_per_batch=max_seqs),
         allocator=CountingAllocator(capacity // 16, 16), clock=clock, predictor=predictor,
-        model_config=model, max_model_len=MAX_MODEL_LEN, token_buckets=TOKEN_BUCKETS,
-        max_seqs_per_batch=max_seqs)
+        model_config=model, max_model_len=MAX_MODEL_LEN)
     prefill_time = controller.prefill_time_cache.prefill_time
     rng = random.Random(seed)
     for i in range(decodes):
         controller.add_request(_decoding_request(i, rng, clock.now()))
     while len([r for r in controller.unfinished() if r.output_token_ids]) < decodes:
-        controller.step()
+        run_one_step(controller, executor)
     added = 0
     schedule_s, batch_decodes, batch_prefills, batch_tokens = [], [], [], []
     for step in range(warmup_steps + timed_steps):
         while controller.num_waiting + controller.num_running < queued + decodes:
             controller.add_request(_queued_request(added, rng, clock.now(), prefill_time))
             added += 1
-        controller.step()
+        run_one_step(controller, executor)
         batch = executor.last_batch
         if step >= warmup_steps:
             # The controller times its own batch formation; execution is simulated.

@@ -1,8 +1,8 @@
 """Discrete-event simulation of serving: the real controllers and policies on a virtual clock.
 
 Each replica is a `ReplicaController` (made by the scheduler factory, exactly as the
-server makes it) whose executor is a `SimulatedExecutor`: it prices each batch with the
-runtime predictor (by default the analytical roofline for the model, parallel layout
+server makes it) stepped with `run_one_step` on a `SimulatedExecutor`: it prices each
+batch with the runtime predictor (by default the analytical roofline for the model, parallel layout
 and hardware) and moves that replica's virtual clock forward by that much. Requests
 enter at their arrival times; an idle replica's clock jumps to its next arrival. A
 router places each request on the replica with the least outstanding work, or on the
@@ -13,7 +13,7 @@ kvp and cp), divided by the KV bytes of one token (KV heads replicated when tp e
 them). Sampled tokens are dummies and end-of-sequence is off, so every request emits
 exactly max_new_tokens tokens; prefix caching is not simulated.
 
-    result = simulate(requests, policy="lars-mp", model=model_preset("llama3-8b"),
+    result = simulate(requests, scheduler="lars-mp", model=model_preset("llama3-8b"),
                       parallel=ParallelConfig(tp=8, spp=2), hardware="a100")
     result.requests   # copies of the inputs with their timestamps, in input order
 """
@@ -29,8 +29,10 @@ from collections.abc import Sequence
 from medha_jax.config import ModelConfig, ParallelConfig
 from medha_jax.request import (Batch, FinishReason, Request, RequestState, StepResult,
                                VirtualClock)
-from medha_jax.scheduler.controller import ReplicaController
+from medha_jax.scheduler.config import SchedulerConfig
+from medha_jax.scheduler.controller import ReplicaController, run_one_step
 from medha_jax.scheduler.factory import make_controller
+from medha_jax.scheduler.prefill_time_cache import PrefillTimeCache
 from medha_jax.scheduler.hardware import HardwareSpec, hardware_preset
 from medha_jax.scheduler.predictor import AnalyticalPredictor, BatchFeatures, RuntimePredictor
 
@@ -169,14 +171,17 @@ class _Router:
         return replica
 
 
-def simulate(requests: list[Request], *, policy: str, model: ModelConfig, parallel: ParallelConfig,
-             hardware: HardwareSpec | str, num_replicas: int = 1,
+def simulate(requests: list[Request], *, scheduler: str | SchedulerConfig, model: ModelConfig,
+             parallel: ParallelConfig, hardware: HardwareSpec | str, num_replicas: int = 1,
              predictor: RuntimePredictor | None = None,
              device_predictor: RuntimePredictor | None = None, progress: bool = False,
              time_limit_s: float | None = None, page_size: int = 16,
              memory_utilization: float = 0.9, max_model_len: int | None = None,
-             **controller_knobs) -> SimulationResult:
-    """Serves `requests` (lengths, arrivals, SLOs) with `policy` on simulated hardware.
+             prefill_time_cache: PrefillTimeCache | None = None) -> SimulationResult:
+    """Serves `requests` (lengths, arrivals, SLOs) on simulated hardware.
+
+    scheduler: a policy name or a SchedulerConfig (token buckets, batch limits, t_target,
+      ...), as a Server takes it.
 
     num_replicas x parallel.dp replicas, each of spp x kvp x cp x tp devices.
     predictor: what the scheduler plans with: it prices candidate batches for the packer
@@ -187,9 +192,10 @@ def simulate(requests: list[Request], *, policy: str, model: ModelConfig, parall
     time_limit_s: stop once the virtual clock passes this many seconds; requests not
       finished by then keep their partial timestamps (finish_time None).
     max_model_len: longest prompt + output admitted (default: the longest request).
-    controller_knobs: passed to make_controller (token_buckets, max_seqs_per_batch,
-      target_batch_time_s, rho_max, long_prefill_tokens, ...).
+    prefill_time_cache: Algorithm 3's table to reuse (same predictor and limits); by
+      default built once and shared by the replicas.
     """
+    config = SchedulerConfig.of(scheduler)
     if isinstance(hardware, str):
         hardware = hardware_preset(hardware)
     if num_replicas < 1:
@@ -199,22 +205,23 @@ def simulate(requests: list[Request], *, policy: str, model: ModelConfig, parall
     wall_start = time.perf_counter()
     replica_parallel = dataclasses.replace(parallel, dp=1)
     predictor = predictor or AnalyticalPredictor(
-        model, replica_parallel, hardware, token_buckets=controller_knobs.get("token_buckets"))
+        model, replica_parallel, hardware, token_buckets=config.token_buckets)
     copies = [_fresh_copy(r) for r in requests]
     arrivals = sorted(copies, key=lambda r: r.arrival_time)
     max_model_len = max_model_len or max(r.prompt_len + r.max_new_tokens for r in copies)
 
     capacity = kv_capacity_tokens(model, replica_parallel, hardware, memory_utilization)
     controllers: list[ReplicaController] = []
+    executors: list[SimulatedExecutor] = []
     for _ in range(num_replicas * parallel.dp):
         clock = VirtualClock(arrivals[0].arrival_time)
-        if controllers:   # Algorithm 3's table depends only on predictor and knobs: share it
-            controller_knobs["prefill_time_cache"] = controllers[0].prefill_time_cache
         controllers.append(make_controller(
-            policy, executor=SimulatedExecutor(device_predictor or predictor, clock),
-            allocator=CountingAllocator(capacity // page_size, page_size), clock=clock,
+            config, allocator=CountingAllocator(capacity // page_size, page_size), clock=clock,
             predictor=predictor, model_config=model, max_model_len=max_model_len,
-            **controller_knobs))
+            prefill_time_cache=prefill_time_cache))
+        executors.append(SimulatedExecutor(device_predictor or predictor, clock))
+        # Algorithm 3's table depends only on the predictor and the config: share it.
+        prefill_time_cache = controllers[0].prefill_time_cache
     # The router prices a decode token as a full decode batch's step time per sequence.
     seats = controllers[0].packer.limits.max_seqs_per_batch
     full_decode = BatchFeatures(seats, seats, seats, seats, seats, seats, seats,
@@ -224,7 +231,7 @@ def simulate(requests: list[Request], *, policy: str, model: ModelConfig, parall
     bar = None
     if progress:
         from tqdm.auto import tqdm
-        bar = tqdm(total=len(copies), desc=f"simulating {policy}", unit="req")
+        bar = tqdm(total=len(copies), desc=f"simulating {config.policy}", unit="req")
     horizon = math.inf if time_limit_s is None else arrivals[0].arrival_time + time_limit_s
     num_rejected = 0
     replica_of: dict[str, int] = {}
@@ -259,12 +266,12 @@ def simulate(requests: list[Request], *, policy: str, model: ModelConfig, parall
         _, i = heapq.heappop(busy)
         controller = controllers[i]
         before, steps = len(controller.finished), controller.num_steps
-        controller.step()
+        run_one_step(controller, executors[i])
         if controller.num_steps == steps:
             raise RuntimeError(
-                f"replica {i} ({policy}) formed an empty batch with {controller.num_waiting} "
-                f"waiting and {controller.num_running} running requests at "
-                f"t={controller.clock.now():.3f}")
+                f"replica {i} ({config.policy}) formed an empty batch with "
+                f"{controller.num_waiting} waiting and {controller.num_running} running "
+                f"requests at t={controller.clock.now():.3f}")
         if bar is not None and len(controller.finished) != before:
             bar.update(len(controller.finished) - before)
         if controller.has_unfinished():
@@ -279,6 +286,6 @@ def simulate(requests: list[Request], *, policy: str, model: ModelConfig, parall
         requests=copies, makespan_s=makespan,
         num_iterations=sum(c.num_steps for c in controllers),
         num_preemptions=sum(c.num_preemptions for c in controllers), num_rejected=num_rejected,
-        policy=policy, hardware=hardware.name, predictor=type(predictor).__name__,
+        policy=config.policy, hardware=hardware.name, predictor=type(predictor).__name__,
         num_replicas=len(controllers), kv_capacity_tokens=capacity,
         wall_s=time.perf_counter() - wall_start, replica_of=replica_of)

@@ -1,17 +1,23 @@
-"""Tile sizes of the attention kernels, and the one place that picks them per back-end.
+"""Tile sizes of the attention kernels: the `BlockSizes` type and a table of defaults per device.
 
-`resolve(impl, block_sizes, ...)` is the only function that looks at the back-end: every
-public attention entry point calls it to turn "auto" into a concrete implementation and
-a missing `BlockSizes` into the default for that implementation.
+`TILE_TABLE` holds one `TileDefaults` per device kind, each for the implementation "auto"
+runs there (GPUs: the Pallas kernel; CPUs and TPUs: the XLA path) plus an "interpret" entry
+for the kernel in interpret mode. `device_kind_of` maps a `jax.Device` to a table key.
+Choosing which entry an implementation uses is `dispatch.block_sizes_for`'s job.
+
+The GPU entries follow from the hardware limits below and have not yet been timed on the
+devices; `python -m benchmarks.kernels` on each is what would confirm or retune them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 
 import jax
 
-IMPLS = ("auto", "reference", "pallas", "interpret")
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -19,17 +25,17 @@ class BlockSizes:
     """How the attention work is tiled. Frozen and hashable: a static argument of jit.
 
     block_q:            query tokens per query block. A block never spans two sequences, so
-                        a prefill chunk of c tokens is ceil(c / block_q) blocks. The kernels
-                        fold the q_per_kv query heads of one KV head into the block's rows
+                        a prefill chunk of c tokens is ceil(c / block_q) blocks. The kernel
+                        folds the q_per_kv query heads of one KV head into the block's rows
                         (rows = block_q * q_per_kv), so one K/V tile feeds every head of its group.
     kv_pages_per_block: KV-cache pages per K/V tile of the inner (online-softmax) loop;
                         a tile holds kv_pages_per_block * page_size keys.
-    num_kv_splits:      the kernels split each query block's keys into this many contiguous
+    num_kv_splits:      the kernel splits each query block's keys into this many contiguous
                         ranges processed by separate programs and merged by log-sum-exp
                         (split-K / flash-decoding), so a small chunk over a long context still
                         fills the device. decode_attention uses exactly this many; the ragged
                         kernel at most this many (fewer once its query blocks alone fill the
-                        device). The references run on one CPU stream and ignore it.
+                        device). The XLA path runs on one stream and ignores it.
     """
 
     block_q: int
@@ -47,58 +53,104 @@ class BlockSizes:
         return self.kv_pages_per_block * page_size
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TileDefaults:
+    """One device kind's default tiling; keys per K/V tile depend on head_dim (a K and a V
+    tile of head_dim 128 are twice the bytes and registers of head_dim 64)."""
+
+    block_q: int
+    keys_narrow: int  # keys per K/V tile for head_dim <= 64
+    keys_wide: int    # keys per K/V tile for head_dim > 64
+    num_kv_splits: int
+
+    def __post_init__(self):
+        BlockSizes(block_q=self.block_q, kv_pages_per_block=1, num_kv_splits=self.num_kv_splits)
+        if min(self.keys_narrow, self.keys_wide) <= 0:
+            raise ValueError(f"{self.keys_narrow=} and {self.keys_wide=} must be positive")
+
+    def block_sizes(self, head_dim: int, page_size: int) -> BlockSizes:
+        if head_dim <= 0 or page_size <= 0:
+            raise ValueError(f"{head_dim=} and {page_size=} must be positive")
+        keys = self.keys_narrow if head_dim <= 64 else self.keys_wide
+        return BlockSizes(block_q=self.block_q, kv_pages_per_block=max(1, keys // page_size),
+                          num_kv_splits=self.num_kv_splits)
+
+
+TILE_TABLE: dict[str, TileDefaults] = {
+    # XLA path on a CPU: every loop step is a sequential while-loop iteration with a fixed
+    # cost, so big tiles; 64-token query blocks and 256-key tiles keep one step's score
+    # block at a few MB, inside the caches (measured with benchmarks/kernels.py).
+    "cpu": TileDefaults(block_q=64, keys_narrow=256, keys_wide=256, num_kv_splits=1),
+    # The kernel in interpret mode runs every grid program one after the other on the CPU:
+    # the Triton layout (16-row blocks, power-of-2 tiles that pass check_native_tiles) so
+    # the same tile shapes are exercised, but 2 KV splits, since splits only add programs.
+    "interpret": TileDefaults(block_q=16, keys_narrow=64, keys_wide=64, num_kv_splits=2),
+    # A100: 108 SMs, 164 KB shared memory per SM, 4 warps per program. 16-token query
+    # blocks (the smallest tl.dot M) times the GQA group fill the MMA rows; the
+    # [rows, keys] f32 score tile and the [rows, head_dim] accumulator live in registers,
+    # so head_dim 128 halves the keys (64: K+V bf16 tiles of 32 KB, 64 KB double-buffered,
+    # two programs per SM). 8 splits give a decode batch of 8 sequences x 8 KV heads 512
+    # programs, ~5 per SM.
+    "a100": TileDefaults(block_q=16, keys_narrow=128, keys_wide=64, num_kv_splits=8),
+    # H100 SXM: 132 SMs, 228 KB shared memory, 3.35 TB/s HBM3. The register budget per
+    # program, not shared memory, bounds the tiles, so they are the A100's; decode is
+    # bound by HBM and needs more loads in flight per byte/s, so 16 splits (8 seqs x 8 KV
+    # heads -> 1024 programs, ~8 per SM; the ragged kernel caps splits at that too).
+    "h100": TileDefaults(block_q=16, keys_narrow=128, keys_wide=64, num_kv_splits=16),
+    # H200: the H100's die (132 SMs, 228 KB) with 4.8 TB/s HBM3e: the same tiles; its
+    # faster memory makes decode even more latency-bound per program, so the same 16 splits.
+    "h200": TileDefaults(block_q=16, keys_narrow=128, keys_wide=64, num_kv_splits=16),
+    # TPU v5e runs the XLA path (the kernel's vector page gathers have no Mosaic-TPU
+    # lowering). One TensorCore with four 128x128 MXUs: 128-token query blocks and
+    # 512-key tiles (4 x 128) give MXU-shaped matmuls and few loop steps; 16 GB of HBM
+    # keeps contexts short, so a split-free stream is enough.
+    "tpu-v5e": TileDefaults(block_q=128, keys_narrow=512, keys_wide=512, num_kv_splits=1),
+    # TPU v5p: the same 128x128 MXUs, and 95 GB of HBM for longer contexts: 1024-key tiles
+    # halve the loop steps over a long context; the [128 x q_per_kv, 1024] f32 score block
+    # of a step is still only 2 MB at q_per_kv 4.
+    "tpu-v5p": TileDefaults(block_q=128, keys_narrow=1024, keys_wide=1024, num_kv_splits=1),
+}
+GPU_KINDS = ("a100", "h100", "h200")
+TPU_KINDS = ("tpu-v5e", "tpu-v5p")
+# Unknown devices get the smaller-memory kind of their family.
+FALLBACK_KIND = {"gpu": "a100", "tpu": "tpu-v5e"}
+
+# Substrings of jax.Device.device_kind (lower-cased) -> table key; first match wins.
+# "NVIDIA GH200 480GB" holds an H200-class GPU and matches "h200".
+_DEVICE_KIND_PATTERNS = (
+    ("h200", "h200"), ("h100", "h100"), ("a100", "a100"),
+    ("v5 lite", "tpu-v5e"), ("v5e", "tpu-v5e"), ("v5p", "tpu-v5p"),
+)
+
+
+def device_kind_of(device: jax.Device | None = None) -> str:
+    """The TILE_TABLE key of `device` (default: the first device of the default back-end).
+
+    "NVIDIA H100 80GB HBM3" -> "h100", "TPU v5 lite" -> "tpu-v5e", any CPU -> "cpu". An
+    unknown GPU or TPU falls back to FALLBACK_KIND for its family, with a warning logged
+    once per device kind.
+    """
+    device = device if device is not None else jax.devices()[0]
+    if device.platform == "cpu":
+        return "cpu"
+    return _kind_from_string(device.platform, device.device_kind)
+
+
+@functools.lru_cache(maxsize=None)
+def _kind_from_string(platform: str, device_kind: str) -> str:
+    lowered = device_kind.lower()
+    for pattern, kind in _DEVICE_KIND_PATTERNS:
+        if pattern in lowered:
+            return kind
+    family = "tpu" if platform == "tpu" else "gpu"
+    fallback = FALLBACK_KIND[family]
+    logger.warning("no attention tiles for %s device kind %r; using the %r tiles",
+                   platform, device_kind, fallback)
+    return fallback
+
+
 def _is_power_of_2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
-
-
-def default_block_sizes(backend: str, head_dim: int, page_size: int) -> BlockSizes:
-    """The tiling for `backend` ("cpu", "gpu", "tpu"; "interpret" uses the gpu tiling).
-
-    cpu (the jnp references): big tiles, because every loop step is a sequential XLA
-    while-loop iteration with a fixed cost; 64-token query blocks and ~256-key tiles keep
-    the score block of one step at a few MB (measured with benchmarks/kernels.py).
-    gpu (the Triton kernel): 16-token query blocks (the smallest tl.dot M) times the GQA
-    group fill the MMA rows; 64-128 key tiles keep the [rows, keys] score tile in registers
-    (smaller for head_dim 128, where K and V tiles are twice as large); 8 KV splits give
-    a decode or a small chunk over a long context enough programs to fill the SMs.
-    """
-    if head_dim <= 0 or page_size <= 0:
-        raise ValueError(f"{head_dim=} and {page_size=} must be positive")
-    if backend == "cpu":
-        return BlockSizes(block_q=64, kv_pages_per_block=max(1, 256 // page_size),
-                          num_kv_splits=1)
-    if backend in ("gpu", "cuda", "rocm", "interpret"):
-        keys = 64 if head_dim >= 128 else 128
-        pages = max(1, keys // page_size)
-        return BlockSizes(block_q=16, kv_pages_per_block=pages, num_kv_splits=8)
-    if backend == "tpu":
-        # The TPU path runs the reference (see `resolve`); tile it like the CPU one but
-        # with the larger on-chip memory in mind.
-        return BlockSizes(block_q=128, kv_pages_per_block=max(1, 512 // page_size),
-                          num_kv_splits=1)
-    raise ValueError(f"no default block sizes for {backend=}; expected cpu, gpu or tpu")
-
-
-def resolve(impl: str, block_sizes: BlockSizes | None, *, head_dim: int,
-            page_size: int) -> tuple[str, BlockSizes]:
-    """Turns ("auto" | "reference" | "pallas" | "interpret", maybe-None tiles) into concrete ones.
-
-    auto: the native Pallas kernel on GPUs; the jnp reference on CPUs (interpret mode is
-    far too slow to serve) and on TPUs. The TPU deviation is deliberate: our kernel gathers
-    K/V pages with a vector of page ids inside the kernel, which the Triton lowering supports
-    and Mosaic-TPU does not (a TPU kernel would DMA pages driven by scalar prefetch instead).
-    """
-    if impl not in IMPLS:
-        raise ValueError(f"{impl=} must be one of {IMPLS}")
-    backend = jax.default_backend()
-    if impl == "auto":
-        impl = "pallas" if backend in ("gpu", "cuda", "rocm") else "reference"
-    if block_sizes is None:
-        tiling_for = {"reference": backend, "interpret": "interpret", "pallas": "gpu"}[impl]
-        block_sizes = default_block_sizes(tiling_for, head_dim, page_size)
-    if impl == "pallas":
-        check_native_tiles(block_sizes, head_dim=head_dim, page_size=page_size)
-    return impl, block_sizes
 
 
 def check_native_tiles(block_sizes: BlockSizes, *, head_dim: int, page_size: int) -> None:
@@ -112,19 +164,3 @@ def check_native_tiles(block_sizes: BlockSizes, *, head_dim: int, page_size: int
             f"kv_pages_per_block={block_sizes.kv_pages_per_block}")
     if block_kv < 16:
         raise ValueError(f"native Pallas needs {block_kv=} (pages x page_size) >= 16")
-
-
-
-# The jnp decode reference gathers one K/V tile of every sequence per loop step. Past a
-# few MB the gathered tile no longer stays in the CPU's cache and the step turns into
-# two extra trips through memory: at 64 sequences x 2K context (smollm2 heads, f32) the
-# step time falls from 113 ms with 16-page tiles to 58 ms with 2-4 pages (benchmarks/kernels.py).
-REFERENCE_DECODE_TILE_BYTES = 4 * 2**20
-
-
-def reference_decode_pages_per_tile(block_sizes: BlockSizes, *, seqs: int, page_size: int,
-                                    kv_heads: int, head_dim: int, itemsize: int) -> int:
-    """Pages per step of the decode reference: block_sizes.kv_pages_per_block, fewer when
-    the K tile of all `seqs` sequences together would pass REFERENCE_DECODE_TILE_BYTES."""
-    page_bytes = seqs * page_size * kv_heads * head_dim * itemsize
-    return max(1, min(block_sizes.kv_pages_per_block, REFERENCE_DECODE_TILE_BYTES // page_bytes))

@@ -7,7 +7,8 @@ the LSE-weighted mean of attention over A and attention over B.
   the kernels, KV-parallel shards and context-parallel ring steps.
 - `online_softmax_update` / `online_softmax_finish`: the streaming form inside a key loop
   (flash attention's running max m, running sum l and unnormalised accumulator). The same
-  functions run inside the Pallas kernels and inside the jnp references.
+  functions run inside the Pallas kernel and inside the XLA path, with `attention_scores`
+  making the scores they consume.
 
 Both are NaN-safe for rows that saw no key at all: out 0, lse -inf. The convention is the
 natural log (lse = m + log l).
@@ -50,6 +51,12 @@ def merge_attention(
     out = jnp.sum(weighted, axis=0) / safe_total[..., None]
     lse = jnp.where(any_seen, lse_max + jnp.log(safe_total), -jnp.inf)
     return out.astype(outs.dtype), lse
+
+
+def attention_scores(q_rows: jax.Array, k_tile: jax.Array, sm_scale: float) -> jax.Array:
+    """q_rows [..., rows, d] x k_tile [..., keys, d] -> [..., rows, keys] f32, scaled."""
+    s = jnp.einsum("...rd,...kd->...rk", q_rows, k_tile, preferred_element_type=jnp.float32)
+    return s * sm_scale
 
 
 def online_softmax_init(rows_shape: tuple[int, ...], head_dim: int) -> SoftmaxState:

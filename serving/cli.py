@@ -44,13 +44,15 @@ def _make_server(args, *, warmup: bool, calibrate: bool):
     from medha_jax.config import ParallelConfig
     from medha_jax.engine import EngineConfig
     from medha_jax.model import load_model
+    from medha_jax.scheduler.config import SchedulerConfig
     from medha_jax.scheduler.predictor import AnalyticalPredictor
     from serving.server import Server
 
+    scheduler = SchedulerConfig(args.policy)     # a bad name fails before the model loads
     parallel = ParallelConfig.parse(args.parallel)
     model = load_model(args.model, parallel=parallel, dtype=args.dtype)
     sizes = {f: getattr(args, f) for f in ENGINE_FLAGS if getattr(args, f) is not None}
-    return Server(model, scheduler=args.policy, engine_config=EngineConfig(**sizes),
+    return Server(model, scheduler=scheduler, engine_config=EngineConfig(**sizes),
                   metrics_port=getattr(args, "metrics_port", None), warmup=warmup,
                   predictor=None if calibrate else AnalyticalPredictor(model.config, parallel))
 

@@ -70,10 +70,12 @@ TABLE_COLUMNS = (("ttft_p50", "ttft_p50_s"), ("ttft_p99", "ttft_p99_s"),
 
 def main(quick: bool = False) -> int:
     from medha_jax.engine import Engine
+    from medha_jax.engine.calibration import fit_predictor
     from medha_jax.latency_report import format_table, summarize
     from medha_jax.model import DEFAULT_MODEL, load_model
     from medha_jax.request import SLO
     from medha_jax.sampling_params import SamplingParams
+    from medha_jax.scheduler import SchedulerConfig
     from medha_jax.workloads import SLOPolicy
     from serving.replay import replay_trace
     from serving.server import Server
@@ -84,16 +86,18 @@ def main(quick: bool = False) -> int:
     engine = Engine(model, demo_engine_config())
     engine.warmup(progress=True)
     print("fitting the runtime predictor to this machine ...", flush=True)
-    predictor = engine.fit_predictor(repeats=1)
+    predictor = fit_predictor(engine, repeats=1)
     print(f"  {predictor}", flush=True)
     # Deadlines this CPU can meet: one step alone takes a few hundred milliseconds.
     slo = SLO(ttft_s=SHORT_TTFT_SLO_S, tpot_s=CPU_TARGET_BATCH_TIME_S)
     slo_policy = SLOPolicy(short_ttft_s=SHORT_TTFT_SLO_S, long_ttft_factor=2.0, tpot_s=slo.tpot_s)
-    server_args = dict(predictor=predictor, default_slo=slo, warmup=False,
-                       scheduler_options={"target_batch_time_s": CPU_TARGET_BATCH_TIME_S})
+    server_args = dict(predictor=predictor, default_slo=slo, warmup=False)
+
+    def scheduler(policy):
+        return SchedulerConfig(policy, target_batch_time_s=CPU_TARGET_BATCH_TIME_S)
 
     print(f"\n-- one answer --\nQ: {QUESTION}\nA: ", end="", flush=True)
-    with Server(engine, scheduler="lars", **server_args) as server:
+    with Server(engine, scheduler=scheduler("lars"), **server_args) as server:
         prompt = model.tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}])
         final = None
         for delta in server.generate_stream(prompt, SamplingParams(temperature=0.0,
@@ -114,7 +118,7 @@ def main(quick: bool = False) -> int:
     rows = {}
     for policy in DEMO_POLICIES:
         print(f"\nreplaying under {policy} ...", flush=True)
-        with Server(engine, scheduler=policy, **server_args) as server:
+        with Server(engine, scheduler=scheduler(policy), **server_args) as server:
             records = replay_trace(server, trace, vocab_size=model.config.vocab_size,
                                    progress=True, slo_policy=slo_policy,
                                    prefill_time_s=server.controller.prefill_time_cache.prefill_time)

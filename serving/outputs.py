@@ -3,7 +3,8 @@
 The server's loop thread produces; callers on other threads (or an asyncio loop) consume.
 A RequestHandle is the meeting point: the loop thread pushes StreamDeltas into it, and the
 caller iterates them, waits for the final RequestOutput, or cancels. Concatenating a
-request's deltas (token ids and text) always gives its final output.
+request's deltas (token ids and text) always gives its final output. A RequestStream is
+the loop thread's side of one request: it turns new tokens into deltas and finishes it.
 
 Text is produced incrementally by `IncrementalDetokenizer`, which also finds stop strings:
 a byte-level tokenizer may split one UTF-8 character over several tokens, and a stop string
@@ -18,7 +19,7 @@ import queue
 import threading
 from typing import AsyncIterator, Callable, Iterator, Protocol, Sequence
 
-from medha_jax.request import Request
+from medha_jax.request import FinishReason, Request
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,3 +236,38 @@ class RequestHandle:
             yield delta
             if delta.finished:
                 return
+
+
+class RequestStream:
+    """The loop thread's side of one in-flight request: tokens in, deltas out to its handle."""
+
+    def __init__(self, request: Request, handle: RequestHandle,
+                 detokenizer: IncrementalDetokenizer):
+        self.request, self.handle, self.detokenizer = request, handle, detokenizer
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    def add_tokens(self, new_token_ids: Sequence[int]) -> bool:
+        """Detokenizes new tokens; True when the text now ends at a stop string (the
+        request is done: the caller finishes it)."""
+        self.detokenizer.add(new_token_ids)
+        return self.detokenizer.stopped
+
+    def push(self, new_token_ids: Sequence[int]) -> None:
+        """Hands the tokens and the text that is safe to show so far to the caller."""
+        text = self.detokenizer.take_delta(final=False)
+        if new_token_ids or text:
+            self.handle._push(StreamDelta(self.request_id, tuple(new_token_ids), text,
+                                          finished=False))
+
+    def finish(self, reason: FinishReason, new_token_ids: Sequence[int] = (),
+               error: str | None = None) -> RequestMetrics:
+        """Pushes the final delta (the rest of the text) and returns the request's metrics."""
+        metrics = RequestMetrics.from_request(self.request)
+        self.handle._push(StreamDelta(
+            self.request_id, tuple(new_token_ids), self.detokenizer.take_delta(final=True),
+            finished=True, finish_reason=FinishReason(reason).value, metrics=metrics,
+            error=error))
+        return metrics

@@ -1,6 +1,12 @@
-"""The one comparison of attention results against an expected (out, lse), for the kernel tests."""
+"""Shared pieces of the attention tests: ragged batches, a hypothesis strategy drawing them,
+and the one comparison of results against the dense oracle."""
+
+import dataclasses
 
 import numpy as np
+from hypothesis import strategies as st
+
+from pallas_kernels.dense_reference import dense_attention_oracle, random_page_table
 
 
 def assert_attention_close(out, lse, want_out, want_lse, atol=2e-5):
@@ -12,3 +18,76 @@ def assert_attention_close(out, lse, want_out, want_lse, atol=2e-5):
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
     finite = np.isfinite(want_lse)
     np.testing.assert_allclose(lse[finite], want_lse[finite], atol=atol, rtol=1e-5)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    """Static buffer shapes of one batch family."""
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    page_size: int
+    num_tokens: int = 40
+    max_seqs: int = 5
+    pages_per_seq: int = 10
+
+    @property
+    def num_pages(self):
+        return self.max_seqs * self.pages_per_seq + 3
+
+    @property
+    def max_context(self):
+        return self.pages_per_seq * self.page_size
+
+
+def make_batch(seed: int, shapes: Shapes, q_lens, contexts, *, causal=True, dtype=np.float32):
+    """Numpy arguments of `ragged_paged_attention`: sequence s has q_lens[s] queries and
+    contexts[s] keys before them. causal: the queries' own keys are in the cache too
+    (kv_len = context + q_len); otherwise the cache holds only the prefix (kv_len = context)."""
+    rng = np.random.default_rng(seed)
+    num_seqs = len(q_lens)
+    kv_lens = [c + n for c, n in zip(contexts, q_lens)] if causal else list(contexts)
+    cu_q_lens = np.full(shapes.max_seqs + 1, sum(q_lens), np.int32)
+    cu_q_lens[: num_seqs + 1] = np.concatenate([[0], np.cumsum(q_lens)])
+    kv_lens_arr = np.zeros(shapes.max_seqs, np.int32)
+    kv_lens_arr[:num_seqs] = kv_lens
+    cache_shape = (shapes.num_pages, shapes.page_size, shapes.kv_heads, shapes.head_dim)
+    return dict(
+        q=rng.standard_normal((shapes.num_tokens, shapes.q_heads, shapes.head_dim)).astype(dtype),
+        k_pages=rng.standard_normal(cache_shape).astype(dtype),
+        v_pages=rng.standard_normal(cache_shape).astype(dtype),
+        page_table=random_page_table(rng, kv_lens, max_seqs=shapes.max_seqs,
+                                     pages_per_seq=shapes.pages_per_seq,
+                                     page_size=shapes.page_size, num_pages=shapes.num_pages),
+        cu_q_lens=cu_q_lens, kv_lens=kv_lens_arr, num_seqs=np.array([num_seqs], np.int32))
+
+
+@st.composite
+def ragged_batches(draw, shapes_choices, max_chunk=24, causal=True):
+    """(shapes, seed, q_lens, contexts): a mix of decodes, 1-token and longer chunks, chunks
+    with no context, and (causal=False) contexts that fill the whole page table."""
+    shapes = draw(st.sampled_from(shapes_choices))
+    num_seqs = draw(st.integers(1, shapes.max_seqs))
+    q_lens, contexts, tokens_left = [], [], shapes.num_tokens
+    for _ in range(num_seqs):
+        if tokens_left == 0:
+            break
+        kind = draw(st.sampled_from(["decode", "chunk", "chunk", "no_context"]))
+        q_len = 1 if kind == "decode" else draw(st.integers(1, min(tokens_left, max_chunk)))
+        # Causal batches keep room for the queries' own keys; a prefix may fill the table.
+        room = shapes.max_context - (q_len if causal else 0)
+        context = 0 if kind == "no_context" else draw(st.one_of(
+            st.integers(0, room), st.just(room)))
+        q_lens.append(q_len)
+        contexts.append(context)
+        tokens_left -= q_len
+    return shapes, draw(st.integers(0, 2**31 - 1)), q_lens, contexts
+
+
+def assert_matches_oracle(out, lse, batch, sm_scale, *, causal=True, atol=2e-5):
+    """Equal to the dense oracle, and exactly 0 / -inf on the padding tail."""
+    want_out, want_lse = dense_attention_oracle(**batch, sm_scale=sm_scale, causal=causal)
+    assert_attention_close(out, lse, want_out, want_lse, atol=atol)
+    out, lse = np.asarray(out), np.asarray(lse)
+    padding = np.arange(out.shape[0]) >= batch["cu_q_lens"][batch["num_seqs"][0]]
+    assert (out[padding] == 0).all() and np.isneginf(lse[padding]).all()

@@ -48,7 +48,7 @@ def test_generate_prints_the_greedy_text(model_dir, capsys):
     (["generate", ""], "prompt is empty"),
     (["generate", "hi", "--max-tokens", "0"], "max_tokens must be an int >= 1"),
     (["generate", "hi", "--temperature", "-1"], "temperature must be >= 0"),
-    (["generate", "hi", "--policy", "fifo"], "unknown scheduler 'fifo'"),
+    (["generate", "hi", "--policy", "fifo"], "unknown policy 'fifo'"),
 ])
 def test_errors_name_the_value(model_dir, capsys, argv, message):
     assert main([*argv, "--model", model_dir, *SMALL_ENGINE]) == 2

@@ -8,8 +8,8 @@ from medha_jax.config import ParallelConfig, model_preset
 from medha_jax.kv_cache.allocator import BlockAllocator
 from medha_jax.request import FinishReason, Request, RequestState, StepResult, VirtualClock
 from medha_jax.sampling_params import SamplingParams
-from medha_jax.scheduler.controller import CapacityError
-from medha_jax.scheduler.factory import POLICY_NAMES, make_controller
+from medha_jax.scheduler import (POLICY_NAMES, CapacityError, SchedulerConfig, make_controller,
+                                  run_one_step)
 from medha_jax.scheduler.predictor import AnalyticalPredictor
 
 MODEL = model_preset("tiny")
@@ -51,9 +51,9 @@ def _setup(policy="lars-mp", num_pages=256, page_size=16, eos=(), **knobs):
     engine = FakeEngine(clock, allocator)
     knobs = {"max_seqs_per_batch": 8, "token_buckets": (16, 32, 64, 128, 256),
              "target_batch_time_s": 0.002, **knobs}
-    controller = make_controller(policy, executor=engine, allocator=allocator, clock=clock,
-                                 predictor=PREDICTOR, model_config=MODEL, eos_token_ids=eos,
-                                 max_model_len=2048, **knobs)
+    controller = make_controller(SchedulerConfig(policy, **knobs), allocator=allocator,
+                                 clock=clock, predictor=PREDICTOR, model_config=MODEL,
+                                 eos_token_ids=eos, max_model_len=2048)
     return controller, allocator, engine
 
 
@@ -63,23 +63,23 @@ def _request(rid, prompt_len=40, max_new=5, arrival=0.0, ids=True, **sampling):
                    sampling=SamplingParams(temperature=0.0, **sampling))
 
 
-def _run(controller, limit=10_000):
+def _run(controller, engine, limit=10_000):
     updates = []
     for _ in range(limit):
         if not controller.has_unfinished():
             return updates
-        updates += controller.step()
+        updates += run_one_step(controller, engine)
     raise AssertionError("requests did not finish")
 
 
 @pytest.mark.parametrize("policy", POLICY_NAMES)
 def test_every_policy_serves_requests_to_completion(policy):
-    controller, allocator, _ = _setup(policy)
+    controller, allocator, engine = _setup(policy)
     requests = [_request(f"r{i}", prompt_len=20 + 37 * i, max_new=3 + i) for i in range(6)]
     for r in requests:
         controller.add_request(r)
     assert controller.num_waiting == 6 and controller.num_running == 0
-    updates = _run(controller)
+    updates = _run(controller, engine)
     for r in requests:
         assert r.finish_reason is FinishReason.LENGTH
         assert len(r.output_token_ids) == r.max_new_tokens
@@ -95,7 +95,7 @@ def test_every_policy_serves_requests_to_completion(policy):
 
 
 def test_stop_tokens_and_eos():
-    controller, _, _ = _setup(eos=(EOS,))
+    controller, _, engine = _setup(eos=(EOS,))
     # From a 40-token prompt, tokens token_at(40), token_at(41), ... are sampled; EOS is the third.
     eos = _request("eos", prompt_len=40, max_new=50)
     stop = _request("stop", prompt_len=40, max_new=50, ignore_eos=True,
@@ -103,7 +103,7 @@ def test_stop_tokens_and_eos():
     ignore = _request("ignore", prompt_len=40, max_new=3, ignore_eos=True)
     for r in (eos, stop, ignore):
         controller.add_request(r)
-    _run(controller)
+    _run(controller, engine)
     assert eos.finish_reason is FinishReason.STOP and eos.output_token_ids[-1] == EOS
     assert len(eos.output_token_ids) == 3
     assert stop.finish_reason is FinishReason.STOP and len(stop.output_token_ids) == 4
@@ -111,7 +111,7 @@ def test_stop_tokens_and_eos():
 
 
 def test_admission_errors_name_the_problem():
-    controller, allocator, _ = _setup(num_pages=8, page_size=16)      # 128 tokens of KV
+    controller, allocator, engine = _setup(num_pages=8, page_size=16)      # 128 tokens of KV
     with pytest.raises(ValueError, match=r"prompt_len=2000 \+ max_tokens=100 = 2100 "
                                          r"exceeds max_model_len=2048"):
         controller.add_request(_request("long", prompt_len=2000, max_new=100))
@@ -126,19 +126,19 @@ def test_admission_errors_name_the_problem():
 
 
 def test_cancel_and_finish_free_pages():
-    controller, allocator, _ = _setup()
+    controller, allocator, engine = _setup()
     a, b, c = (_request(x, prompt_len=100, max_new=20) for x in "abc")
     for r in (a, b, c):
         controller.add_request(r)
     for _ in range(3):
-        controller.step()
+        run_one_step(controller, engine)
     assert allocator.num_free_pages < allocator.num_pages
     assert controller.cancel("a") is True and controller.cancel("a") is False
     assert a.finish_reason is FinishReason.CANCELLED and a.state is RequestState.FINISHED
     assert controller.finish("b", FinishReason.STOP) is True
     assert b.finish_reason is FinishReason.STOP and not allocator.has("b")
     assert controller.cancel("nobody") is False
-    _run(controller)
+    _run(controller, engine)
     assert c.finish_reason is FinishReason.LENGTH
     assert allocator.num_free_pages == allocator.num_pages
 
@@ -146,13 +146,14 @@ def test_cancel_and_finish_free_pages():
 @pytest.mark.parametrize("policy", ["fcfs-np", "sarathi-512", "lars", "lars-mp"])
 def test_preemption_under_kv_pressure_never_drops_a_request(policy):
     # 24 pages x 16 tokens = 384 tokens of KV for 12 requests of up to ~200 tokens each.
-    controller, allocator, _ = _setup(policy, num_pages=24, page_size=16, max_seqs_per_batch=16)
+    controller, allocator, engine = _setup(policy, num_pages=24, page_size=16,
+                                           max_seqs_per_batch=16)
     rng = random.Random(policy)
     requests = [_request(f"r{i}", prompt_len=rng.randint(30, 150), max_new=rng.randint(20, 60),
                          arrival=0.0) for i in range(12)]
     for r in requests:
         controller.add_request(r)
-    _run(controller)
+    _run(controller, engine)
     assert controller.num_preemptions > 0
     assert sum(r.num_preemptions for r in requests) == controller.num_preemptions
     for r in requests:
@@ -165,11 +166,11 @@ def test_prefix_cache_hits_skip_computed_pages():
     controller, allocator, engine = _setup()
     first = _request("first", prompt_len=100, max_new=2)
     controller.add_request(first)
-    _run(controller)
+    _run(controller, engine)
     second = Request("second", 120, 2, 0.0, prompt_token_ids=first.prompt_token_ids + [7] * 20,
                      sampling=SamplingParams(temperature=0.0))
     controller.add_request(second)
-    _run(controller)
+    _run(controller, engine)
     assert second.num_cached_tokens == 96                # six full pages of the shared prefix
     first_chunk = next(c for b in engine.batches for c in b.chunks if c.request is second)
     assert first_chunk.start == 96
@@ -180,9 +181,74 @@ def test_a_full_step_makes_new_requests_wait_for_a_seat():
     requests = [_request(f"r{i}", prompt_len=10, max_new=30) for i in range(6)]
     for r in requests:
         controller.add_request(r)
-    _run(controller)
+    _run(controller, engine)
     assert max(len(b.chunks) for b in engine.batches) == 4
     # The first four take the seats and decode to the end; the others start as seats free.
     first_free_seat = min(q.finish_time for q in requests[:4])
     assert all(r.first_scheduled_time >= first_free_seat for r in requests[4:])
     assert all(r.finish_reason is FinishReason.LENGTH for r in requests)
+
+
+# --- Batches in flight: schedule() may run ahead of update() ----------------------------------
+
+def test_batches_in_flight_update_in_any_order_and_are_not_rescheduled():
+    controller, allocator, engine = _setup()
+    a, b = _request("a", prompt_len=20, max_new=4), _request("b", prompt_len=30, max_new=4)
+    controller.add_request(a)
+    first = controller.schedule()
+    controller.add_request(b)
+    second = controller.schedule()
+    assert [c.request for c in first.chunks] == [a]
+    assert [c.request for c in second.chunks] == [b]      # a is in flight: skipped
+    assert not controller.schedule() and controller.num_in_flight == 2
+    second_result, first_result = engine.execute(second), engine.execute(first)
+    controller.update(second, second_result)               # the later batch lands first
+    controller.update(first, first_result)
+    assert controller.num_in_flight == 0 and controller.num_steps == 2
+    with pytest.raises(ValueError, match="update each batch from schedule.. exactly once"):
+        controller.update(first, first_result)
+    _run(controller, engine)
+    for r in (a, b):
+        assert r.output_token_ids == [token_at(r.prompt_len + k) for k in range(r.max_new_tokens)]
+    assert allocator.num_free_pages == allocator.num_pages
+
+
+def test_a_request_cancelled_while_in_flight_drops_its_result():
+    controller, allocator, engine = _setup()
+    a, b = _request("a", prompt_len=20, max_new=4), _request("b", prompt_len=20, max_new=4)
+    controller.add_request(a)
+    controller.add_request(b)
+    batch = controller.schedule()
+    assert {c.request.request_id for c in batch.chunks} == {"a", "b"}
+    result = engine.execute(batch)
+    assert controller.cancel("a")
+    updates = controller.update(batch, result)
+    assert all(u.request is b for u in updates) and a.output_token_ids == []
+    assert not allocator.has("a") and controller.num_in_flight == 0
+    _run(controller, engine)
+    assert b.finish_reason is FinishReason.LENGTH
+    assert allocator.num_free_pages == allocator.num_pages
+
+
+def test_a_request_in_flight_is_never_preempted():
+    # 4 pages x 16 tokens: the running low-priority request and the urgent one cannot both fit.
+    controller, allocator, engine = _setup(num_pages=4, page_size=16)
+    low = Request("low", 40, 8, 0.0, priority=1, prompt_token_ids=list(range(3, 43)),
+                  sampling=SamplingParams(temperature=0.0))
+    urgent = Request("urgent", 40, 8, 0.0, prompt_token_ids=list(range(50, 90)),
+                     sampling=SamplingParams(temperature=0.0))
+    controller.add_request(low)
+    first = controller.schedule()
+    assert [c.request for c in first.chunks] == [low]
+    controller.add_request(urgent)
+    # Urgent outranks low, whose pages it needs, but low is in flight: its pages are being
+    # written, so urgent makes do with what is free.
+    second = controller.schedule()
+    assert controller.num_preemptions == 0 and allocator.has("low")
+    assert low not in [c.request for c in second.chunks]
+    controller.update(first, engine.execute(first))
+    controller.update(second, engine.execute(second))
+    _run(controller, engine)
+    for r in (low, urgent):
+        assert r.output_token_ids == [token_at(r.prompt_len + k) for k in range(r.max_new_tokens)]
+    assert allocator.num_free_pages == allocator.num_pages

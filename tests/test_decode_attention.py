@@ -1,13 +1,13 @@
-"""Decode attention (split-K): Pallas kernel (interpret) == jnp reference == dense oracle."""
+"""decode_attention (split-K): the Pallas kernel (interpret) and the XLA path == dense oracle."""
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pallas_kernels import (BlockSizes, decode_attention, default_block_sizes,
-                            dense_attention_oracle)
-from pallas_kernels.reference import random_page_table
+from pallas_kernels import BlockSizes, decode_attention
+from pallas_kernels.dense_reference import dense_attention_oracle, random_page_table
+from pallas_kernels.dispatch import block_sizes_for
 from tests.attention_checks import assert_attention_close
 
 # (q_heads, kv_heads, head_dim, page_size): fixed buffer shapes, one compile each.
@@ -50,13 +50,13 @@ def decode_batches(draw):
 
 @settings(max_examples=12, deadline=None)
 @given(batch_spec=decode_batches(), num_kv_splits=st.sampled_from([1, 4]))
-def test_kernel_and_reference_equal_dense_oracle(batch_spec, num_kv_splits):
+def test_kernel_and_xla_equal_dense_oracle(batch_spec, num_kv_splits):
     shapes, seed, kv_lens = batch_spec
     batch = make_decode_batch(seed, shapes, kv_lens)
     sm_scale = shapes[2] ** -0.5
     want = oracle(batch, sm_scale)
     tiling = BlockSizes(block_q=1, kv_pages_per_block=2, num_kv_splits=1)
-    for impl in ("reference", "interpret"):
+    for impl in ("xla", "interpret"):
         out, lse = decode_attention(**batch, sm_scale=sm_scale, impl=impl, block_sizes=tiling,
                                     num_kv_splits=num_kv_splits)
         assert out.shape == batch["q"].shape and lse.shape == batch["q"].shape[:2]
@@ -70,7 +70,7 @@ def test_more_splits_than_tiles_and_default_tiles():
     want = oracle(batch, 0.1)
     out, lse = decode_attention(**batch, sm_scale=0.1, impl="interpret", num_kv_splits=16)
     assert_attention_close(out, lse, *want)
-    out, lse = decode_attention(**batch, sm_scale=0.1)   # auto: the reference, CPU tiles
+    out, lse = decode_attention(**batch, sm_scale=0.1)   # auto: the XLA path, CPU tiles
     assert_attention_close(out, lse, *want)
 
 
@@ -81,9 +81,9 @@ def test_bfloat16():
     bf16 = {k: v.astype(jnp.bfloat16) if v.dtype == np.float32 else v for k, v in batch.items()}
     rounded = {**batch, **{k: np.asarray(bf16[k], np.float32) for k in ("q", "k_pages", "v_pages")}}
     want = oracle(rounded, 0.125)
-    for impl in ("reference", "interpret"):
+    for impl in ("xla", "interpret"):
         out, lse = decode_attention(**bf16, sm_scale=0.125, impl=impl,
-                                    block_sizes=default_block_sizes("interpret", 64, 16))
+                                    block_sizes=block_sizes_for("interpret", "cpu", 64, 16))
         assert out.dtype == jnp.bfloat16
         assert_attention_close(np.asarray(out, np.float32), lse, *want, atol=2e-2)
 

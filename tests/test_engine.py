@@ -71,6 +71,25 @@ def drive(engine, arrivals, *, rng, max_chunk, chunk_of=None):
     return done
 
 
+def count_compiles(engine):
+    """Records every shape the engine compiles from now on (the one way it compiles)."""
+    shapes, compile_shape = [], engine._compile
+
+    def counted(shape):
+        shapes.append(shape)
+        return compile_shape(shape)
+
+    engine._compile = counted
+    return shapes
+
+
+def one_chunk_batch(engine, request_id, num_tokens):
+    request = make_request(request_id, list(range(num_tokens)), 1)
+    engine.allocator.allocate(request_id, request.prompt_token_ids)
+    assert engine.allocator.reserve(request_id, num_tokens)
+    return Batch([ScheduledChunk(request, 0, num_tokens)])
+
+
 @pytest.mark.slow
 def test_mixed_workload_never_compiles_after_warmup(model):
     # Chunks up to 2048 tokens; a short ladder (6 token rungs x 1 seq rung x 3 widths) keeps
@@ -79,6 +98,7 @@ def test_mixed_workload_never_compiles_after_warmup(model):
                                         min_token_bucket=64, max_seqs=8, max_model_len=2048))
     engine.warmup(progress=False)
     assert engine.num_executables == len(engine.ladder.all_shapes())
+    engine_compiles = count_compiles(engine)
 
     compiles = []
     listener = lambda event, duration, **kw: compiles.append(event) if event == COMPILE_EVENT else None
@@ -97,7 +117,8 @@ def test_mixed_workload_never_compiles_after_warmup(model):
         jax.monitoring.unregister_event_duration_listener(listener)
     assert len(done) == 60
     assert len(engine.step_records) >= 200
-    assert compiles == []
+    assert compiles == [] and engine_compiles == []
+    assert engine.num_executables == len(engine.ladder.all_shapes())
     assert engine.allocator.num_free_pages == engine.allocator.num_pages
 
 
@@ -138,27 +159,32 @@ def test_batch_beyond_the_largest_bucket_is_a_clear_error(model):
     request = make_request("big", list(range(140)), 1)
     engine.allocator.allocate("big", request.prompt_token_ids)
     engine.allocator.reserve("big", 140)
-    with pytest.raises(ValueError, match="exceeds the largest tokens bucket 128"):
+    with pytest.raises(ValueError, match="tokens n=140 exceeds the largest bucket 128"):
         engine.execute(Batch([ScheduledChunk(request, 0, 140)]))
 
 
-def test_fit_predictor_times_a_sweep_and_returns_every_page(model):
+def test_before_warmup_a_shape_compiles_once_ahead_of_time(model):
     engine = Engine(model, SMALL)
-    predictor = engine.fit_predictor(repeats=1)
-    assert engine.allocator.num_free_pages == engine.allocator.num_pages
-    assert len(engine.step_records) == 0      # calibration steps are not traffic
-    assert predictor.num_records >= 10
-    assert predictor.token_buckets == engine.ladder.token_buckets
-    assert np.isfinite(predictor.median_rel_error)
-    # More work never predicts less time (the packer's binary search relies on it).
-    from medha_jax.scheduler.predictor import BatchFeatures
-    buckets = engine.ladder.token_buckets
-    small = predictor.predict_features(BatchFeatures().plus_chunk(16, 0, True, buckets))
-    large = predictor.predict_features(BatchFeatures().plus_chunk(128, 384, True, buckets))
-    assert large >= small > 0
-    decodes = BatchFeatures().plus_chunk(1, 50, True, buckets)
-    assert predictor.predict_features(decodes.plus_chunk(1, 900, True, buckets)) >= \
-        predictor.predict_features(decodes) > 0
+    compiled = count_compiles(engine)
+    engine.execute(one_chunk_batch(engine, "a", 10))
+    engine.execute(one_chunk_batch(engine, "b", 12))          # same bucket: no second compile
+    assert compiled == [(16, 8, 16)] and list(engine.executables) == [(16, 8, 16)]
+    assert isinstance(engine.executables[(16, 8, 16)], jax.stages.Compiled)
+
+
+def test_after_warmup_an_unwarmed_shape_is_an_error_that_names_it(model):
+    engine = Engine(model, SMALL)
+    engine.warmup(progress=False, shapes=[(16, 8, 16)])
+    compiled = count_compiles(engine)
+    engine.execute(one_chunk_batch(engine, "in", 16))
+    with pytest.raises(RuntimeError, match=r"\(32, 8, 16\) was not compiled at warm-up.*"
+                                           r"tokens \(16, 32, 64, 128\), seqs \(8,\), "
+                                           r"width \(16, 32\)"):
+        engine.execute(one_chunk_batch(engine, "out", 17))
+    assert compiled == [] and list(engine.executables) == [(16, 8, 16)]
+    engine.warmup(progress=False, shapes=[(32, 8, 16)])        # warming it up is allowed
+    engine.execute(one_chunk_batch(engine, "out2", 17))
+    assert compiled == [(32, 8, 16)]
 
 
 @pytest.mark.parametrize("parallel", [ParallelConfig(kvp=2, tp=2), ParallelConfig(spp=2, tp=4)],

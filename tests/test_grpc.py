@@ -44,7 +44,7 @@ def test_binds_to_loopback_by_default(endpoint):
 
 def test_stream_concatenates_to_the_python_api_output(server, stub):
     for prompt in ([4, 5, 6, 7], "Grüß dich"):
-        expected = server.generate(prompt, GREEDY)
+        expected = server.generate([prompt], GREEDY)[0]
         responses = list(stub.Generate(request(prompt)))
         assert all(not r.finished for r in responses[:-1]) and responses[-1].finished
         final = responses[-1]

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pallas_kernels import decode_attention, dense_attention_oracle, merge_attention
-from pallas_kernels.reference import random_page_table
+from pallas_kernels import decode_attention, merge_attention
+from pallas_kernels.dense_reference import dense_attention_oracle, random_page_table
 
 
 def numpy_attention(q, k, v, scale):

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from medha_jax.config import ParallelConfig, model_preset
 from medha_jax.kv_cache.allocator import BlockAllocator
 from medha_jax.request import SLO, Request, RequestState, VirtualClock
-from medha_jax.scheduler.factory import make_controller
+from medha_jax.scheduler import SchedulerConfig, make_controller, run_one_step
 from medha_jax.scheduler.policies import EDF, FCFS, LARS, LRS, PriorityIndex
 from medha_jax.scheduler.predictor import AnalyticalPredictor, batch_features
 from medha_jax.simulator import SimulatedExecutor, simulate
@@ -120,9 +120,10 @@ def _scenario(short_stream: bool):
 
 
 def _met_deadline(policy, requests):
-    result = simulate(requests, policy=policy, model=model_preset("tiny"),
-                      parallel=ParallelConfig(), hardware="h100", predictor=SideBySidePredictor(),
-                      target_batch_time_s=0.1, long_prefill_tokens=5000, prefill_cache_step=100)
+    config = SchedulerConfig(policy, target_batch_time_s=0.1, long_prefill_tokens=5000,
+                             prefill_cache_step=100)
+    result = simulate(requests, scheduler=config, model=model_preset("tiny"),
+                      parallel=ParallelConfig(), hardware="h100", predictor=SideBySidePredictor())
     assert all(r.state is RequestState.FINISHED for r in result.requests)
     return {r.request_id: r.first_token_time - r.arrival_time <= r.slo.ttft_s
             for r in result.requests}
@@ -158,11 +159,11 @@ def test_no_request_starves_under_lars(policy, seed, long_fraction, burst_rate):
     predictor = AnalyticalPredictor(model, ParallelConfig(), "a100")
     clock = VirtualClock()
     allocator = BlockAllocator(num_pages=160, page_size=16)      # 2,560 tokens
-    controller = make_controller(policy, executor=SimulatedExecutor(predictor, clock),
-                                 allocator=allocator, clock=clock, predictor=predictor,
-                                 model_config=model, max_model_len=2048,
-                                 token_buckets=(64, 128, 256, 512), max_seqs_per_batch=16,
-                                 target_batch_time_s=0.002, long_prefill_tokens=1000)
+    config = SchedulerConfig(policy, token_buckets=(64, 128, 256, 512), max_seqs_per_batch=16,
+                             target_batch_time_s=0.002, long_prefill_tokens=1000)
+    controller = make_controller(config, allocator=allocator, clock=clock, predictor=predictor,
+                                 model_config=model, max_model_len=2048)
+    executor = SimulatedExecutor(predictor, clock)
     arrivals, t = [], 0.0
     for i in range(250):
         t += rng.expovariate(burst_rate if (i // 50) % 2 else 200.0)     # bursts and lulls
@@ -180,7 +181,7 @@ def test_no_request_starves_under_lars(policy, seed, long_fraction, burst_rate):
                 break
             clock.advance_to(pending[0].arrival_time)
             continue
-        controller.step()
+        run_one_step(controller, executor)
     assert all(r.state is RequestState.FINISHED for r in arrivals)
     assert all(len(r.output_token_ids) == r.max_new_tokens for r in arrivals)
     assert allocator.num_free_pages == allocator.num_pages

@@ -16,7 +16,7 @@ import pytest
 from medha_jax import SamplingParams, load_model
 from medha_jax.engine import EngineConfig
 from serving.outputs import IncrementalDetokenizer
-from serving.server import Server
+from serving.server import Server, TokensPrompt
 
 # One compiled shape: 16-token steps of up to 8 sequences, contexts up to 256 tokens.
 TINY_ENGINE = EngineConfig(page_size=16, max_kv_tokens=2048, max_model_len=256,
@@ -115,10 +115,12 @@ def test_detokenizer_holds_back_a_possible_stop_prefix():
 
 def test_batched_outputs_equal_one_at_a_time(server):
     prompts = [[1, 2, 3], list(range(40, 90)), [7] * 20, list(range(200, 217))]
-    alone = [server.generate(p, GREEDY) for p in prompts]
+    alone = [server.generate(TokensPrompt(p), GREEDY) for p in prompts]
     together = server.generate(prompts, GREEDY)
     assert [o.token_ids for o in together] == [o.token_ids for o in alone]
     assert server.generate(np.array(prompts[1]), GREEDY).token_ids == alone[1].token_ids
+    assert [o.token_ids for o in server.generate(tuple(prompts[:2]), GREEDY)] == \
+        [o.token_ids for o in alone[:2]]
     for prompt, out in zip(prompts, together):
         assert out.prompt_token_ids == tuple(prompt)
         assert len(out.token_ids) == 12 and out.finish_reason == "length"
@@ -144,7 +146,7 @@ def test_stream_deltas_concatenate_to_the_final_output(server):
 
 def test_stop_string_trims_the_text_and_finishes_with_stop(server):
     prompt = list(range(60, 80))
-    full = server.generate(prompt, SamplingParams(temperature=0.0, max_tokens=24))
+    full = server.generate(TokensPrompt(prompt), SamplingParams(temperature=0.0, max_tokens=24))
     text = full.text
     start = max(len(text) // 2, 1)
     stop = text[start:start + 2]
@@ -162,12 +164,12 @@ def test_stop_string_trims_the_text_and_finishes_with_stop(server):
 
 def test_concurrent_threads_get_their_own_correct_outputs(server):
     prompts = [[i, i + 1, (3 * i) % 256] for i in range(0, 120, 15)]
-    expected = {tuple(p): server.generate(p, GREEDY).token_ids for p in prompts}
+    expected = {tuple(p): server.generate(TokensPrompt(p), GREEDY).token_ids for p in prompts}
     results, errors = {}, []
 
     def call(prompt):
         try:
-            results[tuple(prompt)] = server.generate(prompt, GREEDY).token_ids
+            results[tuple(prompt)] = server.generate(TokensPrompt(prompt), GREEDY).token_ids
         except Exception as e:       # surfaced below: a thread's exception is otherwise lost
             errors.append(e)
 
@@ -182,7 +184,7 @@ def test_concurrent_threads_get_their_own_correct_outputs(server):
 
 def test_asyncio_streams(server):
     prompts = [[5, 6, 7], [9] * 30, [100, 101]]
-    expected = [server.generate(p, GREEDY).token_ids for p in prompts]
+    expected = [o.token_ids for o in server.generate(prompts, GREEDY)]
 
     async def stream(prompt):
         return [d async for d in server.generate_async(prompt, GREEDY)]
@@ -203,7 +205,8 @@ def test_cancel_frees_the_pages_and_others_finish(server):
     assert long.cancel()
     out = long.result(timeout=30)
     assert out.finish_reason == "cancelled" and len(out.token_ids) < 150
-    assert short.result(timeout=30).token_ids == server.generate([3, 4, 5], GREEDY).token_ids
+    assert short.result(timeout=30).token_ids == \
+        server.generate([[3, 4, 5]], GREEDY)[0].token_ids
     assert not server.cancel(long.request_id)   # already gone
     assert wait_until_idle(server)
 
@@ -216,7 +219,7 @@ def test_abandoned_stream_is_cancelled(server):
 
 
 def test_metrics_count_requests_and_are_served_over_http(server):
-    server.generate([1, 2], SamplingParams(temperature=0.0, max_tokens=3))
+    server.generate(TokensPrompt([1, 2]), SamplingParams(temperature=0.0, max_tokens=3))
     text = server.metrics_text()
     for name in ("medha_ttft_seconds_count", "medha_tpot_seconds_count",
                  "medha_queue_time_seconds_count", "medha_batch_tokens_count",
@@ -237,7 +240,7 @@ def test_close_cancels_in_flight_requests_and_frees_every_page():
     server.close()
     assert handle.result(timeout=0).finish_reason == "cancelled"
     assert server.num_free_pages == server.num_total_pages
-    assert not server._thread.is_alive()
+    assert not server._loop.thread.is_alive()
     with pytest.raises(RuntimeError, match="closed"):
         server.submit([1], GREEDY)
     server.close()                               # idempotent

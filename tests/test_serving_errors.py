@@ -5,7 +5,7 @@ import pytest
 
 from medha_jax import SLO, SamplingParams
 from medha_jax.request import FinishReason
-from serving.server import Server
+from serving.server import Server, TokensPrompt
 from tests.test_server import GREEDY, make_tiny_server, wait_until_idle
 
 
@@ -18,7 +18,8 @@ def server():
 @pytest.fixture(scope="module")
 def reference(server):
     """Greedy outputs of the bystander prompts, computed on an idle server."""
-    return {p: server.generate(list(p), GREEDY).token_ids for p in [(1, 2, 3), (9, 8, 7, 6)]}
+    return {p: server.generate(TokensPrompt(p), GREEDY).token_ids
+            for p in [(1, 2, 3), (9, 8, 7, 6)]}
 
 
 def expect_bystanders_unharmed(server, reference, submit_bad):
@@ -73,7 +74,14 @@ def test_other_bad_arguments(server):
         server.generate([[1], [2]], [GREEDY])
     with pytest.raises(ValueError, match="prompts is empty"):
         server.generate([])
-    assert server.generate([1, 2], GREEDY, slo=SLO(ttft_s=1.0)).finish_reason == "length"
+    # A list is a batch of prompts, whatever its elements: ints are not prompts.
+    with pytest.raises(TypeError, match=r"prompts\[0\] must be a prompt .*got int; for one "
+                                        r"prompt of token ids pass TokensPrompt"):
+        server.generate([1, 2], GREEDY)
+    with pytest.raises(ValueError, match="got 2 sampling_params for 1 prompts"):
+        server.generate("hi", [GREEDY, GREEDY])
+    assert server.generate(TokensPrompt([1, 2]), GREEDY,
+                           slo=SLO(ttft_s=1.0)).finish_reason == "length"
 
 
 def test_text_and_stop_strings_need_a_tokenizer(server):
@@ -91,8 +99,10 @@ def test_text_and_stop_strings_need_a_tokenizer(server):
 def test_unknown_model_and_policy_are_named():
     with pytest.raises(ValueError, match="unknown model 'no-such-model'"):
         Server("no-such-model", warmup=False)
-    with pytest.raises(ValueError, match="unknown scheduler 'fifo'"):
+    with pytest.raises(ValueError, match="unknown policy 'fifo'"):
         Server("tiny", scheduler="fifo", warmup=False)
+    with pytest.raises(TypeError, match="scheduler must be a policy name or a SchedulerConfig"):
+        Server("tiny", scheduler={"policy": "lars"}, warmup=False)
 
 
 def test_a_failing_step_fails_its_requests_and_the_server_keeps_serving(server, reference,
@@ -106,10 +116,10 @@ def test_a_failing_step_fails_its_requests_and_the_server_keeps_serving(server, 
         return real_execute(batch)
 
     monkeypatch.setattr(server.engine, "execute", execute)
-    failed = server.generate([poison, 1, 2], GREEDY)
+    failed = server.generate(TokensPrompt([poison, 1, 2]), GREEDY)
     assert failed.finish_reason == FinishReason.ERROR.value
     assert "injected device failure" in failed.error
-    assert server._thread.is_alive()
+    assert server._loop.thread.is_alive()
     assert wait_until_idle(server)
     # Healthy requests around it still complete with the right tokens.
     expect_bystanders_unharmed(server, reference, lambda: None)

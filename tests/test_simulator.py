@@ -38,7 +38,7 @@ def _short_ttft_p99(result):
 
 def test_a_mixed_run_finishes_every_request():
     requests = _workload(300, qps=4.0, long_fraction=0.05)
-    result = simulate(requests, policy="lars-mp", model=LLAMA_8B, parallel=TP8, hardware="h100")
+    result = simulate(requests, scheduler="lars-mp", model=LLAMA_8B, parallel=TP8, hardware="h100")
     assert len(result.requests) == 300 and result.num_rejected == 0
     for original, r in zip(requests, result.requests):
         assert r.request_id == original.request_id and r is not original
@@ -56,15 +56,15 @@ def test_a_mixed_run_finishes_every_request():
 def test_lars_beats_fcfs_np_on_short_ttft_in_a_convoy():
     # Long prompts every ~10 s, each taking seconds to prefill: a convoy for FCFS.
     requests = _workload(400, qps=8.0, long_fraction=0.03)
-    lars = simulate(requests, policy="lars-mp", model=LLAMA_8B, parallel=TP8, hardware="h100")
-    fcfs = simulate(requests, policy="fcfs-np", model=LLAMA_8B, parallel=TP8, hardware="h100")
+    lars = simulate(requests, scheduler="lars-mp", model=LLAMA_8B, parallel=TP8, hardware="h100")
+    fcfs = simulate(requests, scheduler="fcfs-np", model=LLAMA_8B, parallel=TP8, hardware="h100")
     assert all(r.state is RequestState.FINISHED for r in lars.requests + fcfs.requests)
     assert _short_ttft_p99(lars) < _short_ttft_p99(fcfs) / 5
 
 
 def test_replicas_share_the_load_and_keep_sessions_together():
     requests = _workload(200, qps=20.0, long_fraction=0.0, sessions=12)
-    result = simulate(requests, policy="lars", model=LLAMA_8B, parallel=TP8, hardware="h100",
+    result = simulate(requests, scheduler="lars", model=LLAMA_8B, parallel=TP8, hardware="h100",
                       num_replicas=3)
     assert result.num_replicas == 3
     replicas_of_session = {}
@@ -75,7 +75,7 @@ def test_replicas_share_the_load_and_keep_sessions_together():
     # Without sessions the least-loaded replica takes each request: all three stay busy.
     plain = [Request(r.request_id, r.prompt_len, r.max_new_tokens, r.arrival_time)
              for r in requests]
-    counts = np.bincount(list(simulate(plain, policy="lars", model=LLAMA_8B, parallel=TP8,
+    counts = np.bincount(list(simulate(plain, scheduler="lars", model=LLAMA_8B, parallel=TP8,
                                        hardware="h100", num_replicas=3).replica_of.values()))
     assert counts.min() > 200 / 3 / 2
 
@@ -85,19 +85,19 @@ def test_requests_that_cannot_fit_are_rejected_and_the_rest_served():
     # (80 GiB x 0.9 - 16 GB of bf16 weights) / 128 KiB of K and V per token.
     assert capacity == int((80 * 2**30 * 0.9 - 2 * LLAMA_8B.num_params()) // (32 * 8 * 128 * 2 * 2))
     requests = [Request("too-big", capacity + 100, 4, 0.0), Request("fine", 1000, 4, 0.5)]
-    result = simulate(requests, policy="lars", model=LLAMA_8B, parallel=ParallelConfig(),
+    result = simulate(requests, scheduler="lars", model=LLAMA_8B, parallel=ParallelConfig(),
                       hardware="a100")
     too_big, fine = result.requests
     assert too_big.finish_reason is FinishReason.ERROR and "RESOURCE" in too_big.error
     assert fine.finish_reason is FinishReason.LENGTH and result.num_rejected == 1
     with pytest.raises(ValueError, match="no KV memory"):
-        simulate(requests, policy="lars", model=model_preset("llama3-70b"),
+        simulate(requests, scheduler="lars", model=model_preset("llama3-70b"),
                  parallel=ParallelConfig(), hardware="a100")
 
 
 def test_time_limit_stops_the_clock():
     requests = _workload(100, qps=2.0, long_fraction=0.0)
-    result = simulate(requests, policy="lars", model=LLAMA_8B, parallel=TP8, hardware="h100",
+    result = simulate(requests, scheduler="lars", model=LLAMA_8B, parallel=TP8, hardware="h100",
                       time_limit_s=10.0)
     start = requests[0].arrival_time
     done = [r for r in result.requests if r.finish_time is not None]
@@ -137,7 +137,7 @@ def test_device_predictor_moves_the_clock_and_predictor_plans():
 
     requests = _workload(60, qps=0.5, long_fraction=0.0, seed=3)   # an idle-ish server
     planner = AnalyticalPredictor(LLAMA_8B, TP8, hardware_preset("h100"))
-    common = dict(policy="lars", model=LLAMA_8B, parallel=TP8, hardware="h100", predictor=planner)
+    common = dict(scheduler="lars", model=LLAMA_8B, parallel=TP8, hardware="h100", predictor=planner)
     same = simulate(requests, **common)
     slow = simulate(requests, **common, device_predictor=_Scaled(planner, 2.0))
     # Requests run alone, so each one's decode time doubles with the device's step time.

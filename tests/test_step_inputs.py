@@ -1,63 +1,18 @@
-"""BucketLadder and build_step_inputs: exact values against a slow builder; the kernel contract."""
+"""build_step_inputs: exact values against a slow builder; the kernel contract; packing."""
 
 import math
 
 import numpy as np
 import pytest
 
-from medha_jax.engine.buckets import BucketLadder, bucket_for, geometric_buckets
-from medha_jax.engine.step_inputs import build_step_inputs, sampling_key_data
+from medha_jax.buckets import BucketLadder
+from medha_jax.engine.step_inputs import (StepInputs, build_step_inputs, sampling_key_data,
+                                          unpack_int32)
 from medha_jax.kv_cache.allocator import BlockAllocator
 from medha_jax.request import Batch, Request, ScheduledChunk
 from medha_jax.sampling_params import SamplingParams
 
 MASK64 = (1 << 64) - 1
-
-
-# ----------------------------------------------------------------------------- buckets
-
-def test_geometric_buckets_and_bucket_for():
-    assert geometric_buckets(16, 2048) == (16, 32, 64, 128, 256, 512, 1024, 2048)
-    assert geometric_buckets(16, 3000) == (16, 32, 64, 128, 256, 512, 1024, 2048, 3000)
-    assert geometric_buckets(1, 256, 4) == (1, 4, 16, 64, 256)
-    assert geometric_buckets(5, 5) == (5,)
-    assert [bucket_for(n, (16, 32, 64)) for n in (0, 1, 16, 17, 64)] == [16, 16, 16, 32, 64]
-    with pytest.raises(ValueError, match="tokens n=65 exceeds the largest tokens bucket 64"):
-        bucket_for(65, (16, 32, 64), "tokens")
-    with pytest.raises(ValueError, match="smallest=0"):
-        geometric_buckets(0, 8)
-
-
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(token_buckets=(), seq_buckets=(1,), width_buckets=(1,)), "token_buckets must not be"),
-    (dict(token_buckets=(16, 16), seq_buckets=(1,), width_buckets=(1,)), "strictly increasing"),
-    (dict(token_buckets=(16,), seq_buckets=(0, 4), width_buckets=(1,)), "positive ints"),
-    (dict(token_buckets=(16,), seq_buckets=(32,), width_buckets=(1,)), "max_seqs=32 cannot exceed"),
-])
-def test_ladder_validates(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        BucketLadder(**kwargs)
-
-
-def test_all_shapes_are_exactly_the_reachable_ones():
-    ladder = BucketLadder(token_buckets=(4, 8, 16), seq_buckets=(1, 2, 8, 12), width_buckets=(2, 5))
-    reachable = {(ladder.token_bucket(t), ladder.seq_bucket(s), w)
-                 for t in range(1, 17) for s in range(1, min(t, 12) + 1) for w in (2, 5)}
-    shapes = ladder.all_shapes()
-    assert len(shapes) == len(set(shapes)) and set(shapes) == reachable
-    assert (4, 8, 2) in shapes and (8, 12, 2) not in shapes   # 9..12 sequences need 9+ tokens
-
-
-def test_default_ladder_sizes():
-    ladder = BucketLadder.from_limits(max_tokens=2048, max_seqs=256, max_pages_per_seq=512)
-    assert ladder.token_buckets == (16, 32, 64, 128, 256, 512, 1024, 2048)
-    assert ladder.seq_buckets == (8, 32, 128, 256)
-    assert ladder.width_buckets == (16, 64, 256, 512)
-    assert len(ladder.all_shapes()) == 104
-    small = BucketLadder.from_limits(max_tokens=256, max_seqs=16, max_pages_per_seq=128)
-    assert len(small.all_shapes()) == 30
-    tiny = BucketLadder.from_limits(max_tokens=8, max_seqs=4, max_pages_per_seq=2)
-    assert tiny == BucketLadder((8,), (4,), (2,))
 
 
 # ------------------------------------------------------------------- the slow builder
@@ -107,15 +62,20 @@ def slow_step_inputs(batch, allocator, ladder, pad_slot):
         out["cu_q_lens"][s + 1] = t
     for s in range(len(chunks), S):
         out["cu_q_lens"][s + 1] = t
+    # One KV shard: the per-shard fields have a leading dimension of 1.
+    for name in ("slot_mapping", "kv_lens", "page_table"):
+        out[name] = [out[name]]
     return out, t
 
 
 def check_kernel_contract(inputs, page_size, pad_slot):
-    """The ragged paged attention contract, checked on the arrays alone."""
+    """The ragged paged attention contract, checked on the arrays alone (one KV shard)."""
     n = int(inputs.num_seqs[0])
-    cu, kv = inputs.cu_q_lens, inputs.kv_lens
+    assert inputs.num_kv_shards == 1
+    cu, kv = inputs.cu_q_lens, inputs.kv_lens[0]
+    page_table, slot_mapping = inputs.page_table[0], inputs.slot_mapping[0]
     assert cu[0] == 0 and cu[n] == inputs.num_tokens and np.all(cu[n:] == cu[n])
-    assert np.all(kv[n:] == 0) and np.all(inputs.page_table[n:] == 0)
+    assert np.all(kv[n:] == 0) and np.all(page_table[n:] == 0)
     for s in range(n):
         q_len = cu[s + 1] - cu[s]
         assert 1 <= q_len <= kv[s]
@@ -123,11 +83,11 @@ def check_kernel_contract(inputs, page_size, pad_slot):
             token = cu[s] + i
             pos = inputs.positions[token]
             assert pos == kv[s] - q_len + i
-            assert inputs.slot_mapping[token] == (inputs.page_table[s, pos // page_size] * page_size
-                                                  + pos % page_size)
+            assert slot_mapping[token] == (page_table[s, pos // page_size] * page_size
+                                           + pos % page_size)
         assert inputs.logits_indices[s] == cu[s + 1] - 1
-        assert np.all(inputs.page_table[s, math.ceil(kv[s] / page_size):] == 0)
-    assert np.all(inputs.slot_mapping[inputs.num_tokens:] == pad_slot)
+        assert np.all(page_table[s, math.ceil(kv[s] / page_size):] == 0)
+    assert np.all(slot_mapping[inputs.num_tokens:] == pad_slot)
 
 
 # ----------------------------------------------------------------------- random batches
@@ -186,8 +146,8 @@ def test_matches_slow_builder_and_kernel_contract(seed):
     assert inputs.num_tokens == num_tokens == batch.num_tokens
     assert inputs.request_ids == tuple(c.request.request_id for c in batch.chunks)
     assert inputs.num_seqs.tolist() == [len(batch.chunks)]
-    assert inputs.padded_shape == (len(expected["token_ids"]), len(expected["kv_lens"]),
-                                   len(expected["page_table"][0]))
+    assert inputs.padded_shape == (len(expected["token_ids"]), len(expected["kv_lens"][0]),
+                                   len(expected["page_table"][0][0]))
     dtypes = dict(sample_mask=np.bool_, temperature=np.float32, top_p=np.float32,
                   rng_keys=np.uint32)
     for name, value in expected.items():
@@ -216,11 +176,11 @@ def test_hand_written_example():
     assert inputs.padded_shape == (8, 4, 2) and inputs.num_tokens == 7
     assert inputs.token_ids.tolist() == [16, 22, 32, 33, 34, 35, 36, 0]
     assert inputs.positions.tolist() == [6, 2, 2, 3, 4, 5, 6, 0]
-    assert inputs.slot_mapping.tolist() == [1 * 4 + 2, 2 * 4 + 2, 3 * 4 + 2, 3 * 4 + 3,
+    assert inputs.slot_mapping[0].tolist() == [1 * 4 + 2, 2 * 4 + 2, 3 * 4 + 2, 3 * 4 + 3,
                                             4 * 4 + 0, 4 * 4 + 1, 4 * 4 + 2, 64]
     assert inputs.cu_q_lens.tolist() == [0, 1, 2, 7, 7]
-    assert inputs.kv_lens.tolist() == [7, 3, 7, 0]
-    assert inputs.page_table.tolist() == [[0, 1], [2, 0], [3, 4], [0, 0]]
+    assert inputs.kv_lens[0].tolist() == [7, 3, 7, 0]
+    assert inputs.page_table[0].tolist() == [[0, 1], [2, 0], [3, 4], [0, 0]]
     assert inputs.num_seqs.tolist() == [3]
     assert inputs.logits_indices.tolist() == [0, 1, 6, 0]
     assert inputs.sample_mask.tolist() == [True, True, False, False]
@@ -242,10 +202,10 @@ def test_prefix_reused_request_writes_only_its_own_pages():
     batch = Batch([ScheduledChunk(second, reused, 2)])
     inputs = build_step_inputs(batch, allocator, ladder, pad_slot=32 * 4)
     shared = set(allocator.page_table("first")[:4])
-    assert inputs.page_table[0, :4].tolist() == allocator.page_table("first")[:4]
-    written_pages = set(inputs.slot_mapping[:2] // 4)
+    assert inputs.page_table[0, 0, :4].tolist() == allocator.page_table("first")[:4]
+    written_pages = set(inputs.slot_mapping[0, :2] // 4)
     assert written_pages.isdisjoint(shared)
-    assert inputs.positions[:2].tolist() == [16, 17] and inputs.kv_lens[0] == 18
+    assert inputs.positions[:2].tolist() == [16, 17] and inputs.kv_lens[0, 0] == 18
     assert inputs.sample_mask[0]
 
 
@@ -286,5 +246,46 @@ def test_errors():
     with pytest.raises(ValueError, match="ends at token 6, which needs 2 pages, but only 1"):
         build_step_inputs(Batch([ScheduledChunk(request, 0, 6)]), allocator, ladder, pad_slot=32)
     allocator.reserve("r", 12)
-    with pytest.raises(ValueError, match="tokens n=12 exceeds the largest tokens bucket 8"):
+    with pytest.raises(ValueError, match="tokens n=12 exceeds the largest bucket 8"):
         build_step_inputs(Batch([ScheduledChunk(request, 0, 12)]), allocator, ladder, pad_slot=32)
+
+
+# ---------------------------------------------------------------------------- packing
+
+@pytest.mark.parametrize("seed", range(3))
+def test_pack_then_unpack_gives_every_field_back(seed):
+    rng = np.random.default_rng(seed)
+    allocator = BlockAllocator(num_pages=500, page_size=4)
+    ladder = BucketLadder.from_limits(max_tokens=512, max_seqs=16, max_pages_per_seq=64,
+                                      min_seqs=2, min_pages_per_seq=2)
+    inputs = build_step_inputs(random_batch(rng, allocator), allocator, ladder, pad_slot=2000)
+    ints, floats, rng_keys = inputs.pack()
+    assert ints.dtype == np.int32 and floats.dtype == np.float32 and rng_keys.dtype == np.uint32
+    unpacked = unpack_int32(ints, inputs.padded_shape)
+    int_fields = {name for name, a in inputs.arrays().items() if a.dtype == np.int32}
+    assert set(unpacked) == int_fields
+    for name, array in unpacked.items():
+        np.testing.assert_array_equal(array, getattr(inputs, name), err_msg=name)
+    np.testing.assert_array_equal(floats, np.stack([inputs.temperature, inputs.top_p]))
+    np.testing.assert_array_equal(rng_keys, inputs.rng_keys)
+    T, S, W = inputs.padded_shape
+    with pytest.raises(ValueError, match=rf"do not match bucket shape=\({T}, {S + 1}, {W}\)"):
+        unpack_int32(ints, (T, S + 1, W))
+
+
+def test_padding_inputs_hold_no_sequence_and_write_only_the_pad_slot():
+    allocator = BlockAllocator(num_pages=8, page_size=4)
+    padding = StepInputs.padding((16, 4, 2), pad_slot=32)
+    assert padding.padded_shape == (16, 4, 2) and padding.num_tokens == 0
+    assert padding.num_seqs.tolist() == [0] and not padding.sample_mask.any()
+    assert padding.slot_mapping.tolist() == [[32] * 16]
+    check_kernel_contract(padding, allocator.page_size, pad_slot=32)
+    # The same fields, dtypes and shapes as real inputs of that bucket: one executable runs both.
+    request = Request("r", 3, 1, 0.0, prompt_token_ids=[1, 2, 3])
+    allocator.allocate("r")
+    allocator.reserve("r", 3)
+    ladder = BucketLadder(token_buckets=(16,), seq_buckets=(4,), width_buckets=(2,))
+    real = build_step_inputs(Batch([ScheduledChunk(request, 0, 3)]), allocator, ladder, pad_slot=32)
+    for name, array in real.arrays().items():
+        assert (getattr(padding, name).shape, getattr(padding, name).dtype) == \
+            (array.shape, array.dtype), name

@@ -27,31 +27,75 @@ page tables are copied from the allocator's int32 buffers, never as Python ints.
 are fresh every step rather than reused buffers: on the CPU backend a device array may
 alias the numpy buffer it was made from, so refilling a buffer could change a step that
 is still in flight.
+
+On the way to the device the int32 arrays travel as one packed vector and the float32
+ones as one matrix (`StepInputs.pack`): three host-to-device transfers per step instead
+of eleven, each costing tens of microseconds of host time. The bucket shape (T, S, W)
+fixes every offset statically, so the step unpacks with plain slices (`unpack_int32`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
-from medha_jax.engine.buckets import BucketLadder
+from medha_jax.buckets import BucketLadder
 from medha_jax.kv_cache.allocator import BlockAllocator
 from medha_jax.request import Batch
 
 _UINT64_MASK = (1 << 64) - 1
 
+# The packed fields, in packing order.
+_PACKED_INT32 = ("token_ids", "positions", "slot_mapping", "cu_q_lens", "kv_lens", "page_table",
+                 "num_seqs", "logits_indices", "top_k")
+_PACKED_FLOAT32 = ("temperature", "top_p")
+
+
+def _int32_shapes(shape: tuple[int, int, int], num_kv_shards: int
+                  ) -> dict[str, tuple[int, ...]]:
+    """The shape of every packed int32 field in bucket (T, S, W) with N KV shards, in order."""
+    num_tokens, num_seqs, width = shape
+    n = num_kv_shards
+    return {"token_ids": (num_tokens,), "positions": (num_tokens,),
+            "slot_mapping": (n, num_tokens), "cu_q_lens": (num_seqs + 1,), "kv_lens": (n, num_seqs),
+            "page_table": (n, num_seqs, width), "num_seqs": (1,), "logits_indices": (num_seqs,),
+            "top_k": (num_seqs,)}
+
+
+def unpack_int32(ints, shape: tuple[int, int, int], num_kv_shards: int = 1) -> dict:
+    """The int32 fields of bucket `shape` = (T, S, W) out of `StepInputs.pack`'s vector.
+
+    ints: int32 [N], a numpy or a traced JAX array (only slices and reshapes, all static).
+    Returns field name -> array of its shape in `StepInputs`.
+    """
+    field_shapes = _int32_shapes(shape, num_kv_shards)
+    expected = sum(int(np.prod(s)) for s in field_shapes.values())
+    if ints.shape != (expected,):
+        raise ValueError(f"packed int32 inputs of shape {tuple(ints.shape)} do not match bucket "
+                         f"{shape=}, which packs {expected} values")
+    arrays, offset = {}, 0
+    for name, field_shape in field_shapes.items():
+        size = int(np.prod(field_shape))
+        arrays[name] = ints[offset:offset + size].reshape(field_shape)
+        offset += size
+    return arrays
+
 
 @dataclasses.dataclass(frozen=True)
 class StepInputs:
-    """Padded inputs of one step. T tokens, S sequences, W page-table columns."""
+    """Padded inputs of one step. T tokens, S sequences, W page-table columns, N KV shards
+    (see medha_jax.model.attention.AttentionMetadata for the per-shard fields)."""
 
     token_ids: np.ndarray       # int32 [T]; padding 0
     positions: np.ndarray       # int32 [T]: position of each token in its sequence; padding 0
-    slot_mapping: np.ndarray    # int32 [T]: page * page_size + offset of its K/V; padding pad_slot
+    slot_mapping: np.ndarray    # int32 [N, T]: local page * page_size + offset of each token's
+                                #   K/V on each shard; pad_slot on shards that do not own it
     cu_q_lens: np.ndarray       # int32 [S + 1]: query starts; padding repeats the last value
-    kv_lens: np.ndarray         # int32 [S]: context length after this step; padding 0
-    page_table: np.ndarray      # int32 [S, W]: pages of each sequence's context; padding 0
+    kv_lens: np.ndarray         # int32 [N, S]: one shard: context length after this step;
+                                #   several: tokens cached on each shard before this step
+    page_table: np.ndarray      # int32 [N, S, W]: local pages of each sequence on each shard
     num_seqs: np.ndarray        # int32 [1]: real sequences
     logits_indices: np.ndarray  # int32 [S]: token index of each sequence's last token; padding 0
     sample_mask: np.ndarray     # bool [S]: the chunk reaches its request's last token and samples
@@ -65,13 +109,41 @@ class StepInputs:
     @property
     def padded_shape(self) -> tuple[int, int, int]:
         """(T, S, W): the bucket, i.e. which compiled executable runs this step."""
-        num_padded_seqs, width = self.page_table.shape
+        _, num_padded_seqs, width = self.page_table.shape
         return self.token_ids.shape[0], num_padded_seqs, width
+
+    @property
+    def num_kv_shards(self) -> int:
+        return self.page_table.shape[0]
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The array fields by name (what goes to the device)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                 if isinstance(getattr(self, f.name), np.ndarray)}
+
+    def pack(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(int32 [N], float32 [2, S], uint32 [S, 2]) for the device: the int32 fields
+        concatenated (see `unpack_int32`), temperature and top_p stacked, the rng keys."""
+        ints = np.concatenate([getattr(self, name).ravel() for name in _PACKED_INT32])
+        floats = np.stack([getattr(self, name) for name in _PACKED_FLOAT32])
+        return ints, floats, self.rng_keys
+
+    @classmethod
+    def padding(cls, shape: tuple[int, int, int], pad_slot: int,
+                num_kv_shards: int = 1) -> StepInputs:
+        """All-padding inputs of bucket `shape` = (T, S, W), what warm-up compiles with:
+        no real sequence, every token writes to `pad_slot`, so a step on them writes nothing."""
+        num_tokens, num_seqs, width = shape
+        zeros = functools.partial(np.zeros, dtype=np.int32)
+        return cls(
+            token_ids=zeros(num_tokens), positions=zeros(num_tokens),
+            slot_mapping=np.full((num_kv_shards, num_tokens), pad_slot, np.int32),
+            cu_q_lens=zeros(num_seqs + 1), kv_lens=zeros((num_kv_shards, num_seqs)),
+            page_table=zeros((num_kv_shards, num_seqs, width)), num_seqs=zeros(1),
+            logits_indices=zeros(num_seqs), sample_mask=np.zeros(num_seqs, bool),
+            temperature=np.zeros(num_seqs, np.float32), top_k=zeros(num_seqs),
+            top_p=np.ones(num_seqs, np.float32), rng_keys=np.zeros((num_seqs, 2), np.uint32),
+            num_tokens=0, request_ids=())
 
 
 def _mix64(x: np.ndarray) -> np.ndarray:
@@ -96,18 +168,23 @@ def build_step_inputs(batch: Batch, allocator: BlockAllocator, ladder: BucketLad
                       pad_slot: int) -> StepInputs:
     """Flattens a batch into padded step arrays. Every chunk's pages must already be reserved.
 
-    pad_slot: the slot padding tokens write to; at least num_pages * page_size (one past
-    the last real slot) and below 2**31.
+    pad_slot: the slot padding tokens write to; at least pages_per_shard * page_size (one
+    past a shard's last real slot) and below 2**31.
+
+    With several KV shards (KV-cache parallelism) each sequence's context is split into the
+    allocator's segments, one shard each: the per-shard arrays get each segment's local pages,
+    the tokens it cached before this chunk, and the chunk tokens' slots on their owner shard.
     """
     chunks = batch.chunks
     num_seqs = len(chunks)
     if num_seqs == 0:
         raise ValueError("cannot build step inputs for an empty batch")
     page_size = allocator.page_size
-    num_slots = allocator.num_pages * page_size
+    num_shards = allocator.num_shards
+    num_slots = allocator.pages_per_shard * page_size
     if not num_slots <= pad_slot < 2**31:
         raise ValueError(
-            f"{pad_slot=} must be in [num_pages * page_size = {num_slots}, 2**31) so that "
+            f"{pad_slot=} must be in [pages_per_shard * page_size = {num_slots}, 2**31) so that "
             f"padding tokens never write a real page")
 
     # Per-sequence Python work: collect plain lists (and page-table views), convert once.
@@ -122,14 +199,17 @@ def build_step_inputs(batch: Batch, allocator: BlockAllocator, ladder: BucketLad
         end = start + num_chunk_tokens
         if num_chunk_tokens < 1:
             raise ValueError(f"request {request_id!r}: chunk of {num_chunk_tokens} tokens")
-        table = allocator.page_table_array(request_id)
-        num_pages = -(-end // page_size)
-        if num_pages > len(table):
-            raise ValueError(
-                f"request {request_id!r}: chunk ends at token {end}, which needs "
-                f"{num_pages} pages, but only {len(table)} are reserved; reserve first")
-        tables.append(table if len(table) == num_pages else table[:num_pages])
-        pages_per_seq.append(num_pages)
+        if num_shards == 1:
+            table = allocator.page_table_array(request_id)
+            num_pages = -(-end // page_size)
+            if num_pages > len(table):
+                raise ValueError(
+                    f"request {request_id!r}: chunk ends at token {end}, which needs "
+                    f"{num_pages} pages, but only {len(table)} are reserved; reserve first")
+            tables.append(table if len(table) == num_pages else table[:num_pages])
+            pages_per_seq.append(num_pages)
+        else:
+            tables.append(_segments_to(allocator, request_id, end))
         prompt_len = request.prompt_len
         outputs = request.output_token_ids
         if num_chunk_tokens == 1 and start >= prompt_len:  # decodes: one output token, no list
@@ -151,22 +231,13 @@ def build_step_inputs(batch: Batch, allocator: BlockAllocator, ladder: BucketLad
     num_tokens = len(flat_tokens)
     q_lens_np = np.array(q_lens, np.int32)
     starts_np = np.array(starts, np.int32)
-    pages_np = np.array(pages_per_seq, np.int32)
     padded_tokens = ladder.token_bucket(num_tokens)
     padded_seqs = ladder.seq_bucket(num_seqs)
-    width = ladder.width_bucket(int(pages_np.max()))
 
     cu_q_lens = np.empty(padded_seqs + 1, np.int32)
     cu_q_lens[0] = 0
     np.cumsum(q_lens_np, out=cu_q_lens[1:num_seqs + 1])
     cu_q_lens[num_seqs + 1:] = num_tokens
-
-    kv_lens = np.zeros(padded_seqs, np.int32)
-    kv_lens[:num_seqs] = starts_np + q_lens_np
-
-    # A boolean mask fills in row-major order, i.e. in the order the tables were concatenated.
-    page_table = np.zeros((padded_seqs, width), np.int32)
-    page_table[:num_seqs][np.arange(width) < pages_np[:, None]] = np.concatenate(tables)
 
     # Token t of sequence s sits at start_s + (t - cu_q_lens[s]).
     seq_of_token = np.repeat(np.arange(num_seqs), q_lens_np)
@@ -174,9 +245,31 @@ def build_step_inputs(batch: Batch, allocator: BlockAllocator, ladder: BucketLad
                       + np.repeat(starts_np - cu_q_lens[:num_seqs], q_lens_np))
     positions = np.zeros(padded_tokens, np.int32)
     positions[:num_tokens] = real_positions
-    slot_mapping = np.full(padded_tokens, pad_slot, np.int32)
-    slot_mapping[:num_tokens] = (page_table[seq_of_token, real_positions // page_size] * page_size
-                                 + real_positions % page_size)
+    slot_mapping = np.full((num_shards, padded_tokens), pad_slot, np.int32)
+    kv_lens = np.zeros((num_shards, padded_seqs), np.int32)
+    if num_shards == 1:
+        pages_np = np.array(pages_per_seq, np.int32)
+        width = ladder.width_bucket(int(pages_np.max()))
+        kv_lens[0, :num_seqs] = starts_np + q_lens_np
+        # A boolean mask fills in row-major order, i.e. in the order the tables were joined.
+        page_table = np.zeros((1, padded_seqs, width), np.int32)
+        page_table[0, :num_seqs][np.arange(width) < pages_np[:, None]] = np.concatenate(tables)
+        slot_mapping[0, :num_tokens] = (
+            page_table[0, seq_of_token, real_positions // page_size] * page_size
+            + real_positions % page_size)
+    else:
+        page_table = _sharded_tables(tables, starts_np, num_shards, padded_seqs, ladder,
+                                     allocator.max_tokens_per_shard, kv_lens)
+        segment_size = allocator.max_tokens_per_shard
+        segment = real_positions // segment_size
+        shard_of_segment = np.full((num_seqs, num_shards), -1, np.int32)
+        for s, segments in enumerate(tables):
+            for k, (shard, _) in enumerate(segments):
+                shard_of_segment[s, k] = shard
+        owner = shard_of_segment[seq_of_token, segment]
+        local = real_positions - segment * segment_size
+        slot_mapping[owner, np.arange(num_tokens)] = (
+            page_table[owner, seq_of_token, local // page_size] * page_size + local % page_size)
     token_ids = np.zeros(padded_tokens, np.int32)
     token_ids[:num_tokens] = flat_tokens
 
@@ -200,3 +293,35 @@ def build_step_inputs(batch: Batch, allocator: BlockAllocator, ladder: BucketLad
         num_seqs=np.array([num_seqs], np.int32), logits_indices=logits_indices,
         sample_mask=sample_mask, temperature=temperature_np, top_k=top_k_np, top_p=top_p_np,
         rng_keys=rng_keys, num_tokens=num_tokens, request_ids=tuple(request_ids))
+
+
+def _segments_to(allocator: BlockAllocator, request_id: str, end: int
+                 ) -> list[tuple[int, np.ndarray]]:
+    """(shard, local page ids) of each segment of the request up to token `end`, in order."""
+    size, page_size = allocator.max_tokens_per_shard, allocator.page_size
+    out = []
+    for segment in allocator.segments(request_id):
+        if segment.first_token >= end:
+            break
+        needed = -(-(min(end, segment.first_token + size) - segment.first_token) // page_size)
+        if needed > len(segment.table):
+            raise ValueError(f"request {request_id!r}: chunk ends at token {end}, past the "
+                             f"pages reserved on shard {segment.shard}; reserve first")
+        out.append((segment.shard, segment.table[:needed]))
+    if sum(len(t) for _, t in out) * page_size < end:
+        raise ValueError(f"request {request_id!r}: chunk ends at token {end}, past its "
+                         "reserved pages; reserve first")
+    return out
+
+
+def _sharded_tables(segments_of_seq, starts: np.ndarray, num_shards: int, padded_seqs: int,
+                    ladder: BucketLadder, segment_size: int, kv_lens: np.ndarray) -> np.ndarray:
+    """page_table [N, S, W] from each sequence's segments; fills kv_lens [N, S] with the tokens
+    each shard cached before the chunk (segment k holds tokens [k * size, (k + 1) * size))."""
+    width = ladder.width_bucket(max(len(t) for segments in segments_of_seq for _, t in segments))
+    page_table = np.zeros((num_shards, padded_seqs, width), np.int32)
+    for s, segments in enumerate(segments_of_seq):
+        for k, (shard, table) in enumerate(segments):
+            page_table[shard, s, :len(table)] = table
+            kv_lens[shard, s] = min(max(int(starts[s]) - k * segment_size, 0), segment_size)
+    return page_table

@@ -1,91 +1,58 @@
 """ReplicaController: the request life cycle of one model replica.
 
-Each `step()`:
-  1. orders the prefill queue with the policy and asks the packer for a batch; while
-     packing, the controller's gate registers KV pages for each chunk, preempting the
-     lowest-priority running request when the cache is full (recompute preemption: the
-     victim's pages are freed, it keeps its output and goes back to the queue; it is
-     never dropped);
-  2. runs the batch on the executor (the JAX engine, the simulator, a test double);
-  3. applies the result: progress, prefix-cache commits, sampled tokens, finishes.
-Plain Python, single-threaded: the server serialises calls from its own loop thread.
+Two public steps, as vLLM v1's scheduler (`schedule()` / `update_from_output()`):
+  schedule() orders the prefill queue with the policy and asks the packer for a batch;
+      while packing, the KV gate books pages for each chunk, preempting the lowest-priority
+      running request when the cache is full (recompute preemption: the victim's pages are
+      freed, it keeps its output and goes back to the queue; it is never dropped).
+  update(batch, result) applies what an executor returned for that batch: progress,
+      prefix-cache commits, sampled tokens, finishes.
+Execution is owned outside (the server loop, the simulator, tests, a pipelined engine).
+Several batches may be in flight: update() may come after later schedule() calls. A
+request in an unfinished batch is skipped by schedule() (its next tokens depend on that
+batch) and is never preempted (its pages are being written). `run_one_step` is the
+synchronous schedule -> execute -> update iteration.
 
-The KV allocator is medha_jax.kv_cache.allocator.BlockAllocator or anything with its
-interface (the simulator counts pages without page ids).
+Plain Python, single-threaded: the server serialises calls from its own loop thread.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
-from typing import Protocol
+from collections.abc import Callable, Iterable
 
 from medha_jax.request import (Batch, Clock, Executor, FinishReason, Request, RequestState,
                                RequestUpdate, ScheduledChunk, StepResult)
+from medha_jax.scheduler.kv_reservations import KVAllocator, KVReservations
 from medha_jax.scheduler.packer import BatchPacker
 from medha_jax.scheduler.policies import Policy, PriorityIndex
 from medha_jax.scheduler.prefill_time_cache import PrefillTimeCache
+
+__all__ = ["CapacityError", "KVAllocator", "ReplicaController", "run_one_step"]
 
 
 class CapacityError(ValueError):
     """RESOURCE: the request can never fit in this replica's KV cache."""
 
 
-class KVAllocator(Protocol):
-    """The part of medha_jax.kv_cache.allocator.BlockAllocator the controller uses."""
+def run_one_step(controller: ReplicaController, executor: Executor) -> list[RequestUpdate]:
+    """One synchronous iteration: schedule a batch, execute it, apply the result.
 
-    page_size: int
-    num_pages: int
-
-    @property
-    def num_free_pages(self) -> int: ...
-
-    def pages_needed(self, num_tokens: int) -> int: ...
-
-    def can_ever_fit(self, num_tokens: int) -> bool: ...
-
-    def allocate(self, request_id: str, token_ids: Sequence[int] | None = None) -> int: ...
-
-    def reserve(self, request_id: str, num_tokens: int) -> bool: ...
-
-    def commit(self, request_id: str, token_ids: Sequence[int], num_computed: int) -> None: ...
-
-    def free(self, request_id: str) -> None: ...
-
-    def has(self, request_id: str) -> bool: ...
-
-
-class _TokenView(Sequence):
-    """Prompt + output token ids of a request without copying them (for the allocator's hashes)."""
-
-    def __init__(self, request: Request):
-        self._request = request
-
-    def __len__(self) -> int:
-        return self._request.num_tokens
-
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            start, stop, step = index.indices(len(self))
-            if step != 1:
-                raise ValueError(f"token views support contiguous slices only, got step {step}")
-            return self._request.token_ids(start, max(start, stop))
-        if index < 0:
-            index += len(self)
-        return self._request.token_ids(index, index + 1)[0]
-
-
-def _token_ids(request: Request) -> Sequence[int] | None:
-    return _TokenView(request) if request.prompt_token_ids is not None else None
+    Returns [] when nothing could be scheduled. When `executor.execute` raises, the batch
+    stays in flight; the caller finishes its requests (the server fails them)."""
+    batch = controller.schedule()
+    if not batch:
+        return []
+    return controller.update(batch, executor.execute(batch))
 
 
 class ReplicaController:
     """Owns the waiting, running and finished requests of one replica."""
 
-    def __init__(self, *, policy: Policy, packer: BatchPacker, executor: Executor,
-                 allocator: KVAllocator, clock: Clock, prefill_time_cache: PrefillTimeCache,
-                 max_model_len: int, eos_token_ids: Iterable[int] = (),
-                 max_prefill_candidates: int = 64, name: str = "custom"):
+    def __init__(self, *, policy: Policy, packer: BatchPacker, allocator: KVAllocator,
+                 clock: Clock, prefill_time_cache: PrefillTimeCache, max_model_len: int,
+                 eos_token_ids: Iterable[int] = (), max_prefill_candidates: int = 64,
+                 name: str = "custom"):
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
         if max_prefill_candidates < 1:
@@ -94,13 +61,11 @@ class ReplicaController:
             raise ValueError(f"the prefill time cache covers {prefill_time_cache.max_len} tokens, "
                              f"less than {max_model_len=}")
         self.name = name                            # the policy name it was made from
-        self.policy, self.packer, self.executor = policy, packer, executor
+        self.policy, self.packer = policy, packer
         self.allocator, self.clock, self.prefill_time_cache = allocator, clock, prefill_time_cache
+        self.kv = KVReservations(allocator)
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
-        # How many of the most urgent prefills the packer looks at per iteration: a batch
-        # never holds more than a few, and ordering only the top keeps a step cheap at
-        # 10,000 queued requests.
         self.max_prefill_candidates = max_prefill_candidates
 
         self._requests: dict[str, Request] = {}     # unfinished
@@ -108,13 +73,11 @@ class ReplicaController:
         self._decodes: dict[str, Request] = {}      # running, one token to compute
         self._prefills = PriorityIndex(policy)      # waiting + running with prefill work left
         self._admission: dict[str, int] = {}        # request_id -> admission number (tie-break)
-        # Tokens each running request's pages hold, mirrored from the allocator so that a
-        # decode, which needs a new page only every page_size steps, skips the call.
-        self._reserved_tokens: dict[str, int] = {}
+        self._in_flight: set[str] = set()           # in a batch not yet update()d
         self._num_admitted = 0
         self.finished: dict[str, Request] = {}
         self.num_preemptions = 0
-        self.num_steps = 0
+        self.num_steps = 0                          # batches update()d
         self.last_schedule_seconds = 0.0            # host time of the last batch formation
 
     # ------------------------------------------------------------------ queries
@@ -126,6 +89,11 @@ class ReplicaController:
     @property
     def num_running(self) -> int:
         return len(self._running)
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests in a batch that schedule() formed and update() has not yet applied."""
+        return len(self._in_flight)
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
@@ -200,8 +168,8 @@ class ReplicaController:
 
     def _finish(self, request: Request, reason: FinishReason, now: float) -> None:
         rid = request.request_id
-        if self.allocator.has(rid):
-            self._free_pages(rid)
+        self.kv.release(rid)
+        self._in_flight.discard(rid)
         if request in self._prefills:
             self._prefills.remove(request)
         self._decodes.pop(rid, None)
@@ -215,51 +183,56 @@ class ReplicaController:
 
     # -------------------------------------------------------------------- steps
 
-    def step(self) -> list[RequestUpdate]:
-        """One iteration: form a batch, run it, apply the result."""
+    def schedule(self) -> Batch:
+        """Forms the next batch and books its KV pages; its requests are then in flight
+        until update(batch, ...). An empty batch when nothing can run now."""
         start = time.perf_counter()
-        batch = self._schedule()
-        self.last_schedule_seconds = time.perf_counter() - start
-        if not batch:
-            return []
-        result = self.executor.execute(batch)
-        self.num_steps += 1
-        return self._apply(batch, result)
-
-    def _schedule(self) -> Batch:
-        """Forms the next batch and reserves its KV pages (without running it)."""
         now = self.clock.now()
-        candidates = self._prefills.top(now, self.max_prefill_candidates)
-        gate = _KVGate(self, now)
+        in_flight = self._in_flight
+        k = self.max_prefill_candidates
+        if in_flight:
+            candidates = [r for r in self._prefills.top(now, k + len(in_flight))
+                          if r.request_id not in in_flight][:k]
+        else:
+            candidates = self._prefills.top(now, k)
+        gate = _KVGate(self.kv, now, pick_victim=self._pick_victim, preempt=self._preempt,
+                       start_running=self._start_running, requeue=self._prefills.update)
         batch = self.packer.pack(self._decode_order(), candidates, now, gate)
         gate.release_unscheduled()
+        in_flight.update(c.request.request_id for c in batch.chunks)
+        self.last_schedule_seconds = time.perf_counter() - start
         return batch
 
-    def _decode_order(self) -> list[Request]:
-        decodes = list(self._decodes.values())
-        if len(decodes) > self.packer.limits.max_seqs_per_batch:
-            # More decodes than one step holds: they take turns, longest waiting first.
-            decodes.sort(key=lambda r: r.last_token_time)
-        return decodes
-
-    def _apply(self, batch: Batch, result: StepResult) -> list[RequestUpdate]:
+    def update(self, batch: Batch, result: StepResult) -> list[RequestUpdate]:
+        """Applies an executed batch formed by schedule(), in any order relative to later
+        schedule() calls. Chunks of requests finished meanwhile (cancelled) are dropped."""
+        live = []
+        for chunk in batch.chunks:
+            request, rid = chunk.request, chunk.request.request_id
+            if self._requests.get(rid) is not request:
+                continue                            # finished while its batch ran
+            if rid not in self._in_flight or chunk.start != request.num_computed_tokens:
+                raise ValueError(
+                    f"request {rid!r}: chunk [{chunk.start}, {chunk.end}) is not in flight "
+                    f"(num_computed_tokens={request.num_computed_tokens}); update each batch "
+                    f"from schedule() exactly once")
+            if chunk.samples and rid not in result.sampled_token_ids:
+                raise RuntimeError(f"the executor returned no token for request {rid!r}, whose "
+                                   f"chunk [{chunk.start}, {chunk.end}) samples")
+            live.append(chunk)
+        self.num_steps += 1
         now = self.clock.now()
         updates = []
-        for chunk in batch.chunks:
+        for chunk in live:
             request = chunk.request
             rid = request.request_id
-            samples = chunk.samples
+            self._in_flight.discard(rid)
             request.num_computed_tokens = chunk.end
-            if request.prompt_token_ids is not None:
-                self.allocator.commit(rid, _TokenView(request), chunk.end)
-            if not samples:
+            self.kv.commit(request, chunk.end)
+            if not chunk.samples:
                 self._prefills.update(request)     # w(t) fell: its key moved
                 continue
-            try:
-                token = int(result.sampled_token_ids[rid])
-            except KeyError:
-                raise RuntimeError(f"the executor returned no token for request {rid!r}, whose "
-                                   f"chunk [{chunk.start}, {chunk.end}) samples") from None
+            token = int(result.sampled_token_ids[rid])
             request.output_token_ids.append(token)
             if request.first_token_time is None:
                 request.first_token_time = now
@@ -273,6 +246,15 @@ class ReplicaController:
             updates.append(RequestUpdate(request, (token,), reason is not None))
         return updates
 
+    def _decode_order(self) -> list[Request]:
+        decodes = list(self._decodes.values())
+        if self._in_flight:
+            decodes = [r for r in decodes if r.request_id not in self._in_flight]
+        if len(decodes) > self.packer.limits.max_seqs_per_batch:
+            # More decodes than one step holds: they take turns, longest waiting first.
+            decodes.sort(key=lambda r: r.last_token_time)
+        return decodes
+
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
         sampling = request.sampling
         if token in sampling.stop_token_ids or \
@@ -282,12 +264,20 @@ class ReplicaController:
             return FinishReason.LENGTH
         return None
 
-    # ---------------------------------------------------------------- preemption
+    # ----------------------------------------------------- the KV gate's callbacks
+
+    def _start_running(self, request: Request, now: float) -> None:
+        """A chunk of the request got its pages: it holds KV from now on."""
+        if request.state is RequestState.WAITING:
+            request.state = RequestState.RUNNING
+            self._running[request.request_id] = request
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = now
 
     def _preempt(self, request: Request) -> None:
         """Frees the request's pages; it keeps its output and is recomputed later."""
         rid = request.request_id
-        self._free_pages(rid)
+        self.kv.release(rid)
         del self._running[rid]
         request.state = RequestState.WAITING
         request.num_computed_tokens = 0
@@ -299,10 +289,6 @@ class ReplicaController:
         else:
             self._prefills.update(request)
 
-    def _free_pages(self, request_id: str) -> None:
-        self.allocator.free(request_id)
-        self._reserved_tokens.pop(request_id, None)
-
     def _rank(self, request: Request, now: float) -> tuple[int, float, int]:
         """A strict order of urgency: the policy's, ties to the earlier admission.
 
@@ -311,10 +297,11 @@ class ReplicaController:
         return (*self.policy.sort_key(request, now), self._admission[request.request_id])
 
     def _pick_victim(self, requester: Request, exclude: set[str], now: float) -> Request | None:
-        """The lowest-priority running request outside the batch, if below the requester."""
+        """The lowest-priority running request outside the batch and outside every batch
+        in flight, if below the requester."""
         victim, victim_rank = None, self._rank(requester, now)
         for rid, r in self._running.items():
-            if rid in exclude or r is requester:
+            if rid in exclude or rid in self._in_flight or r is requester:
                 continue
             rank = self._rank(r, now)
             if rank > victim_rank:
@@ -323,58 +310,56 @@ class ReplicaController:
 
 
 class _KVGate:
-    """The controller's side of packing: KV pages for each chunk the packer wants."""
+    """The controller's side of packing one batch: KV pages for each chunk the packer wants.
 
-    def __init__(self, controller: ReplicaController, now: float):
-        self.controller = controller
-        self.now = now
+    Books pages through the KVReservations; everything else it may do to a request
+    (evict one, mark one running, requeue one whose position moved) it does through the
+    controller's callbacks, so the controller's queues stay the controller's own."""
+
+    def __init__(self, kv: KVReservations, now: float, *,
+                 pick_victim: Callable[[Request, set[str], float], Request | None],
+                 preempt: Callable[[Request], None],
+                 start_running: Callable[[Request, float], None],
+                 requeue: Callable[[Request], None]):
+        self.kv, self.now = kv, now
+        self._pick_victim, self._preempt = pick_victim, preempt
+        self._start_running, self._requeue = start_running, requeue
         self.in_batch: set[str] = set()
         self.preempted: set[str] = set()
-        self.allocated: list[Request] = []    # waiting requests registered during packing
+        self.registered: list[Request] = []   # waiting requests given pages during packing
 
     def prepare(self, request: Request) -> bool:
         rid = request.request_id
         if rid in self.preempted:     # preempted for a more urgent chunk of this very batch
             return False
-        allocator = self.controller.allocator
-        if request.state is RequestState.WAITING and not allocator.has(rid):
-            reused = allocator.allocate(rid, _token_ids(request))
-            self.controller._reserved_tokens[rid] = reused
+        if request.state is RequestState.WAITING and not self.kv.has(rid):
+            reused = self.kv.register(request)
             request.num_computed_tokens = request.num_cached_tokens = reused
-            self.allocated.append(request)
+            self.registered.append(request)
             if reused:
-                self.controller._prefills.update(request)
+                self._requeue(request)
         return True
 
     def reserve(self, chunk: ScheduledChunk) -> bool:
-        c = self.controller
         request = chunk.request
         rid = request.request_id
         if rid in self.preempted:
             return False
-        end = chunk.end
-        if end > c._reserved_tokens.get(rid, 0):
-            while not c.allocator.reserve(rid, end):
-                victim = c._pick_victim(request, self.in_batch, self.now)
-                if victim is None:
-                    return False          # nothing less urgent to evict: this chunk waits
-                c._preempt(victim)
-                self.preempted.add(victim.request_id)
-            c._reserved_tokens[rid] = c.allocator.pages_needed(end) * c.allocator.page_size
+        while not self.kv.reserve(rid, chunk.end):
+            victim = self._pick_victim(request, self.in_batch, self.now)
+            if victim is None:
+                return False              # nothing less urgent to evict: this chunk waits
+            self._preempt(victim)
+            self.preempted.add(victim.request_id)
         self.in_batch.add(rid)
-        if request.state is RequestState.WAITING:
-            request.state = RequestState.RUNNING
-            c._running[rid] = request
-        if request.first_scheduled_time is None:
-            request.first_scheduled_time = self.now
+        self._start_running(request, self.now)
         return True
 
     def release_unscheduled(self) -> None:
         """Waiting requests registered for a chunk that missed the batch give their pages back."""
-        c = self.controller
-        for request in self.allocated:
-            if request.state is RequestState.WAITING and c.allocator.has(request.request_id):
-                c._free_pages(request.request_id)
+        for request in self.registered:
+            if request.state is RequestState.WAITING and self.kv.has(request.request_id):
+                self.kv.release(request.request_id)
                 if request.num_computed_tokens:
                     request.num_computed_tokens = request.num_cached_tokens = 0
-                    c._prefills.update(request)
+                    self._requeue(request)

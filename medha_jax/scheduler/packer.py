@@ -33,9 +33,10 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from medha_jax.buckets import padded_size
 from medha_jax.request import Batch, Request, ScheduledChunk
 from medha_jax.scheduler.policies import relative_slack
-from medha_jax.scheduler.predictor import BatchFeatures, RuntimePredictor, padded_size
+from medha_jax.scheduler.predictor import BatchFeatures, RuntimePredictor
 
 
 class ChunkGate(Protocol):

@@ -20,7 +20,6 @@ c * (c + 1) / 2 within the chunk (causal).
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import json
 import math
@@ -29,6 +28,7 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 
+from medha_jax.buckets import padded_size
 from medha_jax.config import ModelConfig, ParallelConfig
 from medha_jax.request import Batch
 from medha_jax.scheduler.hardware import HardwareSpec, hardware_preset
@@ -81,16 +81,6 @@ class BatchFeatures(NamedTuple):
             self.prefill_chunks + prefill,
             self.sum_prefill_context + end if prefill else self.sum_prefill_context,
             self.max_decode_context if prefill else max(self.max_decode_context, end))
-
-
-def padded_size(size: int, buckets: Sequence[int] | None) -> int:
-    """The smallest bucket >= size (size itself without buckets): padded tokens or seqs."""
-    if buckets is None or size == 0:
-        return size
-    i = bisect.bisect_left(buckets, size)
-    if i == len(buckets):
-        raise ValueError(f"{size} exceeds the largest bucket {buckets[-1]} of {tuple(buckets)}")
-    return buckets[i]
 
 
 def batch_features(batch: Batch, token_buckets: Sequence[int] | None = None) -> BatchFeatures:

@@ -1,14 +1,17 @@
-"""Shape buckets of the engine step: every compiled executable has one of these shapes.
+"""Shape buckets: the padded sizes of an engine step, shared by the engine and the scheduler.
 
 XLA compiles once per input shape. A step's inputs have three sizes that change with
 every batch: tokens T (all chunks concatenated), sequences S, and the page-table width
 W (pages of the longest context). Each is padded up to the next rung of a short ladder,
 all (T, S, W) combinations that a real batch can reach are compiled at start-up, and no
-request triggers a compile afterwards.
+request triggers a compile afterwards. The scheduler's predictor and packer price a batch
+at its padded size, so they pad with the same `bucket_for`. Pure Python: the scheduler
+must not import JAX.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import itertools
 from collections.abc import Sequence
@@ -33,10 +36,19 @@ def bucket_for(n: int, buckets: Sequence[int], what: str = "size") -> int:
     """The smallest bucket >= n (buckets sorted ascending)."""
     if n < 0:
         raise ValueError(f"{what} {n=} must be >= 0")
-    for bucket in buckets:
-        if bucket >= n:
-            return bucket
-    raise ValueError(f"{what} {n=} exceeds the largest {what} bucket {buckets[-1]}")
+    i = bisect.bisect_left(buckets, n)
+    if i == len(buckets):
+        raise ValueError(
+            f"{what} {n=} exceeds the largest bucket {buckets[-1]} of {tuple(buckets)}")
+    return buckets[i]
+
+
+def padded_size(n: int, buckets: Sequence[int] | None, what: str = "size") -> int:
+    """n padded up to its bucket, as a step runs it; n itself without buckets (the
+    simulator), and 0 stays 0 (an empty batch runs no step)."""
+    if buckets is None or n == 0:
+        return n
+    return bucket_for(n, buckets, what)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,30 +1,29 @@
-"""Ragged paged attention: one kernel for a mixed batch of prefill chunks and decodes.
+"""The Pallas paged-attention kernel, and its ragged and decode wrappers.
 
-Every step of the engine is a flat run of query tokens from many sequences; each sequence's
-queries sit at the end of its cache (its new K/V already written) and attend causally inside
-their chunk and fully over the earlier context, read through the sequence's page table.
-
-The Pallas kernel parallelises over queries AND keys (seed 000, section 3.1: this is what
-makes small chunks over a long context cheap):
+Every step of the engine is a flat run of query tokens from many sequences, read against
+each sequence's KV cache through its page table. The kernel parallelises over queries AND
+keys (seed 000, section 3.1: this is what makes small chunks over a long context cheap):
 
     grid = (query block, kv head, kv split)
 
 - A query block is <= block_q tokens of one sequence (`plan_query_blocks`); the q_per_kv
   query heads sharing a KV head are folded into the block's rows, so each K/V tile is read
   once for the whole GQA group and K/V are never repeated per query head.
-- The keys a block needs (0 .. its last query's position) are cut into `num_kv_splits`
-  contiguous ranges of tiles, one program each, merged afterwards by log-sum-exp
-  (`merge_attention`). The ranges are sized per block at run time, so short and long
-  contexts in one batch both spread over all splits.
+- The keys a block needs (0 .. key_end-1, `QueryBlockPlan.key_end`) are cut into
+  `num_kv_splits` contiguous ranges of tiles, one program each, merged afterwards by
+  log-sum-exp (`merge_attention`). The ranges are sized per block at run time, so short and
+  long contexts in one batch both spread over all splits.
 - Inside a program, a loop over K/V tiles gathers kv_pages_per_block pages by page id and
-  folds them into an online softmax (`online_softmax_update`, shared with the reference).
-- A decode here is a query block with one live token: its K/V reads, which bound decode
-  time, are those of a dedicated decode kernel, but most MMA rows idle. `decode_attention`
-  packs only the GQA group into the rows for decode-only batches.
+  folds them into an online softmax (`online_softmax_update`, shared with the XLA path).
+- causal (static): query i of a block of n sees keys < key_end - n + 1 + i (causal inside
+  a chunk whose K/V are already in the cache); otherwise every query sees keys < key_end
+  (a cached prefix wholly before the queries, as for KV-parallel shards).
+- A decode is a query block with one live token. `decode_attention_pallas` packs only the
+  GQA group into the rows, for decode-only batches.
 
-The kernel is written for the Triton lowering (GPU): whole-array refs with pointer-style
-indexing, page gathers with a vector of page ids, power-of-2 tiles, dot sides >= 16.
-With interpret=True it runs on the CPU (the tests).
+Written for the Triton lowering (GPU): whole-array refs with pointer-style indexing, page
+gathers with a vector of page ids, power-of-2 tiles, dot sides >= 16. With interpret=True
+it runs on the CPU (the tests).
 """
 
 from __future__ import annotations
@@ -36,34 +35,13 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.block_sizes import BlockSizes, resolve
-from pallas_kernels.merge import (merge_attention, online_softmax_finish, online_softmax_init,
-                                  online_softmax_update)
-from pallas_kernels.reference import (attention_scores, plan_query_blocks,
-                                      ragged_paged_attention_reference)
-
+from pallas_kernels.block_sizes import BlockSizes
+from pallas_kernels.merge import (attention_scores, merge_attention, online_softmax_finish,
+                                  online_softmax_init, online_softmax_update)
+from pallas_kernels.query_blocks import plan_query_blocks, row_key_ends
 
 # Enough programs to keep a GPU busy (~8 per SM of a 132-SM H100); see the ragged wrapper.
 MIN_GRID_PROGRAMS = 1024
-
-
-def check_paged_inputs(q, k_pages, v_pages, page_table) -> None:
-    """Shape checks common to the ragged and decode entry points; errors name the values."""
-    if q.ndim != 3:
-        raise ValueError(f"q must be [tokens, q_heads, head_dim], got {q.shape=}")
-    if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
-        raise ValueError(
-            "k_pages and v_pages must both be [num_pages, page_size, kv_heads, head_dim], got "
-            f"{k_pages.shape=} {v_pages.shape=}")
-    q_heads, head_dim = q.shape[1:]
-    kv_heads, kv_head_dim = k_pages.shape[2:]
-    if kv_head_dim != head_dim:
-        raise ValueError(f"q head_dim={head_dim} != k_pages head_dim={kv_head_dim}")
-    if q_heads % kv_heads:
-        raise ValueError(f"{q_heads=} must be a multiple of {kv_heads=} (grouped-query attention)")
-    if page_table.ndim != 2 or not jnp.issubdtype(page_table.dtype, jnp.integer):
-        raise ValueError(f"page_table must be int [max_seqs, pages_per_seq], got "
-                         f"{page_table.shape=} {page_table.dtype=}")
 
 
 def kernel_rows(tokens: int, q_per_kv: int) -> int:
@@ -72,14 +50,9 @@ def kernel_rows(tokens: int, q_per_kv: int) -> int:
     return max(16, 1 << (tokens * q_per_kv - 1).bit_length())
 
 
-# ----------------------------------------------------------------------------------------
-# The kernel
-# ----------------------------------------------------------------------------------------
-
-
 def _paged_attention_kernel(
     block_seq_ref,         # int32 [blocks]: sequence of each query block
-    block_first_pos_ref,   # int32 [blocks]: cache position of the block's first query
+    block_key_end_ref,     # int32 [blocks]: keys 0..key_end-1 are seen by the block's last query
     block_num_tokens_ref,  # int32 [blocks]: queries in the block (0 = empty block)
     page_table_ref,        # int32 [max_seqs, pages_per_seq]: width a multiple of the tile
     q_ref,                 # [rows, head_dim]: row r = token r // q_per_kv, head r % q_per_kv
@@ -92,6 +65,7 @@ def _paged_attention_kernel(
     q_per_kv: int,
     kv_pages_per_block: int,
     num_kv_splits: int,
+    causal: bool,
 ):
     block, split = pl.program_id(0), pl.program_id(2)
     rows, head_dim = q_ref.shape
@@ -99,15 +73,14 @@ def _paged_attention_kernel(
     block_kv = kv_pages_per_block * page_size
 
     seq = block_seq_ref[block]
-    first_pos = block_first_pos_ref[block]
     num_tokens = block_num_tokens_ref[block]
+    keys_needed = jnp.where(num_tokens > 0, block_key_end_ref[block], 0)
     row_token = jnp.arange(rows, dtype=jnp.int32) // q_per_kv
     row_live = row_token < num_tokens          # also False for the power-of-2 padding rows
-    row_pos = first_pos + row_token
+    row_end = row_key_ends(keys_needed, num_tokens, row_token, causal=causal)
 
-    # Keys 0 .. last query position, as tiles; this split takes its contiguous share.
-    keys_needed = jnp.where(num_tokens > 0, first_pos + num_tokens, 0)
-    # Never past the page table, even if a caller's kv_len overstates it (no wild reads).
+    # The block's keys as tiles; this split takes its contiguous share. Never past the page
+    # table, even if a caller's kv_len overstates it (no wild reads).
     num_tiles = jnp.minimum((keys_needed + block_kv - 1) // block_kv,
                             page_table_ref.shape[1] // kv_pages_per_block)
     tiles_per_split = (num_tiles + num_kv_splits - 1) // num_kv_splits
@@ -123,7 +96,7 @@ def _paged_attention_kernel(
         v = v_pages_ref[page_ids].reshape(block_kv, head_dim)
         scores = attention_scores(q, k, sm_scale)                        # [rows, keys]
         key_pos = tile * block_kv + key_offsets
-        visible = row_live[:, None] & (key_pos[None, :] <= row_pos[:, None])
+        visible = row_live[:, None] & (key_pos[None, :] < row_end[:, None])
         scores = jnp.where(visible, scores, -jnp.inf)
         return online_softmax_update(state, scores, v)
 
@@ -140,18 +113,16 @@ def paged_attention_blocks(
     v_pages: jax.Array,           # [num_pages, page_size, kv_heads, head_dim]
     page_table: jax.Array,        # int32 [max_seqs, pages_per_seq]
     block_seq: jax.Array,         # int32 [blocks]
-    block_first_pos: jax.Array,   # int32 [blocks]
+    block_key_end: jax.Array,     # int32 [blocks] (QueryBlockPlan.key_end)
     block_num_tokens: jax.Array,  # int32 [blocks]
     *,
     sm_scale: float,
     q_per_kv: int,
     block_sizes: BlockSizes,
     interpret: bool,
+    causal: bool = True,
 ) -> tuple[jax.Array, jax.Array]:  # out [blocks, kv_heads, rows, head_dim] f32, lse [.., rows]
-    """Runs the kernel over (block, kv head, kv split) and merges the splits by LSE.
-
-    Also the engine of `decode_attention` (a decode is a block of one token).
-    """
+    """Runs the kernel over (block, kv head, kv split) and merges the splits by LSE."""
     num_blocks, kv_heads, rows, head_dim = q_blocks.shape
     num_pages, page_size, _, _ = k_pages.shape
     pages_per_tile = block_sizes.kv_pages_per_block
@@ -163,7 +134,8 @@ def paged_attention_blocks(
                          ((0, 0), (0, -page_table.shape[1] % pages_per_tile)))
 
     kernel = functools.partial(_paged_attention_kernel, sm_scale=sm_scale, q_per_kv=q_per_kv,
-                               kv_pages_per_block=pages_per_tile, num_kv_splits=splits)
+                               kv_pages_per_block=pages_per_tile, num_kv_splits=splits,
+                               causal=causal)
     whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
     kv_head_of_cache = pl.BlockSpec((num_pages, page_size, pl.squeezed, head_dim),
                                     lambda b, h, s: (0, 0, h, 0))
@@ -197,7 +169,7 @@ def paged_attention_blocks(
         interpret=interpret,
         compiler_params=compiler_params,
         name="ragged_paged_attention",
-    )(block_seq, block_first_pos, block_num_tokens, page_table, q_blocks, k_pages, v_pages)
+    )(block_seq, block_key_end, block_num_tokens, page_table, q_blocks, k_pages, v_pages)
 
     if splits == 1:
         return out_parts[0], lse_parts[0]
@@ -208,13 +180,11 @@ def paged_attention_blocks(
             lse.reshape(num_blocks, kv_heads, rows))
 
 
-# ----------------------------------------------------------------------------------------
-# The ragged entry point
-# ----------------------------------------------------------------------------------------
-
-
-def _ragged_paged_attention_kernel(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens,
-                                   num_seqs, *, sm_scale, block_sizes, interpret):
+def ragged_paged_attention_pallas(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens,
+                                  num_seqs, *, sm_scale: float, block_sizes: BlockSizes,
+                                  interpret: bool, causal: bool = True):
+    """The kernel over a ragged batch; arguments and result as
+    `attention.ragged_paged_attention`."""
     num_tokens, q_heads, head_dim = q.shape
     kv_heads = k_pages.shape[2]
     q_per_kv = q_heads // kv_heads
@@ -238,8 +208,9 @@ def _ragged_paged_attention_kernel(q, k_pages, v_pages, page_table, cu_q_lens, k
     q_blocks = jnp.pad(q_blocks, ((0, 0), (0, 0), (0, rows - block_q * q_per_kv), (0, 0)))
 
     out_blocks, lse_blocks = paged_attention_blocks(
-        q_blocks, k_pages, v_pages, page_table, plan.seq, plan.first_pos, plan.num_tokens,
-        sm_scale=sm_scale, q_per_kv=q_per_kv, block_sizes=block_sizes, interpret=interpret)
+        q_blocks, k_pages, v_pages, page_table, plan.seq, plan.key_end(causal),
+        plan.num_tokens, sm_scale=sm_scale, q_per_kv=q_per_kv, block_sizes=block_sizes,
+        interpret=interpret, causal=causal)
 
     # Back to token order: [blocks, kv, rows, d] -> [blocks, block_q, q_heads, d] -> [tokens, ...].
     out_blocks = (out_blocks[:, :, : block_q * q_per_kv]
@@ -254,43 +225,23 @@ def _ragged_paged_attention_kernel(q, k_pages, v_pages, page_table, cu_q_lens, k
     return out.astype(q.dtype), lse
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "impl", "block_sizes"))
-def ragged_paged_attention(
-    q: jax.Array,           # [tokens, q_heads, head_dim]
-    k_pages: jax.Array,     # [num_pages, page_size, kv_heads, head_dim] (one layer's cache)
-    v_pages: jax.Array,     # [num_pages, page_size, kv_heads, head_dim]
-    page_table: jax.Array,  # int32 [max_seqs, pages_per_seq]: page ids of each sequence, in order
-    cu_q_lens: jax.Array,   # int32 [max_seqs + 1]: seq s owns q[cu_q_lens[s]:cu_q_lens[s+1]]
-    kv_lens: jax.Array,     # int32 [max_seqs]: cache length of seq s AFTER this step
-    num_seqs: jax.Array,    # int32 [1]: sequences in use; later ones are padding
-    *,
-    sm_scale: float,
-    impl: str = "auto",
-    block_sizes: BlockSizes | None = None,
-) -> tuple[jax.Array, jax.Array]:  # out [tokens, q_heads, head_dim], lse [tokens, q_heads]
-    """Causal attention of a ragged batch of prefill chunks and decodes over a paged KV cache.
-
-    Query i of sequence s sits at position kv_lens[s] - q_len_s + i and attends keys
-    0..position of its own sequence. Query head h reads KV head h // (q_heads // kv_heads).
-    Rows past cu_q_lens[num_seqs] are padding: out 0, lse -inf. lse is the natural-log
-    log-sum-exp of the scaled scores, so partial results merge with `merge_attention`.
-
-    impl: "reference" (jnp), "pallas" (native kernel), "interpret" (kernel, interpret
-    mode), "auto" (native on GPU, reference elsewhere; see block_sizes.resolve).
-    """
-    check_paged_inputs(q, k_pages, v_pages, page_table)
-    max_seqs = page_table.shape[0]
-    if cu_q_lens.shape != (max_seqs + 1,) or kv_lens.shape != (max_seqs,) or num_seqs.shape != (1,):
-        raise ValueError(
-            f"want cu_q_lens [max_seqs + 1], kv_lens [max_seqs], num_seqs [1] with "
-            f"max_seqs={max_seqs} (page_table rows); got {cu_q_lens.shape=} {kv_lens.shape=} "
-            f"{num_seqs.shape=}")
-    impl, block_sizes = resolve(impl, block_sizes, head_dim=q.shape[2],
-                                page_size=k_pages.shape[1])
-    if impl == "reference":
-        return ragged_paged_attention_reference(
-            q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, num_seqs,
-            sm_scale=sm_scale, block_sizes=block_sizes)
-    return _ragged_paged_attention_kernel(
-        q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, num_seqs,
-        sm_scale=sm_scale, block_sizes=block_sizes, interpret=impl == "interpret")
+def decode_attention_pallas(q, k_pages, v_pages, page_table, kv_lens, *, sm_scale: float,
+                            block_sizes: BlockSizes, interpret: bool):
+    """The kernel over a decode batch (one query per sequence, seeing keys 0..kv_len-1);
+    arguments and result as `attention.decode_attention`. Each program's rows are only the
+    GQA group of its KV head; the keys are split num_kv_splits ways (flash-decoding)."""
+    seqs, q_heads, head_dim = q.shape
+    kv_heads = k_pages.shape[2]
+    q_per_kv = q_heads // kv_heads
+    rows = kernel_rows(1, q_per_kv)
+    q_blocks = jnp.pad(q.reshape(seqs, kv_heads, q_per_kv, head_dim),
+                       ((0, 0), (0, 0), (0, rows - q_per_kv), (0, 0)))
+    kv_lens = kv_lens.astype(jnp.int32)
+    out, lse = paged_attention_blocks(
+        q_blocks, k_pages, v_pages, page_table,
+        block_seq=jnp.arange(seqs, dtype=jnp.int32), block_key_end=kv_lens,
+        block_num_tokens=(kv_lens > 0).astype(jnp.int32),
+        sm_scale=sm_scale, q_per_kv=q_per_kv, block_sizes=block_sizes, interpret=interpret)
+    out = out[:, :, :q_per_kv].reshape(seqs, q_heads, head_dim)
+    lse = lse[:, :, :q_per_kv].reshape(seqs, q_heads)
+    return out.astype(q.dtype), lse

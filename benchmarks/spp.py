@@ -1,0 +1,224 @@
+"""Stream pipeline parallelism (SPP, seed 000 section 3.3, figure 5): one long prefill.
+
+    python -m benchmarks.spp --quick                 # about a minute on a 2-core CPU
+    python -m benchmarks.spp --json results/spp.json
+
+Two parts, one table last:
+
+(a) simulated: the prefill time of one request of 128K to 1M tokens for spp = 1 .. 16 at
+    tp = 8 (Llama-3.1 8B and 70B, the H100 preset), from `AnalyticalPredictor`. The prompt
+    runs as chunks of --chunk tokens; the predictor prices an SPP iteration as one stage
+    (layers / spp) since chunk i + 1 enters stage 0 while chunk i is in stage 1, and the
+    last, sampling chunk as the whole pipeline depth. Scaling efficiency is
+    T(spp = 1) / (spp x T(spp)). Next to it, ring context parallelism on the same device
+    count (cp = spp, tp = 8) from the same predictor: in the same chunks, and one-shot (the
+    whole prompt in one step, how ring CP is usually run). Positions past the models'
+    128K window are priced as if the window were longer: a cost model, not a served run.
+(b) measured on this machine (virtual CPU devices): a long prefill of the tiny model through
+    medha_jax.engine.pipeline at spp = 1 and 2, every chunk dispatched before any is waited
+    on, side by side; the ratio is spp = 1 time over spp = 2 time. Two CPU cores bound what
+    two virtual devices can run at once. Host-overlap figures come with the engine
+    integration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Sequence
+
+K = 1024
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.spp", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="fewer sizes; about a minute on a CPU")
+    p.add_argument("--json", default=None, help="write every figure and the context here")
+    p.add_argument("--hardware", default="h100", help="hardware preset of the simulation")
+    p.add_argument("--tp", type=int, default=8, help="tensor parallelism of the simulation")
+    p.add_argument("--chunk", type=int, default=4096, help="prefill chunk of the simulation")
+    p.add_argument("--measured-tokens", type=int, default=None,
+                   help="prompt of the measured prefill (default 16384, 4096 with --quick)")
+    p.add_argument("--measured-chunk", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=3)
+    return p.parse_args(argv)
+
+
+# ------------------------------------------------------------------------------ simulated
+
+def simulated_prefill_s(predictor, prompt_tokens: int, chunk: int) -> float:
+    """Sum of the predicted iteration times of one prompt in chunks; the last one samples."""
+    from medha_jax.scheduler.predictor import BatchFeatures
+
+    total, start = 0.0, 0
+    while start < prompt_tokens:
+        n = min(chunk, prompt_tokens - start)
+        features = BatchFeatures().plus_chunk(n, start, samples=start + n == prompt_tokens)
+        total += predictor.predict_features(features)
+        start += n
+    return total
+
+
+def run_simulated(args) -> list[dict]:
+    from medha_jax.config import ParallelConfig, model_preset
+    from medha_jax.scheduler.predictor import AnalyticalPredictor
+
+    models = ("llama3.1-8b",) if args.quick else ("llama3.1-8b", "llama3.1-70b")
+    prompts = (128 * K, 1024 * K) if args.quick else (128 * K, 256 * K, 512 * K, 1024 * K)
+    degrees = (1, 2, 4, 8, 16)
+    rows = []
+    for name in models:
+        model = model_preset(name)
+        for prompt in prompts:
+            def prefill(chunk: int, **axes) -> float:
+                predictor = AnalyticalPredictor(model, ParallelConfig(tp=args.tp, **axes),
+                                                args.hardware)
+                return simulated_prefill_s(predictor, prompt, chunk)
+
+            base, one_shot_base = prefill(chunk=args.chunk), prefill(chunk=prompt)
+            for degree in degrees:
+                if model.num_layers % degree:
+                    continue
+                spp_s = prefill(chunk=args.chunk, spp=degree)
+                cp_s = prefill(chunk=args.chunk, cp=degree)
+                cp_one_shot_s = prefill(chunk=prompt, cp=degree)
+                rows.append({
+                    "part": "simulated", "model": name, "prompt_tokens": prompt,
+                    "devices": degree * args.tp, "spp": degree, "tp": args.tp,
+                    "spp_prefill_s": spp_s, "spp_efficiency": base / (degree * spp_s),
+                    "cp_prefill_s": cp_s, "cp_efficiency": base / (degree * cp_s),
+                    "cp_one_shot_s": cp_one_shot_s,
+                    "cp_one_shot_efficiency": one_shot_base / (degree * cp_one_shot_s),
+                    "spp_over_cp": spp_s / cp_s})
+    return rows
+
+
+# ------------------------------------------------------------------------------- measured
+
+def prefill_inputs(prompt_tokens: int, chunk: int, page_size: int = 16):
+    """StepInputs of each chunk of one random prompt, pages reserved in a fresh allocator."""
+    import numpy as np
+
+    from medha_jax.buckets import BucketLadder
+    from medha_jax.engine.step_inputs import build_step_inputs
+    from medha_jax.kv_cache.allocator import BlockAllocator
+    from medha_jax.request import Batch, Request, ScheduledChunk
+
+    num_pages = -(-prompt_tokens // page_size)
+    allocator = BlockAllocator(num_pages, page_size, enable_prefix_caching=False)
+    ladder = BucketLadder.from_limits(max_tokens=chunk, min_tokens=chunk, max_seqs=1,
+                                      min_seqs=1, max_pages_per_seq=num_pages,
+                                      min_pages_per_seq=num_pages)
+    ids = np.random.default_rng(0).integers(0, 256, prompt_tokens).tolist()
+    request = Request("prompt", prompt_tokens, 1, 0.0, prompt_token_ids=ids)
+    allocator.allocate(request.request_id)
+    assert allocator.reserve(request.request_id, prompt_tokens)
+    steps = []
+    for start in range(0, prompt_tokens, chunk):
+        n = min(chunk, prompt_tokens - start)
+        steps.append(build_step_inputs(Batch([ScheduledChunk(request, start, n)]), allocator,
+                                       ladder, pad_slot=num_pages * page_size))
+    return steps, num_pages, page_size
+
+
+def run_measured(args) -> list[dict]:
+    import jax
+
+    from medha_jax.engine.pipeline import PipelinedStep
+    from medha_jax.model.loading import load_model
+    from medha_jax.model.stages import split_stages
+    from meshes import ParallelConfig
+
+    prompt = args.measured_tokens or (4096 if args.quick else 16384)
+    steps, num_pages, page_size = prefill_inputs(prompt, args.measured_chunk)
+    pipelines = {}
+    for spp in (1, 2):
+        model = load_model("tiny", parallel=ParallelConfig(spp=spp), verbose=False)
+        pipeline = PipelinedStep(split_stages(model), num_pages=num_pages, page_size=page_size)
+        pipeline.warmup({inputs.padded_shape for inputs in steps})
+        pipelines[spp] = pipeline
+
+    def prefill_seconds(pipeline) -> float:
+        start = time.perf_counter()
+        tokens = [pipeline.dispatch(inputs) for inputs in steps]    # all chunks in flight
+        jax.block_until_ready(tokens)
+        return time.perf_counter() - start
+
+    times = {spp: [] for spp in pipelines}
+    for spp, pipeline in pipelines.items():
+        prefill_seconds(pipeline)                                   # warm-up run
+    for _ in range(args.repeats):                                   # side by side, interleaved
+        for spp, pipeline in pipelines.items():
+            times[spp].append(prefill_seconds(pipeline))
+    rows = []
+    for spp, measured in times.items():
+        median = statistics.median(measured)
+        rows.append({
+            "part": "measured", "model": "tiny", "prompt_tokens": prompt,
+            "devices": spp, "spp": spp, "tp": 1, "chunk": args.measured_chunk,
+            "prefill_s": median, "prefill_min_s": min(measured), "prefill_max_s": max(measured),
+            "tok_per_s": prompt / median,
+            "speedup_vs_spp1": statistics.median(times[1]) / median})
+    return rows
+
+
+# --------------------------------------------------------------------------------- report
+
+def environment() -> dict:
+    import jax
+    import jaxlib
+
+    devices = jax.devices()
+    return {"backend": jax.default_backend(), "device_kind": devices[0].device_kind,
+            "device_count": len(devices), "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+            "python": platform.python_version(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def print_table(simulated: list[dict], measured: list[dict], args) -> None:
+    print(f"\nmeasured (tiny model, float32, {measured[0]['prompt_tokens']} tokens in chunks "
+          f"of {args.measured_chunk}, virtual CPU devices, median of {args.repeats}):")
+    for row in measured:
+        print(f"  spp={row['spp']}: prefill_s {row['prefill_s']:.3f} (min "
+              f"{row['prefill_min_s']:.3f}, max {row['prefill_max_s']:.3f}), tok_per_s "
+              f"{row['tok_per_s']:.0f}, speedup_vs_spp1 {row['speedup_vs_spp1']:.2f}")
+    print(f"\nsimulated: AnalyticalPredictor, hardware preset {args.hardware}, tp={args.tp}, "
+          f"chunks of {args.chunk} tokens")
+    header = ("model", "prompt_tokens", "devices", "spp_prefill_s", "spp_efficiency",
+              "cp_prefill_s", "cp_efficiency", "cp_one_shot_s", "cp_one_shot_efficiency")
+    print("  ".join(f"{h:>14}" for h in header))
+    for row in simulated:
+        cells = [row["model"], row["prompt_tokens"], row["devices"]] + [
+            f"{row[h]:.3f}" for h in header[3:]]
+        print("  ".join(f"{c:>14}" for c in cells))
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    args = parse_args(argv)
+    # Virtual CPU devices for the measured part; JAX reads this when it starts its back-end.
+    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                   + " --xla_force_host_platform_device_count=2").strip()
+    measured = run_measured(args)
+    simulated = run_simulated(args)
+    report = {"context": {**environment(), "dtype": "float32 (measured); bfloat16 (simulated)",
+                          "mesh": "spp x tp; replica = spp slices of tp devices",
+                          "predictor": f"AnalyticalPredictor ({args.hardware}), simulated",
+                          "args": vars(args)},
+              "measured": measured, "simulated": simulated}
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    print_table(simulated, measured, args)
+    return report
+
+
+if __name__ == "__main__":
+    main()

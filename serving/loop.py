@@ -1,0 +1,220 @@
+"""ServingLoop: the one thread that drives a replica's controller and engine.
+
+Threads. The controller and the engine are single-threaded; only the loop thread touches
+them. Callers on any thread post "add" and "cancel" commands to an inbox that the loop
+drains before every iteration; results flow back through each request's RequestStream.
+
+One iteration: schedule -> engine.execute -> update (the controller's two public steps,
+execution owned here), then deliver the new tokens: detokenization and stop strings (the
+controller handles stop token ids, end of sequence and max_tokens), final outputs,
+Prometheus metrics.
+
+Failure containment: an exception in engine.execute or in applying its result fails only
+that batch's requests (FinishReason.ERROR, the error named) and the loop keeps serving
+the rest. One in the scheduler itself may have left any request half-updated, so it
+fails every request in flight; so does a bug anywhere else in an iteration, rather than
+leave callers waiting on a dead thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+
+from medha_jax.request import Batch, FinishReason
+from medha_jax.scheduler.controller import ReplicaController
+from serving.metrics import ServerMetrics
+from serving.outputs import RequestStream
+
+logger = logging.getLogger(__name__)
+
+# How long an iteration that could run nothing (e.g. pages are short) waits for news.
+IDLE_WAIT_S = 0.002
+
+
+class ServingLoop:
+    """Owns the loop thread, its inbox and the streams of the requests in flight."""
+
+    def __init__(self, controller: ReplicaController, engine, metrics: ServerMetrics,
+                 *, name: str = "medha-server-loop"):
+        """engine: anything with `execute(batch) -> StepResult` and an `allocator`; looked
+        up on every step, so a wrapper set on it later takes effect."""
+        self.controller, self.engine, self.metrics = controller, engine, metrics
+        self._lock = threading.Condition()          # guards everything up to _streams
+        self._inbox: list[tuple[str, object]] = []  # ("add", RequestStream) | ("cancel", id)
+        self._in_flight: set[str] = set()           # request ids submitted and not finished
+        self._closing = False
+        self._drain_on_close = False
+        self._streams: dict[str, RequestStream] = {}  # loop thread only
+        self._observe_state()
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    # ------------------------------------------------------------ any thread
+
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
+    def add(self, stream: RequestStream) -> None:
+        """Queues a validated request. Raises when its id is in flight or the loop stopped."""
+        rid = stream.request_id
+        with self._lock:
+            if self._closing:
+                raise RuntimeError("the server is closed")
+            if rid in self._in_flight:
+                raise ValueError(f"request_id {rid!r} is already in flight")
+            self._in_flight.add(rid)
+            self._inbox.append(("add", stream))
+            self._lock.notify()
+
+    def cancel(self, request_id: str) -> bool:
+        """Asks for the request to be cancelled; False if it is not in flight."""
+        with self._lock:
+            if request_id not in self._in_flight:
+                return False
+            self._inbox.append(("cancel", request_id))
+            self._lock.notify()
+        return True
+
+    def close(self, *, drain: bool = False, timeout: float | None = None) -> None:
+        """Stops the loop: cancels what is in flight (or with drain=True lets it finish)
+        and joins the thread. Idempotent."""
+        with self._lock:
+            self._closing = True
+            self._drain_on_close = drain
+            self._lock.notify()
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            raise TimeoutError(f"the server loop did not stop within {timeout=} s")
+
+    # ------------------------------------------------------------ the loop thread
+
+    def _run(self) -> None:
+        while True:
+            try:
+                if not self._iterate():
+                    return
+            except Exception as e:
+                logger.exception("server loop iteration failed")
+                self._fail(list(self._streams), f"server loop failed: {type(e).__name__}: {e}")
+
+    def _iterate(self) -> bool:
+        """Drains the inbox, then runs one step. False once the loop has stopped."""
+        controller = self.controller
+        with self._lock:
+            while not (self._inbox or self._closing or controller.has_unfinished()):
+                self._lock.wait()
+            commands, self._inbox = self._inbox, []
+            closing, drain = self._closing, self._drain_on_close
+        for kind, arg in commands:
+            if kind == "add":
+                self._add(arg)
+            else:
+                self._end(arg, FinishReason.CANCELLED)
+        if closing and not (drain and controller.has_unfinished()):
+            # No add can follow: add() checks _closing under the lock that took `commands`.
+            for request_id in list(self._streams):
+                self._end(request_id, FinishReason.CANCELLED)
+            controller.pop_finished()
+            self._observe_state()
+            return False
+        if controller.has_unfinished() and not self._step():
+            with self._lock:
+                if not (self._inbox or self._closing):
+                    self._lock.wait(IDLE_WAIT_S)
+        # Finished requests were handed out; a long-running controller must not keep them.
+        controller.pop_finished()
+        return True
+
+    def _add(self, stream: RequestStream) -> None:
+        try:
+            self.controller.add_request(stream.request)
+        except Exception as e:
+            # The controller refused what validation passed: report it on the stream.
+            self._finish(stream, FinishReason.ERROR, error=f"{type(e).__name__}: {e}")
+            return
+        self._streams[stream.request_id] = stream
+
+    def _step(self) -> bool:
+        """One schedule -> execute -> update. False when nothing could be scheduled."""
+        try:
+            batch = self.controller.schedule()
+        except Exception as e:
+            logger.exception("scheduling failed; failing every request in flight")
+            self._fail(list(self._streams), f"scheduling failed: {type(e).__name__}: {e}")
+            return True
+        if not batch:
+            return False
+        try:
+            result = self.engine.execute(batch)
+            self.metrics.observe_step(batch.num_tokens, result.duration_s)
+            updates = self.controller.update(batch, result)
+        except Exception as e:
+            failed = _request_ids(batch)
+            logger.exception("step failed; failing requests %s", failed)
+            self._fail(failed, f"step failed: {type(e).__name__}: {e}")
+            return True
+        for update in updates:
+            stream = self._streams.get(update.request.request_id)
+            if stream is not None:
+                self._deliver(stream, update.new_token_ids, update.finished)
+        self._observe_state()
+        return True
+
+    def _deliver(self, stream: RequestStream, new_token_ids: tuple[int, ...],
+                 finished: bool) -> None:
+        request = stream.request
+        try:
+            stopped = stream.add_tokens(new_token_ids)
+        except Exception as e:
+            logger.exception("detokenizing request %s failed", request.request_id)
+            self._end(request.request_id, FinishReason.ERROR,
+                      error=f"detokenization failed: {type(e).__name__}: {e}")
+            return
+        if stopped:
+            if not finished:
+                self.controller.finish(request.request_id, FinishReason.STOP)
+            self._finish(stream, FinishReason.STOP, new_token_ids)
+        elif finished:
+            self._finish(stream, request.finish_reason or FinishReason.STOP, new_token_ids,
+                         error=request.error)
+        else:
+            stream.push(new_token_ids)
+
+    def _fail(self, request_ids: Sequence[str], error: str) -> None:
+        for request_id in request_ids:
+            self._end(request_id, FinishReason.ERROR, error=error)
+        self._observe_state()
+
+    def _end(self, request_id: str, reason: FinishReason, error: str | None = None) -> None:
+        """Finishes a request in the controller (its pages freed) and for its caller."""
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return                    # finished while the command was in the inbox
+        try:
+            self.controller.finish(request_id, reason)
+        except Exception:
+            logger.exception("controller failed to release request %s", request_id)
+        self._finish(stream, reason, error=error)
+
+    def _finish(self, stream: RequestStream, reason: FinishReason, new_token_ids=(),
+                error: str | None = None) -> None:
+        self._streams.pop(stream.request_id, None)
+        with self._lock:
+            self._in_flight.discard(stream.request_id)
+        metrics = stream.finish(reason, new_token_ids, error)
+        self.metrics.observe_finished(metrics, FinishReason(reason).value)
+
+    def _observe_state(self) -> None:
+        allocator = self.engine.allocator
+        controller = self.controller
+        self.metrics.observe_state(
+            pages_in_use=allocator.num_pages - allocator.num_free_pages,
+            pages_total=allocator.num_pages, waiting=controller.num_waiting,
+            running=controller.num_running, preemptions_total=controller.num_preemptions)
+
+
+def _request_ids(batch: Batch) -> list[str]:
+    return [c.request.request_id for c in batch.chunks]

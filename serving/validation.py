@@ -1,0 +1,124 @@
+"""Argument checks and tokenization, on the caller's thread, before a request is queued.
+
+Everything here raises ValueError or TypeError naming the bad field, so a caller learns
+what is wrong at submit time and the loop thread only ever sees servable requests.
+
+Prompts. One prompt is a str (tokenized with the model's tokenizer), a `TokensPrompt`, a
+1-D numpy array of token ids, or (where only one prompt can be meant: `submit`,
+`generate_stream`) a list or tuple of token ids. Which of these `generate` got is decided
+by the argument's type alone, never by looking at its elements: see `is_single_prompt`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from collections.abc import Callable, Iterable, Sequence
+from typing import Union
+
+import numpy as np
+
+from medha_jax.request import SLO
+from medha_jax.sampling_params import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class TokensPrompt:
+    """One prompt given as token ids (vLLM's TokensPrompt): unambiguous where a list would
+    be read as a batch of prompts, e.g. `server.generate(TokensPrompt([1, 2, 3]))`."""
+
+    prompt_token_ids: tuple[int, ...]
+
+    def __post_init__(self):
+        object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))
+
+
+Prompt = Union[str, TokensPrompt, np.ndarray, Sequence[int]]
+
+
+def is_single_prompt(prompts) -> bool:
+    """Whether `generate(prompts)` got one prompt (-> one output) or a batch (-> a list).
+
+    By type only: a str, a TokensPrompt or a numpy array is one prompt; a list or a tuple
+    is a batch, each element a str, a list/tuple of token ids, a TokensPrompt or a 1-D
+    array. So `generate([1, 2, 3])` is a batch of three prompts (and fails: an int is not
+    a prompt); one token-id prompt is `TokensPrompt([1, 2, 3])`, `np.array([1, 2, 3])`,
+    or a batch of one, `[[1, 2, 3]]`.
+    """
+    if isinstance(prompts, (str, TokensPrompt, np.ndarray)):
+        return True
+    if isinstance(prompts, (list, tuple)):
+        return False
+    raise TypeError(f"prompts must be a str, a TokensPrompt, a numpy array of token ids, or "
+                    f"a list of prompts, got {type(prompts).__name__}")
+
+
+def check_batch_prompt(index: int, prompt) -> None:
+    """A batch element must itself be a prompt: catches generate([1, 2, 3]) by type."""
+    if not isinstance(prompt, (str, TokensPrompt, np.ndarray, list, tuple)):
+        raise TypeError(
+            f"prompts[{index}] must be a prompt (a str, a list of token ids, a TokensPrompt or "
+            f"a numpy array), got {type(prompt).__name__}; for one prompt of token ids pass "
+            f"TokensPrompt(ids) or [ids]")
+
+
+def check_request_args(params, slo, priority) -> None:
+    """The non-prompt arguments of one request."""
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+    if slo is not None and not isinstance(slo, SLO):
+        raise TypeError(f"slo must be an SLO, got {type(slo).__name__}")
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise TypeError(f"priority must be an int, got {priority!r}")
+
+
+def prompt_token_ids(prompt: Prompt, *, tokenizer, vocab_size: int, model_name: str
+                     ) -> list[int]:
+    """The prompt's token ids: text tokenized, ids checked against the vocabulary."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError(f"prompt: model {model_name!r} has no tokenizer; "
+                             "pass token ids instead of text")
+        ids = list(tokenizer.encode(prompt))
+    else:
+        if isinstance(prompt, TokensPrompt):
+            prompt = prompt.prompt_token_ids
+        elif isinstance(prompt, np.ndarray) and prompt.ndim != 1:
+            raise ValueError(f"prompt: a numpy prompt must be 1-D token ids, got shape "
+                             f"{prompt.shape}")
+        if not isinstance(prompt, Iterable) or isinstance(prompt, (bytes, bytearray)):
+            raise TypeError(f"prompt must be a str or a list of token ids, "
+                            f"got {type(prompt).__name__}")
+        ids = []
+        for i, t in enumerate(prompt):
+            if not is_token_id(t):
+                raise ValueError(f"prompt[{i}] must be an int token id, got {t!r}")
+            if not 0 <= t < vocab_size:
+                raise ValueError(f"prompt[{i}] = {t} is outside the vocabulary [0, {vocab_size})")
+            ids.append(int(t))
+    if not ids:
+        raise ValueError("prompt is empty: it needs at least one token")
+    return ids
+
+
+def validate_request(prompt: Prompt, params, slo, priority, *, tokenizer, vocab_size: int,
+                     model_name: str, check_fits: Callable[[int, int], None]) -> list[int]:
+    """The prompt's token ids, once every argument is known to be servable.
+
+    check_fits(prompt_len, max_tokens): the controller's size check (max_model_len, KV
+    capacity); it reads only fixed sizes, so it is safe on the caller's thread."""
+    check_request_args(params, slo, priority)
+    ids = prompt_token_ids(prompt, tokenizer=tokenizer, vocab_size=vocab_size,
+                           model_name=model_name)
+    check_fits(len(ids), params.max_tokens)
+    return ids
+
+
+def check_request_id(request_id) -> None:
+    if not isinstance(request_id, str) or not request_id:
+        raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+
+
+def is_token_id(value) -> bool:
+    # numbers.Integral admits numpy integers; bool is an int but never a token.
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)

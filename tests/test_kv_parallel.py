@@ -1,0 +1,132 @@
+"""KV-cache parallelism (seed 000 section 3.3): each KV shard attends its own pages, merged
+exactly by log-sum-exp; the compiled step moves no KV cache between devices."""
+
+import numpy as np
+import pytest
+
+from medha_jax import ParallelConfig, load_model
+from tests.hf_oracle import greedy_with_logits
+
+KVP_MESHES = [ParallelConfig(kvp=2), ParallelConfig(kvp=4), ParallelConfig(kvp=8),
+              ParallelConfig(kvp=2, tp=2), ParallelConfig(kvp=4, tp=2)]
+
+
+@pytest.fixture(scope="module")
+def prompt_and_logits():
+    ids = np.random.default_rng(5).integers(0, 256, size=120).tolist()
+    return ids, load_model("tiny", verbose=False).logits(ids)
+
+
+@pytest.mark.parametrize("parallel", KVP_MESHES, ids=str)
+def test_logits_equal_one_device_for_contexts_over_one_two_and_all_shards(prompt_and_logits,
+                                                                           parallel):
+    ids, expected = prompt_and_logits
+    model = load_model("tiny", parallel=parallel, verbose=False)
+    kvp = parallel.kvp
+    # Chunks cross shard boundaries (every 16 tokens at the smallest), then three decodes.
+    chunks = [20, 30, 1, 17, 29, 20, 1, 1, 1]
+    for per_shard, what in [(128, "one shard"), (64, "two shards"),
+                            (-(-120 // (16 * kvp)) * 16, "all shards")]:
+        if per_shard * kvp < 120:
+            continue
+        got = model.logits(ids, chunk_sizes=chunks, kv_tokens_per_shard=per_shard)
+        np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0, err_msg=what)
+        assert (got.argmax(-1) == expected.argmax(-1)).all(), what
+
+
+# ------------------------------------------------------------------------ through the engine
+
+def kvp_engine(parallel, *, pages_per_shard=16, tokens_per_shard=48, prefix_caching=True):
+    from medha_jax.engine import Engine, EngineConfig
+
+    model = load_model("tiny", parallel=parallel, verbose=False)
+    return Engine(model, EngineConfig(page_size=16, num_pages=pages_per_shard,
+                                      max_tokens_per_step=64, max_seqs=8,
+                                      max_tokens_per_kvp_group=tokens_per_shard,
+                                      enable_prefix_caching=prefix_caching))
+
+
+def prompts_and_reference(rng):
+    """Prompts that span one, two and three 48-token shards, with a shared 32-token prefix
+    between the last two (prefix reuse across shards), and their one-device greedy tokens."""
+    shared = rng.integers(0, 256, 32).tolist()
+    prompts = {"short": rng.integers(0, 256, 20).tolist(),
+               "two": rng.integers(0, 256, 70).tolist(),
+               "three": shared + rng.integers(0, 256, 90).tolist(),
+               "three-again": shared + rng.integers(0, 256, 85).tolist()}
+    one_device = load_model("tiny", verbose=False)
+    reference = {rid: greedy_with_logits(one_device, p, 5) for rid, p in prompts.items()}
+    return prompts, reference
+
+
+@pytest.mark.parametrize("parallel", [ParallelConfig(kvp=4), ParallelConfig(kvp=4, tp=2)],
+                         ids=str)
+def test_engine_tokens_equal_one_device_with_chunks_across_shards(parallel):
+    from tests.test_engine import drive, make_request
+
+    engine = kvp_engine(parallel)
+    rng = np.random.default_rng(6)
+    prompts, reference = prompts_and_reference(rng)
+    arrivals = [(0, make_request("short", prompts["short"], 5)),
+                (0, make_request("two", prompts["two"], 5)),
+                (0, make_request("three", prompts["three"], 5)),
+                (30, make_request("three-again", prompts["three-again"], 5))]
+    done = drive(engine, arrivals, rng=rng, max_chunk=40)
+    assert done == reference
+    assert engine.allocator.num_free_pages == engine.allocator.num_pages   # every pool refilled
+    for shard in range(4):
+        assert engine.allocator.num_free_pages_on(shard) == 16
+
+
+def test_a_request_longer_than_one_shard_is_served_at_kvp4_and_refused_at_kvp1():
+    from medha_jax.request import WallClock
+    from medha_jax.scheduler import AnalyticalPredictor, SchedulerConfig, make_controller
+    from medha_jax.scheduler.controller import run_one_step
+    from tests.test_engine import make_request
+
+    prompt = np.random.default_rng(7).integers(0, 256, 150).tolist()    # > one 128-token pool
+    want = greedy_with_logits(load_model("tiny", verbose=False), prompt, 4)
+    for kvp in (1, 4):
+        engine = kvp_engine(ParallelConfig(kvp=kvp), pages_per_shard=8, tokens_per_shard=None)
+        controller = make_controller(
+            SchedulerConfig("lars", token_buckets=engine.ladder.token_buckets,
+                            max_seqs_per_batch=engine.max_seqs),
+            allocator=engine.allocator, clock=WallClock(),
+            predictor=AnalyticalPredictor(engine.model.config, hardware="h100",
+                                          token_buckets=engine.ladder.token_buckets),
+            model_config=engine.model.config, max_model_len=engine.max_model_len)
+        if kvp == 1:
+            with pytest.raises(ValueError, match="max_model_len=128"):
+                controller.check_fits(len(prompt), 4)
+            continue
+        request = make_request("long", prompt, 4)
+        controller.add_request(request)
+        while controller.has_unfinished():
+            run_one_step(controller, engine)
+        assert request.output_token_ids == want
+        assert engine.allocator.num_free_pages == engine.allocator.num_pages
+
+
+def collectives_of_decode_step(parallel, pages_per_shard):
+    from medha_jax import hlo
+
+    engine = kvp_engine(parallel, pages_per_shard=pages_per_shard,
+                        tokens_per_shard=pages_per_shard * 16)
+    compiled = engine.executable((16, 8, engine.ladder.width_buckets[0]))
+    return sorted((c.op, c.shape, c.count) for c in hlo.collectives(compiled.as_text()))
+
+
+@pytest.mark.parametrize("parallel", [ParallelConfig(kvp=2, tp=2), ParallelConfig(kvp=4)],
+                         ids=str)
+def test_compiled_step_moves_no_kv_cache_between_devices(parallel):
+    small = collectives_of_decode_step(parallel, pages_per_shard=16)
+    large = collectives_of_decode_step(parallel, pages_per_shard=64)
+    # The same collectives of the same sizes whatever the cache holds: only [tokens, heads]
+    # partial outputs and LSE weights (and tp's activations) cross devices, never pages.
+    assert small == large
+    # Inside the layer scan (2 layers: count 2) only all-reduces run: the KV-shard merge of
+    # [tokens, heads] LSE weights and [tokens, heads, head_dim] outputs, and tp's activations.
+    # The rest run once per step on [seqs, vocab] logits (sampling over the tp-sharded vocab).
+    per_layer = [(op, shape) for op, shape, count in small if count == 2]
+    assert per_layer and all(op == "all-reduce" for op, _ in per_layer), per_layer
+    assert any("[16,4,16]" in shape or "[16,8,16]" in shape for _, shape in per_layer)

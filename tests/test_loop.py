@@ -1,0 +1,107 @@
+"""ServingLoop on the real controller with a scripted engine (no model): the loop's steps,
+its failure containment, duplicate ids and a clean close."""
+
+import threading
+import time
+
+import pytest
+
+from medha_jax.config import ParallelConfig, model_preset
+from medha_jax.kv_cache.allocator import BlockAllocator
+from medha_jax.request import Request, StepResult, WallClock
+from medha_jax.sampling_params import SamplingParams
+from medha_jax.scheduler import AnalyticalPredictor, SchedulerConfig, make_controller
+from serving.loop import ServingLoop
+from serving.metrics import ServerMetrics
+from serving.outputs import IncrementalDetokenizer, RequestHandle, RequestStream
+
+MODEL = model_preset("tiny")
+TOKEN = 7
+
+
+class ScriptedEngine:
+    """Samples TOKEN for every sampling chunk; raises for batches holding a poisoned
+    request; can hold a step until released."""
+
+    def __init__(self, allocator, poison=()):
+        self.allocator, self.poison = allocator, set(poison)
+        self.hold = None                      # an Event the next step waits for
+        self.entered = threading.Event()
+
+    def execute(self, batch):
+        self.entered.set()
+        if self.hold is not None:
+            self.hold.wait(30)
+        if any(c.request.request_id in self.poison for c in batch.chunks):
+            raise RuntimeError("injected device failure")
+        return StepResult({c.request.request_id: TOKEN for c in batch.chunks if c.samples}, 1e-3)
+
+
+@pytest.fixture
+def loop():
+    allocator = BlockAllocator(num_pages=64, page_size=16)
+    controller = make_controller(
+        SchedulerConfig("lars", token_buckets=(16, 32, 64), max_seqs_per_batch=4,
+                        target_batch_time_s=0.002),
+        allocator=allocator, clock=WallClock(), model_config=MODEL, max_model_len=256,
+        predictor=AnalyticalPredictor(MODEL, ParallelConfig(), "a100"))
+    loop = ServingLoop(controller, ScriptedEngine(allocator, poison={"bad"}), ServerMetrics())
+    yield loop
+    loop.close(timeout=30)
+    loop.metrics.close()
+
+
+def submit(loop, request_id, prompt_len=5, max_tokens=3):
+    request = Request(request_id, prompt_len, max_tokens, time.monotonic(),
+                      prompt_token_ids=list(range(1, prompt_len + 1)),
+                      sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    handle = RequestHandle(request_id, request.prompt_token_ids, loop.cancel)
+    loop.add(RequestStream(request, handle, IncrementalDetokenizer(None)))
+    return handle
+
+
+def test_requests_finish_and_a_failing_step_fails_only_its_batch(loop):
+    out = submit(loop, "good", max_tokens=3).result(timeout=30)
+    assert (out.finish_reason, out.token_ids) == ("length", (TOKEN,) * 3)
+    bad = submit(loop, "bad").result(timeout=30)
+    assert bad.finish_reason == "error" and "step failed: RuntimeError: injected" in bad.error
+    assert loop.thread.is_alive()
+    again = submit(loop, "good", max_tokens=2).result(timeout=30)     # the id is free again
+    assert again.token_ids == (TOKEN,) * 2
+    allocator = loop.engine.allocator
+    assert allocator.num_free_pages == allocator.num_pages
+
+
+def test_a_scheduler_failure_fails_every_request_in_flight(loop, monkeypatch):
+    calls = []
+
+    def schedule():
+        calls.append(1)
+        raise RuntimeError("scheduler bug")
+
+    monkeypatch.setattr(loop.controller, "schedule", schedule)
+    out = submit(loop, "a").result(timeout=30)
+    assert out.finish_reason == "error" and "scheduling failed: RuntimeError" in out.error
+    assert calls and not loop.controller.has_unfinished()
+
+
+def test_duplicate_ids_cancel_and_close(loop):
+    engine = loop.engine
+    engine.hold = threading.Event()
+    handle = submit(loop, "long", max_tokens=200)
+    with pytest.raises(ValueError, match="request_id 'long' is already in flight"):
+        submit(loop, "long")
+    assert not loop.cancel("nobody")
+    assert engine.entered.wait(30)            # its first step is running
+    closer = threading.Thread(target=loop.close, kwargs={"timeout": 30})
+    closer.start()
+    while not loop.closing:
+        time.sleep(0.001)
+    engine.hold.set()
+    closer.join()
+    out = handle.result(timeout=0)
+    assert out.finish_reason == "cancelled" and len(out.token_ids) < 200
+    assert not loop.thread.is_alive()
+    assert engine.allocator.num_free_pages == engine.allocator.num_pages
+    with pytest.raises(RuntimeError, match="the server is closed"):
+        submit(loop, "late")
