@@ -21,6 +21,8 @@ _LAZY = {
     "Server": ("serving.server", "Server"),
     "Engine": ("medha_jax.engine", "Engine"),
     "EngineConfig": ("medha_jax.engine", "EngineConfig"),
+    "SchedulerConfig": ("medha_jax.scheduler.config", "SchedulerConfig"),
+    "TokensPrompt": ("serving.validation", "TokensPrompt"),
 }
 
 __all__ = ["MODEL_PRESETS", "ModelConfig", "ParallelConfig", "RopeScaling", "SLO",

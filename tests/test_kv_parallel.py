@@ -78,9 +78,20 @@ def test_engine_tokens_equal_one_device_with_chunks_across_shards(parallel):
         assert engine.allocator.num_free_pages_on(shard) == 16
 
 
-def test_a_request_longer_than_one_shard_is_served_at_kvp4_and_refused_at_kvp1():
+def controller_over(engine):
     from medha_jax.request import WallClock
     from medha_jax.scheduler import AnalyticalPredictor, SchedulerConfig, make_controller
+
+    return make_controller(
+        SchedulerConfig("lars", token_buckets=engine.ladder.token_buckets,
+                        max_seqs_per_batch=engine.max_seqs),
+        allocator=engine.allocator, clock=WallClock(),
+        predictor=AnalyticalPredictor(engine.model.config, hardware="h100",
+                                      token_buckets=engine.ladder.token_buckets),
+        model_config=engine.model.config, max_model_len=engine.max_model_len)
+
+
+def test_a_request_longer_than_one_shard_is_served_at_kvp4_and_refused_at_kvp1():
     from medha_jax.scheduler.controller import run_one_step
     from tests.test_engine import make_request
 
@@ -88,13 +99,7 @@ def test_a_request_longer_than_one_shard_is_served_at_kvp4_and_refused_at_kvp1()
     want = greedy_with_logits(load_model("tiny", verbose=False), prompt, 4)
     for kvp in (1, 4):
         engine = kvp_engine(ParallelConfig(kvp=kvp), pages_per_shard=8, tokens_per_shard=None)
-        controller = make_controller(
-            SchedulerConfig("lars", token_buckets=engine.ladder.token_buckets,
-                            max_seqs_per_batch=engine.max_seqs),
-            allocator=engine.allocator, clock=WallClock(),
-            predictor=AnalyticalPredictor(engine.model.config, hardware="h100",
-                                          token_buckets=engine.ladder.token_buckets),
-            model_config=engine.model.config, max_model_len=engine.max_model_len)
+        controller = controller_over(engine)
         if kvp == 1:
             with pytest.raises(ValueError, match="max_model_len=128"):
                 controller.check_fits(len(prompt), 4)
@@ -105,6 +110,40 @@ def test_a_request_longer_than_one_shard_is_served_at_kvp4_and_refused_at_kvp1()
             run_one_step(controller, engine)
         assert request.output_token_ids == want
         assert engine.allocator.num_free_pages == engine.allocator.num_pages
+
+
+def test_preemption_mid_prefill_reuses_its_prefix_across_shards():
+    from medha_jax.request import Batch, ScheduledChunk
+    from tests.test_engine import make_request
+
+    prompt = np.random.default_rng(8).integers(0, 256, 150).tolist()
+    want = greedy_with_logits(load_model("tiny", verbose=False), prompt, 4)
+    engine = kvp_engine(ParallelConfig(kvp=4), pages_per_shard=8, tokens_per_shard=48)
+    allocator = engine.allocator
+    request = make_request("r", prompt, 4)
+
+    def run(start, n):
+        assert allocator.reserve("r", start + n)
+        result = engine.execute(Batch([ScheduledChunk(request, start, n)]))
+        request.num_computed_tokens = start + n
+        allocator.commit("r", request.token_ids(0, start + n), start + n)
+        return result
+
+    assert allocator.allocate("r", prompt) == 0
+    run(0, 60)
+    run(60, 40)                                   # 100 tokens over 3 shards (48 each)
+    allocator.free("r")                           # recompute preemption
+    assert allocator.num_free_pages == allocator.num_pages
+    reused = allocator.allocate("r", prompt)      # its full pages are still cached
+    assert reused == 96 and len({s.shard for s in allocator.segments("r")}) == 2
+    result = run(reused, 150 - reused)
+    while len(request.output_token_ids) < 4:
+        request.output_token_ids.append(result.sampled_token_ids["r"])
+        if len(request.output_token_ids) < 4:
+            result = run(request.num_tokens - 1, 1)
+    assert request.output_token_ids == want
+    allocator.free("r")
+    assert [allocator.num_free_pages_on(s) for s in range(4)] == [8, 8, 8, 8]
 
 
 def collectives_of_decode_step(parallel, pages_per_shard):

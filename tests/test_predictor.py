@@ -47,7 +47,8 @@ def test_batch_features_by_hand():
                               sum_chunk_x_context=301 + 64 * 64 + 36 * 200,
                               sum_chunk_sq=1 + 64 * 64 + 36 * 36, sum_context=301 + 64 + 200,
                               sampling_tokens=1 + 36, prefill_chunks=2,
-                              sum_prefill_context=64 + 200, max_decode_context=301)
+                              sum_prefill_context=64 + 200, max_decode_context=301,
+                              max_context=301)
     assert padded_size(129, (64, 128, 256)) == 256 and padded_size(7, None) == 7
     with pytest.raises(ValueError, match="exceeds the largest bucket 256"):
         padded_size(257, (64, 128, 256))
@@ -188,3 +189,23 @@ def test_prefill_time_cache_is_algorithm_3():
     assert cache.remaining_work(r) == pytest.approx(expected)
     with pytest.raises(ValueError, match="outside the cache's range"):
         cache.prefill_time(200_001)
+
+
+def test_kvp_prices_the_busiest_shard_and_the_merge():
+    from medha_jax.config import ParallelConfig, model_preset
+
+    config = model_preset("llama3-8b")
+    decode = BatchFeatures().plus_chunk(1, 1_000_000, True)      # one decode at 1M tokens
+    one = AnalyticalPredictor(config, ParallelConfig(tp=8), "h100")
+    spread = AnalyticalPredictor(config, ParallelConfig(tp=8, kvp=4), "h100")
+    # Progressive placement: 1M tokens fill 2 shards of 512K, the other two hold nothing.
+    two_shards = AnalyticalPredictor(config, ParallelConfig(tp=8, kvp=4), "h100",
+                                     kv_tokens_per_shard=512 * 1024)
+    t1, t4, t2 = (p.predict_features(decode) for p in (one, spread, two_shards))
+    assert t4 < t2 < t1
+    # The KV read of the busiest shard dominates a long decode: about 1/4 and 1/2 of kvp=1's.
+    kv1 = t1 - one.predict_features(BatchFeatures().plus_chunk(1, 0, True))
+    assert 0.2 < (t4 - spread.predict_features(BatchFeatures().plus_chunk(1, 0, True))) / kv1 < 0.35
+    # The merge costs something per layer even for a short context.
+    short = BatchFeatures().plus_chunk(1, 100, True)
+    assert spread.predict_features(short) > one.predict_features(short)

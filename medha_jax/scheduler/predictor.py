@@ -51,6 +51,7 @@ class BatchFeatures(NamedTuple):
                          chunk pays per query block (a fixed cost, and one pass over its
                          context per block), whatever its length below the block size.
     sum_prefill_context: sum of context lengths after the chunk over those chunks.
+    max_context:         the longest context after its chunk (KVP prices the busiest shard).
     max_decode_context:  the longest context of a single-token chunk. A batched decode
                          that cannot skip ragged ends (the CPU attention path) streams
                          every sequence slot up to it.
@@ -66,6 +67,7 @@ class BatchFeatures(NamedTuple):
     prefill_chunks: int = 0
     sum_prefill_context: int = 0
     max_decode_context: int = 0
+    max_context: int = 0
 
     def plus_chunk(self, num_tokens: int, start: int, samples: bool,
                    token_buckets: Sequence[int] | None = None) -> BatchFeatures:
@@ -80,18 +82,21 @@ class BatchFeatures(NamedTuple):
             self.sampling_tokens + num_tokens if samples else self.sampling_tokens,
             self.prefill_chunks + prefill,
             self.sum_prefill_context + end if prefill else self.sum_prefill_context,
-            self.max_decode_context if prefill else max(self.max_decode_context, end))
+            self.max_decode_context if prefill else max(self.max_decode_context, end),
+            max(self.max_context, end))
 
 
 def batch_features(batch: Batch, token_buckets: Sequence[int] | None = None) -> BatchFeatures:
     """Features of a whole batch (the engine records these beside each measured step)."""
     tokens = sum_cx = sum_sq = sum_ctx = sampling = prefills = sum_prefill_ctx = max_decode = 0
+    max_ctx = 0
     for chunk in batch.chunks:
         n, end = chunk.num_tokens, chunk.end
         tokens += n
         sum_cx += n * end
         sum_sq += n * n
         sum_ctx += end
+        max_ctx = max(max_ctx, end)
         if chunk.samples:
             sampling += n
         if n > 1:
@@ -100,7 +105,8 @@ def batch_features(batch: Batch, token_buckets: Sequence[int] | None = None) -> 
         else:
             max_decode = max(max_decode, end)
     return BatchFeatures(tokens, padded_size(tokens, token_buckets), len(batch.chunks),
-                         sum_cx, sum_sq, sum_ctx, sampling, prefills, sum_prefill_ctx, max_decode)
+                         sum_cx, sum_sq, sum_ctx, sampling, prefills, sum_prefill_ctx, max_decode,
+                         max_ctx)
 
 
 class RuntimePredictor(Protocol):
@@ -160,9 +166,14 @@ class AnalyticalPredictor:
     Parallelism (one replica = spp x kvp x cp x tp devices; dp replicas are separate):
       tp  divides heads and weights; each layer adds two ring all-reduces of the
           activations. KV heads are replicated when tp > num_kv_heads.
-      kvp divides attention over the earlier context (each group holds a slice of the
-          long sequences' KV) and adds one merge of partial outputs per layer. Medha
-          grows KVP progressively with the context; we assume all groups take part.
+      kvp divides attention over the earlier context by shard: a sequence's cache fills a
+          shard up to kv_tokens_per_shard tokens, then the next (Medha's progressive
+          scaling), so the busiest shard reads max(earlier KV / kvp, the longest context
+          capped at kv_tokens_per_shard); None spreads every context over all shards. Each
+          layer then merges the shards' partial outputs with one pmax of the LSEs and one
+          psum of the float32 [tokens, heads, head_dim + 1] weighted outputs and weights
+          (a ring all-reduce each). Queries are replicated: linear layers and the
+          attention within the chunk do not shrink with kvp.
       cp  divides tokens (balanced 2N-chunk sharding): linear work and attention FLOPs
           shrink by cp, and the ring passes the context's KV, overlapped with attention.
       spp stage time covers layers / spp. The prefill stream costs one stage per
@@ -178,7 +189,8 @@ class AnalyticalPredictor:
 
     def __init__(self, model: ModelConfig, parallel: ParallelConfig = ParallelConfig(),
                  hardware: HardwareSpec | str = "h100", *, efficiency: Efficiency = Efficiency(),
-                 token_buckets: Sequence[int] | None = None):
+                 token_buckets: Sequence[int] | None = None,
+                 kv_tokens_per_shard: int | None = None):
         if isinstance(hardware, str):
             hardware = hardware_preset(hardware)
         self.model, self.parallel, self.hardware = model, parallel, hardware
@@ -222,11 +234,14 @@ class AnalyticalPredictor:
         self._tp_s_per_token = \
             (2 * layers * 2 * (p.tp - 1) / p.tp * b * d / p.cp / link_s) if p.tp > 1 else 0.0
         self._tp_fixed_s = 2 * layers * lat if p.tp > 1 else 0.0
-        # KVP: one merge (all-gather of partial outputs and LSE) per layer.
+        # KVP: per layer, a ring all-reduce (pmax) of float32 LSEs [tokens, heads] and one
+        # (psum) of the weighted outputs and weights [tokens, heads, head_dim + 1].
+        merge_bytes_per_token = 4 * m.num_heads / p.tp * (hd + 2)
         self._kvp_s_per_token = \
-            (layers * (p.kvp - 1) / p.kvp * b * (m.num_heads * hd / p.tp + 1) / link_s) \
+            (layers * 2 * (p.kvp - 1) / p.kvp * merge_bytes_per_token / link_s) \
             if p.kvp > 1 else 0.0
-        self._kvp_fixed_s = layers * lat if p.kvp > 1 else 0.0
+        self._kvp_fixed_s = 2 * layers * lat if p.kvp > 1 else 0.0
+        self._kv_tokens_per_shard = kv_tokens_per_shard
         # SPP: activations [tokens, d] to the next stage.
         self._p2p_s_per_token = (b * d / p.tp / link_s) if p.spp > 1 else 0.0
         self._p2p_fixed_s = lat if p.spp > 1 else 0.0
@@ -243,8 +258,11 @@ class AnalyticalPredictor:
         compute = self._linear_s_per_token * padded + self._head_s_per_seq * f.seqs
         memory = self._weights_read_s + self._act_read_s_per_token * padded
         linear = compute if compute > memory else memory
-        earlier_kv_s = self._kv_read_s_per_token * (f.sum_context - tokens) / (self._kvp * self._cp)
-        context = self._attn_s_per_pair * (f.sum_chunk_x_context - f.sum_chunk_sq) / self._kvp
+        earlier = f.sum_context - tokens
+        busiest_shard = self._busiest_kv_shard(earlier, f.max_context)
+        shard_share = busiest_shard / earlier if earlier > 0 else 0.0
+        earlier_kv_s = self._kv_read_s_per_token * busiest_shard / self._cp
+        context = self._attn_s_per_pair * (f.sum_chunk_x_context - f.sum_chunk_sq) * shard_share
         if earlier_kv_s > context:
             context = earlier_kv_s
         ring = self._ring_s_per_token * f.sum_context
@@ -263,6 +281,15 @@ class AnalyticalPredictor:
                 tail = self._weights_read_s
             t += (self._spp - 1) * (tail + earlier_kv_s + self._p2p_fixed_s)
         return t
+
+    def _busiest_kv_shard(self, earlier_tokens: int, max_context: int) -> float:
+        """Earlier-context KV tokens the busiest KV shard reads (all of them at kvp = 1)."""
+        if self._kvp == 1:
+            return earlier_tokens
+        spread = earlier_tokens / self._kvp
+        per_shard = self._kv_tokens_per_shard
+        longest = min(max_context, per_shard) if per_shard else max_context / self._kvp
+        return min(earlier_tokens, spread if spread > longest else longest)
 
     def predict(self, batch: Batch) -> float:
         return self.predict_features(batch_features(batch, self.token_buckets))
