@@ -1,9 +1,30 @@
-"""Device meshes, logical-axis rules and multi-host start-up. Imports nothing from medha_jax."""
+"""Device meshes, logical-axis rules and multi-host start-up. Imports nothing from medha_jax.
 
-from meshes.distributed import initialize_distributed
-from meshes.mesh import make_mesh, parallel_config_of
+`ParallelConfig` and `MESH_AXES` are plain Python; the rest imports JAX on first use, so
+`import medha_jax` (which re-exports ParallelConfig) stays cheap.
+"""
+
+import importlib
+
 from meshes.parallel import MESH_AXES, ParallelConfig
-from meshes.rules import DEFAULT_RULES, LOGICAL_AXES, LogicalRules, put, replicated
 
-__all__ = ["DEFAULT_RULES", "LOGICAL_AXES", "MESH_AXES", "LogicalRules", "ParallelConfig",
-           "initialize_distributed", "make_mesh", "parallel_config_of", "put", "replicated"]
+_LAZY = {
+    "initialize_distributed": "meshes.distributed",
+    "make_mesh": "meshes.mesh",
+    "parallel_config_of": "meshes.mesh",
+    "DEFAULT_RULES": "meshes.rules",
+    "LOGICAL_AXES": "meshes.rules",
+    "LogicalRules": "meshes.rules",
+    "put": "meshes.rules",
+    "replicated": "meshes.rules",
+}
+
+__all__ = ["MESH_AXES", "ParallelConfig", *_LAZY]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'meshes' has no attribute {name!r}")

@@ -27,3 +27,13 @@ def test_config_validation_names_the_field():
     with pytest.raises(ValueError, match="unknown model preset 'nope'"):
         model_preset("nope")
     assert "tiny" in MODEL_PRESETS
+
+
+def test_configs_and_the_scheduler_import_without_jax():
+    import subprocess
+    import sys
+
+    code = ("import sys, medha_jax, medha_jax.scheduler, meshes; "
+            "print('jax' in sys.modules, meshes.ParallelConfig(tp=2).tp)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "2"]
