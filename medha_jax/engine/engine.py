@@ -82,9 +82,7 @@ def step(graphdef, state, kv_cache: KVCache, ints, floats, rng_keys, *,
     XLA writes the new K/V in place. Engines over the same model share jit's cache.
     """
     x = unpack_int32(ints, shape, num_kv_shards)
-    meta = AttentionMetadata(slot_mapping=x["slot_mapping"], page_table=x["page_table"],
-                             cu_q_lens=x["cu_q_lens"], kv_lens=x["kv_lens"],
-                             num_seqs=x["num_seqs"])
+    meta = AttentionMetadata.of(x)
     module = nnx.merge(graphdef, state)
     hidden, kv_cache = module(x["token_ids"], x["positions"], kv_cache, meta)
     logits = module.logits(hidden[x["logits_indices"]])      # [S, vocab] float32

@@ -47,10 +47,7 @@ def stage_step(spec: StageSpec, params, kv_cache: KVCache, hidden, ints, floats,
     Returns (hidden [T, D], cache), or on the last stage (sampled ids int32 [S], cache).
     """
     x = unpack_int32(ints, shape)
-    # One KV shard, as in the engine's step: the metadata's leading shard dimension is 1.
-    meta = AttentionMetadata(slot_mapping=x["slot_mapping"], page_table=x["page_table"],
-                             cu_q_lens=x["cu_q_lens"], kv_lens=x["kv_lens"],
-                             num_seqs=x["num_seqs"])
+    meta = AttentionMetadata.of(x)          # one KV shard: the pipeline's packed inputs
     stage_input = x["token_ids"] if spec.is_first else hidden
     if not spec.is_last:
         out, kv_cache = stage_forward(spec, params, kv_cache, stage_input, x["positions"], meta)

@@ -57,6 +57,11 @@ class AttentionMetadata:
     kv_lens: jax.Array
     num_seqs: jax.Array
 
+    @classmethod
+    def of(cls, fields) -> AttentionMetadata:
+        """The metadata among named step arrays (e.g. `unpack_int32`'s dict)."""
+        return cls(**{f.name: fields[f.name] for f in dataclasses.fields(cls)})
+
 
 def num_kv_shards(layout: MeshLayout) -> int:
     axis = layout.rules.mesh_axis("pages")

@@ -91,12 +91,19 @@ class Llama(nnx.Module):
         return x, kv_cache
 
     def logits(self, hidden):
-        """hidden: [S, D] (already final-normed) -> float32 logits [S, vocab_size].
+        """hidden: [S, D] (already final-normed) -> float32 logits [S, vocab_size]."""
+        return lm_logits(hidden, self.embed[...] if self.lm_head is None else None,
+                         None if self.lm_head is None else self.lm_head[...],
+                         self.config.vocab_size)
 
-        The padded vocabulary columns are cut here, so they never reach sampling or a user."""
-        head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
-        logits = jnp.einsum("sd,dv->sv", hidden, head, preferred_element_type=jnp.float32)
-        return logits[:, :self.config.vocab_size]
+
+def lm_logits(hidden, embed, lm_head, vocab_size: int):
+    """hidden [S, D] -> float32 logits [S, vocab_size] through lm_head [D, V_padded], or the
+    tied embedding [V_padded, D] when lm_head is None. The padded vocabulary columns are cut
+    here, so they never reach sampling or a user."""
+    head = embed.T if lm_head is None else lm_head
+    logits = jnp.einsum("sd,dv->sv", hidden, head, preferred_element_type=jnp.float32)
+    return logits[:, :vocab_size]
 
 
 def decoder_layers(x, stacked: dict[str, jax.Array], kv_cache: KVCache, positions,

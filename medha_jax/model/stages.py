@@ -27,7 +27,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from medha_jax.config import ModelConfig
 from medha_jax.model import layers
 from medha_jax.model.attention import AttentionMetadata
-from medha_jax.model.llama import KVCache, Llama, decoder_layers, numpy_dtype
+from medha_jax.model.llama import KVCache, decoder_layers, lm_logits, numpy_dtype
 from medha_jax.model.loading import Model
 from medha_jax.model.params import KV_CACHE_AXES, MeshLayout, param_specs
 
@@ -202,18 +202,6 @@ def _take(array: jax.Array, index: tuple[slice, ...], sharding: NamedSharding) -
     return jax.make_array_from_single_device_arrays(shape, sharding, pieces)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Head:
-    """What the model's logits rule reads: the config, the embedding and the LM head."""
-
-    config: ModelConfig
-    embed: jax.Array | None          # read only when the head is tied to it
-    lm_head: jax.Array | None
-
-    # The model's own rule (tied head, padded vocabulary cut), not a copy of it.
-    logits = Llama.logits
-
-
 def stage_forward(spec: StageSpec, params: dict[str, jax.Array], kv_cache: KVCache, x,
                   positions, meta: AttentionMetadata, logits_indices=None):
     """One stage's part of a forward step. Pure and jittable (spec static).
@@ -237,5 +225,5 @@ def stage_forward(spec: StageSpec, params: dict[str, jax.Array], kv_cache: KVCac
     if logits_indices is None:
         raise ValueError(f"stage {spec.index} is the last: it needs logits_indices")
     hidden = layers.rms_norm(x[logits_indices], params["final_norm"], config.rms_norm_eps)
-    head = _Head(config=config, embed=params.get("embed"), lm_head=params.get("lm_head"))
-    return head.logits(hidden), kv_cache
+    return lm_logits(hidden, params.get("embed"), params.get("lm_head"),
+                     config.vocab_size), kv_cache
