@@ -24,9 +24,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="weights and KV-cache dtype (default float32)")
     parser.add_argument("--parallel", default="",
                         help="mesh degrees, e.g. 'tp=2' (default: one device)")
-    parser.add_argument("--policy", default="lars",
-                        help="scheduling policy: lars (default), lars-mp, lrs, edf, fcfs-np, "
-                             "sarathi-512, sarathi-2048")
+    parser.add_argument("--policy", default="lars-mp",
+                        help="scheduling policy: lars-mp (default: the full Medha scheduler), "
+                             "lars, lrs, edf, fcfs, fcfs-np, sarathi-512, sarathi-2048")
     engine = parser.add_argument_group("engine (defaults: EngineConfig's)")
     for flag, help in [("--max-kv-tokens", "KV-cache capacity in tokens"),
                        ("--max-model-len", "longest prompt + output, in tokens"),

@@ -39,7 +39,7 @@ class Server:
     """One model replica behind a thread-safe generate / stream / submit / cancel API."""
 
     def __init__(self, model="smollm2-135m", *, parallel=None,
-                 scheduler: str | SchedulerConfig = "lars", engine_config=None,
+                 scheduler: str | SchedulerConfig = "lars-mp", engine_config=None,
                  default_slo: SLO | None = None, dtype: str | None = None,
                  metrics_port: int | None = None, warmup: bool = True, predictor=None):
         """model: a preset name, a Hugging Face directory, a .gguf file, a loaded Model, or

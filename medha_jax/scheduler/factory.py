@@ -85,8 +85,9 @@ def make_controller(config: SchedulerConfig, *, allocator: KVAllocator, clock: C
         order = FCFS()
         packer = TokenBudgetPacker(predictor, limits, token_budget=int(policy.split("-")[1]))
     else:
-        order = EDF() if policy == "edf" else \
-            LRS(remaining_work) if policy == "lrs" else LARS(remaining_work)
+        order = (FCFS() if policy == "fcfs" else EDF() if policy == "edf" else
+                 LRS(remaining_work) if policy == "lrs" else
+                 LARS(remaining_work))
         multi = policy == "lars-mp"
         packer = AdaptivePacker(predictor, limits, remaining_work=remaining_work,
                                 target_batch_time_s=t_target, multi_prefill=multi,

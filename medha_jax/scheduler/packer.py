@@ -35,7 +35,6 @@ from typing import Protocol
 
 from medha_jax.buckets import padded_size
 from medha_jax.request import Batch, Request, ScheduledChunk
-from medha_jax.scheduler.policies import relative_slack
 from medha_jax.scheduler.predictor import BatchFeatures, RuntimePredictor
 
 
@@ -259,48 +258,134 @@ class AdaptivePacker(BatchPacker):
         buckets = self.limits.token_buckets
         max_prefills = self.limits.max_seqs_per_batch if self.multi_prefill else 1
         num_prefills, has_long = 0, False
+        packed: set[str] = set()          # riders packed ahead of their turn
         unserved: list[Request] = []      # prepared, but no chunk fit the budget
         i = 0
         while i < len(prefills) and t_pred < t_target and num_prefills < max_prefills:
             request = prefills[i]
             i += 1
-            room = self._room(features)
-            if room < 1:
+            if request.request_id in packed:
+                continue
+            if self._room(features) < 1:
                 break
-            is_long = request.num_tokens >= self.long_prefill_tokens
+            is_long = self.is_long(request)
             if is_long and has_long:        # Algorithm 2, line 3
                 continue
             if not gate.prepare(request):
                 continue
-            budget = t_target
-            if self.space_sharing and is_long and len(prefills) > 1:
-                # Algorithm 2, lines 7-10. Deviation: only long prefills yield, and only
-                # when another prefill is waiting; the pseudo-code caps every request, which
-                # would idle part of the budget when a long prefill runs alone and make a
-                # short request yield to nobody (the text says long prefills yield).
-                rho = relative_slack(request, now, self.remaining_work(request))
-                budget = t_target * (1 - min(self.rho_max, max(0.0, rho)))
-            start = request.num_computed_tokens
-            remaining = request.num_tokens - start
-            n = largest_chunk(self.predictor, features, start=start,
-                              max_tokens=int(min(remaining, room)), remaining=remaining,
-                              budget_s=budget, token_buckets=buckets,
-                              guess=self.chunk_hint(start) if self.chunk_hint else None)
+            riders = (self.riders(request, [r for r in prefills[i:]
+                                            if r.request_id not in packed], now)
+                      if is_long and self.space_sharing and self.multi_prefill else [])
+            # Space sharing (Algorithm 2, lines 7-10): a long prefill with riders waiting
+            # uses (1 - rho_max) of the budget left after the decodes; the riders fill
+            # the rest (multi-prefill batching).
+            budget = t_pred + (1 - self.rho_max) * (t_target - t_pred) if riders else t_target
+            base = features
+            n = self._chunk_size(request, features, budget)
             if n == 0:
-                unserved.append(request)    # Algorithm 1, line 17: requeued, tries next time
+                unserved.append(request)        # Algorithm 1, line 17: tries next time
                 continue
-            chunk = ScheduledChunk(request, start, n)
+            chunk = ScheduledChunk(request, request.num_computed_tokens, n)
             if not gate.reserve(chunk):
                 continue
+            long_at = len(chunks)
             chunks.append(chunk)
-            features = features.plus_chunk(n, start, chunk.samples, buckets)
+            features = features.plus_chunk(n, chunk.start, chunk.samples, buckets)
             t_pred = self.predictor.predict_features(features)
             num_prefills += 1
             has_long = has_long or is_long
+            if not riders:
+                continue
+            for rider in riders:
+                if num_prefills >= max_prefills or t_pred >= t_target:
+                    break
+                if not gate.prepare(rider):
+                    continue
+                m = self._chunk_size(rider, features, t_target)
+                rider_chunk = ScheduledChunk(rider, rider.num_computed_tokens, m)
+                if m == 0 or not gate.reserve(rider_chunk):
+                    continue
+                chunks.append(rider_chunk)
+                packed.add(rider.request_id)
+                base = base.plus_chunk(m, rider_chunk.start, rider_chunk.samples, buckets)
+                features = features.plus_chunk(m, rider_chunk.start, rider_chunk.samples,
+                                               buckets)
+                t_pred = self.predictor.predict_features(features)
+                num_prefills += 1
+            if t_pred < t_target:
+                # The riders left part of the yielded share: the long chunk takes it back
+                # (the pseudo-code would idle it).
+                grown = ScheduledChunk(request, chunk.start,
+                                       self._chunk_size(request, base, t_target))
+                if grown.num_tokens > n and gate.reserve(grown):
+                    chunks[long_at] = grown
+                    features = base.plus_chunk(grown.num_tokens, grown.start, grown.samples,
+                                               buckets)
+                    t_pred = self.predictor.predict_features(features)
         if num_prefills == 0:
             features = self._guarantee_progress(unserved + list(prefills[i:]), features, gate,
                                                 chunks)
         return Batch(chunks, self.predictor.predict_features(features))
+
+    def is_long(self, request: Request) -> bool:
+        """IsLong of Algorithm 2: a prompt longer than long_prefill_tokens.
+
+        The prompt, not num_tokens: a short request recomputed after preemption (prompt +
+        output) stays short. Strictly longer: seed 000 (sec. 6.5) calls "< 8192" short, but
+        the ShareGPT4 prompts of its short class are clipped at 8192 tokens (3.5% of them
+        sit at the clip, workloads.SHAREGPT4_PROMPT), and those must not count as long -
+        a long could not run beside them, nor they beside a long.
+        """
+        return request.prompt_len > self.long_prefill_tokens
+
+    def riders(self, long: Request, later: Sequence[Request], now: float) -> list[Request]:
+        """The short prefills ranked below `long` that may share its batch now, in order.
+
+        Deviation from Algorithm 2, where the paper is silent on whom a long prefill yields
+        to and fixes the share at min(rho, rho_max) of t_target. Under LARS order alone a
+        short request (rho ~ d / w_short, tens) runs only once its rho falls below the
+        long's (~1 or below), i.e. at its deadline; and a long with rho <= 0 (behind
+        schedule under load) yields nothing, so every short waits its whole deadline. Yet
+        serving a short request early costs the long nothing in two cases:
+          due:   a + d <= now + w_long(t) - the short is due before the long can finish,
+                 so any schedule that meets the short's deadline runs it before the long
+                 completes; running it now leaves the long's completion time unchanged
+                 (exchange argument), whatever the long's slack;
+          slack: its remaining work fits in the long's slack s = a + d - now - w(t) left
+                 after earlier riders - the long still meets its deadline.
+        With riders waiting, the long yields rho_max of the budget (the cap of Algorithm
+        2: they cost it nothing, so it yields the most it may, not min(rho, rho_max)) and
+        keeps 1 - rho_max, so a flood of short requests cannot starve it; a short request
+        that is neither waits for its LARS turn. Without riders it yields nothing, also not
+        to a queue of other long prefills that could not use the share (the pseudo-code's
+        share would idle there).
+        """
+        w_long = self.remaining_work(long)
+        finish = now + w_long
+        spare = max(0.0, long.deadline - finish)
+        riders = []
+        for request in later:
+            if self.is_long(request):
+                continue
+            if request.deadline <= finish:
+                riders.append(request)
+                continue
+            work = self.remaining_work(request)
+            if work <= spare:
+                spare -= work
+                riders.append(request)
+        return riders
+
+    def _chunk_size(self, request: Request, features: BatchFeatures, budget_s: float) -> int:
+        """GETCHUNKSIZE's binary search: the largest chunk of `request` that keeps the batch
+        within budget_s; 0 when none fits."""
+        room = self._room(features)
+        start = request.num_computed_tokens
+        remaining = request.num_tokens - start
+        return largest_chunk(self.predictor, features, start=start,
+                             max_tokens=int(min(remaining, room)), remaining=remaining,
+                             budget_s=budget_s, token_buckets=self.limits.token_buckets,
+                             guess=self.chunk_hint(start) if self.chunk_hint else None)
 
     def _guarantee_progress(self, candidates: Sequence[Request], features: BatchFeatures,
                             gate: ChunkGate, chunks: list[ScheduledChunk]) -> BatchFeatures:

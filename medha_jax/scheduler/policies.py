@@ -93,11 +93,6 @@ class LARS(_SlackPolicy):
         return (request.deadline - self.remaining_work(request)) / w_total, 1.0 / w_total
 
 
-def relative_slack(request: Request, now: float, remaining_work: float) -> float:
-    """rho of LARS at time `now` (used by space sharing, Algorithm 2)."""
-    return (request.deadline - now - remaining_work) / request.w_total
-
-
 class PriorityIndex:
     """The prefill queue: requests with prompt (or recompute) work left, ordered by a policy.
 
