@@ -10,6 +10,7 @@ throughput, side by side on the same trace.
         --parallel tp=8,spp=2 --qps 0.75 --out results/convoy --json results/convoy.json
     python -m benchmarks.convoy --server --policies lars,fcfs-np       # live, on the CPU
     python -m benchmarks.convoy --validate-simulator                   # simulator vs engine
+    python -m benchmarks.convoy --simulate --figure13 --out results/figure13
 
 --simulate runs the discrete-event simulator (medha_jax.simulator) over the analytical
 predictor of a hardware preset; every figure it prints is simulated (--quick: 300
@@ -29,6 +30,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import math
 import os
 import platform
 import sys
@@ -41,7 +43,12 @@ from medha_jax.request import SLO
 from medha_jax.workloads import (SLOPolicy, TraceRequest, WorkloadSpec, fit_lengths,
                                  generate_workload, load_azure_trace, request_id, to_requests)
 
-ALL_POLICIES = ("fcfs-np", "sarathi-512", "sarathi-2048", "edf", "lrs", "lars", "lars-mp")
+ALL_POLICIES = ("fcfs-np", "sarathi-512", "sarathi-2048", "fcfs", "edf", "lrs", "lars",
+                "lars-mp")
+# Figure 13 of seed 000: the policy ablation (every other Medha mechanism kept), and the
+# loads, as multiples of the QPS at which long prefills alone fill every replica.
+FIGURE13_POLICIES = ("fcfs", "edf", "lrs", "lars", "lars-mp")
+FIGURE13_LOADS = (0.5, 0.9, 1.3)
 
 # Scaled lengths for the live CPU server: short prompts of tens to hundreds of tokens
 # (p50 86), long ones of a few thousand (p50 ~2K), outputs of tens (ShareGPT4 and
@@ -68,6 +75,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                       help="live run per policy plus simulations of the same trace "
                            "(steps as calibrated and as run); compares TTFT/TPOT "
                            "percentiles")
+    p.add_argument("--figure13", action="store_true",
+                   help="simulate: seed 000's figure 13 - TTFT / deadline CDFs of "
+                        f"{', '.join(FIGURE13_POLICIES)} at {FIGURE13_LOADS} x the QPS where "
+                        "long work saturates a replica (figures under --out, default "
+                        "results/figure13)")
     p.add_argument("--model", default=None,
                    help="simulate: a preset (default llama3-8b); server: a model name or "
                         "path for load_model (default smollm2-135m)")
@@ -102,10 +114,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.mode = ("server" if args.server else
                  "validate" if args.validate_simulator else "simulate")
     live = args.mode != "simulate"
+    if args.figure13:
+        if live:
+            p.error("--figure13 is simulated only")
+        args.policies = args.policies or ",".join(FIGURE13_POLICIES)
+        args.out = args.out or "results/figure13"
     if args.model is None:
         args.model = "smollm2-135m" if live else "llama3-8b"
     if args.policies is None:
-        args.policies = (("lars", "fcfs-np") if live else
+        args.policies = (("lars-mp", "lars", "fcfs-np") if live else
                          ("fcfs-np", "lars", "lars-mp") if args.quick else ALL_POLICIES)
     else:
         args.policies = tuple(x.strip() for x in args.policies.split(",") if x.strip())
@@ -181,10 +198,15 @@ def run_simulated(args: argparse.Namespace) -> tuple[dict, dict]:
     # The simulator's own default predictor, built here so SLOs can use its prefill times.
     predictor = AnalyticalPredictor(model, dataclasses.replace(parallel, dp=1), hardware)
     runs: dict[str, dict[str, list[LatencyRecord]]] = {}
+    normalized: dict[str, dict[str, list[float | None]]] = {}
+    if args.figure13:
+        args.qps, loads = figure13_loads(args, predictor, replicas)
     for qps in args.qps:
         trace = workload(args, qps)
         max_model_len = max(r.prompt_tokens + r.output_tokens for r in trace)
         cache = make_prefill_time_cache(predictor, max_model_len=max_model_len)
+        if args.figure13:
+            deadlines = [slo_policy(args).slo_for(r, cache).ttft_s for r in trace]
         runs[f"{qps:g}"] = {
             policy: simulate_policy(trace, policy, slo=slo_policy(args), prefill_time_cache=cache,
                                     progress=not args.no_progress, model=model,
@@ -192,10 +214,112 @@ def run_simulated(args: argparse.Namespace) -> tuple[dict, dict]:
                                     num_replicas=replicas, predictor=predictor,
                                     max_model_len=max_model_len)
             for policy in args.policies}
+        if args.figure13:
+            # Records are in trace order (records_from_requests keeps the input order).
+            normalized[f"{qps:g}"] = {
+                policy: [None if r.ttft_s is None else r.ttft_s / d
+                         for r, d in zip(records, deadlines)]
+                for policy, records in runs[f"{qps:g}"].items()}
     context = {"mode": "simulated", "predictor": f"AnalyticalPredictor ({hardware.name})",
                "hardware": hardware.name, "gpus": args.gpus, "parallel": str(parallel),
                "replicas": replicas, "model": model.name, "dtype": model.dtype}
+    if args.figure13:
+        context["figure13"] = {"loads": loads, "ttft_over_deadline": normalized}
     return runs, context
+
+
+def figure13_loads(args: argparse.Namespace, predictor, replicas: int
+                   ) -> tuple[tuple[float, ...], dict]:
+    """The QPS of figure 13's three loads: FIGURE13_LOADS x the QPS at which long
+    prefills alone keep every replica busy (analytically: long fraction x mean predicted
+    lone prefill time x QPS = replicas), and the analytical load at each.
+
+    A trace's lengths do not depend on its QPS (the same seed draws the same lengths),
+    so one trace gives the mean prefill work per request of every load.
+    """
+    from medha_jax.scheduler import make_prefill_time_cache
+
+    trace = workload(args, 1.0)
+    cache = make_prefill_time_cache(
+        predictor, max_model_len=max(r.prompt_tokens + r.output_tokens for r in trace))
+    long_w = [cache(r.prompt_tokens) for r in trace if r.is_long]
+    short_w = [cache(r.prompt_tokens) for r in trace if not r.is_long]
+    mean_long = sum(long_w) / max(1, len(long_w))
+    mean_short = sum(short_w) / max(1, len(short_w))
+    if not long_w:
+        raise SystemExit("--figure13 needs long requests (--long-fraction > 0)")
+    saturation_qps = replicas / (args.long_fraction * mean_long)
+    qps = tuple(round(f * saturation_qps, 4) for f in FIGURE13_LOADS)
+    loads = {f"{q:g}": {
+        "long_load": q * args.long_fraction * mean_long / replicas,
+        "prefill_load": q * (args.long_fraction * mean_long
+                             + (1 - args.long_fraction) * mean_short) / replicas}
+        for q in qps}
+    print(f"figure 13: long prefills saturate {replicas} replica(s) at "
+          f"{saturation_qps:.3g} QPS (mean lone prefill: long {mean_long:.3g} s, short "
+          f"{mean_short * 1e3:.3g} ms, simulated); loads:", flush=True)
+    for q, load in loads.items():
+        print(f"  {q} QPS: long prefill load {load['long_load']:.2f}, all prefill "
+              f"{load['prefill_load']:.2f} (fraction of the replicas' time)", flush=True)
+    return qps, {"saturation_qps": saturation_qps, "mean_long_prefill_s": mean_long,
+                 "mean_short_prefill_s": mean_short, "by_qps": loads}
+
+
+FIGURE13_COLUMNS = (("prefill_load", "load"), ("short_ttft_p50", "short_ttft_p50_s"),
+                    ("short_ttft_p90", "short_ttft_p90_s"),
+                    ("short_ttft_p99", "short_ttft_p99_s"), ("norm_p50", "ttft/d_p50"),
+                    ("norm_p90", "ttft/d_p90"), ("norm_p99", "ttft/d_p99"),
+                    ("short_met", "short_met_frac"), ("long_met", "long_met_frac"),
+                    ("long_completed", "long_done"), ("long_total", "long_total"),
+                    ("throughput_tok_s", "out_tok_per_s"))
+
+
+def figure13_rows(summaries: dict, runs: dict, figure13: dict) -> dict:
+    """Table rows: each summary plus the normalized TTFT (TTFT / own deadline) percentiles,
+    the fraction of short and long requests within their deadline, and the load."""
+    import numpy as np
+
+    rows = {}
+    for qps, by_policy in summaries.items():
+        for policy, summary in by_policy.items():
+            norm = figure13["ttft_over_deadline"][qps][policy]
+            records = runs[qps][policy]
+            values = np.array([math.inf if v is None else v for v in norm])
+            is_long = np.array([r.is_long for r in records])
+            rows[f"{policy}@{qps}qps"] = {
+                **summary, "prefill_load": figure13["loads"]["by_qps"][qps]["prefill_load"],
+                **{f"norm_p{q}": float(np.percentile(values, q)) for q in (50, 90, 99)},
+                "short_met": float(np.mean(values[~is_long] <= 1)),
+                "long_met": float(np.mean(values[is_long] <= 1)) if is_long.any() else None}
+    return rows
+
+
+def plot_figure13(figure13: dict, out_dir: str, title: str) -> str:
+    """Figure 13 of seed 000: CDFs of TTFT / deadline, one panel per load."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    by_qps = figure13["ttft_over_deadline"]
+    fig, axes = plt.subplots(1, len(by_qps), figsize=(5 * len(by_qps), 4), squeeze=False)
+    for ax, (qps, by_policy) in zip(axes[0], by_qps.items()):
+        for policy, norm in by_policy.items():
+            values = np.sort([v for v in norm if v is not None])
+            ax.plot(values, np.arange(1, len(values) + 1) / len(norm), label=policy)
+        load = figure13["loads"]["by_qps"][qps]["long_load"]
+        ax.set(xscale="log", xlabel="TTFT / TTFT deadline", ylabel="fraction of requests",
+               title=f"{qps} QPS (long load {load:.2f})")
+        ax.axvline(1.0, color="grey", linestyle=":", linewidth=1)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "figure13_ttft_over_deadline.png")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 # ---------------------------------------------------------------------------------------
@@ -458,9 +582,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
     report = {"context": context, "results": summaries}
     if validation is not None:
         report["validation"] = validation
+    figure13 = context.get("figure13")
     if args.out:
         title = f"{context['model']} ({context['mode']})"
         report["figures"] = write_figures(runs, args.out, title)
+        if figure13:
+            report["figures"].append(plot_figure13(
+                figure13, args.out, f"{title}, {context['hardware']} {context['parallel']}, "
+                f"{args.long_fraction:.0%} long: TTFT normalized by its deadline"))
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
@@ -472,7 +601,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
             for policy, s in by_policy.items()}
     print(f"\n{context['mode']}: {context['model']}, {context.get('hardware', '')} "
           f"{context.get('parallel', '')}".rstrip())
-    print(format_table(rows, label="policy@load"))
+    if figure13:
+        print(format_table(figure13_rows(summaries, runs, figure13), label="policy@load",
+                           columns=FIGURE13_COLUMNS))
+    else:
+        print(format_table(rows, label="policy@load"))
     return report
 
 
