@@ -365,13 +365,14 @@ def run_live(args: argparse.Namespace) -> tuple[dict, dict, dict | None]:
                         default_slo=SLO(ttft_s=slo.short_ttft_s, tpot_s=slo.tpot_s)
                         ) as server:
                 cache = server.controller.prefill_time_cache
-                steps = _record_steps(engine) if args.mode == "validate" else None
+                steps = (_record_steps(engine, server.controller) if args.mode == "validate"
+                         else None)
                 by_policy[policy] = replay_trace(
                     server, trace, vocab_size=engine.model.config.vocab_size,
                     progress=not args.no_progress, slo_policy=slo, prefill_time_s=cache,
                     seed=args.seed)
                 if args.mode == "validate":
-                    del engine.execute                      # drop the recording wrapper
+                    del engine.execute                      # drop the recording wrappers
                     validation = validation or {}
                     validation.setdefault(f"{qps:g}", {})[policy], simulated = check_simulator(
                         server, predictor, trace, slo=slo, measured=by_policy[policy],
@@ -433,18 +434,49 @@ def compare(measured: Sequence[LatencyRecord], simulated: Sequence[LatencyRecord
     return out
 
 
-def _record_steps(engine) -> list[tuple[object, float]]:
-    """Wraps this engine instance's execute to record (features, seconds) of every step
-    (validation only; `del engine.execute` restores the class's method)."""
-    steps: list[tuple[object, float]] = []
-    execute = engine.execute
+def _record_steps(engine, controller) -> list[tuple[object, float, float]]:
+    """Wraps this engine instance's execute and the controller's schedule / update to
+    record (features, step seconds, iteration seconds) of every iteration (validation only; `del engine.execute`
+    restores the class's method, and the controller goes with its server).
+
+    Iteration seconds are the whole iteration as the server loop ran it - schedule, the
+    step, update, streaming the tokens - whenever the loop went straight on to the next
+    one, and the step alone before an idle wait (and for the last one). The simulator's loop costs no host time, so
+    its twin of this server must run these iterations, not the bare steps: with a small
+    model the host work per iteration is as long as the step.
+    """
+    import time
+
+    steps: list[tuple[object, float, float]] = []
+    execute, schedule, update = engine.execute, controller.schedule, controller.update
+    last: dict = {}         # the previous iteration: start, features, step seconds, busy
+
+    def recorded_schedule():
+        now = time.perf_counter()
+        if last:
+            steps.append((last["features"], last["seconds"],
+                          now - last["start"] if last["busy"] else last["seconds"]))
+            last.clear()
+        batch = schedule()
+        if batch:
+            last["start"] = now
+        return batch
 
     def recorded_execute(batch):
         result = execute(batch)
-        steps.append(engine.step_records[-1])
+        last["features"], last["seconds"] = engine.step_records[-1]
         return result
 
+    def recorded_update(batch, result):
+        updates = update(batch, result)
+        last["busy"] = controller.has_unfinished()
+        if not last["busy"]:            # the last one before an idle wait, or of the run
+            steps.append((last["features"], last["seconds"], last["seconds"]))
+            last.clear()
+        return updates
+
     engine.execute = recorded_execute
+    controller.schedule, controller.update = recorded_schedule, recorded_update
     return steps
 
 
@@ -457,19 +489,21 @@ def check_simulator(server, predictor, trace: Sequence[TraceRequest], *,
     The simulated scheduler plans with `predictor`, the live server's (calibration.fit_predictor(engine),
     fitted before the run), as the live one did. The simulated device runs steps:
       "as calibrated": at the speed that predictor predicts;
-      "as run":        at the speed of the same model fitted to the step times measured
-                       in this run. A shared 2-core CPU runs a live run's steps at a
-                       different speed from calibration's minutes before (0.95-1.34x
-                       measured: the machine drifts, and the server's and client's
-                       threads compete with XLA's), so this separates the simulator's
-                       own error from calibration drift. The 25% bar applies to it.
+      "as run":        at the speed of the same model fitted to the iterations measured
+                       in this run (step plus the loop's host work, see _record_steps).
+                       A shared 2-core CPU runs a live run's steps at a different speed
+                       from calibration's minutes before (0.95-1.34x measured: the
+                       machine drifts, and the server's and client's threads compete
+                       with XLA's), so this separates the simulator's own error from
+                       calibration drift. The 25% bar applies to it.
+    steps: (features, step seconds, iteration seconds) from _record_steps.
     Returns (the comparison, {name: simulated records}).
     """
     from medha_jax.scheduler import ProfiledPredictor
 
     engine = server.engine
     cache = server.controller.prefill_time_cache
-    run_fitted = ProfiledPredictor.fit(steps,
+    run_fitted = ProfiledPredictor.fit([(f, iteration) for f, _, iteration in steps],
                                        token_buckets=engine.ladder.token_buckets,
                                        seq_buckets=engine.ladder.seq_buckets)
     simulated, check = {}, {}
@@ -480,7 +514,8 @@ def check_simulator(server, predictor, trace: Sequence[TraceRequest], *,
                                           device_predictor=device)
         check[name] = compare(measured, simulated[name])
     check["within_tolerance"] = check["as run"]["within_tolerance"]
-    check["calibration_error_on_run_steps"] = prediction_error(predictor, steps)
+    check["calibration_error_on_run_steps"] = prediction_error(
+        predictor, [(f, step) for f, step, _ in steps])
     check["run_fitted_predictor"] = repr(run_fitted)
     check["requests"] = [
         {"prompt_tokens": m.prompt_tokens, "output_tokens": m.output_tokens,

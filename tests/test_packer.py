@@ -75,41 +75,43 @@ def test_space_sharing_yields_to_a_short_prefill():
     short = _prefill("short", 2_000, w_total=0.1, ttft=5.0)
     work = {"long": 10.0, "short": 0.1}
     packer = _adaptive(multi=True, remaining_work=lambda r: work[r.request_id], rho_max=0.4)
-    # The long one has 90 s of slack: the short one rides now. The long chunk keeps 60%
-    # of the budget, the short one fills the rest, and the long chunk grows back into
-    # what the short one leaves.
+    # The long one has 90 s of slack, which covers the short one: the short one goes first
+    # with the whole budget (its whole prompt, one step), the long chunk takes the rest.
     shared = packer.pack([], [long, short], now=0.0)
     alone = packer.pack([], [long], now=0.0)
-    assert [c.request.request_id for c in shared.chunks] == ["long", "short"]
-    assert shared.chunks[1].samples                    # the whole short prompt, one step
-    assert shared.chunks[0].num_tokens < alone.chunks[0].num_tokens
-    assert _predict(shared.chunks[:1], None) >= 0.6 * 0.05
+    assert [c.request.request_id for c in shared.chunks] == ["short", "long"]
+    assert shared.chunks[0].samples
+    assert shared.chunks[1].num_tokens < alone.chunks[0].num_tokens
     assert alone.predicted_time_s > 0.9 * 0.05       # alone it yields to nobody
     assert 0.9 * 0.05 < shared.predicted_time_s <= 0.05
 
 
-def _riders(long_deadline, long_work, short_ttft, now=0.0, sizes=False):
+def _riders(long_deadline, long_work, short_ttft, now=0.0, short=2_000):
+    """(request id, chunk tokens) of a batch packed from a long prefill and a short one
+    (`short` prompt tokens, 0.1 s of work) ranked below it."""
     long = _prefill("long", 200_000, computed=100_000, w_total=20.0, ttft=long_deadline)
-    short = _prefill("short", 2_000, w_total=0.1, ttft=short_ttft)
+    short = _prefill("short", short, w_total=0.1, ttft=short_ttft)
     work = {"long": long_work, "short": 0.1}
     packer = _adaptive(multi=True, remaining_work=lambda r: work[r.request_id])
-    chunks = packer.pack([], [long, short], now=now).chunks
-    return [(c.request.request_id, c.num_tokens) if sizes else c.request.request_id
-            for c in chunks]
+    return [(c.request.request_id, c.num_tokens)
+            for c in packer.pack([], [long, short], now=now).chunks]
 
 
 def test_a_short_prefill_rides_only_when_it_costs_the_long_one_no_deadline():
     # Due before the long one can finish: it must run before then anyway, so it rides,
-    # even beside a long prefill already late (rho < 0, which yields nothing in Alg. 2).
-    assert _riders(long_deadline=5.0, long_work=10.0, short_ttft=2.0, now=10.0) == \
-        ["long", "short"]
+    # even beside a long prefill already late (rho < 0, which yields nothing in Alg. 2);
+    # the long chunk goes first and keeps at least 60% of the budget.
+    due = _riders(long_deadline=5.0, long_work=10.0, short_ttft=2.0, now=10.0, short=8_000)
+    assert [rid for rid, _ in due] == ["long", "short"]
+    long_chunk = ScheduledChunk(_prefill("x", 200_000, computed=100_000), 100_000, due[0][1])
+    assert _predict([long_chunk], None) >= 0.59 * 0.05      # (search tolerance)
+    # Covered by the long one's slack: it goes first, with the whole budget.
+    covered = _riders(long_deadline=1.5, long_work=1.0, short_ttft=5.0, short=8_000)
+    assert [rid for rid, _ in covered] == ["short", "long"] and covered[0][1] > due[1][1]
     # Due after the long one finishes, and the long one has no slack: no share is
     # yielded; it at most fills the sliver the long chunk's search leaves (Algorithm 1).
-    waits = _riders(long_deadline=1.0, long_work=1.0, short_ttft=5.0, sizes=True)
-    rides = _riders(long_deadline=1.5, long_work=1.0, short_ttft=5.0, sizes=True)
-    assert waits[1][1] < rides[1][1] // 4 and waits[0][1] > rides[0][1]
-    # Due after, but the long one's slack covers the short one's work: it rides.
-    assert _riders(long_deadline=1.5, long_work=1.0, short_ttft=5.0) == ["long", "short"]
+    waits = dict(_riders(long_deadline=1.0, long_work=1.0, short_ttft=5.0, short=8_000))
+    assert waits["short"] < due[1][1] // 4 and waits["long"] > due[0][1]
 
 
 def test_a_long_prefill_yields_nothing_to_other_long_ones():

@@ -276,11 +276,22 @@ class AdaptivePacker(BatchPacker):
             riders = (self.riders(request, [r for r in prefills[i:]
                                             if r.request_id not in packed], now)
                       if is_long and self.space_sharing and self.multi_prefill else [])
-            # Space sharing (Algorithm 2, lines 7-10): a long prefill with riders waiting
-            # uses (1 - rho_max) of the budget left after the decodes; the riders fill
-            # the rest (multi-prefill batching).
-            budget = t_pred + (1 - self.rho_max) * (t_target - t_pred) if riders else t_target
-            base = features
+            # Space sharing (Algorithm 2, lines 7-10) with multi-prefill batching. Riders
+            # the long one's slack covers go first, with the whole budget (they cannot
+            # make it miss its deadline). Then the long chunk: with other riders waiting
+            # it uses (1 - rho_max) of the budget left, and they fill the rest; whatever
+            # they leave, the long chunk takes back (the pseudo-code would idle it).
+            base = features                   # the batch without the long chunk
+            for rider, covered in riders:
+                if covered and num_prefills < max_prefills and self._fits(rider, base, t_target):
+                    added = self._add_chunk(rider, base, t_target, gate, chunks)
+                    if added is not None:
+                        base = features = added
+                        t_pred = self.predictor.predict_features(features)
+                        packed.add(rider.request_id)
+                        num_prefills += 1
+            due = [rider for rider, covered in riders if not covered]
+            budget = t_pred + (1 - self.rho_max) * (t_target - t_pred) if due else t_target
             n = self._chunk_size(request, features, budget)
             if n == 0:
                 unserved.append(request)        # Algorithm 1, line 17: tries next time
@@ -293,28 +304,21 @@ class AdaptivePacker(BatchPacker):
             features = features.plus_chunk(n, chunk.start, chunk.samples, buckets)
             t_pred = self.predictor.predict_features(features)
             num_prefills += 1
-            has_long = has_long or is_long
-            if not riders:
+            has_long = True
+            if not due:
                 continue
-            for rider in riders:
-                if num_prefills >= max_prefills or t_pred >= t_target:
+            for rider in due:
+                if num_prefills >= max_prefills or not self._fits(rider, features, t_target):
                     break
-                if not gate.prepare(rider):
-                    continue
-                m = self._chunk_size(rider, features, t_target)
-                rider_chunk = ScheduledChunk(rider, rider.num_computed_tokens, m)
-                if m == 0 or not gate.reserve(rider_chunk):
-                    continue
-                chunks.append(rider_chunk)
-                packed.add(rider.request_id)
-                base = base.plus_chunk(m, rider_chunk.start, rider_chunk.samples, buckets)
-                features = features.plus_chunk(m, rider_chunk.start, rider_chunk.samples,
-                                               buckets)
-                t_pred = self.predictor.predict_features(features)
-                num_prefills += 1
+                added = self._add_chunk(rider, features, t_target, gate, chunks)
+                if added is not None:
+                    last = chunks[-1]
+                    base = base.plus_chunk(last.num_tokens, last.start, last.samples, buckets)
+                    features = added
+                    t_pred = self.predictor.predict_features(features)
+                    packed.add(rider.request_id)
+                    num_prefills += 1
             if t_pred < t_target:
-                # The riders left part of the yielded share: the long chunk takes it back
-                # (the pseudo-code would idle it).
                 grown = ScheduledChunk(request, chunk.start,
                                        self._chunk_size(request, base, t_target))
                 if grown.num_tokens > n and gate.reserve(grown):
@@ -338,8 +342,10 @@ class AdaptivePacker(BatchPacker):
         """
         return request.prompt_len > self.long_prefill_tokens
 
-    def riders(self, long: Request, later: Sequence[Request], now: float) -> list[Request]:
-        """The short prefills ranked below `long` that may share its batch now, in order.
+    def riders(self, long: Request, later: Sequence[Request], now: float
+               ) -> list[tuple[Request, bool]]:
+        """The short prefills ranked below `long` that may share its batch now, in order,
+        each with whether the long one's slack covers it.
 
         Deviation from Algorithm 2, where the paper is silent on whom a long prefill yields
         to and fixes the share at min(rho, rho_max) of t_target. Under LARS order alone a
@@ -347,18 +353,19 @@ class AdaptivePacker(BatchPacker):
         long's (~1 or below), i.e. at its deadline; and a long with rho <= 0 (behind
         schedule under load) yields nothing, so every short waits its whole deadline. Yet
         serving a short request early costs the long nothing in two cases:
+          slack: its remaining work fits in the long's slack s = a + d - now - w(t) left
+                 after earlier riders - the long still meets its deadline;
           due:   a + d <= now + w_long(t) - the short is due before the long can finish,
                  so any schedule that meets the short's deadline runs it before the long
                  completes; running it now leaves the long's completion time unchanged
-                 (exchange argument), whatever the long's slack;
-          slack: its remaining work fits in the long's slack s = a + d - now - w(t) left
-                 after earlier riders - the long still meets its deadline.
-        With riders waiting, the long yields rho_max of the budget (the cap of Algorithm
-        2: they cost it nothing, so it yields the most it may, not min(rho, rho_max)) and
-        keeps 1 - rho_max, so a flood of short requests cannot starve it; a short request
-        that is neither waits for its LARS turn. Without riders it yields nothing, also not
-        to a queue of other long prefills that could not use the share (the pseudo-code's
-        share would idle there).
+                 (exchange argument), whatever the long's slack.
+        Riders its slack covers run first with the whole budget: they cannot make it
+        miss. Riders that are only due take at most rho_max of the budget (the cap of
+        Algorithm 2; as they cost it nothing it yields the most it may, not min(rho,
+        rho_max)): the long one keeps 1 - rho_max, so a flood of short requests cannot
+        starve it. A short request that is neither waits for its LARS turn. Without
+        riders the long one yields nothing, also not to a queue of other long prefills
+        that could not use the share (the pseudo-code's share would idle there).
         """
         w_long = self.remaining_work(long)
         finish = now + w_long
@@ -367,14 +374,36 @@ class AdaptivePacker(BatchPacker):
         for request in later:
             if self.is_long(request):
                 continue
-            if request.deadline <= finish:
-                riders.append(request)
-                continue
             work = self.remaining_work(request)
             if work <= spare:
                 spare -= work
-                riders.append(request)
+                riders.append((request, True))
+            elif request.deadline <= finish:
+                riders.append((request, False))
         return riders
+
+    def _fits(self, request: Request, features: BatchFeatures, budget_s: float) -> bool:
+        """Whether a one-token chunk of `request` still fits: a cheap test before the search.
+        (Not t_pred < budget: where chunks run side by side, one more may cost nothing.)"""
+        if self._room(features) < 1:
+            return False
+        start = request.num_computed_tokens
+        one = features.plus_chunk(1, start, start + 1 == request.num_tokens,
+                                  self.limits.token_buckets)
+        return self.predictor.predict_features(one) <= budget_s
+
+    def _add_chunk(self, request: Request, features: BatchFeatures, budget_s: float,
+                   gate: ChunkGate, chunks: list[ScheduledChunk]) -> BatchFeatures | None:
+        """Appends the largest chunk of `request` that keeps the batch within budget_s, if
+        one fits and gets its KV pages; the batch's features with it, or None."""
+        if not gate.prepare(request):
+            return None
+        n = self._chunk_size(request, features, budget_s)
+        chunk = ScheduledChunk(request, request.num_computed_tokens, n)
+        if n == 0 or not gate.reserve(chunk):
+            return None
+        chunks.append(chunk)
+        return features.plus_chunk(n, chunk.start, chunk.samples, self.limits.token_buckets)
 
     def _chunk_size(self, request: Request, features: BatchFeatures, budget_s: float) -> int:
         """GETCHUNKSIZE's binary search: the largest chunk of `request` that keeps the batch
