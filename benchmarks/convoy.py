@@ -336,7 +336,7 @@ def run_live(args: argparse.Namespace) -> tuple[dict, dict, dict | None]:
     from medha_jax.engine import Engine, EngineConfig
     from medha_jax.engine.calibration import fit_predictor
     from medha_jax.model import load_model
-    from medha_jax.scheduler import EngineLimits
+    from medha_jax.scheduler import EngineLimits, SchedulerConfig
     from medha_jax.scheduler.factory import default_target_batch_time
     from serving.replay import replay_trace
     from serving.server import Server
@@ -361,7 +361,11 @@ def run_live(args: argparse.Namespace) -> tuple[dict, dict, dict | None]:
         trace = workload(args, qps, max_prompt_tokens=engine.max_model_len
                          - SERVER_SCALES["max_output_tokens"])
         for policy in args.policies:
-            with Server(engine, scheduler=policy, predictor=predictor, warmup=False,
+            # IsLong (Algorithm 2) at the short/long boundary of these scaled lengths:
+            # short prompts end at 8192 x short_scale tokens here, not at 8192.
+            config = SchedulerConfig(policy, long_prefill_tokens=round(
+                SchedulerConfig().long_prefill_tokens * SERVER_SCALES["short_scale"]))
+            with Server(engine, scheduler=config, predictor=predictor, warmup=False,
                         default_slo=SLO(ttft_s=slo.short_ttft_s, tpot_s=slo.tpot_s)
                         ) as server:
                 cache = server.controller.prefill_time_cache

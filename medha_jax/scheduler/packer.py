@@ -206,8 +206,8 @@ class AdaptivePacker(BatchPacker):
     target_batch_time_s: t_target when no running decode asks for less through its TPOT
                          SLO (the budget is min(target, every decode's tpot_s)).
     multi_prefill:       several prefills per batch (at most one long); False = one.
-    space_sharing:       a long prefill yields min(rho, rho_max) of the budget to the
-                         other prefills (only when there are others to yield to).
+    space_sharing:       a long prefill shares its batch with short prefills that cost it
+                         no deadline, up to rho_max of the budget (see `riders`).
     long_prefill_tokens: IsLong of Algorithm 2: sequences at least this long. The
                          default 8192 is the short/long boundary of seed 000, sec. 6.5.
     min_chunk_tokens:    progress guarantee: when no prefill fits the budget (decodes
@@ -273,59 +273,48 @@ class AdaptivePacker(BatchPacker):
                 continue
             if not gate.prepare(request):
                 continue
+            # Riders of the batch's most urgent prefill only: it is the one whose slack
+            # or remaining work decides what may pass it. IsLong does not gate this:
+            # what lets a short request pass is the head's slack and length relative to
+            # the short one's, not a token threshold (which a scaled-down CPU workload,
+            # long prompts of 2-4K tokens, never reaches).
             riders = (self.riders(request, [r for r in prefills[i:]
                                             if r.request_id not in packed], now)
-                      if is_long and self.space_sharing and self.multi_prefill else [])
-            # Space sharing (Algorithm 2, lines 7-10) with multi-prefill batching. Riders
-            # the long one's slack covers go first, with the whole budget (they cannot
-            # make it miss its deadline). Then the long chunk: with other riders waiting
-            # it uses (1 - rho_max) of the budget left, and they fill the rest; whatever
-            # they leave, the long chunk takes back (the pseudo-code would idle it).
-            base = features                   # the batch without the long chunk
+                      if self.space_sharing and self.multi_prefill and not num_prefills
+                      else [])
+            # Space sharing (Algorithm 2, lines 7-10) with multi-prefill batching: the
+            # riders go first, in order - those the long one's slack covers with the whole
+            # budget (they cannot make it miss), the others within rho_max of what the
+            # decodes leave - and the long chunk takes the rest, so a share the riders do
+            # not use is never idled. Riders first, not after the long chunk: with token
+            # buckets the long chunk would grow to its bucket's edge (padding is paid
+            # for) and leave the riders only the next bucket, which the share cannot buy.
+            share_end = t_pred + self.rho_max * (t_target - t_pred)
             for rider, covered in riders:
-                if covered and num_prefills < max_prefills and self._fits(rider, base, t_target):
-                    added = self._add_chunk(rider, base, t_target, gate, chunks)
+                if num_prefills >= max_prefills:
+                    break
+                budget = t_target if covered or not is_long else share_end
+                if self._fits(rider, features, budget):
+                    added = self._add_chunk(rider, features, budget, gate, chunks)
                     if added is not None:
-                        base = features = added
+                        features = added
                         t_pred = self.predictor.predict_features(features)
                         packed.add(rider.request_id)
                         num_prefills += 1
-            due = [rider for rider, covered in riders if not covered]
-            budget = t_pred + (1 - self.rho_max) * (t_target - t_pred) if due else t_target
-            n = self._chunk_size(request, features, budget)
+            if num_prefills >= max_prefills:
+                break
+            n = self._chunk_size(request, features, t_target)
             if n == 0:
                 unserved.append(request)        # Algorithm 1, line 17: tries next time
                 continue
             chunk = ScheduledChunk(request, request.num_computed_tokens, n)
             if not gate.reserve(chunk):
                 continue
-            long_at = len(chunks)
             chunks.append(chunk)
             features = features.plus_chunk(n, chunk.start, chunk.samples, buckets)
             t_pred = self.predictor.predict_features(features)
             num_prefills += 1
-            has_long = True
-            if not due:
-                continue
-            for rider in due:
-                if num_prefills >= max_prefills or not self._fits(rider, features, t_target):
-                    break
-                added = self._add_chunk(rider, features, t_target, gate, chunks)
-                if added is not None:
-                    last = chunks[-1]
-                    base = base.plus_chunk(last.num_tokens, last.start, last.samples, buckets)
-                    features = added
-                    t_pred = self.predictor.predict_features(features)
-                    packed.add(rider.request_id)
-                    num_prefills += 1
-            if t_pred < t_target:
-                grown = ScheduledChunk(request, chunk.start,
-                                       self._chunk_size(request, base, t_target))
-                if grown.num_tokens > n and gate.reserve(grown):
-                    chunks[long_at] = grown
-                    features = base.plus_chunk(grown.num_tokens, grown.start, grown.samples,
-                                               buckets)
-                    t_pred = self.predictor.predict_features(features)
+            has_long = has_long or is_long
         if num_prefills == 0:
             features = self._guarantee_progress(unserved + list(prefills[i:]), features, gate,
                                                 chunks)
@@ -359,13 +348,15 @@ class AdaptivePacker(BatchPacker):
                  so any schedule that meets the short's deadline runs it before the long
                  completes; running it now leaves the long's completion time unchanged
                  (exchange argument), whatever the long's slack.
-        Riders its slack covers run first with the whole budget: they cannot make it
-        miss. Riders that are only due take at most rho_max of the budget (the cap of
-        Algorithm 2; as they cost it nothing it yields the most it may, not min(rho,
+        Riders its slack covers may use the whole budget: they cannot make it miss.
+        Riders that are only due share rho_max of the budget of a long prefill (the cap
+        of Algorithm 2; as they cost it nothing it yields the most it may, not min(rho,
         rho_max)): the long one keeps 1 - rho_max, so a flood of short requests cannot
-        starve it. A short request that is neither waits for its LARS turn. Without
-        riders the long one yields nothing, also not to a queue of other long prefills
-        that could not use the share (the pseudo-code's share would idle there).
+        starve it. Beside a head that is not long they too get the whole budget: sharing
+        a step between prefills of similar size only delays both. A short
+        request that is neither waits for its LARS turn. Without riders the long one
+        yields nothing, also not to a queue of other long prefills that could not use
+        the share (the pseudo-code's share would idle there).
         """
         w_long = self.remaining_work(long)
         finish = now + w_long
