@@ -291,7 +291,7 @@ class AdaptivePacker(BatchPacker):
             # for) and leave the riders only the next bucket, which the share cannot buy.
             share_end = t_pred + self.rho_max * (t_target - t_pred)
             for rider, covered in riders:
-                if num_prefills >= max_prefills:
+                if num_prefills + 1 >= max_prefills:       # a seat stays the head's
                     break
                 budget = t_target if covered or not is_long else share_end
                 if self._fits(rider, features, budget):
