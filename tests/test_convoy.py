@@ -47,10 +47,34 @@ def test_arguments_validate_and_default_by_mode():
     args = convoy.parse_args(["--validate-simulator"])
     assert args.mode == "validate" and args.policies == ("lars-mp", "lars", "fcfs-np")
     assert args.requests == 80
+    args = convoy.parse_args(["--figure13"])
+    assert args.policies == ("fcfs", "edf", "lrs", "lars", "lars-mp")
+    assert args.out == "results/figure13"
+    with pytest.raises(SystemExit):
+        convoy.parse_args(["--server", "--figure13"])
     with pytest.raises(SystemExit):
         convoy.parse_args(["--policies", "lars,sjf"])
     with pytest.raises(SystemExit):
         convoy.parse_args(["--server", "--simulate"])
+
+
+@pytest.mark.slow
+def test_figure13_loads_bracket_long_saturation(tmp_path):
+    # Three loads around the QPS where long prefills alone fill the replica, each policy
+    # of the ablation at each; the full scheduler serves short requests well inside
+    # their deadline where vanilla LARS serves them at it (seed 000, figure 13).
+    report = convoy.main(["--simulate", "--figure13", "--requests", "200", "--seed", "1",
+                          "--out", str(tmp_path), "--no-progress"])
+    figure13 = report["context"]["figure13"]
+    loads = [v["long_load"] for v in figure13["loads"]["by_qps"].values()]
+    assert loads == pytest.approx([0.5, 0.9, 1.3])
+    assert set(report["results"]) == set(figure13["ttft_over_deadline"])
+    near = report["results"][f"{sorted(float(q) for q in report['results'])[1]:g}"]
+    assert near["lars-mp"]["short_ttft_p50"] * 5 < near["lars"]["short_ttft_p50"]
+    assert near["lars-mp"]["short_ttft_p90"] < 0.5 * convoy.SLOPolicy().short_ttft_s
+    for summary in near.values():
+        assert summary["long_completed"] == summary["long_total"]
+    assert (tmp_path / "figure13_ttft_over_deadline.png").stat().st_size > 10_000
 
 
 def test_gpus_must_split_into_replicas():
