@@ -4,12 +4,13 @@
   Algorithm 1: all decodes first, then prefill chunks in priority order while the
                predicted batch time is below t_target.
   Algorithm 2: each prefill gets the largest chunk (binary search on the predictor)
-               that keeps the batch within its budget; with space sharing a long
-               prefill yields min(rho, rho_max) of the budget; at most one long prefill
-               per batch. Late chunks of a long prefill attend to a long context, so a
+               that keeps the batch within its budget; at most one long prefill per
+               batch. Late chunks of a long prefill attend to a long context, so a
                fixed time budget shrinks them: adaptive chunking.
-  Multi-prefill batching (section 4.2): short prefills fill what a long late-stage
-               chunk leaves of the budget.
+  Space sharing and multi-prefill batching (sections 4.2-4.3): short prefills that
+               cost the batch's most urgent prefill no deadline run beside it at once,
+               within up to rho_max of the budget (`AdaptivePacker.riders` says which,
+               and where this departs from the pseudo-code).
 `TokenBudgetPacker` is the baselines': Sarathi-Serve's fixed token budget per batch
 (decodes + chunks), and with the whole step as budget and head-of-line blocking, the
 non-preemptive convoy baseline.
