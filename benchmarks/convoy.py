@@ -247,7 +247,7 @@ def run_live(args: argparse.Namespace) -> tuple[dict, dict, dict | None]:
                     progress=not args.no_progress, slo_policy=slo, prefill_time_s=cache,
                     seed=args.seed)
                 if args.mode == "validate":
-                    del engine.execute                      # drop the recording wrapper
+                    del engine.collect                      # drop the recording wrapper
                     validation = validation or {}
                     validation.setdefault(f"{qps:g}", {})[policy], simulated = check_simulator(
                         server, predictor, trace, slo=slo, measured=by_policy[policy],
@@ -310,17 +310,17 @@ def compare(measured: Sequence[LatencyRecord], simulated: Sequence[LatencyRecord
 
 
 def _record_steps(engine) -> list[tuple[object, float]]:
-    """Wraps this engine instance's execute to record (features, seconds) of every step
-    (validation only; `del engine.execute` restores the class's method)."""
+    """Wraps this engine instance's collect to record (features, seconds) of every step
+    (validation only; `del engine.collect` restores the class's method)."""
     steps: list[tuple[object, float]] = []
-    execute = engine.execute
+    collect = engine.collect
 
-    def recorded_execute(batch):
-        result = execute(batch)
+    def recorded_collect(pending):
+        result = collect(pending)
         steps.append(engine.step_records[-1])
         return result
 
-    engine.execute = recorded_execute
+    engine.collect = recorded_collect
     return steps
 
 

@@ -8,7 +8,7 @@
 Three parts, as vLLM v1's AsyncLLM splits input processing, the engine core and output
 processing:
     serving.validation  argument checks and tokenization, on the caller's thread
-    serving.loop        the loop thread: inbox, schedule -> engine.execute -> update,
+    serving.loop        the loop thread: inbox, schedule -> engine.dispatch/collect -> update,
                         failure containment
     serving.outputs     detokenization, stream deltas, final outputs, request handles
 The Server builds the engine, calibrates the runtime predictor, makes the controller, and

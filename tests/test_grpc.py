@@ -95,13 +95,13 @@ def test_client_cancel_frees_the_pages(server, stub):
 
 
 def test_deadline_cancels_the_request(server, stub, monkeypatch):
-    real_execute = server.engine.execute
+    real_dispatch = server.engine.dispatch
 
-    def slow_execute(batch):     # 240 steps of >= 10 ms cannot beat a 0.5 s deadline
+    def slow_dispatch(batch):     # 240 steps of >= 10 ms cannot beat a 0.5 s deadline
         time.sleep(0.01)
-        return real_execute(batch)
+        return real_dispatch(batch)
 
-    monkeypatch.setattr(server.engine, "execute", slow_execute)
+    monkeypatch.setattr(server.engine, "dispatch", slow_dispatch)
     with pytest.raises(grpc.RpcError) as e:
         list(stub.Generate(request(list(range(10)), max_tokens=240), timeout=0.5))
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED

@@ -108,14 +108,14 @@ def test_unknown_model_and_policy_are_named():
 def test_a_failing_step_fails_its_requests_and_the_server_keeps_serving(server, reference,
                                                                         monkeypatch):
     poison = 255
-    real_execute = server.engine.execute
+    real_dispatch = server.engine.dispatch
 
-    def execute(batch):
+    def dispatch(batch):
         if any(c.request.prompt_token_ids[0] == poison for c in batch.chunks):
             raise RuntimeError("injected device failure")
-        return real_execute(batch)
+        return real_dispatch(batch)
 
-    monkeypatch.setattr(server.engine, "execute", execute)
+    monkeypatch.setattr(server.engine, "dispatch", dispatch)
     failed = server.generate(TokensPrompt([poison, 1, 2]), GREEDY)
     assert failed.finish_reason == FinishReason.ERROR.value
     assert "injected device failure" in failed.error

@@ -4,6 +4,12 @@ The step is one pure function (model forward over the ragged paged layout, logit
 each sequence's last token, sampling on device) compiled ahead of time for every bucket
 shape in the ladder, with the KV cache donated so XLA updates it in place. After
 `warmup()` no batch can reach the compiler: a shape outside the ladder is an error.
+
+On a mesh with spp > 1 the step runs as one program per stage (`PipelinedStep`): each
+stage holds only its layers' weights and KV cache, activations hand on with device_put,
+and up to spp batches are in flight. `dispatch(batch)` starts a step without waiting and
+`collect(pending)` waits for it (the PipelinedExecutor interface that
+medha_jax.scheduler.in_flight drives); `execute` is the two back to back.
 """
 
 from __future__ import annotations
@@ -18,12 +24,14 @@ import numpy as np
 from flax import nnx
 
 from medha_jax.buckets import BucketLadder
+from medha_jax.engine.pipeline import PipelinedStep, StageHook
 from medha_jax.engine.sampler import sample
 from medha_jax.engine.step_inputs import StepInputs, build_step_inputs, unpack_int32
 from medha_jax.kv_cache.allocator import BlockAllocator
 from medha_jax.model import AttentionMetadata, KVCache
 from medha_jax.model.attention import num_kv_shards
 from medha_jax.model.loading import Model
+from medha_jax.model.stages import num_stages, split_stages
 from medha_jax.request import Batch, StepResult
 from medha_jax.scheduler.predictor import BatchFeatures, batch_features
 from meshes import replicated
@@ -53,6 +61,11 @@ class EngineConfig:
     max_seqs: int = 32
     enable_prefix_caching: bool = True
     max_tokens_per_kvp_group: int | None = None
+    # Batches dispatched and not yet collected. None: the number of SPP stages. One program
+    # (spp = 1) may take 2, so that the host forms and builds step n + 1 while the device
+    # runs step n; a decode still waits for its previous token, so this helps batches with
+    # prefill chunks, not decode-only ones.
+    max_batches_in_flight: int | None = None
 
     def __post_init__(self):
         for field in ("page_size", "max_kv_tokens", "max_tokens_per_step", "min_token_bucket",
@@ -64,6 +77,9 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.num_pages must be >= 1, got {self.num_pages}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"EngineConfig.max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_batches_in_flight is not None and self.max_batches_in_flight < 1:
+            raise ValueError(f"EngineConfig.max_batches_in_flight must be >= 1, got "
+                             f"{self.max_batches_in_flight}")
 
     @property
     def total_pages(self) -> int:
@@ -90,10 +106,25 @@ def step(graphdef, state, kv_cache: KVCache, ints, floats, rng_keys, *,
     return sample(logits, temperature, x["top_k"], top_p, rng_keys), kv_cache
 
 
-class Engine:
-    """Implements medha_jax.request.Executor on a loaded Model."""
+@dataclasses.dataclass(frozen=True)
+class PendingStep:
+    """A dispatched step: its batch, its sampled ids (a device array, maybe not ready yet),
+    when its host work started and how long building and dispatching it took."""
 
-    def __init__(self, model: Model, config: EngineConfig | None = None):
+    batch: Batch
+    tokens: jax.Array
+    start: float
+    dispatch_seconds: float
+
+
+class Engine:
+    """Implements medha_jax.request.PipelinedExecutor on a loaded Model.
+
+    stage_hook: a test hook for spp > 1 (see medha_jax.engine.pipeline.StageHook).
+    """
+
+    def __init__(self, model: Model, config: EngineConfig | None = None, *,
+                 stage_hook: StageHook | None = None):
         config = config or EngineConfig()
         self.model = model
         self.config = config
@@ -113,11 +144,23 @@ class Engine:
             max_pages_per_seq=-(-tokens_per_table // config.page_size))
         self.max_seqs = config.max_seqs
         self.pad_slot = config.total_pages * config.page_size          # one past a shard's slots
-        self.kv_cache = model.new_kv_cache(self.num_kv_shards * config.total_pages,
-                                           config.page_size)
+        self.num_stages = num_stages(model.mesh)
+        self.max_in_flight = config.max_batches_in_flight or self.num_stages
+        if self.num_stages == 1:
+            self.pipeline = None
+            self.kv_cache = model.new_kv_cache(self.num_kv_shards * config.total_pages,
+                                               config.page_size)
+        else:
+            # Each stage owns its layers' weights and cache; the engine holds no whole cache.
+            self.pipeline = PipelinedStep(split_stages(model),
+                                          num_pages=self.num_kv_shards * config.total_pages,
+                                          page_size=config.page_size,
+                                          num_kv_shards=self.num_kv_shards, hook=stage_hook)
+            self.kv_cache = None
         self._replicated = replicated(model.mesh)
-        # (tokens, seqs, width) bucket -> its ahead-of-time compiled step.
-        self.executables: dict[tuple[int, int, int], jax.stages.Compiled] = {}
+        # (tokens, seqs, width) bucket -> its ahead-of-time compiled step (with spp > 1, the
+        # stages' programs in stage order).
+        self.executables: dict[tuple[int, int, int], jax.stages.Compiled | tuple] = {}
         # (features, measured seconds) of recent steps: what the profiled runtime
         # predictor is refitted to. Bounded, so a long-running server does not grow.
         self.step_records: collections.deque[tuple[BatchFeatures, float]] = collections.deque(
@@ -125,7 +168,13 @@ class Engine:
         self.warmup_seconds: float | None = None
         # Set by warmup(): from then on a shape missing from `executables` is an error.
         self.warmed_up = False
+        # Host seconds on the critical path of the last collected step: while no step of
+        # this engine was queued on the device (see dispatch and collect).
         self.last_host_seconds: float | None = None
+        self._num_dispatched = 0                  # dispatched and not yet collected
+        self._device_idle_since: float | None = time.perf_counter()
+        self._idle_host_seconds = 0.0             # host time with the device idle, for the next step
+        self._last_collect_end = 0.0
 
     # -- compilation -------------------------------------------------------------
 
@@ -134,8 +183,11 @@ class Engine:
         packed = jax.device_put(inputs.pack(), self._replicated)
         return (self.model.graphdef, self.model.state, self.kv_cache, *packed)
 
-    def _compile(self, shape: tuple[int, int, int]) -> jax.stages.Compiled:
+    def _compile(self, shape: tuple[int, int, int]) -> jax.stages.Compiled | tuple:
         """The one way a step shape is compiled: ahead of time, into `executables`."""
+        if self.pipeline is not None:
+            executable = self.executables[shape] = self.pipeline.compile(shape)
+            return executable
         inputs = StepInputs.padding(shape, self.pad_slot, self.num_kv_shards)
         with jax.set_mesh(self.model.mesh):
             executable = step.lower(*self.step_args(inputs), shape=shape,
@@ -186,23 +238,53 @@ class Engine:
     # -- execution ---------------------------------------------------------------
 
     def execute(self, batch: Batch) -> StepResult:
+        return self.collect(self.dispatch(batch))
+
+    def dispatch(self, batch: Batch) -> PendingStep:
+        """Builds the step's inputs and starts it on the device (through every stage when
+        spp > 1) without waiting for it. Steps run in dispatch order: each donates the
+        cache the one before wrote."""
         start = time.perf_counter()
         inputs = build_step_inputs(batch, self.allocator, self.ladder, pad_slot=self.pad_slot)
-        shape = inputs.padded_shape
-        executable = self.executable(shape)
-        args = self.step_args(inputs)
-        tokens, self.kv_cache = executable(*args[1:])
+        executable = self.executable(inputs.padded_shape)
+        if self.pipeline is None:
+            tokens, self.kv_cache = executable(*self.step_args(inputs)[1:])
+        else:
+            tokens = self.pipeline.dispatch(inputs)
         dispatched = time.perf_counter()
+        if self._device_idle_since is not None:
+            # Nothing of ours was queued on the device while the host built this step.
+            self._idle_host_seconds += dispatched - max(self._device_idle_since, start)
+            self._device_idle_since = None
+        self._num_dispatched += 1
+        return PendingStep(batch, tokens, start, dispatched - start)
+
+    def collect(self, pending: PendingStep) -> StepResult:
+        """Waits for a dispatched step (oldest first) and returns its sampled tokens.
+
+        duration_s is the step's share of device time as the scheduler sees it: from its
+        dispatch, or from the previous collect if that came later (then the step was
+        queued behind it), to its tokens on the host. In a full pipeline that is one stage
+        time; a lone step pays the whole pipeline.
+        """
+        batch = pending.batch
         # While the device runs, do this step's bookkeeping (asynchronous dispatch).
         features = batch_features(batch, self.ladder.token_buckets)
-        tokens = np.asarray(tokens)                       # waits for the device
+        tokens = np.asarray(pending.tokens)               # waits for the device
         returned = time.perf_counter()
         sampled = {chunk.request.request_id: int(tokens[i])
                    for i, chunk in enumerate(batch.chunks) if chunk.samples}
         end = time.perf_counter()
-        seconds = end - start
-        # Host time on the critical path: building and dispatching the step, and reading
-        # back its tokens. The bookkeeping above overlaps the device and is not counted.
-        self.last_host_seconds = (dispatched - start) + (end - returned)
+        self._num_dispatched -= 1
+        seconds = end - max(pending.start, self._last_collect_end)
+        self._last_collect_end = end
+        # Host time on the critical path: what the host did while the device had none of
+        # our steps queued (building and dispatching a step into an empty pipe), and
+        # reading back the tokens. With a step already queued behind this one, the device
+        # is busy while the host applies this result and forms the next.
+        self.last_host_seconds = self._idle_host_seconds + (end - returned)
+        self._idle_host_seconds = 0.0
+        if self._num_dispatched == 0:
+            self._device_idle_since = end
         self.step_records.append((features, seconds))
         return StepResult(sampled_token_ids=sampled, duration_s=seconds)

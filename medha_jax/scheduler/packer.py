@@ -280,7 +280,7 @@ class AdaptivePacker(BatchPacker):
                 # short request yield to nobody (the text says long prefills yield).
                 rho = relative_slack(request, now, self.remaining_work(request))
                 budget = t_target * (1 - min(self.rho_max, max(0.0, rho)))
-            start = request.num_computed_tokens
+            start = request.num_scheduled_tokens
             remaining = request.num_tokens - start
             n = largest_chunk(self.predictor, features, start=start,
                               max_tokens=int(min(remaining, room)), remaining=remaining,
@@ -312,7 +312,7 @@ class AdaptivePacker(BatchPacker):
                 break
             if not gate.prepare(request):
                 continue
-            start = request.num_computed_tokens
+            start = request.num_scheduled_tokens
             n = int(min(self.min_chunk_tokens, request.num_tokens - start, room))
             chunk = ScheduledChunk(request, start, n)
             if gate.reserve(chunk):
@@ -354,7 +354,7 @@ class TokenBudgetPacker(BatchPacker):
                 if self.head_of_line_blocking:
                     break
                 continue
-            start = request.num_computed_tokens
+            start = request.num_scheduled_tokens
             n = int(min(request.num_tokens - start, room))
             chunk = ScheduledChunk(request, start, n)
             if not gate.reserve(chunk):
