@@ -4,11 +4,12 @@ The GPU kernel (`paged_kernel`) gathers a tile of pages with a vector of page id
 Mosaic-TPU does not lower. Here the page ids are scalars in SMEM and each page is brought
 from HBM into VMEM by its own DMA:
 
-    grid = (kv head, query block)          both "parallel" (megacore may split them)
+    grid = (kv head "parallel" (megacore may split it), query block "arbitrary" (in order))
 
-- Scalar prefetch (`PrefetchScalarGridSpec`): per query block its sequence, its key end
-  (`QueryBlockPlan.key_end`) and its token count, and the page table flattened to 1-D (a
-  2-D SMEM array pads its minor dimension to 128 words per row).
+- Scalar prefetch (`PrefetchScalarGridSpec`): per query block its sequence, the keys it
+  reads (`QueryBlockPlan.key_end`, clipped), its token count and the buffer slot of its
+  first tile, and the page table flattened to 1-D (a 2-D SMEM array pads its minor
+  dimension to 128 words per row).
 - Q comes in as VMEM blocks [rows, head_dim] laid out head-major: row r is query head
   r // block_q of the KV head's GQA group and token r % block_q of the block, so the
   group fills the MXU rows and each K/V tile is read once for all of them. block_q is a
@@ -18,9 +19,9 @@ from HBM into VMEM by its own DMA:
   kv_pages_per_block pages; tile t + 1's page DMAs (one per page, only pages holding a
   needed key) are started before tile t is waited for and computed: double buffering in a
   [2, pages, page_size, head_dim] VMEM buffer with one DMA semaphore per slot and tensor.
-  The first tile of a program is not overlapped with the previous program (that would
-  need "arbitrary" grid semantics and forbid megacore splitting); with hundreds of keys
-  per tile it is one exposed DMA latency per program.
+  A block's last tile starts the next block's first (blocks of a KV head run in order),
+  so decodes and short chunks, one tile each, still overlap DMA with compute; only each
+  KV head's first tile is exposed.
 - Online softmax with the running max/sum/accumulator in VMEM scratch, the same
   `online_softmax_update` as the GPU kernel and the XLA path (kept 2-D here, [rows, 1]).
 - Output: out [rows, head_dim] in q's dtype and lse [rows, 1] f32 (natural log), exactly
@@ -28,8 +29,8 @@ from HBM into VMEM by its own DMA:
   causal=False is the GPU kernel's prefix mode (every query sees keys 0..kv_len-1).
 
 Deviation from the GPU kernel: no KV splits. A TPU core runs the grid as a sequential
-loop (no SM occupancy to fill), so split-K only adds partials and a merge; long contexts
-are parallel across the two cores of a v5p/v4 megacore through the grid semantics.
+loop (no SM occupancy to fill), so split-K only adds partials and a merge; KV heads are
+parallel across the two cores of a v5p/v4 megacore through the grid semantics.
 Pages of a K/V head are copied with a strided DMA (the cache is [pages, page_size,
 kv_heads, head_dim]; one head is page_size rows of head_dim contiguous elements).
 """
@@ -52,8 +53,9 @@ from pallas_kernels.query_blocks import plan_query_blocks, row_key_ends
 def _tpu_paged_attention_kernel(
     # Scalar prefetch (SMEM).
     block_seq_ref,         # int32 [blocks]: sequence of each query block
-    block_key_end_ref,     # int32 [blocks]: keys 0..key_end-1 are seen by the block's last query
+    block_keys_ref,        # int32 [blocks]: keys 0..n-1 are seen by the block's last query
     block_num_tokens_ref,  # int32 [blocks]: queries in the block (0 = empty block)
+    block_slot_ref,        # int32 [blocks]: buffer slot of the block's first tile
     page_table_ref,        # int32 [max_seqs * pages_per_seq]: the page table, row-major
     # Inputs.
     q_ref,                 # VMEM [rows, head_dim]: this block and KV head, head-major rows
@@ -76,49 +78,55 @@ def _tpu_paged_attention_kernel(
     causal: bool,
 ):
     kv_head, block = pl.program_id(0), pl.program_id(1)
+    num_blocks = pl.num_programs(1)
     rows, head_dim = q_ref.shape
     _, pages_per_tile, page_size, _ = k_buf.shape
     block_kv = pages_per_tile * page_size
 
-    seq = block_seq_ref[block]
-    num_tokens = block_num_tokens_ref[block]
-    keys_needed = jnp.where(num_tokens > 0, block_key_end_ref[block], 0)
-    # Never past the page table, even if a caller's kv_len overstates it (no wild DMAs).
-    keys_needed = jnp.minimum(keys_needed, pages_per_seq * page_size)
     # lax.div/rem, not // and %: jnp's floor division lowers through sign(), whose Mosaic
     # rule asks the TPU generation (so lowering from a CPU host fails); values are >= 0.
-    pages_needed = jax.lax.div(keys_needed + page_size - 1, page_size)
-    num_tiles = jax.lax.div(keys_needed + block_kv - 1, block_kv)
-    table_row = seq * pages_per_seq
+    def tiles_of(blk):
+        return jax.lax.div(block_keys_ref[blk] + block_kv - 1, block_kv)
 
-    def page_copies(tile, slot):
-        """The DMAs of `tile` into buffer `slot`, one (K, V) pair per page, with whether
-        each is needed (pages past the block's last key are neither started nor waited)."""
+    def page_copies(blk, tile, slot):
+        """The DMAs of tile `tile` of block `blk` into buffer `slot`: one (K, V) pair per
+        page, each with whether it is needed (pages past the block's last key are neither
+        started nor waited for)."""
+        pages_needed = jax.lax.div(block_keys_ref[blk] + page_size - 1, page_size)
+        table_row = block_seq_ref[blk] * pages_per_seq
         copies = []
         for i in range(pages_per_tile):
             page_index = tile * pages_per_tile + i
-            needed = page_index < pages_needed
             page = page_table_ref[table_row + jnp.minimum(page_index, pages_per_seq - 1)]
-            copies.append((needed, (
+            copies.append((page_index < pages_needed, (
                 pltpu.make_async_copy(k_hbm_ref.at[page, :, kv_head, :], k_buf.at[slot, i],
                                       sems.at[slot, 0]),
                 pltpu.make_async_copy(v_hbm_ref.at[page, :, kv_head, :], v_buf.at[slot, i],
                                       sems.at[slot, 1]))))
         return copies
 
-    def start(tile, slot):
-        for needed, pair in page_copies(tile, slot):
+    def start(blk, tile, slot):
+        for needed, pair in page_copies(blk, tile, slot):
             @pl.when(needed)
             def _():
                 for copy in pair:
                     copy.start()
 
-    def wait(tile, slot):
-        for needed, pair in page_copies(tile, slot):
+    def wait(blk, tile, slot):
+        for needed, pair in page_copies(blk, tile, slot):
             @pl.when(needed)
             def _():
                 for copy in pair:
                     copy.wait()
+
+    num_tokens = block_num_tokens_ref[block]
+    keys_needed = block_keys_ref[block]
+    num_tiles = tiles_of(block)
+    slot_base = block_slot_ref[block]
+    next_block = jnp.minimum(block + 1, num_blocks - 1)
+    next_tiles = jnp.where(block + 1 < num_blocks, tiles_of(next_block), 0)
+    # The previous block of this KV head started our first tile during its last one.
+    prefetched = (block > 0) & (tiles_of(jnp.maximum(block - 1, 0)) > 0)
 
     acc0, m0, l0 = online_softmax_init((rows,), head_dim, keepdims=True)
     acc_ref[...] = acc0
@@ -130,28 +138,36 @@ def _tpu_paged_attention_kernel(
     row_live = row_token < num_tokens
     row_end = jnp.where(row_live, row_key_ends(keys_needed, num_tokens, row_token,
                                                causal=causal), 0)
-    key_offsets = jax.lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
+    key_lanes = jax.lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)     # keys along lanes
+    key_sublanes = jax.lax.broadcasted_iota(jnp.int32, (block_kv, 1), 0)  # and sublanes
 
-    @pl.when(num_tiles > 0)
+    @pl.when((num_tiles > 0) & ~prefetched)
     def _():
-        start(0, 0)
+        start(block, 0, slot_base)
 
     def tile_step(tile, carry):
-        slot = jax.lax.rem(tile, 2)
+        slot = jax.lax.rem(slot_base + tile, 2)
 
         @pl.when(tile + 1 < num_tiles)
         def _():
-            start(tile + 1, 1 - slot)
+            start(block, tile + 1, 1 - slot)
 
-        wait(tile, slot)
-        key_pos = tile * block_kv + key_offsets                          # [1, keys]
+        # The last tile starts the next block's first (same KV head: the block axis runs
+        # in order on one core), so a run of decodes or short chunks streams without a
+        # DMA bubble per program.
+        @pl.when((tile + 1 == num_tiles) & (next_tiles > 0))
+        def _():
+            start(next_block, 0, 1 - slot)
+
+        wait(block, tile, slot)
+        first_key = tile * block_kv
         # Pages not copied hold stale VMEM (NaN in the interpreter): zero V there so
         # masked probabilities (0) times V stay 0; K's garbage is masked in the scores.
-        v = jnp.where((key_pos < keys_needed).reshape(block_kv, 1),
+        v = jnp.where(first_key + key_sublanes < keys_needed,
                       v_buf[slot].reshape(block_kv, head_dim), 0)
         k = k_buf[slot].reshape(block_kv, head_dim)
         scores = attention_scores(q_ref[...], k, sm_scale)               # [rows, keys] f32
-        scores = jnp.where(key_pos < row_end, scores, -jnp.inf)
+        scores = jnp.where(first_key + key_lanes < row_end, scores, -jnp.inf)
         acc, m, l = online_softmax_update((acc_ref[...], m_ref[...], l_ref[...]), scores, v)
         acc_ref[...] = acc
         m_ref[...] = m
@@ -186,6 +202,15 @@ def tpu_paged_attention_blocks(
     max_seqs, pages_per_seq = page_table.shape
     # More pages per tile than a sequence can hold only copies nothing: cap it.
     pages_per_tile = min(kv_pages_per_block, pages_per_seq)
+    block_kv = pages_per_tile * page_size
+    # Keys each block reads: none for an empty block, never past the page table even if a
+    # caller's kv_len overstates it (no wild DMAs).
+    block_keys = jnp.where(block_num_tokens > 0,
+                           jnp.minimum(block_key_end, pages_per_seq * page_size), 0)
+    # Tiles alternate buffer slots across the blocks of a KV head (the next block's first
+    # tile is prefetched into the slot after the current block's last).
+    tiles = (block_keys + block_kv - 1) // block_kv
+    block_slot = ((jnp.cumsum(tiles) - tiles) % 2).astype(jnp.int32)
     kernel = functools.partial(_tpu_paged_attention_kernel, sm_scale=sm_scale, block_q=block_q,
                                pages_per_seq=pages_per_seq, causal=causal)
     block_spec = pl.BlockSpec((None, None, rows, head_dim), lambda h, b, *_: (h, b, 0, 0))
@@ -194,7 +219,7 @@ def tpu_paged_attention_blocks(
     return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4,
+            num_scalar_prefetch=5,
             grid=(kv_heads, num_blocks),
             in_specs=[block_spec,
                       pl.BlockSpec(memory_space=pl.ANY),
@@ -206,10 +231,12 @@ def tpu_paged_attention_blocks(
                             pltpu.VMEM((rows, 1), jnp.float32)]),
         out_shape=[jax.ShapeDtypeStruct(q_blocks.shape, q_blocks.dtype),
                    jax.ShapeDtypeStruct((kv_heads, num_blocks, rows, 1), jnp.float32)],
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        # KV heads may split across a megacore's cores; blocks run in order on one core,
+        # which the cross-block prefetch relies on.
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=interpret,
         name="tpu_ragged_paged_attention",
-    )(block_seq, block_key_end, block_num_tokens,
+    )(block_seq, block_keys.astype(jnp.int32), block_num_tokens, block_slot,
       page_table.astype(jnp.int32).reshape(max_seqs * pages_per_seq),
       q_blocks, k_pages, v_pages)
 
