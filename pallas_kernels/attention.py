@@ -19,7 +19,8 @@ import jax.numpy as jnp
 
 from pallas_kernels.block_sizes import BlockSizes
 from pallas_kernels.dispatch import choose_attention
-from pallas_kernels.paged_kernel import decode_attention_pallas, ragged_paged_attention_pallas
+from pallas_kernels.paged_kernel import (MIN_GRID_PROGRAMS, decode_attention_pallas,
+                                         ragged_paged_attention_pallas)
 from pallas_kernels.tpu_paged_kernel import decode_attention_tpu, ragged_paged_attention_tpu
 from pallas_kernels.xla_attention import decode_attention_xla, ragged_paged_attention_xla
 
@@ -88,10 +89,16 @@ def _split_decode_prefill(impl, q, k_pages, v_pages, page_table, cu_q_lens, kv_l
     # or not (the prefix), so the decode kernel serves both modes.
     max_decodes = min(max_seqs, num_tokens)
     is_decode = jnp.arange(max_decodes) < first_prefill
+    # KV splits only while sequences x KV heads leave the GPU idle (as the ragged kernel
+    # caps them): 256 decodes x 8 heads fill an H100 without any, and every split costs
+    # an f32 partial of the whole batch and its share of the merge.
+    decode_tiles = dataclasses.replace(block_sizes, num_kv_splits=min(
+        block_sizes.num_kv_splits,
+        max(1, -(-MIN_GRID_PROGRAMS // (max_decodes * k_pages.shape[2])))))
     decode_out, decode_lse = _decode_kernel(impl)(
         q[:max_decodes], k_pages, v_pages, page_table[:max_decodes],
         jnp.where(is_decode, kv_lens[:max_decodes], 0), sm_scale=sm_scale,
-        block_sizes=block_sizes, interpret=interpret)
+        block_sizes=decode_tiles, interpret=interpret)
     out = out.at[:max_decodes].set(
         jnp.where(is_decode[:, None, None], decode_out, out[:max_decodes]))
     lse = lse.at[:max_decodes].set(jnp.where(is_decode[:, None], decode_lse, lse[:max_decodes]))
