@@ -11,7 +11,9 @@ Prometheus metrics.
 
 Failure containment: an exception in engine.execute or in applying its result fails only
 that batch's requests (FinishReason.ERROR, the error named) and the loop keeps serving
-the rest. One in the scheduler itself may have left any request half-updated, so it
+the rest. When the step failed on the device, the donated KV cache went with it: the
+engine rebuilds it and every other request holding pages is preempted for recompute
+from its tokens (`Engine.recover_kv_cache`, `ReplicaController.preempt_all`). One in the scheduler itself may have left any request half-updated, so it
 fails every request in flight; so does a bug anywhere else in an iteration, rather than
 leave callers waiting on a dead thread.
 """
@@ -155,6 +157,7 @@ class ServingLoop:
             failed = _request_ids(batch)
             logger.exception("step failed; failing requests %s", failed)
             self._fail(failed, f"step failed: {type(e).__name__}: {e}")
+            self._recover_kv_cache()
             return True
         for update in updates:
             stream = self._streams.get(update.request.request_id)
@@ -162,6 +165,17 @@ class ServingLoop:
                 self._deliver(stream, update.new_token_ids, update.finished)
         self._observe_state()
         return True
+
+    def _recover_kv_cache(self) -> None:
+        """After a failed step: when it lost the device's KV cache (an error on the device
+        poisons the donated cache), the engine rebuilds it and every other request holding
+        pages is recomputed from its tokens, so nothing else is lost."""
+        recover = getattr(self.engine, "recover_kv_cache", None)
+        if recover is not None and recover():
+            preempted = self.controller.preempt_all()
+            logger.warning("the KV cache was lost and rebuilt; %d requests are recomputed",
+                           preempted)
+        self._observe_state()
 
     def _deliver(self, stream: RequestStream, new_token_ids: tuple[int, ...],
                  finished: bool) -> None:

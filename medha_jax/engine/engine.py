@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import math
 import time
 
 import jax
@@ -23,6 +24,7 @@ from medha_jax.engine.step_inputs import StepInputs, build_step_inputs, unpack_i
 from medha_jax.kv_cache.allocator import BlockAllocator
 from medha_jax.model import AttentionMetadata, KVCache
 from medha_jax.model.attention import num_kv_shards
+from medha_jax.model.llama import numpy_dtype
 from medha_jax.model.loading import Model
 from medha_jax.request import Batch, StepResult
 from medha_jax.scheduler.predictor import BatchFeatures, batch_features
@@ -113,8 +115,7 @@ class Engine:
             max_pages_per_seq=-(-tokens_per_table // config.page_size))
         self.max_seqs = config.max_seqs
         self.pad_slot = config.total_pages * config.page_size          # one past a shard's slots
-        self.kv_cache = model.new_kv_cache(self.num_kv_shards * config.total_pages,
-                                           config.page_size)
+        self.kv_cache = self._new_kv_cache()
         self._replicated = replicated(model.mesh)
         # (tokens, seqs, width) bucket -> its ahead-of-time compiled step.
         self.executables: dict[tuple[int, int, int], jax.stages.Compiled] = {}
@@ -206,3 +207,61 @@ class Engine:
         self.last_host_seconds = (dispatched - start) + (end - returned)
         self.step_records.append((features, seconds))
         return StepResult(sampled_token_ids=sampled, duration_s=seconds)
+
+    # -- recovery after a failed step ------------------------------------------------
+
+    def recover_kv_cache(self) -> bool:
+        """Called after a step raised: rebuilds the KV cache when that step lost it.
+
+        The cache is donated to the step, so once a step was dispatched its input buffers
+        are gone, and an error raised on the device (it surfaces only when the tokens are
+        read back, after `kv_cache` was rebound to the step's outputs) leaves outputs that
+        carry the error: every later step would fail on them. A failure on the host before
+        the dispatch leaves the cache intact. Returns True when the cache was rebuilt
+        (fresh zeroed buffers, same shapes and shardings): its contents are lost, so the
+        caller must recompute every request from its tokens and drop the prefix cache
+        (`ReplicaController.preempt_all`).
+        """
+        leaves = jax.tree.leaves(self.kv_cache)
+        try:
+            if any(leaf.is_deleted() for leaf in leaves):
+                raise RuntimeError("the KV cache was donated to a step that failed")
+            jax.block_until_ready(leaves)          # raises when a step's error poisoned it
+            return False
+        except Exception:
+            for leaf in leaves:                    # free the old buffers before the new ones
+                if not leaf.is_deleted():
+                    leaf.delete()
+            self.kv_cache = self._new_kv_cache()
+            return True
+
+    def _new_kv_cache(self) -> KVCache:
+        """A zeroed cache of every KV shard's pages; out of memory says what was asked
+        for and what fits."""
+        pages, page_size = self.num_kv_shards * self.config.total_pages, self.config.page_size
+        try:
+            return self.model.new_kv_cache(pages, page_size)
+        except Exception as e:
+            if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
+                raise
+            raise MemoryError(kv_cache_oom_message(self.model, pages, page_size)) from e
+
+
+def kv_cache_oom_message(model: Model, num_pages: int, page_size: int) -> str:
+    """What a KV cache of `num_pages` pages asks of each device and how many pages fit."""
+    shape, sharding = model.kv_cache_sharding(num_pages, page_size)
+    shard_shape = sharding.shard_shape(shape)
+    itemsize = np.dtype(numpy_dtype(model.config.dtype)).itemsize
+    per_device = 2 * itemsize * math.prod(shard_shape)             # K and V
+    per_page = per_device / shard_shape[1]                         # [1]: pages on a device
+    stats = model.mesh.devices.flat[0].memory_stats() or {}        # None on the CPU
+    limit, in_use = stats.get("bytes_limit"), stats.get("bytes_in_use", 0)
+    fits = ""
+    if limit is not None:
+        free = max(limit - in_use, 0)
+        fits = (f"; the device has {free / 2**30:.2f} GiB free of {limit / 2**30:.2f} GiB, "
+                f"room for about {int(free // per_page)} pages per device")
+    return (f"out of memory allocating the KV cache: {num_pages} pages of {page_size} tokens "
+            f"(shape {shape}, {model.config.dtype}) need {per_device / 2**30:.3f} GiB on each "
+            f"device, {per_page / 2**20:.3f} MiB per page{fits}; lower "
+            f"EngineConfig.max_kv_tokens or num_pages")
