@@ -9,6 +9,9 @@ thread reading the request's deltas, which costs nothing while it waits. Calls b
 without an answer. Whatever ends a call (the client cancels, its deadline passes, the
 connection drops, the server stops) cancels the request, so its KV pages return to the pool.
 
+The client's request_id is a label echoed in the responses; the server names each request
+itself, so labels may repeat and cancelling one call never reaches another.
+
 Bad input fails the call with INVALID_ARGUMENT, and a prompt that can never fit the KV
 cache with RESOURCE_EXHAUSTED, each with the server's message naming the field.
 """
@@ -80,10 +83,20 @@ class MedhaServicer(medha_pb2_grpc.MedhaServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except RuntimeError as e:                  # the server is closing
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        # Runs when the call ends for any reason; a no-op once the request has finished.
-        context.add_callback(handle.cancel)
-        for delta in handle:
-            yield response_from_delta(delta)
+        # Whatever order the events come in, a call that ends early frees the request:
+        # the callback runs when the call ends (cancel, deadline, disconnect); when the
+        # call had already ended before it was added (add_callback returns False, and it
+        # never runs) the request is cancelled here; and a stream closed on this thread
+        # cancels in `finally`. handle.cancel names the server's own id of this request,
+        # so a late callback never reaches a newer request reusing the client's label.
+        try:
+            if not context.add_callback(handle.cancel):
+                handle.cancel()
+            for delta in handle:
+                yield response_from_delta(delta)
+        finally:
+            if not handle.finished:
+                handle.cancel()
 
     def Metrics(self, request, context):
         return medha_pb2.MetricsResponse(text=self._server.metrics_text())

@@ -114,9 +114,16 @@ def validate_request(prompt: Prompt, params, slo, priority, *, tokenizer, vocab_
     return ids
 
 
+MAX_REQUEST_ID_CHARS = 512
+
+
 def check_request_id(request_id) -> None:
+    """A caller's label: a non-empty string, short enough to echo in every delta."""
     if not isinstance(request_id, str) or not request_id:
-        raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        raise ValueError(f"request_id must be a non-empty string, got {request_id!r:.80}")
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise ValueError(f"request_id has {len(request_id)} characters; at most "
+                         f"{MAX_REQUEST_ID_CHARS}")
 
 
 def is_token_id(value) -> bool:

@@ -127,8 +127,8 @@ def test_a_step_failing_on_the_device_fails_only_its_batch(faulty_server):
     failing = seen["batch"]
     survivors_holding_pages = seen["holding"] - failing
     assert survivors_holding_pages
-    everyone = {h.request_id: (p, outputs[p]) for p, h in handles.items()}
-    everyone[seeded.request_id] = (None, seeded_out)
+    everyone = {h.id: (p, outputs[p]) for p, h in handles.items()}
+    everyone[seeded.id] = (None, seeded_out)
     assert failing <= everyone.keys()
     for rid, (prompt, out) in everyone.items():
         if rid in failing:

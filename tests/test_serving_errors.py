@@ -63,11 +63,19 @@ def test_bad_sampling_values_fail_in_sampling_params():
 
 
 def test_other_bad_arguments(server):
-    with pytest.raises(ValueError, match="request_id 'dup' is already in flight"):
-        handle = server.submit([1, 2], SamplingParams(temperature=0, max_tokens=100),
-                               request_id="dup")
-        server.submit([1, 2], GREEDY, request_id="dup")
-    handle.cancel()
+    # A request_id is the caller's label: it may repeat; the server names each request.
+    first = server.submit([1, 2], SamplingParams(temperature=0, max_tokens=100),
+                          request_id="dup")
+    second = server.submit([1, 2], GREEDY, request_id="dup")
+    assert first.id != second.id and first.request_id == second.request_id == "dup"
+    assert not server.cancel("dup")
+    assert first.cancel()
+    assert second.result(timeout=60).finish_reason == "length"
+    assert first.result(timeout=60).finish_reason == "cancelled"
+    for bad, message in [("", "non-empty string"), ("x" * 513, "513 characters; at most 512"),
+                         (7, "non-empty string")]:
+        with pytest.raises(ValueError, match=message):
+            server.submit([1], GREEDY, request_id=bad)
     with pytest.raises(TypeError, match="slo must be an SLO"):
         server.submit([1], GREEDY, slo=5.0)
     with pytest.raises(ValueError, match="got 1 sampling_params for 2 prompts"):
