@@ -12,7 +12,7 @@ connection drops, the server stops) cancels the request, so its KV pages return 
 The client's request_id is a label echoed in the responses; the server names each request
 itself, so labels may repeat and cancelling one call never reaches another.
 
-Bad input fails the call with INVALID_ARGUMENT, and a prompt that can never fit the KV
+Bad input (bytes that do not parse included) fails the call with INVALID_ARGUMENT, and a prompt that can never fit the KV
 cache with RESOURCE_EXHAUSTED, each with the server's message naming the field.
 """
 
@@ -68,11 +68,29 @@ def response_from_delta(delta: StreamDelta) -> medha_pb2.GenerateResponse:
     return response
 
 
+class MalformedRequest:
+    """What the Generate deserializer gives for bytes that are no GenerateRequest."""
+
+    def __init__(self, error: str):
+        self.error = error
+
+
+def parse_generate_request(data: bytes) -> medha_pb2.GenerateRequest | MalformedRequest:
+    """Never raises: grpc would answer a deserializer's exception with INTERNAL, but bad
+    bytes (invalid UTF-8 in a string, truncation, garbage) are the client's error."""
+    try:
+        return medha_pb2.GenerateRequest.FromString(data)
+    except Exception as e:         # noqa: BLE001 - protobuf's DecodeError and friends
+        return MalformedRequest(f"malformed GenerateRequest: {e}")
+
+
 class MedhaServicer(medha_pb2_grpc.MedhaServicer):
     def __init__(self, server: Server):
         self._server = server
 
     def Generate(self, request, context):
+        if isinstance(request, MalformedRequest):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
         try:
             prompt, params, slo = request_from_proto(request)
             handle = self._server.submit(prompt, params, slo=slo, priority=request.priority,
@@ -178,7 +196,15 @@ class GrpcServer:
             options=[("grpc.max_receive_message_length", max_message_bytes),
                      ("grpc.max_send_message_length", max_message_bytes),
                      ("grpc.so_reuseport", 0)])
-        medha_pb2_grpc.add_MedhaServicer_to_server(MedhaServicer(server), self._grpc)
+        servicer = MedhaServicer(server)
+        self._grpc.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, {
+            "Generate": grpc.unary_stream_rpc_method_handler(
+                servicer.Generate, request_deserializer=parse_generate_request,
+                response_serializer=medha_pb2.GenerateResponse.SerializeToString),
+            "Metrics": grpc.unary_unary_rpc_method_handler(
+                servicer.Metrics, request_deserializer=medha_pb2.MetricsRequest.FromString,
+                response_serializer=medha_pb2.MetricsResponse.SerializeToString),
+        }),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         self.host = host
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

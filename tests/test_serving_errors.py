@@ -42,6 +42,10 @@ def expect_bystanders_unharmed(server, reference, submit_bad):
     ([1] * 300, GREEDY, ValueError, "max_model_len=256"),
     ([1, 2], SamplingParams(max_tokens=300), ValueError, "max_tokens=300"),
     ([1, 2], {"temperature": 0}, TypeError, "sampling_params must be a SamplingParams"),
+    # Admitted by SamplingParams, but would fail the step (int32 inputs) for everyone in it.
+    ([1, 2], SamplingParams(top_k=2**31), ValueError, "top_k must be <= 2147483647"),
+    ([1, 2], SamplingParams(temperature=float("inf")), ValueError, "temperature must be finite"),
+    ([1, 2], SamplingParams(stop=("x",) * 65), ValueError, "at most 64"),
 ])
 def test_bad_input_raises_naming_the_field(server, reference, prompt, params, error, field):
     def submit_bad():
@@ -78,6 +82,11 @@ def test_other_bad_arguments(server):
             server.submit([1], GREEDY, request_id=bad)
     with pytest.raises(TypeError, match="slo must be an SLO"):
         server.submit([1], GREEDY, slo=5.0)
+    # Found by the fuzzer: a priority past int64 once left the controller half-updated.
+    with pytest.raises(ValueError, match="priority must fit in int32"):
+        server.submit([1], GREEDY, priority=2**100)
+    with pytest.raises(ValueError, match="slo must be finite"):
+        server.submit([1], GREEDY, slo=SLO(ttft_s=float("inf")))
     with pytest.raises(ValueError, match="got 1 sampling_params for 2 prompts"):
         server.generate([[1], [2]], [GREEDY])
     with pytest.raises(ValueError, match="prompts is empty"):
