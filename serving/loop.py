@@ -115,6 +115,8 @@ class ServingLoop:
                 self._add(arg)
             else:
                 self._end(arg, FinishReason.CANCELLED)
+        if commands:
+            self._observe_state()     # the gauges are fresh even when no step follows
         if closing and not (drain and controller.has_unfinished()):
             # No add can follow: add() checks _closing under the lock that took `commands`.
             for request_id in list(self._streams):
