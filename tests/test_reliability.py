@@ -165,3 +165,25 @@ def test_out_of_memory_at_start_up_says_what_was_asked_and_what_fits(monkeypatch
                                           r"need [\d.]+ GiB on each device, [\d.]+ MiB per page"
                                           r".*lower EngineConfig.max_kv_tokens"):
         Engine(model, EngineConfig(page_size=16, max_kv_tokens=2048))
+
+
+def test_dropping_the_prefix_cache_frees_cached_pages_and_forgets_their_prefixes():
+    from medha_jax.kv_cache.allocator import BlockAllocator
+
+    for shards in (1, 2):
+        allocator = BlockAllocator(8, 4, num_shards=shards, max_tokens_per_shard=16)
+        tokens = list(range(13))
+        allocator.allocate("a", tokens)
+        assert allocator.reserve("a", 13)
+        allocator.commit("a", tokens, 13)
+        with pytest.raises(ValueError, match="1 requests still hold pages"):
+            allocator.drop_prefix_cache()
+        allocator.free("a")
+        assert allocator.num_cached_pages == 3
+        allocator.drop_prefix_cache()
+        assert allocator.num_cached_pages == 0
+        assert allocator.num_free_pages == allocator.num_pages
+        assert allocator.allocate("b", tokens) == 0          # nothing is reused
+        assert allocator.reserve("b", 16)                     # the freed pages serve again
+        allocator.free("b")
+        assert allocator.num_free_pages == allocator.num_pages
