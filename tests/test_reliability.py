@@ -187,3 +187,14 @@ def test_dropping_the_prefix_cache_frees_cached_pages_and_forgets_their_prefixes
         assert allocator.reserve("b", 16)                     # the freed pages serve again
         allocator.free("b")
         assert allocator.num_free_pages == allocator.num_pages
+
+
+def test_the_out_of_memory_message_says_how_many_pages_fit():
+    from medha_jax.engine.engine import kv_cache_oom_message
+
+    model = load_model("tiny")
+    shape, _ = model.kv_cache_sharding(128, 16)
+    per_page = 2 * 4 * shape[0] * shape[2] * shape[3] * shape[4]       # float32 K and V
+    message = kv_cache_oom_message(model, 128, 16, memory_stats={
+        "bytes_limit": 100 * per_page + 2**20, "bytes_in_use": 2**20 + per_page // 2})
+    assert "room for about 99 pages per device" in message

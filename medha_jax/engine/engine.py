@@ -247,14 +247,16 @@ class Engine:
             raise MemoryError(kv_cache_oom_message(self.model, pages, page_size)) from e
 
 
-def kv_cache_oom_message(model: Model, num_pages: int, page_size: int) -> str:
-    """What a KV cache of `num_pages` pages asks of each device and how many pages fit."""
+def kv_cache_oom_message(model: Model, num_pages: int, page_size: int,
+                         memory_stats: dict | None = None) -> str:
+    """What a KV cache of `num_pages` pages asks of each device and how many pages fit
+    (from `memory_stats`, by default the first device's; the CPU reports none)."""
     shape, sharding = model.kv_cache_sharding(num_pages, page_size)
     shard_shape = sharding.shard_shape(shape)
     itemsize = np.dtype(numpy_dtype(model.config.dtype)).itemsize
     per_device = 2 * itemsize * math.prod(shard_shape)             # K and V
     per_page = per_device / shard_shape[1]                         # [1]: pages on a device
-    stats = model.mesh.devices.flat[0].memory_stats() or {}        # None on the CPU
+    stats = memory_stats or model.mesh.devices.flat[0].memory_stats() or {}
     limit, in_use = stats.get("bytes_limit"), stats.get("bytes_in_use", 0)
     fits = ""
     if limit is not None:
