@@ -118,7 +118,9 @@ def prompt_token_ids(prompt: Prompt, *, tokenizer, vocab_size: int, model_name: 
         elif isinstance(prompt, np.ndarray) and prompt.ndim != 1:
             raise ValueError(f"prompt: a numpy prompt must be 1-D token ids, got shape "
                              f"{prompt.shape}")
-        if not isinstance(prompt, Iterable) or isinstance(prompt, (bytes, bytearray)):
+        # Sets and mappings iterate, but in no order a prompt could mean.
+        if not isinstance(prompt, Iterable) or isinstance(
+                prompt, (bytes, bytearray, set, frozenset, dict)):
             raise TypeError(f"prompt must be a str or a list of token ids, "
                             f"got {type(prompt).__name__}")
         ids = []

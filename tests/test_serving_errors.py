@@ -38,6 +38,7 @@ def expect_bystanders_unharmed(server, reference, submit_bad):
     ([1, -1], GREEDY, ValueError, r"prompt\[1\] = -1"),
     ([1, "x"], GREEDY, ValueError, r"prompt\[1\] must be an int"),
     (b"bytes", GREEDY, TypeError, "prompt must be a str or a list of token ids"),
+    ({1, 2}, GREEDY, TypeError, "prompt must be a str or a list of token ids, got set"),
     (list(range(250)), GREEDY, ValueError, "max_model_len=256"),           # 250 + 12 > 256
     ([1] * 300, GREEDY, ValueError, "max_model_len=256"),
     ([1, 2], SamplingParams(max_tokens=300), ValueError, "max_tokens=300"),
