@@ -152,8 +152,14 @@ def test_recovery_is_a_no_op_when_the_cache_is_intact(faulty_server):
     assert server.engine.kv_cache is cache
 
 
-def test_out_of_memory_at_start_up_says_what_was_asked_and_what_fits(monkeypatch):
-    model = load_model("tiny")
+@pytest.fixture(scope="module")
+def tiny(faulty_server):
+    """The served model (loading another costs seconds); tests patch only their own use."""
+    return faulty_server[0].model
+
+
+def test_out_of_memory_at_start_up_says_what_was_asked_and_what_fits(tiny, monkeypatch):
+    model = tiny
 
     def exhausted(num_pages, page_size):
         raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to "
@@ -189,10 +195,10 @@ def test_dropping_the_prefix_cache_frees_cached_pages_and_forgets_their_prefixes
         assert allocator.num_free_pages == allocator.num_pages
 
 
-def test_the_out_of_memory_message_says_how_many_pages_fit():
+def test_the_out_of_memory_message_says_how_many_pages_fit(tiny):
     from medha_jax.engine.engine import kv_cache_oom_message
 
-    model = load_model("tiny")
+    model = tiny
     shape, _ = model.kv_cache_sharding(128, 16)
     per_page = 2 * 4 * shape[0] * shape[2] * shape[3] * shape[4]       # float32 K and V
     message = kv_cache_oom_message(model, 128, 16, memory_stats={
