@@ -13,7 +13,11 @@ end of sequence and max_tokens), final outputs, Prometheus metrics. An engine wi
 
 Failure containment: an exception in dispatching or collecting a batch, or in applying
 its result, fails only that batch's requests (FinishReason.ERROR, the error named) and
-the loop keeps serving the rest. One in the scheduler itself may have left any request half-updated, so it
+the loop keeps serving the rest. When the step failed on the device, the donated KV cache
+went with it: the engine rebuilds it, the batches still in flight behind it (which read
+the lost cache) are dropped unapplied, and every other request holding pages is
+preempted for recompute from its tokens (`Engine.recover_kv_cache`,
+`InFlightRunner.abandon`, `ReplicaController.preempt_all`). One in the scheduler itself may have left any request half-updated, so it
 fails every request in flight; so does a bug anywhere else in an iteration, rather than
 leave callers waiting on a dead thread.
 """
@@ -118,6 +122,8 @@ class ServingLoop:
                 self._add(arg)
             else:
                 self._end(arg, FinishReason.CANCELLED)
+        if commands:
+            self._observe_state()     # the gauges are fresh even when no step follows
         if closing and not (drain and controller.has_unfinished()):
             # No add can follow: add() checks _closing under the lock that took `commands`.
             for request_id in list(self._streams):
@@ -151,6 +157,7 @@ class ServingLoop:
             failed = _request_ids(e.batch)
             logger.error("step failed; failing requests %s", failed, exc_info=e.cause)
             self._fail(failed, f"step failed: {e}")
+            self._recover_kv_cache()
             return True
         except Exception as e:
             logger.exception("scheduling failed; failing every request in flight")
@@ -165,6 +172,18 @@ class ServingLoop:
                 self._deliver(stream, update.new_token_ids, update.finished)
         self._observe_state()
         return True
+
+    def _recover_kv_cache(self) -> None:
+        """After a failed step: when it lost the device's KV cache (an error on the device
+        poisons the donated cache), the engine rebuilds it and every other request holding
+        pages is recomputed from its tokens, so nothing else is lost."""
+        recover = getattr(self.engine, "recover_kv_cache", None)
+        if recover is not None and recover():
+            self.runner.abandon()
+            preempted = self.controller.preempt_all()
+            logger.warning("the KV cache was lost and rebuilt; %d requests are recomputed",
+                           preempted)
+        self._observe_state()
 
     def _deliver(self, stream: RequestStream, new_token_ids: tuple[int, ...],
                  finished: bool) -> None:

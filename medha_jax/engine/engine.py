@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import math
 import time
 
 import jax
@@ -30,6 +31,7 @@ from medha_jax.engine.step_inputs import StepInputs, build_step_inputs, unpack_i
 from medha_jax.kv_cache.allocator import BlockAllocator
 from medha_jax.model import AttentionMetadata, KVCache
 from medha_jax.model.attention import num_kv_shards
+from medha_jax.model.llama import numpy_dtype
 from medha_jax.model.loading import Model
 from medha_jax.model.stages import num_stages, split_stages
 from medha_jax.request import Batch, StepResult
@@ -148,8 +150,7 @@ class Engine:
         self.max_in_flight = config.max_batches_in_flight or self.num_stages
         if self.num_stages == 1:
             self.pipeline = None
-            self.kv_cache = model.new_kv_cache(self.num_kv_shards * config.total_pages,
-                                               config.page_size)
+            self.kv_cache = self._new_kv_cache()
         else:
             # Each stage owns its layers' weights and cache; the engine holds no whole cache.
             self.pipeline = PipelinedStep(split_stages(model),
@@ -288,3 +289,71 @@ class Engine:
             self._device_idle_since = end
         self.step_records.append((features, seconds))
         return StepResult(sampled_token_ids=sampled, duration_s=seconds)
+
+    # -- recovery after a failed step ------------------------------------------------
+
+    def recover_kv_cache(self) -> bool:
+        """Called after a step raised: rebuilds the KV cache when that step lost it.
+
+        The cache is donated to the step, so once a step was dispatched its input buffers
+        are gone, and an error raised on the device (it surfaces only when the tokens are
+        read back, after `kv_cache` was rebound to the step's outputs) leaves outputs that
+        carry the error: every later step would fail on them. A failure on the host before
+        the dispatch leaves the cache intact. Returns True when the cache was rebuilt
+        (fresh zeroed buffers, same shapes and shardings): its contents are lost, so the
+        caller must recompute every request from its tokens and drop the prefix cache
+        (`ReplicaController.preempt_all`).
+        """
+        caches = [self.kv_cache] if self.pipeline is None else self.pipeline.kv_caches
+        leaves = jax.tree.leaves(caches)
+        try:
+            if any(leaf.is_deleted() for leaf in leaves):
+                raise RuntimeError("the KV cache was donated to a step that failed")
+            jax.block_until_ready(leaves)          # raises when a step's error poisoned it
+            return False
+        except Exception:
+            for leaf in leaves:                    # free the old buffers before the new ones
+                if not leaf.is_deleted():
+                    leaf.delete()
+            if self.pipeline is None:
+                self.kv_cache = self._new_kv_cache()
+            else:
+                self.pipeline.reset_kv_caches()
+            # Steps still in flight read the lost cache: the caller drops them unapplied.
+            self._num_dispatched = 0
+            self._device_idle_since = time.perf_counter()
+            self._idle_host_seconds = 0.0
+            return True
+
+    def _new_kv_cache(self) -> KVCache:
+        """A zeroed cache of every KV shard's pages; out of memory says what was asked
+        for and what fits."""
+        pages, page_size = self.num_kv_shards * self.config.total_pages, self.config.page_size
+        try:
+            return self.model.new_kv_cache(pages, page_size)
+        except Exception as e:
+            if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
+                raise
+            raise MemoryError(kv_cache_oom_message(self.model, pages, page_size)) from e
+
+
+def kv_cache_oom_message(model: Model, num_pages: int, page_size: int,
+                         memory_stats: dict | None = None) -> str:
+    """What a KV cache of `num_pages` pages asks of each device and how many pages fit
+    (from `memory_stats`, by default the first device's; the CPU reports none)."""
+    shape, sharding = model.kv_cache_sharding(num_pages, page_size)
+    shard_shape = sharding.shard_shape(shape)
+    itemsize = np.dtype(numpy_dtype(model.config.dtype)).itemsize
+    per_device = 2 * itemsize * math.prod(shard_shape)             # K and V
+    per_page = per_device / shard_shape[1]                         # [1]: pages on a device
+    stats = memory_stats or model.mesh.devices.flat[0].memory_stats() or {}
+    limit, in_use = stats.get("bytes_limit"), stats.get("bytes_in_use", 0)
+    fits = ""
+    if limit is not None:
+        free = max(limit - in_use, 0)
+        fits = (f"; the device has {free / 2**30:.2f} GiB free of {limit / 2**30:.2f} GiB, "
+                f"room for about {int(free // per_page)} pages per device")
+    return (f"out of memory allocating the KV cache: {num_pages} pages of {page_size} tokens "
+            f"(shape {shape}, {model.config.dtype}) need {per_device / 2**30:.3f} GiB on each "
+            f"device, {per_page / 2**20:.3f} MiB per page{fits}; lower "
+            f"EngineConfig.max_kv_tokens or num_pages")

@@ -94,6 +94,11 @@ class PipelinedStep:
     def num_stages(self) -> int:
         return len(self.stages)
 
+    def reset_kv_caches(self) -> None:
+        """Fresh zeroed caches for every stage (after a failed step lost them)."""
+        self.kv_caches = [stage.new_kv_cache(*cache.k.shape[1:3])
+                          for stage, cache in zip(self.stages, self.kv_caches)]
+
     # -- compilation ---------------------------------------------------------------
 
     def _stage_args(self, s: int, hidden, packed) -> tuple:

@@ -17,9 +17,10 @@ discards, so padding never touches a real page.
 
 Sampling keys: the key of a request's n-th output token is a function of (seed, n) only,
 so a request samples the same tokens whatever batch it lands in. A request's seed is
-SamplingParams.seed when given; otherwise Python's `hash(request_id)`, which is stable
-for the life of the process (tokens do not change with batching or preemption) but
-differs between processes (PYTHONHASHSEED), as an unseeded request should.
+SamplingParams.seed when given; otherwise a fresh random one drawn the first time the
+request is stepped and kept for its life (`request_seed`), so its tokens do not change
+with batching or preemption, and no two unseeded requests share a stream (a reused
+request id does not replay one).
 
 The target is well under 1 ms for a few hundred sequences: the per-sequence Python work
 is a handful of list appends, everything per token or per page is vectorised numpy, and
@@ -38,6 +39,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import secrets
+import weakref
 
 import numpy as np
 
@@ -46,6 +49,18 @@ from medha_jax.kv_cache.allocator import BlockAllocator
 from medha_jax.request import Batch
 
 _UINT64_MASK = (1 << 64) - 1
+# The drawn seeds of unseeded requests, for as long as each Request object lives.
+_DRAWN_SEEDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def request_seed(request) -> int:
+    """The request's sampling seed: SamplingParams.seed, else one drawn for it at random."""
+    if request.sampling.seed is not None:
+        return request.sampling.seed
+    seed = _DRAWN_SEEDS.get(request)
+    if seed is None:
+        seed = _DRAWN_SEEDS[request] = secrets.randbits(64)
+    return seed
 
 # The packed fields, in packing order.
 _PACKED_INT32 = ("token_ids", "positions", "slot_mapping", "cu_q_lens", "kv_lens", "page_table",
@@ -224,7 +239,7 @@ def build_step_inputs(batch: Batch, allocator: BlockAllocator, ladder: BucketLad
         temperature.append(params.temperature)
         top_k.append(params.top_k)
         top_p.append(params.top_p)
-        seed = hash(request_id) if params.seed is None else params.seed
+        seed = request_seed(request) if params.seed is None else params.seed
         seeds.append(seed & _UINT64_MASK)
         request_ids.append(request_id)
 

@@ -186,6 +186,27 @@ class ReplicaController:
         request.finish_time = now
         self.finished[rid] = request
 
+    def preempt_all(self) -> int:
+        """After the KV cache's contents were lost (a step failed on the device and the
+        engine rebuilt the cache): every request holding pages is preempted for recompute
+        from its tokens (it keeps its output), and the prefix cache, whose pages pointed
+        into the lost cache, is dropped. Batches still in flight read the lost cache too:
+        finish their requests (or drop those batches unapplied) first; any left are
+        preempted here and their batches must not be update()d. Returns how many requests
+        were preempted."""
+        running = list(self._running.values())
+        self._in_flight.clear()
+        for request in running:
+            self._preempt(request)
+        for request in self._requests.values():
+            # Registered during packing but not yet running: its pages are gone too.
+            if self.kv.has(request.request_id):
+                self.kv.release(request.request_id)
+                request.num_computed_tokens = request.num_cached_tokens = 0
+                self._prefills.update(request)
+        self.kv.drop_prefix_cache()
+        return len(running)
+
     # -------------------------------------------------------------------- steps
 
     def schedule(self) -> Batch:

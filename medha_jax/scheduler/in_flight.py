@@ -90,6 +90,14 @@ class InFlightRunner:
             pass
         return self.collect_oldest() if self._pending else None
 
+    def abandon(self) -> list[Batch]:
+        """Drops every batch in flight unapplied (their results are lost: the cache they
+        read was lost with a failed step); the caller preempts their requests
+        (ReplicaController.preempt_all). Returns the dropped batches."""
+        dropped = [batch for batch, _ in self._pending]
+        self._pending.clear()
+        return dropped
+
     def drain(self) -> list[Collected]:
         """Collects every batch in flight without dispatching more."""
         return [self.collect_oldest() for _ in range(len(self._pending))]
