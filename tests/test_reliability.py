@@ -94,10 +94,10 @@ def test_a_step_failing_on_the_device_fails_only_its_batch(faulty_server):
     assert server.engine.allocator.num_cached_pages > 0
 
     engine, controller = server.engine, server.controller
-    real_execute = engine.execute
+    real_dispatch = engine.dispatch
     long_started, seen = threading.Event(), {}
 
-    def execute(batch):
+    def dispatch(batch):
         # Arms the fault for the first step that leaves out a request holding pages (the
         # long prompt, half prefilled, overtaken by more urgent ones); the fault itself
         # fires on the device.
@@ -107,11 +107,11 @@ def test_a_step_failing_on_the_device_fails_only_its_batch(faulty_server):
         if not seen and holding - in_batch:
             fault.armed.set()
             seen.update(batch=in_batch, holding=holding)
-        result = real_execute(batch)
+        pending = real_dispatch(batch)
         long_started.set()
-        return result
+        return pending
 
-    engine.execute = execute
+    engine.dispatch = dispatch
     try:
         # The long prompt starts alone, in the lowest priority class: the others, more
         # urgent, overtake it once its first chunk ran.
@@ -122,7 +122,7 @@ def test_a_step_failing_on_the_device_fails_only_its_batch(faulty_server):
         outputs = {p: h.result(timeout=120) for p, h in handles.items()}
         seeded_out = seeded.result(timeout=120)
     finally:
-        del engine.execute
+        del engine.dispatch
     assert fault.fired == 1
     failing = seen["batch"]
     survivors_holding_pages = seen["holding"] - failing
