@@ -123,7 +123,8 @@ def load_model(model: str | os.PathLike | Model = DEFAULT_MODEL, *,
     embedded SmolLM2-135M-Instruct GGUF), a Hugging Face checkpoint directory, or a .gguf
     file. dtype: by default the checkpoint's (the preset's) own dtype on GPU and TPU and
     float32 on the CPU. attention_impl: "auto" (chosen per back-end now, and said),
-    "xla", "pallas" or "interpret". `rules` decide every sharding, the kernels' included.
+    "xla", "pallas", "interpret", "pallas-tpu" or "interpret-tpu". `rules` decide every
+    sharding, the kernels' included.
     With verbose, one line says the dtype and attention implementation chosen.
     """
     if isinstance(model, Model):
