@@ -79,31 +79,28 @@ def one_call(stub, medha_pb2, prompt: list[int], max_tokens: int, metadata) -> C
                       e2e_s=end - start, num_tokens=num_tokens)
 
 
-def run_load(address: str, *, clients: int, requests: int, duration_s: float,
-             prompt_tokens: int, max_tokens: int, vocab_size: int, token: str | None,
-             seed: int) -> tuple[list[CallRecord], float]:
-    """`clients` threads share `requests` calls (or stop at duration_s); returns records
-    and the wall time."""
+def _run_clients(address: str, *, clients: int, seconds: float, seed: int, token: str | None,
+                 call) -> tuple[list, float]:
+    """`clients` threads, each on its own channel, repeat `call(stub, medha_pb2, rng,
+    metadata)` until `seconds` pass or it returns None; returns the records and the wall
+    time."""
     import grpc
 
     from serving.proto import medha_pb2, medha_pb2_grpc
 
     metadata = (("authorization", f"Bearer {token}"),) if token else None
-    records: list[CallRecord] = []
+    records: list = []
     lock = threading.Lock()
-    issued = iter(range(requests))
-    deadline = time.perf_counter() + duration_s
+    deadline = time.perf_counter() + seconds
 
     def client(index: int) -> None:
         rng = np.random.default_rng([seed, index])
         with grpc.insecure_channel(address) as channel:
             stub = medha_pb2_grpc.MedhaStub(channel)
             while time.perf_counter() < deadline:
-                with lock:
-                    if next(issued, None) is None:
-                        return
-                prompt = rng.integers(0, vocab_size, prompt_tokens).tolist()
-                record = one_call(stub, medha_pb2, prompt, max_tokens, metadata)
+                record = call(stub, medha_pb2, rng, metadata)
+                if record is None:
+                    return
                 with lock:
                     records.append(record)
 
@@ -114,6 +111,25 @@ def run_load(address: str, *, clients: int, requests: int, duration_s: float,
     for t in threads:
         t.join()
     return records, time.perf_counter() - start
+
+
+def run_load(address: str, *, clients: int, requests: int, duration_s: float,
+             prompt_tokens: int, max_tokens: int, vocab_size: int, token: str | None,
+             seed: int) -> tuple[list[CallRecord], float]:
+    """`clients` threads share `requests` calls (or stop at duration_s); returns records
+    and the wall time."""
+    issued = iter(range(requests))
+    lock = threading.Lock()
+
+    def call(stub, medha_pb2, rng, metadata):
+        with lock:
+            if next(issued, None) is None:
+                return None
+        prompt = rng.integers(0, vocab_size, prompt_tokens).tolist()
+        return one_call(stub, medha_pb2, prompt, max_tokens, metadata)
+
+    return _run_clients(address, clients=clients, seconds=duration_s, seed=seed, token=token,
+                        call=call)
 
 
 @dataclasses.dataclass
@@ -175,31 +191,10 @@ def soak_call(stub, medha_pb2, rng: np.random.Generator, vocab_size: int, metada
 def run_soak(address: str, *, clients: int, seconds: float, vocab_size: int,
              token: str | None, seed: int) -> tuple[list[SoakRecord], float]:
     """`clients` threads issue random calls (see the module doc) until `seconds` pass."""
-    import grpc
-
-    from serving.proto import medha_pb2, medha_pb2_grpc
-
-    metadata = (("authorization", f"Bearer {token}"),) if token else None
-    records: list[SoakRecord] = []
-    lock = threading.Lock()
-    deadline = time.perf_counter() + seconds
-
-    def client(index: int) -> None:
-        rng = np.random.default_rng([seed, index])
-        with grpc.insecure_channel(address) as channel:
-            stub = medha_pb2_grpc.MedhaStub(channel)
-            while time.perf_counter() < deadline:
-                record = soak_call(stub, medha_pb2, rng, vocab_size, metadata)
-                with lock:
-                    records.append(record)
-
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
-    start = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return records, time.perf_counter() - start
+    return _run_clients(
+        address, clients=clients, seconds=seconds, seed=seed, token=token,
+        call=lambda stub, medha_pb2, rng, metadata: soak_call(stub, medha_pb2, rng, vocab_size,
+                                                              metadata))
 
 
 def summarize_soak(records: list[SoakRecord], wall_s: float) -> dict:
