@@ -22,9 +22,10 @@ from medha_jax.engine.sampler import sample
 from medha_jax.engine.step_inputs import StepInputs, build_step_inputs, unpack_int32
 from medha_jax.kv_cache.allocator import BlockAllocator
 from medha_jax.model import AttentionMetadata, KVCache
-from medha_jax.model.attention import num_kv_shards
+from medha_jax.model.attention import num_cp_ranks, num_kv_shards
 from medha_jax.model.loading import Model
 from medha_jax.request import Batch, StepResult
+from medha_jax.scheduler.cp_cost import RingCost
 from medha_jax.scheduler.predictor import BatchFeatures, batch_features
 from meshes import replicated
 
@@ -70,10 +71,10 @@ class EngineConfig:
         return self.num_pages or -(-self.max_kv_tokens // self.page_size)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "shape", "num_kv_shards"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "shape", "num_kv_shards", "cp_ranks"),
                    donate_argnames=("kv_cache",))
 def step(graphdef, state, kv_cache: KVCache, ints, floats, rng_keys, *,
-         shape: tuple[int, int, int], num_kv_shards: int = 1):
+         shape: tuple[int, int, int], num_kv_shards: int = 1, cp_ranks: int = 1):
     """One engine step: forward, last-token logits per sequence, sampling. Pure.
 
     ints: the packed int32 inputs of bucket `shape` = (T, S, W) (see StepInputs.pack);
@@ -81,7 +82,7 @@ def step(graphdef, state, kv_cache: KVCache, ints, floats, rng_keys, *,
     Returns (sampled token ids int32 [S], the updated cache). The cache is donated, so
     XLA writes the new K/V in place. Engines over the same model share jit's cache.
     """
-    x = unpack_int32(ints, shape, num_kv_shards)
+    x = unpack_int32(ints, shape, num_kv_shards, cp_ranks)
     meta = AttentionMetadata.of(x)
     module = nnx.merge(graphdef, state)
     hidden, kv_cache = module(x["token_ids"], x["positions"], kv_cache, meta)
@@ -98,8 +99,12 @@ class Engine:
         self.model = model
         self.config = config
         self.num_kv_shards = num_kv_shards(model.layout)
-        self.allocator = BlockAllocator(config.total_pages, config.page_size,
-                                        num_shards=self.num_kv_shards,
+        # cp: one pool of pages of cp * page_size tokens, one page on every rank (cp_layout).
+        self.cp_ranks = num_cp_ranks(model.layout)
+        self.ring_cost = RingCost.create(model.config, num_ranks=self.cp_ranks) \
+            if self.cp_ranks > 1 else None
+        self.allocator = BlockAllocator(config.total_pages, config.page_size * self.cp_ranks,
+                                        num_shards=self.num_kv_shards // self.cp_ranks,
                                         max_tokens_per_shard=config.max_tokens_per_kvp_group,
                                         enable_prefix_caching=config.enable_prefix_caching)
         self.max_model_len = min(config.max_model_len or model.config.max_position_embeddings,
@@ -136,10 +141,11 @@ class Engine:
 
     def _compile(self, shape: tuple[int, int, int]) -> jax.stages.Compiled:
         """The one way a step shape is compiled: ahead of time, into `executables`."""
-        inputs = StepInputs.padding(shape, self.pad_slot, self.num_kv_shards)
+        inputs = StepInputs.padding(shape, self.pad_slot, self.num_kv_shards, self.cp_ranks)
         with jax.set_mesh(self.model.mesh):
             executable = step.lower(*self.step_args(inputs), shape=shape,
-                                    num_kv_shards=self.num_kv_shards).compile()
+                                    num_kv_shards=self.num_kv_shards,
+                                    cp_ranks=self.cp_ranks).compile()
         self.executables[shape] = executable
         return executable
 
@@ -187,7 +193,8 @@ class Engine:
 
     def execute(self, batch: Batch) -> StepResult:
         start = time.perf_counter()
-        inputs = build_step_inputs(batch, self.allocator, self.ladder, pad_slot=self.pad_slot)
+        inputs = build_step_inputs(batch, self.allocator, self.ladder, pad_slot=self.pad_slot,
+                                   cp_ranks=self.cp_ranks, ring_cost=self.ring_cost)
         shape = inputs.padded_shape
         executable = self.executable(shape)
         args = self.step_args(inputs)
