@@ -17,8 +17,9 @@ Three parts, three tables, the measured one last:
     Seed 000 reports SPP 1.64x faster than CP at 1M for Llama-3 8B.
 (c) measured on this machine (virtual CPU devices, tiny model): the bytes one rank sends in
     one ring step of one layer for each variant, read from the optimized HLO of a ring step
-    (the collective-permutes of each branch), and pass-Q's All2All; next to RingCost's
-    formula for the same step. The pass-KV message carries the rank's cached pages of the
+    (the collective-permutes of each branch), and pass-Q's All2All (its HLO result, which
+    includes the rank's own slot: N / (N - 1) of what it sends); next to RingCost's formula
+    for the same step. The pass-KV message carries the rank's cached pages of the
     step's sequences padded to the page-table width (the equal-size messages of seed 002
     section 3.5.2) and the new tokens' sequence ids and positions.
 """
@@ -172,7 +173,8 @@ def measured(args) -> list[dict]:
             rows.append({"ranks": ranks, "variant": variant, "new_tokens": ranks * rank_tokens,
                          "cached_tokens": cached, "ring_step_bytes": step_b,
                          "formula_step_bytes": int(formula_step_b),
-                         "all2all_bytes": a2a_b, "formula_all2all_bytes": int(formula_a2a_b)})
+                         "all2all_result_bytes": a2a_b,
+                         "formula_all2all_sent_bytes": int(formula_a2a_b)})
     return rows
 
 

@@ -1,6 +1,8 @@
 """Context parallelism (seed 002): a step's tokens split over cp ranks, ring pass-KV and
 pass-Q attention, each rank's K/V in its own pages; exact against one device."""
 
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -18,10 +20,16 @@ CP_MESHES = [ParallelConfig(cp=2), ParallelConfig(cp=4), ParallelConfig(cp=8),
 CHUNKS = [96, 96, 10, 2, 1, 1, 1]
 
 
+@functools.cache
+def tiny(parallel=ParallelConfig()):
+    """One loaded tiny model per mesh for the whole module (loading compiles)."""
+    return load_model("tiny", parallel=parallel, verbose=False)
+
+
 @pytest.fixture(scope="module")
 def prompt_and_logits():
     ids = np.random.default_rng(14).integers(0, 256, size=sum(CHUNKS)).tolist()
-    return ids, load_model("tiny", verbose=False).logits(ids)
+    return ids, tiny().logits(ids)
 
 
 def test_the_heuristic_picks_both_variants_over_these_chunks():
@@ -37,7 +45,7 @@ def test_the_heuristic_picks_both_variants_over_these_chunks():
 def test_logits_equal_one_device_for_both_variants_and_the_heuristic(prompt_and_logits,
                                                                      parallel):
     ids, expected = prompt_and_logits
-    model = load_model("tiny", parallel=parallel, verbose=False)
+    model = tiny(parallel)
     for variant in ("kv", "q", "auto"):
         got = model.logits(ids, chunk_sizes=CHUNKS, cp_variant=variant)
         np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0, err_msg=variant)
@@ -95,9 +103,8 @@ def test_a_batch_fusing_sequences_of_different_lengths_equals_one_device():
     parallel = ParallelConfig(cp=4)
     rng = np.random.default_rng(15)
     prompts = [rng.integers(0, 256, n).tolist() for n in (41, 60, 14)]
-    one = load_model("tiny", verbose=False)
-    expected = [one.logits(p) for p in prompts]
-    model = load_model("tiny", parallel=parallel, verbose=False)
+    expected = [tiny().logits(p) for p in prompts]
+    model = tiny(parallel)
     # Three prefills of different lengths fused; then a decode, a partial prefill over a
     # 30-token cache and another decode in one step; then two decodes.
     steps = [[(0, 40), (1, 30), (2, 13)], [(0, 1), (1, 29), (2, 1)], [(1, 1)]]
@@ -111,7 +118,7 @@ def test_a_batch_fusing_sequences_of_different_lengths_equals_one_device():
 # ------------------------------------------------------------------------- what is moved
 
 def ring_step_hlo(parallel, rank_tokens=16, pages=4):
-    model = load_model("tiny", parallel=parallel, verbose=False)
+    model = tiny(parallel)
     ranks = parallel.cp
     chunk = cp_layout.CpChunk(start=0, offsets=cp_layout.balanced_offsets(ranks * rank_tokens,
                                                                           ranks),
@@ -193,7 +200,7 @@ def test_kv_bytes_per_device_shrink_with_cp():
     for cp in (1, 4):
         _, held = cp_layout.plan_sequence(chunks, cp)
         assert held.sum() == sum(chunks)
-        model = load_model("tiny", parallel=ParallelConfig(cp=cp), verbose=False)
+        model = tiny(ParallelConfig(cp=cp))
         pages = -(-int(held.max()) // 16)
         cache = model.new_kv_cache(cp * pages, 16)
         per_device[cp] = cache.k.addressable_shards[0].data.nbytes
@@ -225,9 +232,8 @@ def test_engine_tokens_equal_one_device_with_prefix_reuse(cp):
                "long": rng.integers(0, 256, 100).tolist(),
                "shared": shared + rng.integers(0, 256, 30).tolist(),
                "shared-again": shared + rng.integers(0, 256, 25).tolist()}
-    one_device = load_model("tiny", verbose=False)
-    reference = {rid: greedy_with_logits(one_device, p, 5) for rid, p in prompts.items()}
-    model = load_model("tiny", parallel=ParallelConfig(cp=cp), verbose=False)
+    reference = {rid: greedy_with_logits(tiny(), p, 5) for rid, p in prompts.items()}
+    model = tiny(ParallelConfig(cp=cp))
     engine = Engine(model, EngineConfig(page_size=16, num_pages=16, max_tokens_per_step=64,
                                         max_seqs=8))
     assert engine.allocator.page_size == 16 * cp          # one 16-token page on every rank
