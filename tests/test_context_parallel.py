@@ -248,3 +248,13 @@ def test_engine_tokens_equal_one_device_with_prefix_reuse(cp):
     assert done == reference
     assert reused["shared-again"] == 64                   # the shared prefix's full pages
     assert engine.allocator.num_free_pages == engine.allocator.num_pages
+
+
+def test_the_engines_placement_is_a_zigzag_per_window_and_counts_what_each_rank_cached():
+    ranks, page = 4, 16
+    stripes = cp_layout.rank_of_position(np.arange(0, 2 * ranks * page, page), ranks, page)
+    assert stripes.tolist() == [0, 1, 2, 3, 3, 2, 1, 0]     # stripes i and 2N-1-i on rank i
+    for start in range(0, 300, 7):
+        held = np.bincount(cp_layout.rank_of_position(np.arange(start), ranks, page),
+                           minlength=ranks)
+        assert cp_layout.cached_on_rank(start, ranks, page).tolist() == held.tolist()
