@@ -190,6 +190,11 @@ def test_bytes_per_ring_step_are_the_blocks_of_each_variant():
     cached_block = 4 * 16 * 2 * 16 * 4            # one rank's pages of the sequence (W=4)
     q_block = 16 * 8 * 16 * 4
     assert kv_block in permutes and cached_block in permutes and q_block in permutes
+    # Linear layers run on each rank's own 16 tokens: the MLP's [tokens, 128] activations
+    # are [16, 128] on a device, never the step's [32, 128].
+    shapes = {i.shape.split("{")[0] for instrs in hlo.scheduled_instructions(text).values()
+              for i in instrs}
+    assert "f32[16,128]" in shapes and "f32[32,128]" not in shapes
     all_to_all = [c for c in found if c.op == "all-to-all"]
     # pass-Q returns [ranks, tokens, heads, head_dim] outputs and [ranks, tokens, heads] LSEs.
     assert sum(c.bytes for c in all_to_all) == 2 * 16 * 8 * (16 + 1) * 4
