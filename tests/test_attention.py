@@ -62,7 +62,7 @@ def test_pallas_kernel_under_shard_map_matches_one_device(one_device_logits, par
     model = load_model("tiny", parallel=parallel, attention_impl="interpret", verbose=False)
     assert model.layout.attention_impl == "interpret"
     maps = shard_maps(model)
-    assert maps and maps[0][0][0] == P(None, "tp", None)     # heads split over tp
+    assert maps and maps[0][0][0] == P("cp", "tp", None)     # heads split over tp
     # The Pallas kernel itself is called inside the per-device body, not a jnp fallback
     # (deleting the kernel call in pallas_kernels/attention.py makes this fail).
     assert all("pallas_call" in body for _, body in maps), [sorted(b) for _, b in maps]
@@ -77,10 +77,10 @@ def test_shard_map_specs_come_from_the_models_rules(one_device_logits):
     model = load_model("tiny", parallel=ParallelConfig(tp=2), rules=rules, verbose=False)
     assert model.layout.rules == rules
     q_spec, k_spec = shard_map_specs(model)[0][:2]
-    assert q_spec == k_spec == P(None, None, None)
+    assert q_spec == k_spec == P("cp", None, None)
     default_specs = shard_map_specs(load_model("tiny", parallel=ParallelConfig(tp=2),
                                                verbose=False))[0]
-    assert default_specs[0] == P(None, "tp", None)
+    assert default_specs[0] == P("cp", "tp", None)
     np.testing.assert_allclose(model.logits(ids), expected, atol=2e-5, rtol=0)
 
 

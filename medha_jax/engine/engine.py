@@ -30,11 +30,12 @@ from medha_jax.engine.sampler import sample
 from medha_jax.engine.step_inputs import StepInputs, build_step_inputs, unpack_int32
 from medha_jax.kv_cache.allocator import BlockAllocator
 from medha_jax.model import AttentionMetadata, KVCache
-from medha_jax.model.attention import num_kv_shards
+from medha_jax.model.attention import num_cp_ranks, num_kv_shards
 from medha_jax.model.llama import numpy_dtype
 from medha_jax.model.loading import Model
 from medha_jax.model.stages import num_stages, split_stages
 from medha_jax.request import Batch, StepResult
+from medha_jax.scheduler.cp_cost import RingCost
 from medha_jax.scheduler.predictor import BatchFeatures, batch_features
 from meshes import replicated
 
@@ -88,10 +89,10 @@ class EngineConfig:
         return self.num_pages or -(-self.max_kv_tokens // self.page_size)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "shape", "num_kv_shards"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "shape", "num_kv_shards", "cp_ranks"),
                    donate_argnames=("kv_cache",))
 def step(graphdef, state, kv_cache: KVCache, ints, floats, rng_keys, *,
-         shape: tuple[int, int, int], num_kv_shards: int = 1):
+         shape: tuple[int, int, int], num_kv_shards: int = 1, cp_ranks: int = 1):
     """One engine step: forward, last-token logits per sequence, sampling. Pure.
 
     ints: the packed int32 inputs of bucket `shape` = (T, S, W) (see StepInputs.pack);
@@ -99,7 +100,7 @@ def step(graphdef, state, kv_cache: KVCache, ints, floats, rng_keys, *,
     Returns (sampled token ids int32 [S], the updated cache). The cache is donated, so
     XLA writes the new K/V in place. Engines over the same model share jit's cache.
     """
-    x = unpack_int32(ints, shape, num_kv_shards)
+    x = unpack_int32(ints, shape, num_kv_shards, cp_ranks)
     meta = AttentionMetadata.of(x)
     module = nnx.merge(graphdef, state)
     hidden, kv_cache = module(x["token_ids"], x["positions"], kv_cache, meta)
@@ -131,8 +132,12 @@ class Engine:
         self.model = model
         self.config = config
         self.num_kv_shards = num_kv_shards(model.layout)
-        self.allocator = BlockAllocator(config.total_pages, config.page_size,
-                                        num_shards=self.num_kv_shards,
+        # cp: one pool of pages of cp * page_size tokens, one page on every rank (cp_layout).
+        self.cp_ranks = num_cp_ranks(model.layout)
+        self.ring_cost = RingCost.create(model.config, num_ranks=self.cp_ranks) \
+            if self.cp_ranks > 1 else None
+        self.allocator = BlockAllocator(config.total_pages, config.page_size * self.cp_ranks,
+                                        num_shards=self.num_kv_shards // self.cp_ranks,
                                         max_tokens_per_shard=config.max_tokens_per_kvp_group,
                                         enable_prefix_caching=config.enable_prefix_caching)
         self.max_model_len = min(config.max_model_len or model.config.max_position_embeddings,
@@ -147,6 +152,11 @@ class Engine:
         self.max_seqs = config.max_seqs
         self.pad_slot = config.total_pages * config.page_size          # one past a shard's slots
         self.num_stages = num_stages(model.mesh)
+        if self.num_stages > 1 and self.cp_ranks > 1:
+            # The stage programs take the pipeline's step inputs, which do not carry cp's
+            # per-rank token layout yet.
+            raise ValueError(f"spp={self.num_stages} with cp={self.cp_ranks} is not supported "
+                             f"yet: use spp or cp (each combines with tp and kvp)")
         self.max_in_flight = config.max_batches_in_flight or self.num_stages
         if self.num_stages == 1:
             self.pipeline = None
@@ -189,10 +199,11 @@ class Engine:
         if self.pipeline is not None:
             executable = self.executables[shape] = self.pipeline.compile(shape)
             return executable
-        inputs = StepInputs.padding(shape, self.pad_slot, self.num_kv_shards)
+        inputs = StepInputs.padding(shape, self.pad_slot, self.num_kv_shards, self.cp_ranks)
         with jax.set_mesh(self.model.mesh):
             executable = step.lower(*self.step_args(inputs), shape=shape,
-                                    num_kv_shards=self.num_kv_shards).compile()
+                                    num_kv_shards=self.num_kv_shards,
+                                    cp_ranks=self.cp_ranks).compile()
         self.executables[shape] = executable
         return executable
 
@@ -246,7 +257,8 @@ class Engine:
         spp > 1) without waiting for it. Steps run in dispatch order: each donates the
         cache the one before wrote."""
         start = time.perf_counter()
-        inputs = build_step_inputs(batch, self.allocator, self.ladder, pad_slot=self.pad_slot)
+        inputs = build_step_inputs(batch, self.allocator, self.ladder, pad_slot=self.pad_slot,
+                                   cp_ranks=self.cp_ranks, ring_cost=self.ring_cost)
         executable = self.executable(inputs.padded_shape)
         if self.pipeline is None:
             tokens, self.kv_cache = executable(*self.step_args(inputs)[1:])

@@ -31,6 +31,7 @@ import numpy as np
 from medha_jax.buckets import padded_size
 from medha_jax.config import ModelConfig, ParallelConfig
 from medha_jax.request import Batch
+from medha_jax.scheduler.cp_cost import PASS_Q, RingCost
 from medha_jax.scheduler.hardware import HardwareSpec, hardware_preset
 
 
@@ -175,7 +176,8 @@ class AnalyticalPredictor:
           (a ring all-reduce each). Queries are replicated: linear layers and the
           attention within the chunk do not shrink with kvp.
       cp  divides tokens (balanced 2N-chunk sharding): linear work and attention FLOPs
-          shrink by cp, and the ring passes the context's KV, overlapped with attention.
+          shrink by cp; the ring's transfers not hidden under attention (and pass-Q's
+          All2All) are added, for the variant Algorithm 5 picks (`cp_cost.RingCost`).
       spp the prediction is one stage's time: the layers / spp of the slowest stage and
           the hand-off of the activations to the next stage. The executors keep up to
           spp batches in flight (medha_jax.scheduler.in_flight): a prefill's chunk i+1
@@ -191,7 +193,7 @@ class AnalyticalPredictor:
     def __init__(self, model: ModelConfig, parallel: ParallelConfig = ParallelConfig(),
                  hardware: HardwareSpec | str = "h100", *, efficiency: Efficiency = Efficiency(),
                  token_buckets: Sequence[int] | None = None,
-                 kv_tokens_per_shard: int | None = None):
+                 kv_tokens_per_shard: int | None = None, cp_variant: str | None = None):
         if isinstance(hardware, str):
             hardware = hardware_preset(hardware)
         self.model, self.parallel, self.hardware = model, parallel, hardware
@@ -226,9 +228,13 @@ class AnalyticalPredictor:
         # Within-chunk traffic: Q and O read/written, K and V written, per token.
         self._chunk_io_s_per_token = \
             b * hd * (2 * m.num_heads / p.tp + 2 * m.num_kv_heads / tp_kv) * layers / p.cp / hbm_s
-        # Context parallel ring: each rank receives the other ranks' KV of the context.
-        self._ring_s_per_token = \
-            (kv_bytes_per_token * (p.cp - 1) / p.cp / link_s) if p.cp > 1 else 0.0
+        # ---- cp hook: the ring's cost and the pass-KV/pass-Q choice live in cp_cost ----
+        # cp_variant None lets Algorithm 5 choose per batch; cp_cost.PASS_KV / PASS_Q force.
+        self._cp_ring = RingCost.create(
+            m, hw, num_ranks=p.cp, tp=p.tp, spp=p.spp, attention_efficiency=eff.attention,
+            interconnect_efficiency=eff.interconnect,
+            latency_s=eff.collective_latency_s) if p.cp > 1 else None
+        self._cp_variant = cp_variant
 
         lat = eff.collective_latency_s
         # TP: two ring all-reduces of [tokens, d] per layer.
@@ -265,9 +271,10 @@ class AnalyticalPredictor:
         context = self._attn_s_per_pair * (f.sum_chunk_x_context - f.sum_chunk_sq) * shard_share
         if earlier_kv_s > context:
             context = earlier_kv_s
-        ring = self._ring_s_per_token * f.sum_context
-        if ring > context:
-            context = ring
+        if self._cp_ring is not None:                    # cp hook (see __init__)
+            variant = self._cp_variant or (
+                PASS_Q if tokens == f.seqs else self._cp_ring.choose(tokens, earlier))
+            context += self._cp_ring.exposed_s(variant, tokens, earlier)
         within = self._attn_s_per_pair * (f.sum_chunk_sq + tokens) / 2
         chunk_io = self._chunk_io_s_per_token * tokens
         if chunk_io > within:
