@@ -376,7 +376,7 @@ def run_live(args: argparse.Namespace) -> tuple[dict, dict, dict | None]:
                     progress=not args.no_progress, slo_policy=slo, prefill_time_s=cache,
                     seed=args.seed)
                 if args.mode == "validate":
-                    del engine.execute                      # drop the recording wrappers
+                    del engine.collect                      # drop the recording wrappers
                     validation = validation or {}
                     validation.setdefault(f"{qps:g}", {})[policy], simulated = check_simulator(
                         server, predictor, trace, slo=slo, measured=by_policy[policy],
@@ -439,9 +439,10 @@ def compare(measured: Sequence[LatencyRecord], simulated: Sequence[LatencyRecord
 
 
 def _record_steps(engine, controller) -> list[tuple[object, float, float]]:
-    """Wraps this engine instance's execute and the controller's schedule / update to
-    record (features, step seconds, iteration seconds) of every iteration (validation only; `del engine.execute`
-    restores the class's method, and the controller goes with its server).
+    """Wraps this engine instance's collect and the controller's schedule / update to
+    record (features, step seconds, iteration seconds) of every iteration (validation
+    only; `del engine.collect` restores the class's method, and the controller goes with
+    its server).
 
     Iteration seconds are the whole iteration as the server loop ran it - schedule, the
     step, update, streaming the tokens - whenever the loop went straight on to the next
@@ -452,7 +453,7 @@ def _record_steps(engine, controller) -> list[tuple[object, float, float]]:
     import time
 
     steps: list[tuple[object, float, float]] = []
-    execute, schedule, update = engine.execute, controller.schedule, controller.update
+    collect, schedule, update = engine.collect, controller.schedule, controller.update
     last: dict = {}         # the previous iteration: start, features, step seconds, busy
 
     def recorded_schedule():
@@ -466,8 +467,8 @@ def _record_steps(engine, controller) -> list[tuple[object, float, float]]:
             last["start"] = now
         return batch
 
-    def recorded_execute(batch):
-        result = execute(batch)
+    def recorded_collect(pending):
+        result = collect(pending)
         last["features"], last["seconds"] = engine.step_records[-1]
         return result
 
@@ -479,7 +480,7 @@ def _record_steps(engine, controller) -> list[tuple[object, float, float]]:
             last.clear()
         return updates
 
-    engine.execute = recorded_execute
+    engine.collect = recorded_collect
     controller.schedule, controller.update = recorded_schedule, recorded_update
     return steps
 

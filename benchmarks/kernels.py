@@ -4,6 +4,7 @@ cost of chunking (seed 000, section 3.1 and figure 3b).
     python -m benchmarks.kernels --quick                     # CPU: the XLA path, small sizes
     python -m benchmarks.kernels --json results/kernels.json # GPU: the Pallas kernels, 4K..1M
     python -m benchmarks.kernels --compare                   # also time the XLA path; ratio
+    python -m benchmarks.kernels --no-baselines              # skip JAX's own kernels
 
 Three measurements, each on one layer's attention (one sequence's chunk, or a decode batch):
 
@@ -19,10 +20,21 @@ Three measurements, each on one layer's attention (one sequence's chunk, or a de
   positions spread over the prompt, fitted with t(p) = a + b * p by least squares (a chunk
   step's attention is linear in its position), and the fit is summed over every chunk.
 
+Our prefill chunks run through the decode/prefill split (num_decodes=[0]: the ragged
+kernel's prefill-sized query blocks), our decodes through the decode kernel. Beside them,
+where JAX ships a kernel for the device ("baselines", on by default on a GPU or TPU):
+GPU decode `jax.experimental.pallas.ops.gpu.paged_attention` (paged) and
+`decode_attention.gqa` (contiguous K/V); TPU prefill and decode
+`pallas.ops.tpu.ragged_paged_attention`. JAX ships no paged prefill kernel for GPUs. Each
+gets its own cache layout, converted outside the timed call; speedup_vs_jax is its time
+over ours.
+
 Peaks come from medha_jax.scheduler.hardware (preset picked from the device kind, or
 --hardware). On the CPU there is no preset: absolute numbers only, fractions shown as "-".
 Times are medians over --repeats runs after a warm-up (compile) run; min and max go to the
-JSON. "auto" runs the Pallas kernel on a GPU and the XLA path on a CPU.
+JSON. "auto" runs the Pallas kernel on a GPU, the Mosaic kernel on a TPU and the XLA path
+on a CPU: on a CPU the figures are the host's jnp path (the kernels only run there in
+interpreters, whose timings mean nothing), never a device's.
 """
 
 from __future__ import annotations
@@ -147,12 +159,90 @@ def prefill_step(heads: Heads, dtype, context: int, chunk: int, *, impl: str, ke
     args = (q, k_pages, v_pages, shuffled_page_table(rng, 1, context),
             jnp.array([0, chunk], jnp.int32), jnp.array([context], jnp.int32),
             jnp.array([1], jnp.int32))
-    fn = jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=heads.head_dim ** -0.5,
-                                                   impl=impl))
-    return fn, args
+    return prefill_fn(heads, impl), args
 
 
-def run_prefill(heads, dtype, grid: Grid, impls, repeats, key, rng, log) -> list[dict]:
+# The prefill path of the decode/prefill split: a chunk-only step has no decode.
+NO_DECODES = np.zeros(1, np.int32)
+
+
+def prefill_fn(heads: Heads, impl: str):
+    return jax.jit(lambda *a: ragged_paged_attention(
+        *a, sm_scale=heads.head_dim ** -0.5, impl=impl, num_decodes=NO_DECODES))
+
+
+# ----------------------------------------------------------------------------------------
+# JAX's own kernels, side by side (each in its own cache layout, converted untimed)
+# ----------------------------------------------------------------------------------------
+
+
+def _tpu_combined_kv(k_pages, v_pages):
+    """JAX's TPU kernel cache: [pages, page_size, 2 * kv_heads, d], K even heads, V odd."""
+    pages, page_size, kv_heads, head_dim = k_pages.shape
+    return jnp.stack([k_pages, v_pages], axis=3).reshape(pages, page_size, 2 * kv_heads,
+                                                         head_dim)
+
+
+def jax_prefill_baselines(backend: str, heads: Heads) -> dict:
+    """name -> (our prefill args -> (fn, args)); none on a GPU (JAX ships no paged prefill)."""
+    if backend != "tpu":
+        return {}
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention as rpa
+
+    def tpu(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, num_seqs):
+        fn = jax.jit(lambda q, kv, kl, pt, cu, ns: rpa(q, kv, kl, pt, cu, ns,
+                                                       sm_scale=heads.head_dim ** -0.5))
+        return fn, (q, _tpu_combined_kv(k_pages, v_pages), kv_lens, page_table, cu_q_lens,
+                    num_seqs)
+    return {"jax-tpu-ragged": tpu}
+
+
+def jax_decode_baselines(backend: str, heads: Heads) -> dict:
+    """name -> (our decode args -> (fn, args))."""
+    sm_scale = heads.head_dim ** -0.5
+    if backend == "tpu":
+        from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention as rpa
+
+        def tpu(q, k_pages, v_pages, page_table, kv_lens):
+            seqs = q.shape[0]
+            fn = jax.jit(lambda q, kv, kl, pt, cu, ns: rpa(q, kv, kl, pt, cu, ns,
+                                                           sm_scale=sm_scale))
+            return fn, (q, _tpu_combined_kv(k_pages, v_pages), kv_lens, page_table,
+                        jnp.arange(seqs + 1, dtype=jnp.int32), jnp.array([seqs], jnp.int32))
+        return {"jax-tpu-ragged": tpu}
+    if backend not in ("gpu", "cuda", "rocm"):
+        return {}
+    from jax.experimental.pallas.ops.gpu import decode_attention, paged_attention
+
+    def paged(q, k_pages, v_pages, page_table, kv_lens):
+        # Its kernel takes unscaled q (no sm_scale argument): scale q, untimed.
+        fn = jax.jit(lambda q, k, v, pt, kl: paged_attention.paged_attention(q, k, v, pt, kl))
+        return fn, ((q * sm_scale).astype(q.dtype), k_pages.transpose(2, 0, 1, 3),
+                    v_pages.transpose(2, 0, 1, 3), page_table, kv_lens)
+
+    def contiguous(q, k_pages, v_pages, page_table, kv_lens):
+        seqs = q.shape[0]
+        gather = lambda pages: pages[page_table].reshape(seqs, -1, *pages.shape[2:])
+        fn = jax.jit(lambda q, k, v, kl: decode_attention.gqa(q, k, v, kv_seq_len=kl,
+                                                              sm_scale=sm_scale))
+        return fn, (q, gather(k_pages), gather(v_pages), kv_lens)
+    return {"jax-gpu-paged": paged, "jax-gpu-gqa-contiguous": contiguous}
+
+
+def time_baselines(row: dict, baselines: dict, ours: tuple, repeats: int, log) -> None:
+    """Times each baseline on our inputs into row[name]; a failure is logged, not fatal
+    (a shipped kernel may not support a shape), and recorded as {"error": ...}."""
+    for name, make in baselines.items():
+        try:
+            fn, args = make(*ours)
+            row[name] = time_call(fn, args, repeats)
+        except Exception as e:  # noqa: BLE001 - reported in the table and JSON
+            row[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+            log(f"  {name}: {row[name]['error']}")
+
+
+def run_prefill(heads, dtype, grid: Grid, impls, repeats, key, rng, log,
+                baselines=None) -> list[dict]:
     itemsize = jnp.dtype(dtype).itemsize
     rows = []
     for context in grid.contexts:
@@ -169,14 +259,16 @@ def run_prefill(heads, dtype, grid: Grid, impls, repeats, key, rng, log) -> list
             for impl in impls:
                 fn, args = prefill_step(heads, dtype, context, chunk, impl=impl, key=key, rng=rng)
                 row[impl] = time_call(fn, args, repeats)
-                del fn, args
+            time_baselines(row, baselines or {}, args, repeats, log)
+            del fn, args
             rows.append(row)
             log(f"prefill context={context} chunk={chunk}: "
                 f"{row[impls[0]]['time_s'] * 1e3:.3f} ms")
     return rows
 
 
-def run_decode(heads, dtype, grid: Grid, impls, repeats, key, rng, log) -> list[dict]:
+def run_decode(heads, dtype, grid: Grid, impls, repeats, key, rng, log,
+               baselines=None) -> list[dict]:
     itemsize = jnp.dtype(dtype).itemsize
     rows = []
     for context in grid.decode_contexts:
@@ -198,6 +290,7 @@ def run_decode(heads, dtype, grid: Grid, impls, repeats, key, rng, log) -> list[
                 fn = jax.jit(lambda *a, impl=impl: decode_attention(
                     *a, sm_scale=heads.head_dim ** -0.5, impl=impl))
                 row[impl] = time_call(fn, args, repeats)
+            time_baselines(row, baselines or {}, args, repeats, log)
             del k_pages, v_pages, args
             rows.append(row)
             log(f"decode context={context} batch={batch}: "
@@ -219,8 +312,7 @@ def run_chunking_overhead(heads, dtype, grid: Grid, impl, repeats, key, rng, log
     for chunk in chunk_sizes:
         q = jax.random.normal(jax.random.fold_in(key, chunk),
                               (chunk, heads.q_heads, heads.head_dim), dtype)
-        fn = jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=heads.head_dim ** -0.5,
-                                                       impl=impl))
+        fn = prefill_fn(heads, impl)
         starts = sorted({int(p) // chunk * chunk
                          for p in np.linspace(0, n - chunk, grid.overhead_positions)})
         samples = []
@@ -261,7 +353,8 @@ def hardware_for(device_kind: str, name: str | None):
     return None
 
 
-def summarize(rows: list[dict], impl: str, hardware, compare: str | None) -> dict[str, dict]:
+def summarize(rows: list[dict], impl: str, hardware, compare: str | None,
+              baseline_names=()) -> dict[str, dict]:
     table = {}
     for row in rows:
         t = row[impl]["time_s"]
@@ -277,6 +370,11 @@ def summarize(rows: list[dict], impl: str, hardware, compare: str | None) -> dic
                          if hardware and row["kind"] == "decode" else None)}
         if compare:
             entry["speedup_vs_" + compare] = row[compare]["time_s"] / t
+        # The best JAX-shipped kernel that ran on this row; "-" where none applies.
+        shipped = [(row[b]["time_s"], b) for b in baseline_names if "time_s" in row.get(b, {})]
+        if baseline_names:
+            entry["speedup_vs_jax"] = min(shipped)[0] / t if shipped else None
+            entry["jax_kernel"] = min(shipped)[1] if shipped else None
         table[name] = entry
     return table
 
@@ -294,6 +392,13 @@ def environment(heads: Heads, model: str, dtype, impl: str, hardware) -> dict:
             "block_sizes": dataclasses.asdict(tiles),
             "hardware_preset": hardware.name if hardware else None,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def cpu_notice(impl: str) -> str:
+    what = {"xla": "the XLA path (plain jnp) on the host CPU"}.get(
+        impl, f"impl {impl!r} on the host CPU (an interpreter: its times are not a device's)")
+    return (f"CPU run: measured {what}, not a GPU or TPU kernel; no device peaks, so "
+            "MFU/MBU are '-'. Run on the device for the kernels' figures.")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -316,6 +421,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "device kind; none on a CPU)")
     p.add_argument("--repeats", type=int, default=None, help="timed runs per configuration")
     p.add_argument("--no-overhead", action="store_true", help="skip the chunking-overhead fit")
+    p.add_argument("--no-baselines", action="store_true",
+                   help="skip JAX's own kernels (timed by default on a GPU or TPU)")
     return p.parse_args(argv)
 
 
@@ -342,12 +449,17 @@ def main(argv: Sequence[str] | None = None) -> dict:
     log = lambda msg: print(msg, flush=True)
     log(f"{backend} ({device.device_kind}); model {model} heads {heads}; {dtype.name}; "
         f"impl {impls}; peaks from {hardware.name if hardware else 'none (absolute numbers only)'}")
+    if on_cpu:
+        log(cpu_notice(impl))
+    prefill_baselines = {} if args.no_baselines else jax_prefill_baselines(backend, heads)
+    decode_baselines = {} if args.no_baselines else jax_decode_baselines(backend, heads)
 
-    rows = run_prefill(heads, dtype, grid, impls, repeats, key, rng, log)
-    rows += run_decode(heads, dtype, grid, impls, repeats, key, rng, log)
+    rows = run_prefill(heads, dtype, grid, impls, repeats, key, rng, log, prefill_baselines)
+    rows += run_decode(heads, dtype, grid, impls, repeats, key, rng, log, decode_baselines)
     overhead = ({} if args.no_overhead else
                 run_chunking_overhead(heads, dtype, grid, impl, repeats, key, rng, log))
-    table = summarize(rows, impl, hardware, compare)
+    baseline_names = tuple(dict.fromkeys([*prefill_baselines, *decode_baselines]))
+    table = summarize(rows, impl, hardware, compare, baseline_names)
     report = {"context": environment(heads, model, dtype, impl, hardware), "rows": rows,
               "table": table, "chunking_overhead": overhead}
     if args.json:
@@ -360,6 +472,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
                ("gb_per_s", "gb_per_s"), ("mfu", "mfu"), ("mbu", "mbu")]
     if compare:
         columns.append(("speedup_vs_" + compare, "speedup_vs_" + compare))
+    if baseline_names:
+        columns += [("speedup_vs_jax", "speedup_vs_jax"), ("jax_kernel", "jax_kernel")]
+    if on_cpu:
+        print("\n" + cpu_notice(impl))
     if overhead:
         print(f"\nchunking overhead at context {overhead['context']}: 32-token chunks take "
               f"{overhead['ratio']:.3f}x the time of 2048-token chunks "

@@ -3,22 +3,28 @@
     python -m benchmarks.spp --quick                 # about a minute on a 2-core CPU
     python -m benchmarks.spp --json results/spp.json
 
-Two parts, one table last:
+Three parts, one table last:
 
 (a) simulated: the prefill time of one request of 128K to 1M tokens for spp = 1 .. 16 at
     tp = 8 (Llama-3.1 8B and 70B, the H100 preset), from `AnalyticalPredictor`. The prompt
-    runs as chunks of --chunk tokens; the predictor prices an SPP iteration as one stage
-    (layers / spp) since chunk i + 1 enters stage 0 while chunk i is in stage 1, and the
-    last, sampling chunk as the whole pipeline depth. Scaling efficiency is
-    T(spp = 1) / (spp x T(spp)). Next to it, ring context parallelism on the same device
+    runs as chunks of --chunk tokens through the simulator's pipelined executor
+    (medha_jax.simulator.SimulatedExecutor): the predictor prices a chunk's time in one
+    stage (layers / spp and the hand-off), chunk i + 1 enters stage 0 while chunk i is in
+    stage 1, and the prompt is done when its last chunk leaves the last stage. Scaling
+    efficiency is T(spp = 1) / (spp x T(spp)). Next to it, ring context parallelism on the same device
     count (cp = spp, tp = 8) from the same predictor: in the same chunks, and one-shot (the
     whole prompt in one step, how ring CP is usually run). Positions past the models'
     128K window are priced as if the window were longer: a cost model, not a served run.
 (b) measured on this machine (virtual CPU devices): a long prefill of the tiny model through
     medha_jax.engine.pipeline at spp = 1 and 2, every chunk dispatched before any is waited
     on, side by side; the ratio is spp = 1 time over spp = 2 time. Two CPU cores bound what
-    two virtual devices can run at once. Host-overlap figures come with the engine
-    integration.
+    two virtual devices can run at once.
+(c) measured on this machine: host time on the critical path per step (the engine's
+    `last_host_seconds`: host work while none of the engine's steps was queued on the
+    device, plus reading tokens back) for a long prefill beside short chats, served by the
+    real controller through `InFlightRunner`: spp = 1 with one batch in flight (no
+    overlap), spp = 1 with two (the host forms and builds step n + 1 while step n runs),
+    and spp = 2 with two; side by side, median over steps.
 """
 
 from __future__ import annotations
@@ -52,17 +58,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 # ------------------------------------------------------------------------------ simulated
 
-def simulated_prefill_s(predictor, prompt_tokens: int, chunk: int) -> float:
-    """Sum of the predicted iteration times of one prompt in chunks; the last one samples."""
-    from medha_jax.scheduler.predictor import BatchFeatures
+def simulated_prefill_s(predictor, prompt_tokens: int, chunk: int, stages: int = 1) -> float:
+    """When one prompt, in chunks dispatched back to back, leaves the last of `stages`
+    pipeline stages (the simulator's executor); the last chunk samples."""
+    from medha_jax.request import Batch, Request, ScheduledChunk, VirtualClock
+    from medha_jax.simulator import SimulatedExecutor
 
-    total, start = 0.0, 0
-    while start < prompt_tokens:
+    executor = SimulatedExecutor(predictor, VirtualClock(), stages)
+    request = Request("prompt", prompt_tokens, 1, 0.0)
+    done = 0.0
+    for start in range(0, prompt_tokens, chunk):
         n = min(chunk, prompt_tokens - start)
-        features = BatchFeatures().plus_chunk(n, start, samples=start + n == prompt_tokens)
-        total += predictor.predict_features(features)
-        start += n
-    return total
+        done = executor.dispatch(Batch([ScheduledChunk(request, start, n)])).done_time
+    return done
 
 
 def run_simulated(args) -> list[dict]:
@@ -79,7 +87,7 @@ def run_simulated(args) -> list[dict]:
             def prefill(chunk: int, **axes) -> float:
                 predictor = AnalyticalPredictor(model, ParallelConfig(tp=args.tp, **axes),
                                                 args.hardware)
-                return simulated_prefill_s(predictor, prompt, chunk)
+                return simulated_prefill_s(predictor, prompt, chunk, axes.get("spp", 1))
 
             base, one_shot_base = prefill(chunk=args.chunk), prefill(chunk=prompt)
             for degree in degrees:
@@ -168,6 +176,75 @@ def run_measured(args) -> list[dict]:
     return rows
 
 
+def run_host_overlap(args) -> list[dict]:
+    """Host time on the critical path per step, with and without batches in flight."""
+    from medha_jax.config import model_preset
+    from medha_jax.engine import Engine, EngineConfig
+    from medha_jax.model.loading import load_model
+    from medha_jax.request import Request, WallClock
+    from medha_jax.sampling_params import SamplingParams
+    from medha_jax.scheduler import SchedulerConfig, make_controller
+    from medha_jax.scheduler.in_flight import InFlightRunner
+    from medha_jax.scheduler.predictor import AnalyticalPredictor
+    from meshes import ParallelConfig
+    import numpy as np
+
+    long_tokens = 1024 if args.quick else 4096
+    variants = [("spp=1, 1 in flight", 1, 1), ("spp=1, 2 in flight", 1, 2),
+                ("spp=2, 2 in flight", 2, None)]
+    engines = {}
+    for name, spp, in_flight in variants:
+        engine = Engine(load_model("tiny", parallel=ParallelConfig(spp=spp), verbose=False),
+                        EngineConfig(max_kv_tokens=8192, max_tokens_per_step=128,
+                                     min_token_bucket=64, max_seqs=8, max_model_len=4352,
+                                     max_batches_in_flight=in_flight,
+                                     enable_prefix_caching=False))
+        engine.warmup(progress=False)
+        engines[name] = engine
+
+    def serve(engine) -> tuple[list[float], float, int]:
+        config = model_preset("tiny")
+        buckets = engine.ladder.token_buckets
+        controller = make_controller(
+            SchedulerConfig("lars-mp", token_buckets=buckets, max_seqs_per_batch=engine.max_seqs),
+            allocator=engine.allocator, clock=WallClock(),
+            predictor=AnalyticalPredictor(config, ParallelConfig(), "h100", token_buckets=buckets),
+            model_config=config, max_model_len=engine.max_model_len)
+        rng = np.random.default_rng(0)
+        prompts = [long_tokens] + [32] * 6
+        for i, n in enumerate(prompts):
+            controller.add_request(Request(
+                f"r{i}", n, 16, 0.0, prompt_token_ids=rng.integers(0, 256, n).tolist(),
+                sampling=SamplingParams(temperature=0.0, max_tokens=16)))
+        runner, host, steps = InFlightRunner(controller, engine), [], 0
+        start = time.perf_counter()
+        while controller.has_unfinished():
+            runner.step()
+            host.append(engine.last_host_seconds)
+            steps += 1
+        return host, time.perf_counter() - start, steps
+
+    for engine in engines.values():
+        serve(engine)                                               # warm-up run
+    results = {name: [] for name in engines}
+    for _ in range(args.repeats):                                   # side by side, interleaved
+        for name, engine in engines.items():
+            results[name].append(serve(engine))
+    rows = []
+    for name, runs in results.items():
+        host = [h for run in runs for h in run[0]]
+        walls = [run[1] for run in runs]
+        rows.append({"part": "host_overlap", "variant": name, "model": "tiny",
+                     "long_prompt_tokens": long_tokens, "steps": runs[0][2],
+                     "host_critical_ms_per_step": 1e3 * statistics.median(host),
+                     "host_critical_p90_ms": 1e3 * float(np.percentile(host, 90)),
+                     "wall_s": statistics.median(walls)})
+    base = rows[0]["host_critical_ms_per_step"]
+    for row in rows:
+        row["host_critical_vs_no_overlap"] = row["host_critical_ms_per_step"] / base
+    return rows
+
+
 # --------------------------------------------------------------------------------- report
 
 def environment() -> dict:
@@ -181,13 +258,21 @@ def environment() -> dict:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
-def print_table(simulated: list[dict], measured: list[dict], args) -> None:
+def print_table(simulated: list[dict], measured: list[dict], overlap: list[dict], args) -> None:
     print(f"\nmeasured (tiny model, float32, {measured[0]['prompt_tokens']} tokens in chunks "
           f"of {args.measured_chunk}, virtual CPU devices, median of {args.repeats}):")
     for row in measured:
         print(f"  spp={row['spp']}: prefill_s {row['prefill_s']:.3f} (min "
               f"{row['prefill_min_s']:.3f}, max {row['prefill_max_s']:.3f}), tok_per_s "
               f"{row['tok_per_s']:.0f}, speedup_vs_spp1 {row['speedup_vs_spp1']:.2f}")
+    print(f"\nhost time on the critical path (tiny model, a {overlap[0]['long_prompt_tokens']}"
+          f"-token prefill beside 6 chats, real controller, median over steps of "
+          f"{args.repeats} runs):")
+    for row in overlap:
+        print(f"  {row['variant']:>20}: host_critical_ms_per_step "
+              f"{row['host_critical_ms_per_step']:.3f} (p90 {row['host_critical_p90_ms']:.3f}), "
+              f"vs no overlap {row['host_critical_vs_no_overlap']:.2f}, steps {row['steps']}, "
+              f"wall_s {row['wall_s']:.2f}")
     print(f"\nsimulated: AnalyticalPredictor, hardware preset {args.hardware}, tp={args.tp}, "
           f"chunks of {args.chunk} tokens")
     header = ("model", "prompt_tokens", "devices", "spp_prefill_s", "spp_efficiency",
@@ -206,17 +291,18 @@ def main(argv: Sequence[str] | None = None) -> dict:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                    + " --xla_force_host_platform_device_count=2").strip()
     measured = run_measured(args)
+    overlap = run_host_overlap(args)
     simulated = run_simulated(args)
     report = {"context": {**environment(), "dtype": "float32 (measured); bfloat16 (simulated)",
                           "mesh": "spp x tp; replica = spp slices of tp devices",
                           "predictor": f"AnalyticalPredictor ({args.hardware}), simulated",
                           "args": vars(args)},
-              "measured": measured, "simulated": simulated}
+              "measured": measured, "host_overlap": overlap, "simulated": simulated}
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
-    print_table(simulated, measured, args)
+    print_table(simulated, measured, overlap, args)
     return report
 
 

@@ -56,8 +56,8 @@ def array_bytes(shape_text: str) -> int:
     return total
 
 
-def collectives(hlo_text: str) -> list[Collective]:
-    """Every collective of an optimized HLO module (`jax.stages.Compiled.as_text()`)."""
+def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
+    """Instruction lines of each computation, in schedule order, and the entry's name."""
     computations: dict[str, list[str]] = {}
     entry, current = None, None
     for line in hlo_text.splitlines():
@@ -72,6 +72,12 @@ def collectives(hlo_text: str) -> list[Collective]:
             computations[current].append(line)
     if entry is None:
         raise ValueError("no ENTRY computation in this HLO text")
+    return computations, entry
+
+
+def collectives(hlo_text: str) -> list[Collective]:
+    """Every collective of an optimized HLO module (`jax.stages.Compiled.as_text()`)."""
+    computations, entry = _computations(hlo_text)
 
     # Runs per call of each computation: the entry once; a while body or condition its
     # loop's trip count times its caller's runs (1 when XLA did not record a trip count).
@@ -107,3 +113,75 @@ def collectives(hlo_text: str) -> list[Collective]:
 def bytes_per_call(hlo_text: str) -> int:
     """Bytes of all collectives' results in one call of the program."""
     return sum(c.bytes_per_call for c in collectives(hlo_text))
+
+
+# ------------------------------------------------------------------ schedule and dependences
+
+_DEFINITION = re.compile(
+    r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>\(.*?\)|\S+)\s+"
+    r"(?P<op>[\w\-]+)\((?P<operands>[^)]*)\)")
+_OPERAND = re.compile(r"%([\w.\-]+)")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    """One instruction of a computation: name, opcode, operand names, the JAX name stack
+    it came from (`metadata.op_name`, where `jax.named_scope` names show), result shape."""
+
+    name: str
+    op: str
+    operands: tuple[str, ...]
+    scope: str
+    shape: str = ""
+
+    @property
+    def bytes(self) -> int:
+        return array_bytes(self.shape)
+
+
+def scheduled_instructions(hlo_text: str) -> dict[str, list[Instruction]]:
+    """Every computation's instructions in schedule order (optimized HLO is scheduled: the
+    order of the text is the order they are issued in)."""
+    out = {}
+    for name, lines in _computations(hlo_text)[0].items():
+        found = []
+        for line in lines:
+            match = _DEFINITION.match(line)
+            if match:
+                scope = _OP_NAME.search(line)
+                found.append(Instruction(
+                    name=match.group("name"), op=match.group("op"),
+                    operands=tuple(_OPERAND.findall(match.group("operands"))),
+                    scope=scope.group(1) if scope else "", shape=match.group("shape")))
+        out[name] = found
+    return out
+
+
+def depends_on(instructions: list[Instruction], name: str, predicate) -> bool:
+    """Whether instruction `name` of a computation needs (transitively, inside that
+    computation) any instruction for which `predicate(instruction)` holds."""
+    by_name = {i.name: i for i in instructions}
+    pending, seen = list(by_name[name].operands), set()
+    while pending:
+        operand = pending.pop()
+        if operand in seen or operand not in by_name:
+            continue
+        seen.add(operand)
+        if predicate(by_name[operand]):
+            return True
+        pending.extend(by_name[operand].operands)
+    return False
+
+
+def async_pairs(instructions: list[Instruction], op: str = "collective-permute"
+                ) -> list[tuple[Instruction, Instruction, list[Instruction]]]:
+    """(start, done, what is scheduled between them) for each asynchronous `op` of one
+    computation: what a device can run while the transfer is in flight."""
+    position = {i.name: k for k, i in enumerate(instructions)}
+    pairs = []
+    for k, done in enumerate(instructions):
+        if done.op == f"{op}-done" and done.operands and done.operands[0] in position:
+            start_at = position[done.operands[0]]
+            pairs.append((instructions[start_at], done, instructions[start_at + 1:k]))
+    return pairs

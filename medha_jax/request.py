@@ -66,6 +66,9 @@ class Request:
     # Progress, maintained by the controller.
     state: RequestState = RequestState.WAITING
     num_computed_tokens: int = 0               # tokens whose K/V are in the cache
+    # Computed, or in a batch still in flight (a pipelined executor runs several batches at
+    # once: a prefill's next chunk may be scheduled before the previous one is done).
+    num_scheduled_tokens: int = 0
     num_cached_tokens: int = 0                 # of those, reused from the prefix cache
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     num_preemptions: int = 0
@@ -186,6 +189,19 @@ class Executor(Protocol):
     """Runs a batch: the JAX engine, the simulator, or a test double."""
 
     def execute(self, batch: Batch) -> StepResult: ...
+
+
+class PipelinedExecutor(Executor, Protocol):
+    """An executor that runs up to `max_in_flight` batches at once (SPP stages, or the host
+    building step n + 1 while the device runs step n). `dispatch` starts a batch and
+    returns without waiting; `collect` waits for one dispatched batch, oldest first.
+    `execute(batch)` is `collect(dispatch(batch))`."""
+
+    max_in_flight: int
+
+    def dispatch(self, batch: Batch) -> object: ...
+
+    def collect(self, pending: object) -> StepResult: ...
 
 
 class Clock(Protocol):

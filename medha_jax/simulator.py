@@ -1,10 +1,13 @@
 """Discrete-event simulation of serving: the real controllers and policies on a virtual clock.
 
 Each replica is a `ReplicaController` (made by the scheduler factory, exactly as the
-server makes it) stepped with `run_one_step` on a `SimulatedExecutor`: it prices each
-batch with the runtime predictor (by default the analytical roofline for the model, parallel layout
-and hardware) and moves that replica's virtual clock forward by that much. Requests
-enter at their arrival times; an idle replica's clock jumps to its next arrival. A
+server makes it) driven by the server loop's `InFlightRunner` on a `SimulatedExecutor`:
+it prices each batch with the runtime predictor (by default the analytical roofline for
+the model, parallel layout and hardware) as the time of one pipeline stage, runs it
+through the spp stages in order (a stage takes the next batch as soon as it is free, so
+up to spp batches are in flight) and moves that replica's virtual clock to when the
+batch leaves the last stage. Requests enter at their arrival times; an idle replica's
+clock jumps to its next arrival. A
 router places each request on the replica with the least outstanding work, or on the
 replica that served its session before (prefix-cache affinity).
 
@@ -30,8 +33,9 @@ from medha_jax.config import ModelConfig, ParallelConfig
 from medha_jax.request import (Batch, FinishReason, Request, RequestState, StepResult,
                                VirtualClock)
 from medha_jax.scheduler.config import SchedulerConfig
-from medha_jax.scheduler.controller import ReplicaController, run_one_step
+from medha_jax.scheduler.controller import ReplicaController
 from medha_jax.scheduler.factory import make_controller
+from medha_jax.scheduler.in_flight import InFlightRunner
 from medha_jax.scheduler.prefill_time_cache import PrefillTimeCache
 from medha_jax.scheduler.hardware import HardwareSpec, hardware_preset
 from medha_jax.scheduler.predictor import AnalyticalPredictor, BatchFeatures, RuntimePredictor
@@ -89,17 +93,52 @@ class CountingAllocator:
         return request_id in self._pages
 
 
-class SimulatedExecutor:
-    """Runs a batch in zero host time: the clock advances by the predicted step time."""
+@dataclasses.dataclass(frozen=True)
+class SimulatedStep:
+    """A batch in the simulated pipeline: it leaves the last stage at `done_time`."""
 
-    def __init__(self, predictor: RuntimePredictor, clock: VirtualClock):
+    batch: Batch
+    stage_s: float
+    done_time: float
+
+
+class SimulatedExecutor:
+    """Runs batches through `num_stages` pipeline stages in zero host time.
+
+    A batch takes the predicted time in every stage (the predictor prices one stage: the
+    layers / spp of the slowest stage plus the hand-off) and enters a stage when it has
+    left the stage before and that stage is free. `dispatch` books the stages; `collect`
+    moves the clock to when the batch leaves the last one.
+    """
+
+    def __init__(self, predictor: RuntimePredictor, clock: VirtualClock, num_stages: int = 1):
+        if num_stages < 1:
+            raise ValueError(f"num_stages must be >= 1, got {num_stages}")
         self.predictor, self.clock = predictor, clock
+        self.max_in_flight = num_stages
+        self._stage_free = [clock.now()] * num_stages
+
+    @property
+    def next_dispatch_time(self) -> float:
+        """When the first stage can take another batch."""
+        return self._stage_free[0]
+
+    def dispatch(self, batch: Batch) -> SimulatedStep:
+        stage_s = self.predictor.predict(batch)
+        t = self.clock.now()
+        for s, free in enumerate(self._stage_free):
+            t = (t if t > free else free) + stage_s
+            self._stage_free[s] = t
+        return SimulatedStep(batch, stage_s, t)
+
+    def collect(self, pending: SimulatedStep) -> StepResult:
+        self.clock.advance_to(pending.done_time)
+        sampled = {c.request.request_id: DUMMY_TOKEN_ID for c in pending.batch.chunks
+                   if c.samples}
+        return StepResult(sampled, pending.stage_s)
 
     def execute(self, batch: Batch) -> StepResult:
-        seconds = self.predictor.predict(batch)
-        self.clock.advance(seconds)
-        return StepResult({c.request.request_id: DUMMY_TOKEN_ID for c in batch.chunks if c.samples},
-                          seconds)
+        return self.collect(self.dispatch(batch))
 
 
 def kv_capacity_tokens(model: ModelConfig, parallel: ParallelConfig, hardware: HardwareSpec,
@@ -171,6 +210,31 @@ class _Router:
         return replica
 
 
+def _advance_replica(runner: InFlightRunner, policy: str, index: int) -> float | None:
+    """One event of a replica at its clock's now: applies the batches that left the pipe
+    by now, then, if the first stage is free and the pipe has room, dispatches a batch.
+    Returns the time of its next event (None when it has nothing left to do). Like the
+    server loop, a replica that can form no batch waits for its oldest batch in flight."""
+    controller, executor = runner.controller, runner.executor
+    now = controller.clock.now()
+    while runner.num_in_flight and runner.oldest.done_time <= now:
+        runner.collect_oldest()
+    can_dispatch = runner.num_in_flight < executor.max_in_flight
+    if can_dispatch and executor.next_dispatch_time <= now:
+        can_dispatch = runner.dispatch_next() is not None
+        if not runner.num_in_flight:
+            if controller.has_unfinished():
+                raise RuntimeError(
+                    f"replica {index} ({policy}) formed an empty batch with "
+                    f"{controller.num_waiting} waiting and {controller.num_running} running "
+                    f"requests at t={now:.3f}")
+            return None
+    next_event = runner.oldest.done_time
+    if can_dispatch and runner.num_in_flight < executor.max_in_flight:
+        next_event = min(next_event, max(executor.next_dispatch_time, now))
+    return next_event
+
+
 def simulate(requests: list[Request], *, scheduler: str | SchedulerConfig, model: ModelConfig,
              parallel: ParallelConfig, hardware: HardwareSpec | str, num_replicas: int = 1,
              predictor: RuntimePredictor | None = None,
@@ -212,14 +276,15 @@ def simulate(requests: list[Request], *, scheduler: str | SchedulerConfig, model
 
     capacity = kv_capacity_tokens(model, replica_parallel, hardware, memory_utilization)
     controllers: list[ReplicaController] = []
-    executors: list[SimulatedExecutor] = []
+    runners: list[InFlightRunner] = []
     for _ in range(num_replicas * parallel.dp):
         clock = VirtualClock(arrivals[0].arrival_time)
         controllers.append(make_controller(
             config, allocator=CountingAllocator(capacity // page_size, page_size), clock=clock,
             predictor=predictor, model_config=model, max_model_len=max_model_len,
             prefill_time_cache=prefill_time_cache))
-        executors.append(SimulatedExecutor(device_predictor or predictor, clock))
+        executor = SimulatedExecutor(device_predictor or predictor, clock, parallel.spp)
+        runners.append(InFlightRunner(controllers[-1], executor))
         # Algorithm 3's table depends only on the predictor and the config: share it.
         prefill_time_cache = controllers[0].prefill_time_cache
     # The router prices a decode token as a full decode batch's step time per sequence.
@@ -236,7 +301,8 @@ def simulate(requests: list[Request], *, scheduler: str | SchedulerConfig, model
     num_rejected = 0
     replica_of: dict[str, int] = {}
     next_arrival = 0
-    # Busy replicas by the time their next iteration starts.
+    # Busy replicas by the time of their next event: a stage free to take a batch, or the
+    # oldest batch in flight leaving the pipe.
     busy: list[tuple[float, int]] = []
     while next_arrival < len(arrivals) or busy:
         t_arrival = (arrivals[next_arrival].arrival_time if next_arrival < len(arrivals)
@@ -263,19 +329,15 @@ def simulate(requests: list[Request], *, scheduler: str | SchedulerConfig, model
             if was_idle:
                 heapq.heappush(busy, (controller.clock.now(), i))
             continue
-        _, i = heapq.heappop(busy)
-        controller = controllers[i]
-        before, steps = len(controller.finished), controller.num_steps
-        run_one_step(controller, executors[i])
-        if controller.num_steps == steps:
-            raise RuntimeError(
-                f"replica {i} ({config.policy}) formed an empty batch with "
-                f"{controller.num_waiting} waiting and {controller.num_running} running "
-                f"requests at t={controller.clock.now():.3f}")
+        t_event, i = heapq.heappop(busy)
+        controller, runner = controllers[i], runners[i]
+        controller.clock.advance_to(t_event)
+        before = len(controller.finished)
+        next_event = _advance_replica(runner, config.policy, i)
         if bar is not None and len(controller.finished) != before:
             bar.update(len(controller.finished) - before)
-        if controller.has_unfinished():
-            heapq.heappush(busy, (controller.clock.now(), i))
+        if next_event is not None:
+            heapq.heappush(busy, (next_event, i))
     if bar is not None:
         bar.close()
 

@@ -7,6 +7,7 @@ outside this package and the shard_map wrappers names a mesh axis.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import jax
@@ -18,16 +19,23 @@ LOGICAL_AXES = ("embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layer
                 "page_slot", "tokens", "seqs")
 
 
+def _as_tuple(mesh_axis: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    if mesh_axis is None:
+        return ()
+    return (mesh_axis,) if isinstance(mesh_axis, str) else tuple(mesh_axis)
+
+
 @dataclasses.dataclass(frozen=True)
 class LogicalRules:
-    """Maps each logical axis to a mesh axis (or None = replicated).
+    """Maps each logical axis to a mesh axis, a tuple of mesh axes (sharded over their
+    product, outermost first), or None (replicated).
 
     A dimension that does not divide its mesh axis is an error that names both. (Shapes that
     real checkpoints do not divide are changed before they get here: the model pads its
     vocabulary and repeats K/V heads, see medha_jax.model.params.MeshLayout.)
     """
 
-    rules: tuple[tuple[str, str | None], ...]
+    rules: tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
     def __post_init__(self):
         seen = set()
@@ -36,11 +44,13 @@ class LogicalRules:
                 raise ValueError(f"unknown logical axis {logical!r}; known: {LOGICAL_AXES}")
             if logical in seen:
                 raise ValueError(f"logical axis {logical!r} appears twice in the rules")
-            if mesh_axis is not None and mesh_axis not in MESH_AXES:
-                raise ValueError(f"rule {logical!r} -> {mesh_axis!r}: mesh axis must be one of {MESH_AXES}")
+            for axis in _as_tuple(mesh_axis):
+                if axis not in MESH_AXES:
+                    raise ValueError(f"rule {logical!r} -> {mesh_axis!r}: mesh axis must be one "
+                                     f"of {MESH_AXES}")
             seen.add(logical)
 
-    def mesh_axis(self, logical: str | None) -> str | None:
+    def mesh_axis(self, logical: str | None) -> str | tuple[str, ...] | None:
         if logical is None:
             return None
         for name, mesh_axis in self.rules:
@@ -48,13 +58,17 @@ class LogicalRules:
                 return mesh_axis
         raise ValueError(f"no rule for logical axis {logical!r}")
 
+    def degree(self, mesh: Mesh, logical: str) -> int:
+        """How many shards the logical axis has on `mesh` (1 when replicated)."""
+        return math.prod(mesh.shape[axis] for axis in _as_tuple(self.mesh_axis(logical)))
+
     def spec(self, logical_axes: Sequence[str | None]) -> PartitionSpec:
         """PartitionSpec for a tensor whose dimensions have these logical names.
 
         Raises when two dimensions would be sharded over the same mesh axis (a collision).
         """
         mesh_axes = [self.mesh_axis(name) for name in logical_axes]
-        used = [axis for axis in mesh_axes if axis is not None]
+        used = [axis for mesh_axis in mesh_axes for axis in _as_tuple(mesh_axis)]
         if len(used) != len(set(used)):
             raise ValueError(
                 f"logical axes {tuple(logical_axes)} map to {tuple(mesh_axes)}: "
@@ -68,10 +82,11 @@ class LogicalRules:
             raise ValueError(f"shape {tuple(shape)} has {len(shape)} dims but logical axes "
                              f"{tuple(logical_axes)} name {len(logical_axes)}")
         spec = self.spec(logical_axes)
-        for size, logical, mesh_axis in zip(shape, logical_axes, spec):
-            if mesh_axis is not None and size % mesh.shape[mesh_axis]:
+        for size, logical in zip(shape, logical_axes):
+            degree = 1 if logical is None else self.degree(mesh, logical)
+            if size % degree:
                 raise ValueError(f"dimension {logical}={size} is not divisible by "
-                                 f"{mesh_axis}={mesh.shape[mesh_axis]}")
+                                 f"{self.mesh_axis(logical)}={degree}")
         return NamedSharding(mesh, spec)
 
 
@@ -83,9 +98,12 @@ DEFAULT_RULES = LogicalRules(rules=(
     ("mlp", "tp"),
     ("vocab", "tp"),
     ("layers", "spp"),
-    ("pages", "kvp"),
+    # The paged cache is split over KV shards (kvp) and context-parallel ranks (cp): each cp
+    # rank keeps the K/V of the tokens it computed. The engine runs one of the two at a time.
+    ("pages", ("kvp", "cp")),
     ("page_slot", None),
-    ("tokens", None),
+    # A step's tokens are split over cp ranks for the whole layer (seed 002 section 3.5.1).
+    ("tokens", "cp"),
     ("seqs", None),
 ))
 

@@ -1,18 +1,47 @@
 """The public attention entry points: check shapes, choose the implementation and tiles
-(`dispatch.choose_attention`), and call the Pallas kernel or the XLA path."""
+(`dispatch.choose_attention`), and call a Pallas kernel (GPU or TPU) or the XLA path.
+
+Decode and prefill paths: a caller that orders each step's sequences decodes first
+(`order_decodes_first`) passes num_decodes to `ragged_paged_attention`; the decodes then
+go to the decode kernel (GPU: split-K over programs, merged by LSE; TPU: one program per
+sequence and KV head) and the prefill chunks to the ragged kernel with query blocks of
+`BlockSizes.prefill_rows` rows, all in one compiled program (num_decodes is traced).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels.block_sizes import BlockSizes
 from pallas_kernels.dispatch import choose_attention
-from pallas_kernels.paged_kernel import decode_attention_pallas, ragged_paged_attention_pallas
+from pallas_kernels.paged_kernel import (MIN_GRID_PROGRAMS, decode_attention_pallas,
+                                         ragged_paged_attention_pallas)
+from pallas_kernels.tpu_paged_kernel import decode_attention_tpu, ragged_paged_attention_tpu
 from pallas_kernels.xla_attention import decode_attention_xla, ragged_paged_attention_xla
+
+
+def _interpret_of(impl: str):
+    """The interpret argument of the kernel `impl` runs: False (native), True (Pallas
+    interpret mode), or the TPU interpreter's parameters."""
+    if impl == "interpret-tpu":
+        from jax.experimental.pallas import tpu as pltpu
+        return pltpu.InterpretParams()
+    return impl == "interpret"
+
+
+def _ragged_kernel(impl: str):
+    return ragged_paged_attention_tpu if impl in ("pallas-tpu", "interpret-tpu") else \
+        ragged_paged_attention_pallas
+
+
+def _decode_kernel(impl: str):
+    return decode_attention_tpu if impl in ("pallas-tpu", "interpret-tpu") else \
+        decode_attention_pallas
 
 
 def check_paged_inputs(q, k_pages, v_pages, page_table) -> None:
@@ -34,6 +63,58 @@ def check_paged_inputs(q, k_pages, v_pages, page_table) -> None:
                          f"{page_table.shape=} {page_table.dtype=}")
 
 
+def _split_decode_prefill(impl, q, k_pages, v_pages, page_table, cu_q_lens, kv_lens,
+                          num_seqs, num_decodes, *, sm_scale, block_sizes, causal):
+    """Sequences 0..num_decodes-1 (one token each, tokens 0..num_decodes-1) through the
+    decode kernel, the others through the ragged kernel with prefill-sized query blocks.
+
+    Static shapes: the decode batch is the first min(max_seqs, tokens) sequences, those
+    past num_decodes given kv_len 0 (no key: no tile read, out 0); the ragged kernel's
+    plan skips sequences before num_decodes, so their query blocks are empty.
+    """
+    num_tokens, q_heads, _ = q.shape
+    max_seqs = page_table.shape[0]
+    q_per_kv = q_heads // k_pages.shape[2]
+    interpret = _interpret_of(impl)
+    first_prefill = jnp.minimum(num_decodes[0], num_seqs[0]).astype(jnp.int32)
+
+    prefill_tiles = dataclasses.replace(
+        block_sizes, block_q=block_sizes.prefill_block_q(q_per_kv, num_tokens))
+    out, lse = _ragged_kernel(impl)(
+        q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, num_seqs, sm_scale=sm_scale,
+        block_sizes=prefill_tiles, interpret=interpret, causal=causal,
+        first_seq=first_prefill)
+
+    # A decode's single query sees keys 0..kv_len-1, whether causal (it is the last key)
+    # or not (the prefix), so the decode kernel serves both modes.
+    max_decodes = min(max_seqs, num_tokens)
+    is_decode = jnp.arange(max_decodes) < first_prefill
+    # KV splits only while sequences x KV heads leave the GPU idle (as the ragged kernel
+    # caps them): 256 decodes x 8 heads fill an H100 without any, and every split costs
+    # an f32 partial of the whole batch and its share of the merge.
+    decode_tiles = dataclasses.replace(block_sizes, num_kv_splits=min(
+        block_sizes.num_kv_splits,
+        max(1, -(-MIN_GRID_PROGRAMS // (max_decodes * k_pages.shape[2])))))
+    decode_out, decode_lse = _decode_kernel(impl)(
+        q[:max_decodes], k_pages, v_pages, page_table[:max_decodes],
+        jnp.where(is_decode, kv_lens[:max_decodes], 0), sm_scale=sm_scale,
+        block_sizes=decode_tiles, interpret=interpret)
+    out = out.at[:max_decodes].set(
+        jnp.where(is_decode[:, None, None], decode_out, out[:max_decodes]))
+    lse = lse.at[:max_decodes].set(jnp.where(is_decode[:, None], decode_lse, lse[:max_decodes]))
+    return out, lse
+
+
+def order_decodes_first(q_lens: Sequence[int]) -> tuple[list[int], int]:
+    """The sequence order `ragged_paged_attention`'s num_decodes expects: (order,
+    num_decodes), order listing the indices of the sequences with one query token first,
+    then the others, each group in its given order (as tpu-inference's `distribution`).
+    A host-side helper for whoever builds step inputs: lay q, cu_q_lens, kv_lens and the
+    page table rows out in this order and pass num_decodes = [num_decodes]."""
+    decodes = [i for i, n in enumerate(q_lens) if n == 1]
+    return decodes + [i for i, n in enumerate(q_lens) if n != 1], len(decodes)
+
+
 @functools.partial(jax.jit, static_argnames=("sm_scale", "impl", "block_sizes", "causal"))
 def ragged_paged_attention(
     q: jax.Array,           # [tokens, q_heads, head_dim]
@@ -48,6 +129,7 @@ def ragged_paged_attention(
     impl: str = "auto",
     block_sizes: BlockSizes | None = None,
     causal: bool = True,
+    num_decodes: jax.Array | None = None,  # int32 [1]: see below
 ) -> tuple[jax.Array, jax.Array]:  # out [tokens, q_heads, head_dim], lse [tokens, q_heads]
     """Attention of a ragged batch of prefill chunks and decodes over a paged KV cache.
 
@@ -60,9 +142,18 @@ def ragged_paged_attention(
     rows past cu_q_lens[num_seqs] (padding), get out 0, lse -inf. lse is the natural-log
     log-sum-exp of the scaled scores, so partial results merge with `merge_attention`.
 
-    impl: "xla" (jnp), "pallas" (native kernel), "interpret" (the kernel in interpret
-    mode), "auto" (`dispatch.resolve_impl`: native on GPUs, xla elsewhere). block_sizes:
-    None takes the device's defaults (`dispatch.block_sizes_for`).
+    num_decodes: None, or the number of leading sequences that are decodes: sequences
+    0..num_decodes-1 have exactly one query each (so they own tokens 0..num_decodes-1),
+    and later ones are prefill chunks of any length (`order_decodes_first`). The kernels
+    then serve the decodes with the decode kernel and the chunks with query blocks of
+    block_sizes.prefill_rows rows; traced, so one compiled program serves every split.
+    The XLA path finds its decodes itself (q_len 1) and ignores it. Results are the same
+    with or without it.
+
+    impl: "xla" (jnp), "pallas" (the GPU kernel), "interpret" (it in interpret mode),
+    "pallas-tpu" (the Mosaic-TPU kernel), "interpret-tpu" (it in the TPU interpreter),
+    "auto" (`dispatch.resolve_impl`: the device's kernel on GPUs and TPUs, xla on CPUs).
+    block_sizes: None takes the device's defaults (`dispatch.block_sizes_for`).
     """
     check_paged_inputs(q, k_pages, v_pages, page_table)
     max_seqs = page_table.shape[0]
@@ -73,13 +164,19 @@ def ragged_paged_attention(
             f"{num_seqs.shape=}")
     impl, block_sizes = choose_attention(impl, block_sizes, head_dim=q.shape[2],
                                          page_size=k_pages.shape[1])
+    if num_decodes is not None and num_decodes.shape != (1,):
+        raise ValueError(f"num_decodes must be int32 [1], got {num_decodes.shape=}")
     if impl == "xla":
         return ragged_paged_attention_xla(
             q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, num_seqs,
             sm_scale=sm_scale, block_sizes=block_sizes, causal=causal)
-    return ragged_paged_attention_pallas(
+    if num_decodes is not None:
+        return _split_decode_prefill(
+            impl, q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, num_seqs, num_decodes,
+            sm_scale=sm_scale, block_sizes=block_sizes, causal=causal)
+    return _ragged_kernel(impl)(
         q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, num_seqs,
-        sm_scale=sm_scale, block_sizes=block_sizes, interpret=impl == "interpret",
+        sm_scale=sm_scale, block_sizes=block_sizes, interpret=_interpret_of(impl),
         causal=causal)
 
 
@@ -98,8 +195,8 @@ def decode_attention(
 ) -> tuple[jax.Array, jax.Array]:  # out [seqs, q_heads, head_dim] (q.dtype), lse [seqs, q_heads]
     """Attention of each sequence's single query over its whole cached context.
 
-    num_kv_splits overrides block_sizes.num_kv_splits (the kernel's split-K factor; the
-    XLA path ignores it). A sequence with kv_len 0 gets out 0, lse -inf.
+    num_kv_splits overrides block_sizes.num_kv_splits (the GPU kernel's split-K factor;
+    the XLA path and the TPU kernel ignore it). A sequence with kv_len 0 gets out 0, lse -inf.
     """
     check_paged_inputs(q, k_pages, v_pages, page_table)
     seqs = q.shape[0]
@@ -113,6 +210,6 @@ def decode_attention(
     if impl == "xla":
         return decode_attention_xla(q, k_pages, v_pages, page_table, kv_lens,
                                     sm_scale=sm_scale, block_sizes=block_sizes)
-    return decode_attention_pallas(q, k_pages, v_pages, page_table, kv_lens,
-                                   sm_scale=sm_scale, block_sizes=block_sizes,
-                                   interpret=impl == "interpret")
+    return _decode_kernel(impl)(q, k_pages, v_pages, page_table, kv_lens,
+                                sm_scale=sm_scale, block_sizes=block_sizes,
+                                interpret=_interpret_of(impl))

@@ -59,11 +59,20 @@ def attention_scores(q_rows: jax.Array, k_tile: jax.Array, sm_scale: float) -> j
     return s * sm_scale
 
 
-def online_softmax_init(rows_shape: tuple[int, ...], head_dim: int) -> SoftmaxState:
-    """The state of rows that have seen no key yet. rows_shape: [..., rows]."""
+def online_softmax_init(rows_shape: tuple[int, ...], head_dim: int, *,
+                        keepdims: bool = False) -> SoftmaxState:
+    """The state of rows that have seen no key yet. rows_shape: [..., rows]. keepdims: m
+    and l as [..., rows, 1] (the TPU kernel: Mosaic wants 2-D vectors), else [..., rows];
+    `online_softmax_update` and `online_softmax_finish` accept either."""
+    stat_shape = (*rows_shape, 1) if keepdims else rows_shape
     return (jnp.zeros((*rows_shape, head_dim), jnp.float32),
-            jnp.full(rows_shape, -jnp.inf, jnp.float32),
-            jnp.zeros(rows_shape, jnp.float32))
+            jnp.full(stat_shape, -jnp.inf, jnp.float32),
+            jnp.zeros(stat_shape, jnp.float32))
+
+
+def _per_row(stat: jax.Array, acc: jax.Array) -> jax.Array:
+    """A row statistic ([..., rows] or kept [..., rows, 1]) broadcastable against acc."""
+    return stat if stat.ndim == acc.ndim else stat[..., None]
 
 
 def online_softmax_update(
@@ -77,22 +86,24 @@ def online_softmax_update(
     tiles add exactly nothing and no -inf - -inf = NaN appears.
     """
     acc, m_prev, l_prev = state
-    m_next = jnp.maximum(m_prev, jnp.max(scores, axis=-1))
+    keepdims = m_prev.ndim == acc.ndim
+    m_next = jnp.maximum(m_prev, jnp.max(scores, axis=-1, keepdims=keepdims))
     m_base = jnp.where(m_next == -jnp.inf, 0.0, m_next)
     correction = jnp.exp(m_prev - m_base)                   # 0 when m_prev is -inf
-    probs = jnp.exp(scores - m_base[..., None])             # 0 where masked
-    l_next = correction * l_prev + jnp.sum(probs, axis=-1)
+    probs = jnp.exp(scores - _per_row(m_base, acc))         # 0 where masked
+    l_next = correction * l_prev + jnp.sum(probs, axis=-1, keepdims=keepdims)
     # Probabilities go to the value dtype for the MXU/tensor cores; accumulate in f32.
     pv = jnp.matmul(probs.astype(values.dtype), values, preferred_element_type=jnp.float32)
-    acc = correction[..., None] * acc + pv
+    acc = _per_row(correction, acc) * acc + pv
     return acc, m_next, l_next
 
 
 def online_softmax_finish(state: SoftmaxState) -> tuple[jax.Array, jax.Array]:
-    """(out [..., rows, head_dim] f32, lse [..., rows] f32): normalised; 0 / -inf if no key."""
+    """(out [..., rows, head_dim] f32, lse [..., rows] f32, or [..., rows, 1] for a kept-dims
+    state): normalised; 0 / -inf if no key."""
     acc, m, l = state
     seen = l > 0
     safe_l = jnp.where(seen, l, 1.0)
-    out = jnp.where(seen[..., None], acc / safe_l[..., None], 0.0)
+    out = jnp.where(_per_row(seen, acc), acc / _per_row(safe_l, acc), 0.0)
     lse = jnp.where(seen, m + jnp.log(safe_l), -jnp.inf)
     return out, lse

@@ -142,7 +142,10 @@ def paged_attention_blocks(
     compiler_params = None
     if not interpret:
         from jax.experimental.pallas import triton as pl_triton
-        compiler_params = pl_triton.CompilerParams(num_warps=4, num_stages=2)
+        # 8 warps for the 128-row prefill blocks (FlashAttention-2's choice on Hopper: a
+        # 128 x head_dim f32 accumulator needs the registers of 256 threads).
+        compiler_params = pl_triton.CompilerParams(num_warps=8 if rows >= 128 else 4,
+                                                   num_stages=2)
 
     out_parts, lse_parts = pl.pallas_call(
         kernel,
@@ -182,16 +185,17 @@ def paged_attention_blocks(
 
 def ragged_paged_attention_pallas(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens,
                                   num_seqs, *, sm_scale: float, block_sizes: BlockSizes,
-                                  interpret: bool, causal: bool = True):
+                                  interpret: bool, causal: bool = True, first_seq=None):
     """The kernel over a ragged batch; arguments and result as
-    `attention.ragged_paged_attention`."""
+    `attention.ragged_paged_attention`. first_seq (int32 [], traced): sequences before it
+    are left out (out 0, lse -inf): the decode path serves them."""
     num_tokens, q_heads, head_dim = q.shape
     kv_heads = k_pages.shape[2]
     q_per_kv = q_heads // kv_heads
     block_q = block_sizes.block_q
     rows = kernel_rows(block_q, q_per_kv)
     plan = plan_query_blocks(cu_q_lens, kv_lens, num_seqs, num_tokens=num_tokens,
-                             block_q=block_q)
+                             block_q=block_q, first_seq=first_seq)
     num_blocks = plan.seq.shape[0]
     # KV splits pay only while query blocks x KV heads leave the device idle, and each one
     # costs a [blocks, kv_heads, rows, head_dim] f32 partial in memory, so a large token

@@ -76,8 +76,11 @@ def plan_query_blocks(
     num_tokens: int,
     block_q: int,
     min_q_len: int = 1,
+    first_seq: jax.Array | None = None,
 ) -> QueryBlockPlan:
-    """Cuts each sequence in use with q_len >= min_q_len into blocks of block_q queries."""
+    """Cuts each sequence in use with q_len >= min_q_len into blocks of block_q queries.
+    first_seq (int32 [], traced): plan only sequences first_seq.. (the decodes before
+    them are served elsewhere; see `attention.ragged_paged_attention`'s num_decodes)."""
     if block_q <= 0 or min_q_len <= 0:
         raise ValueError(f"{block_q=} and {min_q_len=} must be positive")
     max_seqs = kv_lens.shape[0]
@@ -87,6 +90,8 @@ def plan_query_blocks(
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
     in_use = jnp.arange(max_seqs) < num_seqs[0]
     planned = in_use & (q_lens >= min_q_len)
+    if first_seq is not None:
+        planned &= jnp.arange(max_seqs) >= first_seq
     blocks_per_seq = jnp.where(planned, cdiv(q_lens, block_q), 0)
     cu_blocks = jnp.cumsum(blocks_per_seq)                     # inclusive
     first_block_of_seq = cu_blocks - blocks_per_seq

@@ -9,7 +9,10 @@ thread reading the request's deltas, which costs nothing while it waits. Calls b
 without an answer. Whatever ends a call (the client cancels, its deadline passes, the
 connection drops, the server stops) cancels the request, so its KV pages return to the pool.
 
-Bad input fails the call with INVALID_ARGUMENT, and a prompt that can never fit the KV
+The client's request_id is a label echoed in the responses; the server names each request
+itself, so labels may repeat and cancelling one call never reaches another.
+
+Bad input (bytes that do not parse included) fails the call with INVALID_ARGUMENT, and a prompt that can never fit the KV
 cache with RESOURCE_EXHAUSTED, each with the server's message naming the field.
 """
 
@@ -65,11 +68,29 @@ def response_from_delta(delta: StreamDelta) -> medha_pb2.GenerateResponse:
     return response
 
 
+class MalformedRequest:
+    """What the Generate deserializer gives for bytes that are no GenerateRequest."""
+
+    def __init__(self, error: str):
+        self.error = error
+
+
+def parse_generate_request(data: bytes) -> medha_pb2.GenerateRequest | MalformedRequest:
+    """Never raises: grpc would answer a deserializer's exception with INTERNAL, but bad
+    bytes (invalid UTF-8 in a string, truncation, garbage) are the client's error."""
+    try:
+        return medha_pb2.GenerateRequest.FromString(data)
+    except Exception as e:         # noqa: BLE001 - protobuf's DecodeError and friends
+        return MalformedRequest(f"malformed GenerateRequest: {e}")
+
+
 class MedhaServicer(medha_pb2_grpc.MedhaServicer):
     def __init__(self, server: Server):
         self._server = server
 
     def Generate(self, request, context):
+        if isinstance(request, MalformedRequest):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
         try:
             prompt, params, slo = request_from_proto(request)
             handle = self._server.submit(prompt, params, slo=slo, priority=request.priority,
@@ -80,10 +101,20 @@ class MedhaServicer(medha_pb2_grpc.MedhaServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except RuntimeError as e:                  # the server is closing
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        # Runs when the call ends for any reason; a no-op once the request has finished.
-        context.add_callback(handle.cancel)
-        for delta in handle:
-            yield response_from_delta(delta)
+        # Whatever order the events come in, a call that ends early frees the request:
+        # the callback runs when the call ends (cancel, deadline, disconnect); when the
+        # call had already ended before it was added (add_callback returns False, and it
+        # never runs) the request is cancelled here; and a stream closed on this thread
+        # cancels in `finally`. handle.cancel names the server's own id of this request,
+        # so a late callback never reaches a newer request reusing the client's label.
+        try:
+            if not context.add_callback(handle.cancel):
+                handle.cancel()
+            for delta in handle:
+                yield response_from_delta(delta)
+        finally:
+            if not handle.finished:
+                handle.cancel()
 
     def Metrics(self, request, context):
         return medha_pb2.MetricsResponse(text=self._server.metrics_text())
@@ -165,7 +196,15 @@ class GrpcServer:
             options=[("grpc.max_receive_message_length", max_message_bytes),
                      ("grpc.max_send_message_length", max_message_bytes),
                      ("grpc.so_reuseport", 0)])
-        medha_pb2_grpc.add_MedhaServicer_to_server(MedhaServicer(server), self._grpc)
+        servicer = MedhaServicer(server)
+        self._grpc.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, {
+            "Generate": grpc.unary_stream_rpc_method_handler(
+                servicer.Generate, request_deserializer=parse_generate_request,
+                response_serializer=medha_pb2.GenerateResponse.SerializeToString),
+            "Metrics": grpc.unary_unary_rpc_method_handler(
+                servicer.Metrics, request_deserializer=medha_pb2.MetricsRequest.FromString,
+                response_serializer=medha_pb2.MetricsResponse.SerializeToString),
+        }),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         self.host = host
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

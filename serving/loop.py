@@ -4,14 +4,20 @@ Threads. The controller and the engine are single-threaded; only the loop thread
 them. Callers on any thread post "add" and "cancel" commands to an inbox that the loop
 drains before every iteration; results flow back through each request's RequestStream.
 
-One iteration: schedule -> engine.execute -> update (the controller's two public steps,
-execution owned here), then deliver the new tokens: detokenization and stop strings (the
-controller handles stop token ids, end of sequence and max_tokens), final outputs,
-Prometheus metrics.
+One iteration: schedule -> engine.dispatch while the engine has room for another batch in
+flight (its SPP stages), then engine.collect of the oldest -> update (the controller's two
+public steps, execution owned here through medha_jax.scheduler.in_flight), then deliver
+the new tokens: detokenization and stop strings (the controller handles stop token ids,
+end of sequence and max_tokens), final outputs, Prometheus metrics. An engine with only
+`execute` (a test double) runs one batch at a time.
 
-Failure containment: an exception in engine.execute or in applying its result fails only
-that batch's requests (FinishReason.ERROR, the error named) and the loop keeps serving
-the rest. One in the scheduler itself may have left any request half-updated, so it
+Failure containment: an exception in dispatching or collecting a batch, or in applying
+its result, fails only that batch's requests (FinishReason.ERROR, the error named) and
+the loop keeps serving the rest. When the step failed on the device, the donated KV cache
+went with it: the engine rebuilds it, the batches still in flight behind it (which read
+the lost cache) are dropped unapplied, and every other request holding pages is
+preempted for recompute from its tokens (`Engine.recover_kv_cache`,
+`InFlightRunner.abandon`, `ReplicaController.preempt_all`). One in the scheduler itself may have left any request half-updated, so it
 fails every request in flight; so does a bug anywhere else in an iteration, rather than
 leave callers waiting on a dead thread.
 """
@@ -22,8 +28,9 @@ import logging
 import threading
 from collections.abc import Sequence
 
-from medha_jax.request import Batch, FinishReason
+from medha_jax.request import Batch, FinishReason, StepResult
 from medha_jax.scheduler.controller import ReplicaController
+from medha_jax.scheduler.in_flight import BatchFailed, InFlightRunner
 from serving.metrics import ServerMetrics
 from serving.outputs import RequestStream
 
@@ -38,9 +45,11 @@ class ServingLoop:
 
     def __init__(self, controller: ReplicaController, engine, metrics: ServerMetrics,
                  *, name: str = "medha-server-loop"):
-        """engine: anything with `execute(batch) -> StepResult` and an `allocator`; looked
-        up on every step, so a wrapper set on it later takes effect."""
+        """engine: a PipelinedExecutor (`dispatch`, `collect`, `max_in_flight`) or anything
+        with `execute(batch) -> StepResult`, and an `allocator`."""
         self.controller, self.engine, self.metrics = controller, engine, metrics
+        self.runner = InFlightRunner(controller, engine if hasattr(engine, "dispatch")
+                                     else _OneAtATime(engine))
         self._lock = threading.Condition()          # guards everything up to _streams
         self._inbox: list[tuple[str, object]] = []  # ("add", RequestStream) | ("cancel", id)
         self._in_flight: set[str] = set()           # request ids submitted and not finished
@@ -113,6 +122,8 @@ class ServingLoop:
                 self._add(arg)
             else:
                 self._end(arg, FinishReason.CANCELLED)
+        if commands:
+            self._observe_state()     # the gauges are fresh even when no step follows
         if closing and not (drain and controller.has_unfinished()):
             # No add can follow: add() checks _closing under the lock that took `commands`.
             for request_id in list(self._streams):
@@ -138,30 +149,41 @@ class ServingLoop:
         self._streams[stream.request_id] = stream
 
     def _step(self) -> bool:
-        """One schedule -> execute -> update. False when nothing could be scheduled."""
+        """Fills the engine's pipe, collects its oldest batch and delivers its tokens.
+        False when nothing could be scheduled and nothing is in flight."""
         try:
-            batch = self.controller.schedule()
+            collected = self.runner.step()
+        except BatchFailed as e:
+            failed = _request_ids(e.batch)
+            logger.error("step failed; failing requests %s", failed, exc_info=e.cause)
+            self._fail(failed, f"step failed: {e}")
+            self._recover_kv_cache()
+            return True
         except Exception as e:
             logger.exception("scheduling failed; failing every request in flight")
             self._fail(list(self._streams), f"scheduling failed: {type(e).__name__}: {e}")
             return True
-        if not batch:
+        if collected is None:
             return False
-        try:
-            result = self.engine.execute(batch)
-            self.metrics.observe_step(batch.num_tokens, result.duration_s)
-            updates = self.controller.update(batch, result)
-        except Exception as e:
-            failed = _request_ids(batch)
-            logger.exception("step failed; failing requests %s", failed)
-            self._fail(failed, f"step failed: {type(e).__name__}: {e}")
-            return True
-        for update in updates:
+        self.metrics.observe_step(collected.batch.num_tokens, collected.result.duration_s)
+        for update in collected.updates:
             stream = self._streams.get(update.request.request_id)
             if stream is not None:
                 self._deliver(stream, update.new_token_ids, update.finished)
         self._observe_state()
         return True
+
+    def _recover_kv_cache(self) -> None:
+        """After a failed step: when it lost the device's KV cache (an error on the device
+        poisons the donated cache), the engine rebuilds it and every other request holding
+        pages is recomputed from its tokens, so nothing else is lost."""
+        recover = getattr(self.engine, "recover_kv_cache", None)
+        if recover is not None and recover():
+            self.runner.abandon()
+            preempted = self.controller.preempt_all()
+            logger.warning("the KV cache was lost and rebuilt; %d requests are recomputed",
+                           preempted)
+        self._observe_state()
 
     def _deliver(self, stream: RequestStream, new_token_ids: tuple[int, ...],
                  finished: bool) -> None:
@@ -218,3 +240,18 @@ class ServingLoop:
 
 def _request_ids(batch: Batch) -> list[str]:
     return [c.request.request_id for c in batch.chunks]
+
+
+class _OneAtATime:
+    """A plain Executor as a PipelinedExecutor with one batch in flight."""
+
+    max_in_flight = 1
+
+    def __init__(self, executor):
+        self.executor = executor
+
+    def dispatch(self, batch: Batch) -> Batch:
+        return batch
+
+    def collect(self, batch: Batch) -> StepResult:
+        return self.executor.execute(batch)

@@ -1,5 +1,13 @@
 """Prometheus metrics of one Server: latencies, batch sizes, KV pages, preemptions, outcomes.
 
+What a load-balancing gateway reads to pick a replica (as it reads vLLM's
+gpu_cache_usage_perc, num_requests_running and num_requests_waiting):
+    medha_kv_cache_usage_ratio   KV-cache pages held by requests / all pages, in [0, 1]
+    medha_requests_running       requests holding KV pages
+    medha_requests_waiting       requests queued without pages (new or preempted)
+They are updated after every step, admission and finish, so they are at most one
+iteration old.
+
 Every Server owns its own CollectorRegistry (no process-global state), so two servers in
 one process, or the tests, never mix their numbers. The same registry is served over HTTP
 (optional `metrics_port`) and returned as text by the gRPC Metrics RPC.
@@ -40,6 +48,10 @@ class ServerMetrics:
                                       buckets=BATCH_TOKEN_BUCKETS, registry=r)
         self.kv_pages_in_use = Gauge("medha_kv_pages_in_use", "KV-cache pages held by requests.",
                                      registry=r)
+        self.kv_cache_usage = Gauge(
+            "medha_kv_cache_usage_ratio",
+            "Fraction of the KV cache's pages held by requests (0 to 1); cached prefixes "
+            "that can be evicted count as free.", registry=r)
         self.kv_pages_total = Gauge("medha_kv_pages_total", "KV-cache pages in the pool.",
                                     registry=r)
         self.requests_waiting = Gauge("medha_requests_waiting", "Requests queued (no KV pages).",
@@ -71,6 +83,7 @@ class ServerMetrics:
     def observe_state(self, *, pages_in_use: int, pages_total: int, waiting: int,
                       running: int, preemptions_total: int) -> None:
         self.kv_pages_in_use.set(pages_in_use)
+        self.kv_cache_usage.set(pages_in_use / pages_total if pages_total else 0.0)
         self.kv_pages_total.set(pages_total)
         self.requests_waiting.set(waiting)
         self.requests_running.set(running)

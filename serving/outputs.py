@@ -170,8 +170,13 @@ class RequestHandle:
     """
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
-                 cancel: Callable[[str], bool], loop: asyncio.AbstractEventLoop | None = None):
+                 cancel: Callable[[str], bool], loop: asyncio.AbstractEventLoop | None = None,
+                 *, id: str | None = None):
+        """request_id: the caller's label, echoed in every delta and the output (not
+        necessarily unique); id: the server's identity of the request (unique), what
+        `cancel` names (default: request_id)."""
         self.request_id = request_id
+        self.id = request_id if id is None else id
         self.prompt_token_ids = tuple(prompt_token_ids)
         self._cancel = cancel
         self._loop = loop
@@ -211,7 +216,7 @@ class RequestHandle:
 
     def cancel(self) -> bool:
         """Asks the server to stop this request; its final delta says "cancelled"."""
-        return self._cancel(self.request_id)
+        return self._cancel(self.id)
 
     def result(self, timeout: float | None = None) -> RequestOutput:
         """Blocks until the request finishes; raises TimeoutError after `timeout` seconds."""
@@ -247,6 +252,7 @@ class RequestStream:
 
     @property
     def request_id(self) -> str:
+        """The server's identity of the request (the loop's key); deltas carry the label."""
         return self.request.request_id
 
     def add_tokens(self, new_token_ids: Sequence[int]) -> bool:
@@ -259,7 +265,7 @@ class RequestStream:
         """Hands the tokens and the text that is safe to show so far to the caller."""
         text = self.detokenizer.take_delta(final=False)
         if new_token_ids or text:
-            self.handle._push(StreamDelta(self.request_id, tuple(new_token_ids), text,
+            self.handle._push(StreamDelta(self.handle.request_id, tuple(new_token_ids), text,
                                           finished=False))
 
     def finish(self, reason: FinishReason, new_token_ids: Sequence[int] = (),
@@ -267,7 +273,7 @@ class RequestStream:
         """Pushes the final delta (the rest of the text) and returns the request's metrics."""
         metrics = RequestMetrics.from_request(self.request)
         self.handle._push(StreamDelta(
-            self.request_id, tuple(new_token_ids), self.detokenizer.take_delta(final=True),
+            self.handle.request_id, tuple(new_token_ids), self.detokenizer.take_delta(final=True),
             finished=True, finish_reason=FinishReason(reason).value, metrics=metrics,
             error=error))
         return metrics

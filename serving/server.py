@@ -8,7 +8,7 @@
 Three parts, as vLLM v1's AsyncLLM splits input processing, the engine core and output
 processing:
     serving.validation  argument checks and tokenization, on the caller's thread
-    serving.loop        the loop thread: inbox, schedule -> engine.execute -> update,
+    serving.loop        the loop thread: inbox, schedule -> engine.dispatch/collect -> update,
                         failure containment
     serving.outputs     detokenization, stream deltas, final outputs, request handles
 The Server builds the engine, calibrates the runtime predictor, makes the controller, and
@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import secrets
 from typing import AsyncIterator, Iterator, Sequence
 
 from medha_jax.request import SLO, Request, WallClock
@@ -89,6 +90,8 @@ class Server:
             eos_token_ids=eos, max_model_len=self.engine.max_model_len)
         self.metrics = ServerMetrics()
         self._ids = itertools.count()
+        # Random per server, so no caller can name another's request by guessing.
+        self._id_prefix = f"req-{secrets.token_hex(4)}"
         self._loop = ServingLoop(self.controller, self.engine, self.metrics)
         self.metrics_port = (self.metrics.serve_http(metrics_port)
                              if metrics_port is not None else None)
@@ -115,9 +118,13 @@ class Server:
                slo: SLO | None = None, priority: int = 0, request_id: str | None = None,
                _loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
         """Queues one prompt (a str, token ids, a TokensPrompt or a 1-D numpy array) and
-        returns at once. Raises ValueError or TypeError naming a bad field."""
+        returns at once. Raises ValueError or TypeError naming a bad field.
+        request_id: the caller's label for the request, echoed in its deltas and output;
+        labels may repeat. The server names the request itself (`RequestHandle.id`)."""
         params = SamplingParams() if sampling_params is None else sampling_params
         try:
+            if request_id is not None:
+                validation.check_request_id(request_id)
             prompt_ids = validation.validate_request(
                 prompt, params, slo, priority, tokenizer=self.tokenizer,
                 vocab_size=self.config.vocab_size, model_name=self.config.name,
@@ -126,14 +133,16 @@ class Server:
         except (ValueError, TypeError):
             self.metrics.requests_rejected.inc()
             raise
+        # The server names every request (unique, never reused); the caller's request_id
+        # is only a label, so a reused label can never reach another request.
+        server_id = f"{self._id_prefix}-{next(self._ids)}"
         if request_id is None:
-            request_id = f"req-{next(self._ids)}"
-        validation.check_request_id(request_id)
-        request = Request(request_id=request_id, prompt_len=len(prompt_ids),
+            request_id = server_id
+        request = Request(request_id=server_id, prompt_len=len(prompt_ids),
                           max_new_tokens=params.max_tokens, arrival_time=self._clock.now(),
                           slo=slo or self.default_slo, priority=priority,
                           prompt_token_ids=prompt_ids, sampling=params)
-        handle = RequestHandle(request_id, prompt_ids, self.cancel, loop=_loop)
+        handle = RequestHandle(request_id, prompt_ids, self.cancel, loop=_loop, id=server_id)
         self._loop.add(RequestStream(request, handle, detokenizer))
         return handle
 
@@ -193,9 +202,11 @@ class Server:
                              request_id=request_id, _loop=asyncio.get_running_loop())
         return _cancel_when_abandoned_async(handle)
 
-    def cancel(self, request_id: str) -> bool:
-        """Cancels an in-flight request (its final delta says "cancelled"); False if unknown."""
-        return self._loop.cancel(request_id)
+    def cancel(self, id: str) -> bool:
+        """Cancels an in-flight request by the server's id (`RequestHandle.id`; a caller's
+        request_id is only a label) and frees its pages; its final delta says "cancelled".
+        False when no such request is in flight (already finished, or never was)."""
+        return self._loop.cancel(id)
 
     def metrics_text(self) -> str:
         return self.metrics.text()

@@ -12,6 +12,7 @@ by the argument's type alone, never by looking at its elements: see `is_single_p
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from collections.abc import Callable, Iterable, Sequence
 from typing import Union
@@ -62,6 +63,14 @@ def check_batch_prompt(index: int, prompt) -> None:
             f"TokensPrompt(ids) or [ids]")
 
 
+# Bounds on what one request may ask of the loop thread and the step's int32 inputs; a
+# hostile value past them would slow or fail every request beside it, not only its own.
+INT32_MAX = 2**31 - 1
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 4096
+
+
 def check_request_args(params, slo, priority) -> None:
     """The non-prompt arguments of one request."""
     if not isinstance(params, SamplingParams):
@@ -70,6 +79,29 @@ def check_request_args(params, slo, priority) -> None:
         raise TypeError(f"slo must be an SLO, got {type(slo).__name__}")
     if not isinstance(priority, int) or isinstance(priority, bool):
         raise TypeError(f"priority must be an int, got {priority!r}")
+    if not -INT32_MAX - 1 <= priority <= INT32_MAX:
+        raise ValueError(f"priority must fit in int32, got {priority}")
+    if slo is not None and not (math.isfinite(slo.ttft_s) and math.isfinite(slo.tpot_s)):
+        raise ValueError(f"slo must be finite, got {slo}")
+    check_sampling_limits(params)
+
+
+def check_sampling_limits(params: SamplingParams) -> None:
+    """What SamplingParams itself admits but a step cannot hold (values packed as int32 and
+    float32) or the loop thread should not pay for (huge stop lists)."""
+    if not math.isfinite(params.temperature):
+        raise ValueError(f"temperature must be finite, got {params.temperature!r}")
+    if params.top_k > INT32_MAX:
+        raise ValueError(f"top_k must be <= {INT32_MAX}, got {params.top_k}")
+    if len(params.stop) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop has {len(params.stop)} strings; at most {MAX_STOP_STRINGS}")
+    longest = max((len(s) for s in params.stop), default=0)
+    if longest > MAX_STOP_STRING_CHARS:
+        raise ValueError(f"a stop string has {longest} characters; at most "
+                         f"{MAX_STOP_STRING_CHARS}")
+    if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"stop_token_ids has {len(params.stop_token_ids)} ids; at most "
+                         f"{MAX_STOP_TOKEN_IDS}")
 
 
 def prompt_token_ids(prompt: Prompt, *, tokenizer, vocab_size: int, model_name: str
@@ -86,7 +118,9 @@ def prompt_token_ids(prompt: Prompt, *, tokenizer, vocab_size: int, model_name: 
         elif isinstance(prompt, np.ndarray) and prompt.ndim != 1:
             raise ValueError(f"prompt: a numpy prompt must be 1-D token ids, got shape "
                              f"{prompt.shape}")
-        if not isinstance(prompt, Iterable) or isinstance(prompt, (bytes, bytearray)):
+        # Sets and mappings iterate, but in no order a prompt could mean.
+        if not isinstance(prompt, Iterable) or isinstance(
+                prompt, (bytes, bytearray, set, frozenset, dict)):
             raise TypeError(f"prompt must be a str or a list of token ids, "
                             f"got {type(prompt).__name__}")
         ids = []
@@ -114,9 +148,16 @@ def validate_request(prompt: Prompt, params, slo, priority, *, tokenizer, vocab_
     return ids
 
 
+MAX_REQUEST_ID_CHARS = 512
+
+
 def check_request_id(request_id) -> None:
+    """A caller's label: a non-empty string, short enough to echo in every delta."""
     if not isinstance(request_id, str) or not request_id:
-        raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        raise ValueError(f"request_id must be a non-empty string, got {request_id!r:.80}")
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise ValueError(f"request_id has {len(request_id)} characters; at most "
+                         f"{MAX_REQUEST_ID_CHARS}")
 
 
 def is_token_id(value) -> bool:

@@ -23,6 +23,12 @@ def one_device_logits():
 
 def shard_map_specs(model, num_tokens=16):
     """The in_specs of every shard_map in the jaxpr of a one-chunk forward."""
+    return [specs for specs, _ in shard_maps(model, num_tokens)]
+
+
+def shard_maps(model, num_tokens=16):
+    """(in_specs, names of every primitive in its body, nested ones included) of every
+    shard_map in the jaxpr of a one-chunk forward."""
     shards = num_kv_shards(model.layout)
     meta = one_sequence_metadata(0, num_tokens, num_tokens, page_size=16, num_kv_shards=shards,
                                  tokens_per_shard=num_tokens)
@@ -32,15 +38,18 @@ def shard_map_specs(model, num_tokens=16):
             jnp.arange(num_tokens, dtype=jnp.int32), meta)
     found = []
 
-    def walk(jaxpr):
+    def walk(jaxpr, seen: set[str]):
         for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "shard_map":
-                found.append(eqn.params["in_specs"])
+            seen.add(eqn.primitive.name)
+            body = set()
             for param in eqn.params.values():
                 inner = getattr(param, "jaxpr", param)
                 if hasattr(inner, "eqns"):
-                    walk(inner)
-    walk(jaxpr.jaxpr)
+                    walk(inner, body)
+            seen |= body
+            if eqn.primitive.name == "shard_map":
+                found.append((eqn.params["in_specs"], body))
+    walk(jaxpr.jaxpr, set())
     return found
 
 
@@ -52,8 +61,11 @@ def test_pallas_kernel_under_shard_map_matches_one_device(one_device_logits, par
     ids, expected = one_device_logits
     model = load_model("tiny", parallel=parallel, attention_impl="interpret", verbose=False)
     assert model.layout.attention_impl == "interpret"
-    specs = shard_map_specs(model)
-    assert specs and specs[0][0] == P(None, "tp", None)      # the kernel ran per device
+    maps = shard_maps(model)
+    assert maps and maps[0][0][0] == P("cp", "tp", None)     # heads split over tp
+    # The Pallas kernel itself is called inside the per-device body, not a jnp fallback
+    # (deleting the kernel call in pallas_kernels/attention.py makes this fail).
+    assert all("pallas_call" in body for _, body in maps), [sorted(b) for _, b in maps]
     np.testing.assert_allclose(model.logits(ids), expected, atol=2e-5, rtol=0)
 
 
@@ -65,10 +77,10 @@ def test_shard_map_specs_come_from_the_models_rules(one_device_logits):
     model = load_model("tiny", parallel=ParallelConfig(tp=2), rules=rules, verbose=False)
     assert model.layout.rules == rules
     q_spec, k_spec = shard_map_specs(model)[0][:2]
-    assert q_spec == k_spec == P(None, None, None)
+    assert q_spec == k_spec == P("cp", None, None)
     default_specs = shard_map_specs(load_model("tiny", parallel=ParallelConfig(tp=2),
                                                verbose=False))[0]
-    assert default_specs[0] == P(None, "tp", None)
+    assert default_specs[0] == P("cp", "tp", None)
     np.testing.assert_allclose(model.logits(ids), expected, atol=2e-5, rtol=0)
 
 

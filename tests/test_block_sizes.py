@@ -35,7 +35,7 @@ def test_block_sizes_validate_and_hash():
 
 
 def test_table_has_every_kind_and_sizes_follow_head_dim():
-    assert set(TILE_TABLE) == {"cpu", "interpret", *GPU_KINDS, *TPU_KINDS}
+    assert set(TILE_TABLE) == {"cpu", "interpret", "interpret-tpu", *GPU_KINDS, *TPU_KINDS}
     h100 = TILE_TABLE["h100"]
     assert h100.block_sizes(64, 16).block_kv(16) == h100.keys_narrow
     assert h100.block_sizes(128, 16).block_kv(16) == h100.keys_wide
@@ -112,3 +112,48 @@ def test_kernel_lowers_for_cuda_with_every_gpu_entry(kind):
     text = lower_for_cuda(lambda *a: decode_attention(*a, sm_scale=0.1, impl="pallas",
                                                       block_sizes=tiles), *decode)
     assert text.count("__gpu$xla.gpu.triton") == 1
+
+
+@pytest.mark.parametrize("kind", GPU_KINDS)
+def test_decode_prefill_split_lowers_for_cuda(kind):
+    """With num_decodes the step holds two Triton kernels (decode, prefill-sized ragged
+    blocks: 128 rows at GQA 8 on H100/H200, so the 8-warp configuration) in one program."""
+    sds = jax.ShapeDtypeStruct
+    page_size, max_seqs, kv_heads, head_dim = 16, 8, 2, 128
+    tiles = block_sizes_for("pallas", kind, head_dim, page_size)
+    cache = sds((256, page_size, kv_heads, head_dim), jnp.bfloat16)
+    args = (sds((256, 8 * kv_heads, head_dim), jnp.bfloat16), cache, cache,
+            sds((max_seqs, 40), jnp.int32), sds((max_seqs + 1,), jnp.int32),
+            sds((max_seqs,), jnp.int32), sds((1,), jnp.int32), sds((1,), jnp.int32))
+    text = lower_for_cuda(lambda q, k, v, pt, cu, kl, ns, nd: ragged_paged_attention(
+        q, k, v, pt, cu, kl, ns, sm_scale=0.1, impl="pallas", block_sizes=tiles,
+        num_decodes=nd), *args)
+    assert text.count("__gpu$xla.gpu.triton") == 2
+
+
+def lower_for_tpu(fn, *args) -> str:
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+
+
+@pytest.mark.parametrize("kind", TPU_KINDS)
+def test_tpu_kernel_lowers_for_tpu_with_every_tpu_entry(kind):
+    """Pallas -> Mosaic lowering of the TPU kernel from this CPU host, for the table's
+    tiles (bf16 and f32, head_dim 64 and 128, page sizes 16 and 64, causal and prefix, and
+    the decode/prefill split). What only a TPU checks: Mosaic's own layout passes and the
+    compile to the chip, which run in libtpu."""
+    sds = jax.ShapeDtypeStruct
+    max_seqs = 8
+    for dtype, head_dim, page_size, causal in ((jnp.bfloat16, 128, 16, True),
+                                               (jnp.float32, 64, 64, False)):
+        tiles = block_sizes_for("pallas-tpu", kind, head_dim, page_size)
+        cache = sds((256, page_size, 2, head_dim), dtype)
+        args = (sds((128, 16, head_dim), dtype), cache, cache, sds((max_seqs, 64), jnp.int32),
+                sds((max_seqs + 1,), jnp.int32), sds((max_seqs,), jnp.int32),
+                sds((1,), jnp.int32), sds((1,), jnp.int32))
+        text = lower_for_tpu(lambda q, k, v, pt, cu, kl, ns, nd: ragged_paged_attention(
+            q, k, v, pt, cu, kl, ns, sm_scale=0.1, impl="pallas-tpu", block_sizes=tiles,
+            causal=causal, num_decodes=nd), *args)
+        assert text.count("tpu_custom_call") == 2      # decode and prefill kernels
+        text = lower_for_tpu(lambda *a: ragged_paged_attention(
+            *a, sm_scale=0.1, impl="pallas-tpu", block_sizes=tiles, causal=causal), *args[:7])
+        assert text.count("tpu_custom_call") == 1

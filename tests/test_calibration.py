@@ -76,3 +76,48 @@ def test_borrow_batch_that_does_not_fit_gives_back_what_it_took(model):
     assert engine.allocator.num_free_pages == engine.allocator.num_pages
     release_batch(engine, borrow_batch(engine, [(4000, 8)], rng))   # the ids are free again
     assert engine.allocator.num_free_pages == engine.allocator.num_pages
+
+
+@pytest.mark.parametrize("num_shards", [1, 4])
+def test_borrow_batch_gives_back_every_page_whatever_fails_part_way(num_shards):
+    """Each allocator call of a borrow fails in turn (raises or finds no room): every page
+    taken so far returns, and a batch borrowed before is left alone."""
+    from types import SimpleNamespace
+
+    from medha_jax.kv_cache.allocator import BlockAllocator
+
+    allocator = BlockAllocator(32, 16, num_shards=num_shards,
+                               max_tokens_per_shard=128 if num_shards > 1 else None)
+    engine = SimpleNamespace(allocator=allocator,
+                             model=SimpleNamespace(config=SimpleNamespace(vocab_size=100)))
+    rng = np.random.default_rng(0)
+    chunks = [(40, 8), (100, 20), (0, 1), (200, 1)]
+    held = borrow_batch(engine, [(30, 2)], rng)              # borrowed before, kept
+    free = allocator.num_free_pages
+    real = {name: getattr(allocator, name) for name in ("allocate", "reserve")}
+    for name in real:
+        for fail_at in range(len(chunks)):
+            for failure in ("raise", "no room"):
+                calls = []
+
+                def failing(*args, name=name, fail_at=fail_at, failure=failure):
+                    calls.append(1)
+                    if len(calls) - 1 == fail_at:
+                        if failure == "raise" or name == "allocate":
+                            raise RuntimeError("injected")
+                        return False
+                    return real[name](*args)
+
+                setattr(allocator, name, failing)
+                try:
+                    with pytest.raises(RuntimeError):
+                        borrow_batch(engine, chunks, rng)
+                finally:
+                    setattr(allocator, name, real[name])
+                assert allocator.num_free_pages == free, (name, fail_at, failure)
+    # Two batches out at once do not collide, and each gives back its own pages.
+    other = borrow_batch(engine, chunks, rng)
+    release_batch(engine, other)
+    assert allocator.num_free_pages == free
+    release_batch(engine, held)
+    assert allocator.num_free_pages == allocator.num_pages

@@ -95,13 +95,13 @@ def test_client_cancel_frees_the_pages(server, stub):
 
 
 def test_deadline_cancels_the_request(server, stub, monkeypatch):
-    real_execute = server.engine.execute
+    real_dispatch = server.engine.dispatch
 
-    def slow_execute(batch):     # 240 steps of >= 10 ms cannot beat a 0.5 s deadline
+    def slow_dispatch(batch):     # 240 steps of >= 10 ms cannot beat a 0.5 s deadline
         time.sleep(0.01)
-        return real_execute(batch)
+        return real_dispatch(batch)
 
-    monkeypatch.setattr(server.engine, "execute", slow_execute)
+    monkeypatch.setattr(server.engine, "dispatch", slow_dispatch)
     with pytest.raises(grpc.RpcError) as e:
         list(stub.Generate(request(list(range(10)), max_tokens=240), timeout=0.5))
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -208,3 +208,120 @@ def test_stubs_are_generated_when_missing_or_stale(tmp_path):
     os.utime(proto_dir / "medha.proto", ns=(built + 10**9, built + 10**9))
     run()                             # the .proto is newer: rebuilt
     assert stub.stat().st_mtime_ns > built
+
+
+# --- Identity and cancellation: any order of events frees the pages, and a client's
+# request_id is a label, so reusing it never reaches another request. ------------------
+
+class FakeContext:
+    """The part of grpc.ServicerContext Generate uses; `ended` says the call is over
+    before the servicer registers its callback (then grpc never calls it)."""
+
+    def __init__(self, ended=False):
+        self.ended, self.callbacks = ended, []
+
+    def add_callback(self, callback):
+        if self.ended:
+            return False
+        self.callbacks.append(callback)
+        return True
+
+    def end(self):                 # what grpc does when the call ends: run the callbacks
+        self.ended = True
+        for callback in self.callbacks:
+            callback()
+
+    def abort(self, code, details):
+        raise AssertionError(f"aborted: {code} {details}")
+
+
+def servicer_call(server, prompt, context, max_tokens=200, request_id=""):
+    from serving.grpc_service import MedhaServicer
+    return MedhaServicer(server).Generate(request(prompt, max_tokens=max_tokens,
+                                                  request_id=request_id), context)
+
+
+def test_a_call_that_ended_before_submit_returned_is_cancelled(server):
+    responses = list(servicer_call(server, list(range(30)), FakeContext(ended=True)))
+    assert responses[-1].finished and responses[-1].finish_reason == "cancelled"
+    assert wait_until_idle(server)
+
+
+def test_a_call_ended_during_the_stream_or_abandoned_is_cancelled(server):
+    context = FakeContext()
+    call = servicer_call(server, list(range(30)), context)
+    assert next(call).token_ids                           # running, holding pages
+    context.end()
+    assert list(call)[-1].finish_reason == "cancelled"
+    assert wait_until_idle(server)
+    cancelled = lambda: server.metrics.registry.get_sample_value(
+        "medha_requests_finished_total", {"finish_reason": "cancelled"}) or 0
+    before = cancelled()
+    call = servicer_call(server, list(range(30)), FakeContext())   # callback never runs
+    next(call)
+    call.close()                                          # the stream is dropped
+    assert wait_until_idle(server)
+    assert cancelled() == before + 1                      # stopped, not run to the end
+
+
+def test_a_stale_callback_never_cancels_a_newer_request_reusing_the_id(server, stub):
+    expected = [r.token_ids for r in stub.Generate(request(list(range(5, 25)), max_tokens=40))]
+    old_context = FakeContext()
+    old = list(servicer_call(server, [1, 2, 3], old_context, max_tokens=2, request_id="dup"))
+    assert old[-1].finish_reason == "length"
+    newer = servicer_call(server, list(range(5, 25)), FakeContext(), max_tokens=40,
+                          request_id="dup")
+    first = next(newer)
+    old_context.end()                                     # the old call's callback, late
+    assert not server.cancel("dup")                       # a label names no request
+    rest = list(newer)
+    assert {first.request_id} | {r.request_id for r in rest} == {"dup"}
+    assert rest[-1].finish_reason == "length"
+    assert [first.token_ids] + [r.token_ids for r in rest] == expected
+    assert wait_until_idle(server)
+
+
+def test_clients_cancelling_before_during_and_after_submit_with_reused_ids_leak_nothing(
+        server, endpoint):
+    import random
+    import threading
+
+    rng = random.Random(0)
+    finals, lock = [], threading.Lock()
+
+    def client(i):
+        with grpc.insecure_channel(endpoint.address) as channel:
+            stub = medha_pb2_grpc.MedhaStub(channel)
+            call = stub.Generate(request(list(range(1 + i, 20 + i)), max_tokens=60,
+                                         request_id=f"same-{i % 3}"))
+            delay = rng.choice([0.0, 0.0005, 0.002, 0.01, 0.05])
+            if delay:
+                time.sleep(delay)
+            call.cancel()                 # before the server saw it, during, or after
+            try:
+                for response in call:
+                    if response.finished:
+                        with lock:
+                            finals.append(response.finish_reason)
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.CANCELLED:
+                    with lock:
+                        finals.append(f"{e.code().name}: {e.details()}")
+
+    # Beside them, calls under the same ids that must finish whole.
+    with grpc.insecure_channel(endpoint.address) as channel:
+        stub = medha_pb2_grpc.MedhaStub(channel)
+        keepers = [stub.Generate(request(list(range(40, 50)), max_tokens=30,
+                                         request_id=f"same-{k}")) for k in range(3)]
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(24)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for call in keepers:
+            responses = list(call)
+            assert responses[-1].finish_reason == "length"
+            assert sum(len(r.token_ids) for r in responses) == 30
+    assert set(finals) <= {"cancelled", "length"}
+    assert wait_until_idle(server)
+    assert not server._loop._in_flight and not server.controller.has_unfinished()

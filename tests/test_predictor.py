@@ -82,16 +82,14 @@ def test_parallelism_in_the_analytical_model():
     big = _prefill(8192)
     assert t(ParallelConfig(tp=8), big) < t(ParallelConfig(tp=1), big) / 4     # TP divides the work
     assert t(ParallelConfig(tp=8), big) > t(ParallelConfig(tp=1), big) / 8     # + all-reduces
-    # SPP: a prefill-stream step costs one stage; a sampled token crosses every stage.
-    assert t(ParallelConfig(spp=4), big) < t(ParallelConfig(), big) / 3
+    # SPP: a step is priced as one stage (about layers / spp), whatever it samples; the
+    # pipeline's depth is the executor's (tests/test_simulator.py, tests/test_in_flight.py).
     sampling = _prefill(8192, samples=True)
-    assert t(ParallelConfig(spp=4), sampling) > 0.8 * t(ParallelConfig(), sampling)
     decodes = BatchFeatures(64, 64, 64, 64 * 5000, 64, 64 * 5000, 64,
                             max_decode_context=5000)
-    assert t(ParallelConfig(spp=4), decodes) == pytest.approx(t(ParallelConfig(), decodes), rel=0.1)
-    # ... while a prefill chunk beside a few decodes still streams.
-    mixed = big.plus_chunk(1, 5000, True)
-    assert t(ParallelConfig(spp=4), mixed) < 0.5 * t(ParallelConfig(), mixed)
+    for features in (big, sampling, decodes, big.plus_chunk(1, 5000, True)):
+        one_stage = t(ParallelConfig(spp=4), features)
+        assert t(ParallelConfig(), features) / 4.5 < one_stage < t(ParallelConfig(), features) / 3
     # KVP splits attention over a long context: a small chunk at 1M tokens nearly halves.
     late = _prefill(256, 1_000_000)
     assert t(ParallelConfig(kvp=2), late) < 0.6 * t(ParallelConfig(), late)

@@ -78,3 +78,16 @@ def test_segment_of_and_bound():
                                   [0, 0, 2, 2, 2, 3, 3, 3, 3, 3, 3])
     assert max_query_blocks(10, 4, 4) == 5    # e.g. q_lens 1, 1, 1, 7: 1 + 1 + 1 + 2 blocks
     assert max_query_blocks(3, 8, 16) == 3    # never more than one block per token
+
+
+def test_first_seq_leaves_out_the_leading_sequences():
+    """first_seq (the decode/prefill split): sequences before it get no block and their
+    tokens are not valid; the others are planned as without it."""
+    cu, kv, num_seqs = ragged_lens([1, 1, 9, 4], [5, 7, 20, 4])
+    both = plan_query_blocks(cu, kv, num_seqs, num_tokens=NUM_TOKENS, block_q=4)
+    plan = plan_query_blocks(cu, kv, num_seqs, num_tokens=NUM_TOKENS, block_q=4,
+                             first_seq=jnp.int32(2))
+    assert int(plan.count) == int(both.count) - 2 == 4
+    assert np.asarray(plan.seq)[:4].tolist() == [2, 2, 2, 3]
+    valid = np.asarray(plan.token_valid)
+    assert not valid[:2].any() and valid[2:15].all() and not valid[15:].any()

@@ -6,12 +6,16 @@ what varies at run time in the engine: how many sequences, their chunk lengths (
 and the data.
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from pallas_kernels import BlockSizes, merge_attention, ragged_paged_attention
+from pallas_kernels import (BlockSizes, merge_attention, order_decodes_first,
+                            ragged_paged_attention)
+from pallas_kernels.dense_reference import dense_attention_oracle
 from pallas_kernels.paged_kernel import kernel_rows, paged_attention_blocks
 from pallas_kernels.query_blocks import plan_query_blocks
 from tests.attention_checks import Shapes, assert_matches_oracle, make_batch, ragged_batches
@@ -158,3 +162,72 @@ def test_shape_and_impl_errors_name_the_values():
         ragged_paged_attention(**{**batch, "kv_lens": batch["kv_lens"][:4]}, sm_scale=1.0)
     with pytest.raises(ValueError, match="impl='reference' must be one of"):
         ragged_paged_attention(**batch, sm_scale=1.0, impl="reference")
+
+
+# The decode/prefill split (num_decodes): decodes first, then chunks; prefill blocks of
+# prefill_rows rows (here 32: 8 tokens at GQA 4, twice block_q).
+SPLIT_TILING = BlockSizes(block_q=4, kv_pages_per_block=2, num_kv_splits=3, prefill_rows=32)
+
+
+def decodes_first(q_lens, contexts):
+    order, num_decodes = order_decodes_first(q_lens)
+    return ([q_lens[i] for i in order], [contexts[i] for i in order],
+            np.array([num_decodes], np.int32))
+
+
+@settings(max_examples=5, deadline=None)
+@given(batch_spec=ragged_batches(tuple(SHAPES[1:3])), causal=st.booleans())
+def test_decode_prefill_split_equals_dense_oracle(batch_spec, causal):
+    """num_decodes routes the leading decodes to the decode kernel and the chunks to the
+    ragged kernel's prefill-sized blocks; the result is the oracle's, on either mode.
+    (The XLA path finds its decodes itself and ignores num_decodes.)"""
+    shapes, seed, q_lens, contexts = batch_spec
+    q_lens, contexts, num_decodes = decodes_first(q_lens, contexts)
+    batch = make_batch(seed, shapes, q_lens, contexts, causal=causal)
+    sm_scale = shapes.head_dim ** -0.5
+    out, lse = ragged_paged_attention(**batch, sm_scale=sm_scale, impl="interpret",
+                                      block_sizes=SPLIT_TILING, causal=causal,
+                                      num_decodes=num_decodes)
+    assert_matches_oracle(out, lse, batch, sm_scale, causal=causal)
+
+
+def test_order_decodes_first():
+    assert order_decodes_first([5, 1, 3, 1, 1, 2]) == ([1, 3, 4, 0, 2, 5], 3)
+    assert order_decodes_first([]) == ([], 0)
+
+
+def test_decode_sequences_run_the_decode_kernel(monkeypatch):
+    """Which kernel served which token: each kernel is wrapped to add its own offset to
+    its output. With num_decodes every decode token (and no other) carries the decode
+    kernel's mark, every chunk token the ragged kernel's; without it, all tokens go
+    through the ragged kernel. A decode-only batch never sees the ragged kernel's mark."""
+    from pallas_kernels import attention
+    marks = {"decode_attention_pallas": 100.0, "ragged_paged_attention_pallas": 1000.0}
+    for name, mark in marks.items():
+        kernel = getattr(attention, name)
+        monkeypatch.setattr(attention, name, lambda *a, _k=kernel, _m=mark, **kw: (
+            (lambda out, lse: (out + _m, lse))(*_k(*a, **kw))))
+    jax.clear_caches()   # the jitted entry point must trace the wrapped kernels
+    try:
+        shapes = SHAPES[1]
+        q_lens, contexts, num_decodes = decodes_first([7, 1, 12, 1, 1], [20, 33, 0, 5, 70])
+        batch = make_batch(6, shapes, q_lens, contexts)
+        want, _ = dense_attention_oracle(**batch, sm_scale=0.125)
+        out, _ = ragged_paged_attention(**batch, sm_scale=0.125, impl="interpret",
+                                        block_sizes=SPLIT_TILING, num_decodes=num_decodes)
+        out = np.asarray(out)
+        np.testing.assert_allclose(out[:3], want[:3] + 100.0, atol=2e-4)      # 3 decodes
+        np.testing.assert_allclose(out[3:22], want[3:22] + 1000.0, atol=2e-4)  # 2 chunks
+        out, _ = ragged_paged_attention(**batch, sm_scale=0.125, impl="interpret",
+                                        block_sizes=SPLIT_TILING)
+        np.testing.assert_allclose(np.asarray(out)[:22], want[:22] + 1000.0, atol=2e-4)
+
+        decodes = make_batch(7, shapes, [1] * 5, [9, 0, 40, 3, 77])
+        want, _ = dense_attention_oracle(**decodes, sm_scale=0.125)
+        out, _ = ragged_paged_attention(**decodes, sm_scale=0.125, impl="interpret",
+                                        block_sizes=SPLIT_TILING,
+                                        num_decodes=np.array([5], np.int32))
+        np.testing.assert_allclose(np.asarray(out)[:5], want[:5] + 100.0, atol=2e-4)
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()

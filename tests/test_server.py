@@ -233,6 +233,28 @@ def test_metrics_count_requests_and_are_served_over_http(server):
         assert b"medha_ttft_seconds_count" in r.read()
 
 
+def test_gateway_metrics_follow_the_load(server):
+    """KV-cache usage as a fraction and running / waiting counts, while a request holds
+    pages and after it is gone."""
+    value = lambda name: server.metrics.registry.get_sample_value(name)
+    assert wait_until_idle(server)
+    handle = server.submit(list(range(60)), SamplingParams(temperature=0.0, max_tokens=150))
+    deltas = iter(handle)
+    next(deltas)                              # its first token: it holds 4 pages or more
+    usage = value("medha_kv_cache_usage_ratio")
+    in_use = value("medha_kv_pages_in_use")
+    assert 0 < usage <= 1 and in_use >= 4
+    assert usage == pytest.approx(in_use / server.num_total_pages)
+    assert value("medha_requests_running") == 1 and value("medha_requests_waiting") == 0
+    handle.cancel()
+    assert handle.result(timeout=30).finish_reason == "cancelled"
+    deadline = time.monotonic() + 10      # the loop updates the gauges just after finishing
+    while value("medha_kv_cache_usage_ratio") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert value("medha_kv_cache_usage_ratio") == 0.0
+    assert value("medha_requests_running") == value("medha_requests_waiting") == 0
+
+
 def test_close_cancels_in_flight_requests_and_frees_every_page():
     server = make_tiny_server()
     handle = server.submit(list(range(50)), SamplingParams(temperature=0.0, max_tokens=200))

@@ -38,10 +38,15 @@ def expect_bystanders_unharmed(server, reference, submit_bad):
     ([1, -1], GREEDY, ValueError, r"prompt\[1\] = -1"),
     ([1, "x"], GREEDY, ValueError, r"prompt\[1\] must be an int"),
     (b"bytes", GREEDY, TypeError, "prompt must be a str or a list of token ids"),
+    ({1, 2}, GREEDY, TypeError, "prompt must be a str or a list of token ids, got set"),
     (list(range(250)), GREEDY, ValueError, "max_model_len=256"),           # 250 + 12 > 256
     ([1] * 300, GREEDY, ValueError, "max_model_len=256"),
     ([1, 2], SamplingParams(max_tokens=300), ValueError, "max_tokens=300"),
     ([1, 2], {"temperature": 0}, TypeError, "sampling_params must be a SamplingParams"),
+    # Admitted by SamplingParams, but would fail the step (int32 inputs) for everyone in it.
+    ([1, 2], SamplingParams(top_k=2**31), ValueError, "top_k must be <= 2147483647"),
+    ([1, 2], SamplingParams(temperature=float("inf")), ValueError, "temperature must be finite"),
+    ([1, 2], SamplingParams(stop=("x",) * 65), ValueError, "at most 64"),
 ])
 def test_bad_input_raises_naming_the_field(server, reference, prompt, params, error, field):
     def submit_bad():
@@ -63,13 +68,26 @@ def test_bad_sampling_values_fail_in_sampling_params():
 
 
 def test_other_bad_arguments(server):
-    with pytest.raises(ValueError, match="request_id 'dup' is already in flight"):
-        handle = server.submit([1, 2], SamplingParams(temperature=0, max_tokens=100),
-                               request_id="dup")
-        server.submit([1, 2], GREEDY, request_id="dup")
-    handle.cancel()
+    # A request_id is the caller's label: it may repeat; the server names each request.
+    first = server.submit([1, 2], SamplingParams(temperature=0, max_tokens=100),
+                          request_id="dup")
+    second = server.submit([1, 2], GREEDY, request_id="dup")
+    assert first.id != second.id and first.request_id == second.request_id == "dup"
+    assert not server.cancel("dup")
+    assert first.cancel()
+    assert second.result(timeout=60).finish_reason == "length"
+    assert first.result(timeout=60).finish_reason == "cancelled"
+    for bad, message in [("", "non-empty string"), ("x" * 513, "513 characters; at most 512"),
+                         (7, "non-empty string")]:
+        with pytest.raises(ValueError, match=message):
+            server.submit([1], GREEDY, request_id=bad)
     with pytest.raises(TypeError, match="slo must be an SLO"):
         server.submit([1], GREEDY, slo=5.0)
+    # Found by the fuzzer: a priority past int64 once left the controller half-updated.
+    with pytest.raises(ValueError, match="priority must fit in int32"):
+        server.submit([1], GREEDY, priority=2**100)
+    with pytest.raises(ValueError, match="slo must be finite"):
+        server.submit([1], GREEDY, slo=SLO(ttft_s=float("inf")))
     with pytest.raises(ValueError, match="got 1 sampling_params for 2 prompts"):
         server.generate([[1], [2]], [GREEDY])
     with pytest.raises(ValueError, match="prompts is empty"):
@@ -108,14 +126,14 @@ def test_unknown_model_and_policy_are_named():
 def test_a_failing_step_fails_its_requests_and_the_server_keeps_serving(server, reference,
                                                                         monkeypatch):
     poison = 255
-    real_execute = server.engine.execute
+    real_dispatch = server.engine.dispatch
 
-    def execute(batch):
+    def dispatch(batch):
         if any(c.request.prompt_token_ids[0] == poison for c in batch.chunks):
             raise RuntimeError("injected device failure")
-        return real_execute(batch)
+        return real_dispatch(batch)
 
-    monkeypatch.setattr(server.engine, "execute", execute)
+    monkeypatch.setattr(server.engine, "dispatch", dispatch)
     failed = server.generate(TokensPrompt([poison, 1, 2]), GREEDY)
     assert failed.finish_reason == FinishReason.ERROR.value
     assert "injected device failure" in failed.error

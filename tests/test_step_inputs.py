@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from medha_jax.buckets import BucketLadder
-from medha_jax.engine.step_inputs import (StepInputs, build_step_inputs, sampling_key_data,
-                                          unpack_int32)
+from medha_jax.engine.step_inputs import (StepInputs, build_step_inputs, request_seed,
+                                          sampling_key_data, unpack_int32)
 from medha_jax.kv_cache.allocator import BlockAllocator
 from medha_jax.request import Batch, Request, ScheduledChunk
 from medha_jax.sampling_params import SamplingParams
@@ -57,7 +57,7 @@ def slow_step_inputs(batch, allocator, ladder, pad_slot):
         params = request.sampling
         out["temperature"][s], out["top_k"][s], out["top_p"][s] = (
             params.temperature, params.top_k, params.top_p)
-        seed = hash(request.request_id) if params.seed is None else params.seed
+        seed = request_seed(request)
         out["rng_keys"][s] = _key_pair(seed, len(request.output_token_ids))
         out["cu_q_lens"][s + 1] = t
     for s in range(len(chunks), S):
@@ -225,7 +225,11 @@ def test_sampling_key_depends_only_on_seed_and_output_index():
     keys = build_step_inputs(Batch(chunks), allocator, ladder, pad_slot=256).rng_keys
     assert keys[0].tolist() == keys[1].tolist()          # same seed, same output index
     assert keys[0].tolist() != keys[2].tolist()          # next output token
-    assert keys[3].tolist() == _key_pair(hash("u"), 3)   # unseeded: hash of the request id
+    assert keys[3].tolist() == _key_pair(request_seed(chunks[3].request), 3)   # drawn once
+    # Unseeded: a fresh stream per request, even under the same id.
+    assert request_seed(chunks[3].request) != request_seed(decode("u2", None, 3).request)
+    again = Request("u", 3, 16, 0.0, prompt_token_ids=[1, 2, 3], sampling=SamplingParams())
+    assert request_seed(again) != request_seed(chunks[3].request)
     alone = build_step_inputs(Batch(chunks[2:][::-1]), allocator, ladder, pad_slot=256).rng_keys
     assert alone[1].tolist() == keys[2].tolist() and alone[0].tolist() == keys[3].tolist()
     # For one seed, consecutive output indices never share a key.

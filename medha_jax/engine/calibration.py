@@ -8,6 +8,7 @@ calibration leaves the cache as it found it; benchmarks use the same two functio
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -18,6 +19,8 @@ from medha_jax.scheduler.predictor import ProfiledPredictor
 if TYPE_CHECKING:
     from medha_jax.engine.engine import Engine
 
+# Numbers the batches borrow_batch hands out, so their request ids never collide.
+_BORROWED = itertools.count()
 # Context depths, as fractions of the longest context that fits, that the sweep visits.
 _DEPTHS = (0.0, 0.25, 0.5, 0.9)
 
@@ -86,9 +89,11 @@ def fit_predictor(engine: Engine, *, repeats: int = 2, seed: int = 0) -> Profile
                 engine.execute(batch)
             finally:
                 release_batch(engine, batch)
-            record = engine.step_records.pop()
+            features, seconds = engine.step_records.pop()
             if run:
-                records.append(record)
+                # The predictor prices one pipeline stage (the executors keep spp batches
+                # in flight); a lone batch here crossed all of them, in about spp stage times.
+                records.append((features, seconds / engine.num_stages))
     return ProfiledPredictor.fit(records, token_buckets=engine.ladder.token_buckets,
                                  seq_buckets=engine.ladder.seq_buckets)
 
@@ -99,26 +104,31 @@ def borrow_batch(engine: Engine, chunks: list[tuple[int, int]],
     request, whose pages are reserved here and must be given back with `release_batch`.
 
     K/V before `start` is whatever the borrowed pages hold: right for timing, meaningless
-    for outputs. On failure every page reserved so far is given back.
+    for outputs. Request ids are new on every call, so several borrowed batches may be out
+    at once. On any failure part way (no room, or an allocator call raising) exactly the
+    pages this call took are given back.
     """
     allocator = engine.allocator
-    scheduled = []
+    batch_id = next(_BORROWED)
+    scheduled, taken = [], []
     try:
         for i, (start, num_tokens) in enumerate(chunks):
             length = start + num_tokens
-            request_id = f"__calibration_{i}"
+            request_id = f"__calibration_{batch_id}_{i}"
             request = Request(request_id, length, 1, 0.0,
                               prompt_token_ids=rng.integers(
                                   0, engine.model.config.vocab_size, length).tolist())
             allocator.allocate(request_id)
-            scheduled.append(ScheduledChunk(request, start, num_tokens))
+            taken.append(request_id)          # from here on this call owns its pages
             if not allocator.reserve(request_id, length):
                 raise RuntimeError(
                     f"calibration chunk {i} ({start=}, {num_tokens=}) needs {length} tokens of "
                     f"KV cache; {allocator.num_free_pages} pages of {allocator.page_size} are free")
             request.num_computed_tokens = start
+            scheduled.append(ScheduledChunk(request, start, num_tokens))
     except BaseException:
-        release_batch(engine, Batch(scheduled))
+        for request_id in taken:
+            allocator.free(request_id)
         raise
     return Batch(scheduled)
 

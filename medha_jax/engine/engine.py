@@ -4,6 +4,12 @@ The step is one pure function (model forward over the ragged paged layout, logit
 each sequence's last token, sampling on device) compiled ahead of time for every bucket
 shape in the ladder, with the KV cache donated so XLA updates it in place. After
 `warmup()` no batch can reach the compiler: a shape outside the ladder is an error.
+
+On a mesh with spp > 1 the step runs as one program per stage (`PipelinedStep`): each
+stage holds only its layers' weights and KV cache, activations hand on with device_put,
+and up to spp batches are in flight. `dispatch(batch)` starts a step without waiting and
+`collect(pending)` waits for it (the PipelinedExecutor interface that
+medha_jax.scheduler.in_flight drives); `execute` is the two back to back.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import math
 import time
 
 import jax
@@ -18,13 +25,17 @@ import numpy as np
 from flax import nnx
 
 from medha_jax.buckets import BucketLadder
+from medha_jax.engine.pipeline import PipelinedStep, StageHook
 from medha_jax.engine.sampler import sample
 from medha_jax.engine.step_inputs import StepInputs, build_step_inputs, unpack_int32
 from medha_jax.kv_cache.allocator import BlockAllocator
 from medha_jax.model import AttentionMetadata, KVCache
-from medha_jax.model.attention import num_kv_shards
+from medha_jax.model.attention import num_cp_ranks, num_kv_shards
+from medha_jax.model.llama import numpy_dtype
 from medha_jax.model.loading import Model
+from medha_jax.model.stages import num_stages, split_stages
 from medha_jax.request import Batch, StepResult
+from medha_jax.scheduler.cp_cost import RingCost
 from medha_jax.scheduler.predictor import BatchFeatures, batch_features
 from meshes import replicated
 
@@ -53,6 +64,11 @@ class EngineConfig:
     max_seqs: int = 32
     enable_prefix_caching: bool = True
     max_tokens_per_kvp_group: int | None = None
+    # Batches dispatched and not yet collected. None: the number of SPP stages. One program
+    # (spp = 1) may take 2, so that the host forms and builds step n + 1 while the device
+    # runs step n; a decode still waits for its previous token, so this helps batches with
+    # prefill chunks, not decode-only ones.
+    max_batches_in_flight: int | None = None
 
     def __post_init__(self):
         for field in ("page_size", "max_kv_tokens", "max_tokens_per_step", "min_token_bucket",
@@ -64,16 +80,19 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.num_pages must be >= 1, got {self.num_pages}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"EngineConfig.max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_batches_in_flight is not None and self.max_batches_in_flight < 1:
+            raise ValueError(f"EngineConfig.max_batches_in_flight must be >= 1, got "
+                             f"{self.max_batches_in_flight}")
 
     @property
     def total_pages(self) -> int:
         return self.num_pages or -(-self.max_kv_tokens // self.page_size)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "shape", "num_kv_shards"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "shape", "num_kv_shards", "cp_ranks"),
                    donate_argnames=("kv_cache",))
 def step(graphdef, state, kv_cache: KVCache, ints, floats, rng_keys, *,
-         shape: tuple[int, int, int], num_kv_shards: int = 1):
+         shape: tuple[int, int, int], num_kv_shards: int = 1, cp_ranks: int = 1):
     """One engine step: forward, last-token logits per sequence, sampling. Pure.
 
     ints: the packed int32 inputs of bucket `shape` = (T, S, W) (see StepInputs.pack);
@@ -81,7 +100,7 @@ def step(graphdef, state, kv_cache: KVCache, ints, floats, rng_keys, *,
     Returns (sampled token ids int32 [S], the updated cache). The cache is donated, so
     XLA writes the new K/V in place. Engines over the same model share jit's cache.
     """
-    x = unpack_int32(ints, shape, num_kv_shards)
+    x = unpack_int32(ints, shape, num_kv_shards, cp_ranks)
     meta = AttentionMetadata.of(x)
     module = nnx.merge(graphdef, state)
     hidden, kv_cache = module(x["token_ids"], x["positions"], kv_cache, meta)
@@ -90,16 +109,35 @@ def step(graphdef, state, kv_cache: KVCache, ints, floats, rng_keys, *,
     return sample(logits, temperature, x["top_k"], top_p, rng_keys), kv_cache
 
 
-class Engine:
-    """Implements medha_jax.request.Executor on a loaded Model."""
+@dataclasses.dataclass(frozen=True)
+class PendingStep:
+    """A dispatched step: its batch, its sampled ids (a device array, maybe not ready yet),
+    when its host work started and how long building and dispatching it took."""
 
-    def __init__(self, model: Model, config: EngineConfig | None = None):
+    batch: Batch
+    tokens: jax.Array
+    start: float
+    dispatch_seconds: float
+
+
+class Engine:
+    """Implements medha_jax.request.PipelinedExecutor on a loaded Model.
+
+    stage_hook: a test hook for spp > 1 (see medha_jax.engine.pipeline.StageHook).
+    """
+
+    def __init__(self, model: Model, config: EngineConfig | None = None, *,
+                 stage_hook: StageHook | None = None):
         config = config or EngineConfig()
         self.model = model
         self.config = config
         self.num_kv_shards = num_kv_shards(model.layout)
-        self.allocator = BlockAllocator(config.total_pages, config.page_size,
-                                        num_shards=self.num_kv_shards,
+        # cp: one pool of pages of cp * page_size tokens, one page on every rank (cp_layout).
+        self.cp_ranks = num_cp_ranks(model.layout)
+        self.ring_cost = RingCost.create(model.config, num_ranks=self.cp_ranks) \
+            if self.cp_ranks > 1 else None
+        self.allocator = BlockAllocator(config.total_pages, config.page_size * self.cp_ranks,
+                                        num_shards=self.num_kv_shards // self.cp_ranks,
                                         max_tokens_per_shard=config.max_tokens_per_kvp_group,
                                         enable_prefix_caching=config.enable_prefix_caching)
         self.max_model_len = min(config.max_model_len or model.config.max_position_embeddings,
@@ -113,11 +151,27 @@ class Engine:
             max_pages_per_seq=-(-tokens_per_table // config.page_size))
         self.max_seqs = config.max_seqs
         self.pad_slot = config.total_pages * config.page_size          # one past a shard's slots
-        self.kv_cache = model.new_kv_cache(self.num_kv_shards * config.total_pages,
-                                           config.page_size)
+        self.num_stages = num_stages(model.mesh)
+        if self.num_stages > 1 and self.cp_ranks > 1:
+            # The stage programs take the pipeline's step inputs, which do not carry cp's
+            # per-rank token layout yet.
+            raise ValueError(f"spp={self.num_stages} with cp={self.cp_ranks} is not supported "
+                             f"yet: use spp or cp (each combines with tp and kvp)")
+        self.max_in_flight = config.max_batches_in_flight or self.num_stages
+        if self.num_stages == 1:
+            self.pipeline = None
+            self.kv_cache = self._new_kv_cache()
+        else:
+            # Each stage owns its layers' weights and cache; the engine holds no whole cache.
+            self.pipeline = PipelinedStep(split_stages(model),
+                                          num_pages=self.num_kv_shards * config.total_pages,
+                                          page_size=config.page_size,
+                                          num_kv_shards=self.num_kv_shards, hook=stage_hook)
+            self.kv_cache = None
         self._replicated = replicated(model.mesh)
-        # (tokens, seqs, width) bucket -> its ahead-of-time compiled step.
-        self.executables: dict[tuple[int, int, int], jax.stages.Compiled] = {}
+        # (tokens, seqs, width) bucket -> its ahead-of-time compiled step (with spp > 1, the
+        # stages' programs in stage order).
+        self.executables: dict[tuple[int, int, int], jax.stages.Compiled | tuple] = {}
         # (features, measured seconds) of recent steps: what the profiled runtime
         # predictor is refitted to. Bounded, so a long-running server does not grow.
         self.step_records: collections.deque[tuple[BatchFeatures, float]] = collections.deque(
@@ -125,7 +179,13 @@ class Engine:
         self.warmup_seconds: float | None = None
         # Set by warmup(): from then on a shape missing from `executables` is an error.
         self.warmed_up = False
+        # Host seconds on the critical path of the last collected step: while no step of
+        # this engine was queued on the device (see dispatch and collect).
         self.last_host_seconds: float | None = None
+        self._num_dispatched = 0                  # dispatched and not yet collected
+        self._device_idle_since: float | None = time.perf_counter()
+        self._idle_host_seconds = 0.0             # host time with the device idle, for the next step
+        self._last_collect_end = 0.0
 
     # -- compilation -------------------------------------------------------------
 
@@ -134,12 +194,16 @@ class Engine:
         packed = jax.device_put(inputs.pack(), self._replicated)
         return (self.model.graphdef, self.model.state, self.kv_cache, *packed)
 
-    def _compile(self, shape: tuple[int, int, int]) -> jax.stages.Compiled:
+    def _compile(self, shape: tuple[int, int, int]) -> jax.stages.Compiled | tuple:
         """The one way a step shape is compiled: ahead of time, into `executables`."""
-        inputs = StepInputs.padding(shape, self.pad_slot, self.num_kv_shards)
+        if self.pipeline is not None:
+            executable = self.executables[shape] = self.pipeline.compile(shape)
+            return executable
+        inputs = StepInputs.padding(shape, self.pad_slot, self.num_kv_shards, self.cp_ranks)
         with jax.set_mesh(self.model.mesh):
             executable = step.lower(*self.step_args(inputs), shape=shape,
-                                    num_kv_shards=self.num_kv_shards).compile()
+                                    num_kv_shards=self.num_kv_shards,
+                                    cp_ranks=self.cp_ranks).compile()
         self.executables[shape] = executable
         return executable
 
@@ -186,23 +250,122 @@ class Engine:
     # -- execution ---------------------------------------------------------------
 
     def execute(self, batch: Batch) -> StepResult:
+        return self.collect(self.dispatch(batch))
+
+    def dispatch(self, batch: Batch) -> PendingStep:
+        """Builds the step's inputs and starts it on the device (through every stage when
+        spp > 1) without waiting for it. Steps run in dispatch order: each donates the
+        cache the one before wrote."""
         start = time.perf_counter()
-        inputs = build_step_inputs(batch, self.allocator, self.ladder, pad_slot=self.pad_slot)
-        shape = inputs.padded_shape
-        executable = self.executable(shape)
-        args = self.step_args(inputs)
-        tokens, self.kv_cache = executable(*args[1:])
+        inputs = build_step_inputs(batch, self.allocator, self.ladder, pad_slot=self.pad_slot,
+                                   cp_ranks=self.cp_ranks, ring_cost=self.ring_cost)
+        executable = self.executable(inputs.padded_shape)
+        if self.pipeline is None:
+            tokens, self.kv_cache = executable(*self.step_args(inputs)[1:])
+        else:
+            tokens = self.pipeline.dispatch(inputs)
         dispatched = time.perf_counter()
+        if self._device_idle_since is not None:
+            # Nothing of ours was queued on the device while the host built this step.
+            self._idle_host_seconds += dispatched - max(self._device_idle_since, start)
+            self._device_idle_since = None
+        self._num_dispatched += 1
+        return PendingStep(batch, tokens, start, dispatched - start)
+
+    def collect(self, pending: PendingStep) -> StepResult:
+        """Waits for a dispatched step (oldest first) and returns its sampled tokens.
+
+        duration_s is the step's share of device time as the scheduler sees it: from its
+        dispatch, or from the previous collect if that came later (then the step was
+        queued behind it), to its tokens on the host. In a full pipeline that is one stage
+        time; a lone step pays the whole pipeline.
+        """
+        batch = pending.batch
         # While the device runs, do this step's bookkeeping (asynchronous dispatch).
         features = batch_features(batch, self.ladder.token_buckets)
-        tokens = np.asarray(tokens)                       # waits for the device
+        tokens = np.asarray(pending.tokens)               # waits for the device
         returned = time.perf_counter()
         sampled = {chunk.request.request_id: int(tokens[i])
                    for i, chunk in enumerate(batch.chunks) if chunk.samples}
         end = time.perf_counter()
-        seconds = end - start
-        # Host time on the critical path: building and dispatching the step, and reading
-        # back its tokens. The bookkeeping above overlaps the device and is not counted.
-        self.last_host_seconds = (dispatched - start) + (end - returned)
+        self._num_dispatched -= 1
+        seconds = end - max(pending.start, self._last_collect_end)
+        self._last_collect_end = end
+        # Host time on the critical path: what the host did while the device had none of
+        # our steps queued (building and dispatching a step into an empty pipe), and
+        # reading back the tokens. With a step already queued behind this one, the device
+        # is busy while the host applies this result and forms the next.
+        self.last_host_seconds = self._idle_host_seconds + (end - returned)
+        self._idle_host_seconds = 0.0
+        if self._num_dispatched == 0:
+            self._device_idle_since = end
         self.step_records.append((features, seconds))
         return StepResult(sampled_token_ids=sampled, duration_s=seconds)
+
+    # -- recovery after a failed step ------------------------------------------------
+
+    def recover_kv_cache(self) -> bool:
+        """Called after a step raised: rebuilds the KV cache when that step lost it.
+
+        The cache is donated to the step, so once a step was dispatched its input buffers
+        are gone, and an error raised on the device (it surfaces only when the tokens are
+        read back, after `kv_cache` was rebound to the step's outputs) leaves outputs that
+        carry the error: every later step would fail on them. A failure on the host before
+        the dispatch leaves the cache intact. Returns True when the cache was rebuilt
+        (fresh zeroed buffers, same shapes and shardings): its contents are lost, so the
+        caller must recompute every request from its tokens and drop the prefix cache
+        (`ReplicaController.preempt_all`).
+        """
+        caches = [self.kv_cache] if self.pipeline is None else self.pipeline.kv_caches
+        leaves = jax.tree.leaves(caches)
+        try:
+            if any(leaf.is_deleted() for leaf in leaves):
+                raise RuntimeError("the KV cache was donated to a step that failed")
+            jax.block_until_ready(leaves)          # raises when a step's error poisoned it
+            return False
+        except Exception:
+            for leaf in leaves:                    # free the old buffers before the new ones
+                if not leaf.is_deleted():
+                    leaf.delete()
+            if self.pipeline is None:
+                self.kv_cache = self._new_kv_cache()
+            else:
+                self.pipeline.reset_kv_caches()
+            # Steps still in flight read the lost cache: the caller drops them unapplied.
+            self._num_dispatched = 0
+            self._device_idle_since = time.perf_counter()
+            self._idle_host_seconds = 0.0
+            return True
+
+    def _new_kv_cache(self) -> KVCache:
+        """A zeroed cache of every KV shard's pages; out of memory says what was asked
+        for and what fits."""
+        pages, page_size = self.num_kv_shards * self.config.total_pages, self.config.page_size
+        try:
+            return self.model.new_kv_cache(pages, page_size)
+        except Exception as e:
+            if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
+                raise
+            raise MemoryError(kv_cache_oom_message(self.model, pages, page_size)) from e
+
+
+def kv_cache_oom_message(model: Model, num_pages: int, page_size: int,
+                         memory_stats: dict | None = None) -> str:
+    """What a KV cache of `num_pages` pages asks of each device and how many pages fit
+    (from `memory_stats`, by default the first device's; the CPU reports none)."""
+    shape, sharding = model.kv_cache_sharding(num_pages, page_size)
+    shard_shape = sharding.shard_shape(shape)
+    itemsize = np.dtype(numpy_dtype(model.config.dtype)).itemsize
+    per_device = 2 * itemsize * math.prod(shard_shape)             # K and V
+    per_page = per_device / shard_shape[1]                         # [1]: pages on a device
+    stats = memory_stats or model.mesh.devices.flat[0].memory_stats() or {}
+    limit, in_use = stats.get("bytes_limit"), stats.get("bytes_in_use", 0)
+    fits = ""
+    if limit is not None:
+        free = max(limit - in_use, 0)
+        fits = (f"; the device has {free / 2**30:.2f} GiB free of {limit / 2**30:.2f} GiB, "
+                f"room for about {int(free // per_page)} pages per device")
+    return (f"out of memory allocating the KV cache: {num_pages} pages of {page_size} tokens "
+            f"(shape {shape}, {model.config.dtype}) need {per_device / 2**30:.3f} GiB on each "
+            f"device, {per_page / 2**20:.3f} MiB per page{fits}; lower "
+            f"EngineConfig.max_kv_tokens or num_pages")

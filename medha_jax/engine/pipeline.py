@@ -35,10 +35,11 @@ from meshes import replicated
 StageHook = Callable[[int, jax.Array], jax.Array]
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "shape", "hook"),
+@functools.partial(jax.jit, static_argnames=("spec", "shape", "num_kv_shards", "hook"),
                    donate_argnames=("kv_cache",))
 def stage_step(spec: StageSpec, params, kv_cache: KVCache, hidden, ints, floats, rng_keys, *,
-               shape: tuple[int, int, int], hook: StageHook | None = None):
+               shape: tuple[int, int, int], num_kv_shards: int = 1,
+               hook: StageHook | None = None):
     """One stage of one engine step. Pure.
 
     hidden: float [T, D] from the stage before (None on the first stage); ints: the packed
@@ -46,8 +47,8 @@ def stage_step(spec: StageSpec, params, kv_cache: KVCache, hidden, ints, floats,
     temperature and top_p, rng_keys: uint32 [S, 2] (both None except on the last stage).
     Returns (hidden [T, D], cache), or on the last stage (sampled ids int32 [S], cache).
     """
-    x = unpack_int32(ints, shape)
-    meta = AttentionMetadata.of(x)          # one KV shard: the pipeline's packed inputs
+    x = unpack_int32(ints, shape, num_kv_shards)
+    meta = AttentionMetadata.of(x)
     stage_input = x["token_ids"] if spec.is_first else hidden
     if not spec.is_last:
         out, kv_cache = stage_forward(spec, params, kv_cache, stage_input, x["positions"], meta)
@@ -69,15 +70,20 @@ class PipelinedStep:
     """
 
     def __init__(self, stages: Sequence[Stage], *, num_pages: int, page_size: int,
-                 hook: StageHook | None = None):
+                 num_kv_shards: int = 1, hook: StageHook | None = None):
+        """num_pages: pages of each stage's cache over all its KV shards (kvp inside the
+        stage); a shard's slots are the first num_pages / num_kv_shards pages' worth."""
         if not stages:
             raise ValueError("a pipeline needs at least one stage")
         indices = [stage.spec.index for stage in stages]
         if indices != list(range(len(stages))) or not stages[-1].spec.is_last:
             raise ValueError(f"stages must be given in order 0..n-1, got indices {indices}")
         self.stages = list(stages)
+        if num_pages % num_kv_shards:
+            raise ValueError(f"{num_pages=} must be a multiple of {num_kv_shards=}")
         self.page_size = page_size
-        self.pad_slot = num_pages * page_size
+        self.num_kv_shards = num_kv_shards
+        self.pad_slot = num_pages // num_kv_shards * page_size     # one past a shard's slots
         self.kv_caches = [stage.new_kv_cache(num_pages, page_size) for stage in self.stages]
         self.hook = hook
         self._replicated = [replicated(stage.mesh) for stage in self.stages]
@@ -87,6 +93,11 @@ class PipelinedStep:
     @property
     def num_stages(self) -> int:
         return len(self.stages)
+
+    def reset_kv_caches(self) -> None:
+        """Fresh zeroed caches for every stage (after a failed step lost them)."""
+        self.kv_caches = [stage.new_kv_cache(*cache.k.shape[1:3])
+                          for stage, cache in zip(self.stages, self.kv_caches)]
 
     # -- compilation ---------------------------------------------------------------
 
@@ -99,9 +110,10 @@ class PipelinedStep:
         return (stage.params, self.kv_caches[s], hidden, put(ints),
                 put(floats) if last else None, put(rng_keys) if last else None)
 
-    def compile(self, shape: tuple[int, int, int]) -> None:
-        """Lowers and compiles every stage's program for bucket `shape` = (T, S, W)."""
-        packed = StepInputs.padding(shape, self.pad_slot).pack()
+    def compile(self, shape: tuple[int, int, int]) -> tuple[jax.stages.Compiled, ...]:
+        """Lowers and compiles every stage's program for bucket `shape` = (T, S, W);
+        returns them in stage order."""
+        packed = StepInputs.padding(shape, self.pad_slot, self.num_kv_shards).pack()
         for s, stage in enumerate(self.stages):
             hidden = None
             if not stage.spec.is_first:
@@ -111,8 +123,10 @@ class PipelinedStep:
                     sharding=spec.hidden_sharding(shape[0]))
             with jax.set_mesh(stage.mesh):
                 lowered = stage_step.lower(stage.spec, *self._stage_args(s, hidden, packed),
-                                           shape=shape, hook=self.hook)
+                                           shape=shape, num_kv_shards=self.num_kv_shards,
+                                           hook=self.hook)
             self.executables[(s, shape)] = lowered.compile()
+        return tuple(self.executables[(s, shape)] for s in range(self.num_stages))
 
     def warmup(self, shapes: Iterable[tuple[int, int, int]]) -> None:
         for shape in shapes:
@@ -136,8 +150,9 @@ class PipelinedStep:
                 hidden, self.kv_caches[s] = executable(*args)
             else:
                 with jax.set_mesh(stage.mesh):
-                    hidden, self.kv_caches[s] = stage_step(stage.spec, *args, shape=shape,
-                                                           hook=self.hook)
+                    hidden, self.kv_caches[s] = stage_step(
+                        stage.spec, *args, shape=shape, num_kv_shards=self.num_kv_shards,
+                        hook=self.hook)
         return hidden
 
     def weight_bytes_per_device(self) -> dict[jax.Device, int]:

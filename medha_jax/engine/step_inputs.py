@@ -17,9 +17,10 @@ discards, so padding never touches a real page.
 
 Sampling keys: the key of a request's n-th output token is a function of (seed, n) only,
 so a request samples the same tokens whatever batch it lands in. A request's seed is
-SamplingParams.seed when given; otherwise Python's `hash(request_id)`, which is stable
-for the life of the process (tokens do not change with batching or preemption) but
-differs between processes (PYTHONHASHSEED), as an unseeded request should.
+SamplingParams.seed when given; otherwise a fresh random one drawn the first time the
+request is stepped and kept for its life (`request_seed`), so its tokens do not change
+with batching or preemption, and no two unseeded requests share a stream (a reused
+request id does not replay one).
 
 The target is well under 1 ms for a few hundred sequences: the per-sequence Python work
 is a handful of list appends, everything per token or per page is vectorised numpy, and
@@ -38,6 +39,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import secrets
+import weakref
 
 import numpy as np
 
@@ -46,31 +49,49 @@ from medha_jax.kv_cache.allocator import BlockAllocator
 from medha_jax.request import Batch
 
 _UINT64_MASK = (1 << 64) - 1
+# The drawn seeds of unseeded requests, for as long as each Request object lives.
+_DRAWN_SEEDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def request_seed(request) -> int:
+    """The request's sampling seed: SamplingParams.seed, else one drawn for it at random."""
+    if request.sampling.seed is not None:
+        return request.sampling.seed
+    seed = _DRAWN_SEEDS.get(request)
+    if seed is None:
+        seed = _DRAWN_SEEDS[request] = secrets.randbits(64)
+    return seed
 
 # The packed fields, in packing order.
 _PACKED_INT32 = ("token_ids", "positions", "slot_mapping", "cu_q_lens", "kv_lens", "page_table",
                  "num_seqs", "logits_indices", "top_k")
+_PACKED_CP_INT32 = ("rank_cu_q_lens", "cp_pass_q")
 _PACKED_FLOAT32 = ("temperature", "top_p")
 
 
-def _int32_shapes(shape: tuple[int, int, int], num_kv_shards: int
+def _int32_shapes(shape: tuple[int, int, int], num_kv_shards: int, cp_ranks: int = 1
                   ) -> dict[str, tuple[int, ...]]:
-    """The shape of every packed int32 field in bucket (T, S, W) with N KV shards, in order."""
+    """The shape of every packed int32 field in bucket (T, S, W) with N KV shards, in order.
+    With cp ranks T is the tokens of one rank and the token arrays hold cp * T."""
     num_tokens, num_seqs, width = shape
     n = num_kv_shards
-    return {"token_ids": (num_tokens,), "positions": (num_tokens,),
-            "slot_mapping": (n, num_tokens), "cu_q_lens": (num_seqs + 1,), "kv_lens": (n, num_seqs),
-            "page_table": (n, num_seqs, width), "num_seqs": (1,), "logits_indices": (num_seqs,),
-            "top_k": (num_seqs,)}
+    shapes = {"token_ids": (cp_ranks * num_tokens,), "positions": (cp_ranks * num_tokens,),
+              "slot_mapping": (n, num_tokens), "cu_q_lens": (num_seqs + 1,),
+              "kv_lens": (n, num_seqs), "page_table": (n, num_seqs, width), "num_seqs": (1,),
+              "logits_indices": (num_seqs,), "top_k": (num_seqs,)}
+    if cp_ranks > 1:
+        shapes.update(rank_cu_q_lens=(cp_ranks, num_seqs + 1), cp_pass_q=(1,))
+    return shapes
 
 
-def unpack_int32(ints, shape: tuple[int, int, int], num_kv_shards: int = 1) -> dict:
+def unpack_int32(ints, shape: tuple[int, int, int], num_kv_shards: int = 1,
+                 cp_ranks: int = 1) -> dict:
     """The int32 fields of bucket `shape` = (T, S, W) out of `StepInputs.pack`'s vector.
 
     ints: int32 [N], a numpy or a traced JAX array (only slices and reshapes, all static).
     Returns field name -> array of its shape in `StepInputs`.
     """
-    field_shapes = _int32_shapes(shape, num_kv_shards)
+    field_shapes = _int32_shapes(shape, num_kv_shards, cp_ranks)
     expected = sum(int(np.prod(s)) for s in field_shapes.values())
     if ints.shape != (expected,):
         raise ValueError(f"packed int32 inputs of shape {tuple(ints.shape)} do not match bucket "
@@ -105,12 +126,20 @@ class StepInputs:
     rng_keys: np.ndarray        # uint32 [S, 2]: threefry key data for the token each seq samples
     num_tokens: int             # real tokens, before padding to T
     request_ids: tuple[str, ...]  # request of each real sequence, in batch order
+    # Context parallelism only (cp ranks R; T is then the tokens of one rank and the token
+    # arrays are [R * T], rank r's run at r * T, see medha_jax.model.cp_layout):
+    rank_cu_q_lens: np.ndarray | None = None  # int32 [R, S + 1]: each rank's run by sequence
+    cp_pass_q: np.ndarray | None = None       # int32 [1]: 1 = ring pass-Q, 0 = pass-KV
+
+    @property
+    def cp_ranks(self) -> int:
+        return 1 if self.rank_cu_q_lens is None else self.rank_cu_q_lens.shape[0]
 
     @property
     def padded_shape(self) -> tuple[int, int, int]:
         """(T, S, W): the bucket, i.e. which compiled executable runs this step."""
         _, num_padded_seqs, width = self.page_table.shape
-        return self.token_ids.shape[0], num_padded_seqs, width
+        return self.token_ids.shape[0] // self.cp_ranks, num_padded_seqs, width
 
     @property
     def num_kv_shards(self) -> int:
@@ -124,19 +153,23 @@ class StepInputs:
     def pack(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(int32 [N], float32 [2, S], uint32 [S, 2]) for the device: the int32 fields
         concatenated (see `unpack_int32`), temperature and top_p stacked, the rng keys."""
-        ints = np.concatenate([getattr(self, name).ravel() for name in _PACKED_INT32])
+        names = _PACKED_INT32 + (_PACKED_CP_INT32 if self.cp_ranks > 1 else ())
+        ints = np.concatenate([getattr(self, name).ravel() for name in names])
         floats = np.stack([getattr(self, name) for name in _PACKED_FLOAT32])
         return ints, floats, self.rng_keys
 
     @classmethod
     def padding(cls, shape: tuple[int, int, int], pad_slot: int,
-                num_kv_shards: int = 1) -> StepInputs:
+                num_kv_shards: int = 1, cp_ranks: int = 1) -> StepInputs:
         """All-padding inputs of bucket `shape` = (T, S, W), what warm-up compiles with:
         no real sequence, every token writes to `pad_slot`, so a step on them writes nothing."""
         num_tokens, num_seqs, width = shape
         zeros = functools.partial(np.zeros, dtype=np.int32)
+        cp = cp_ranks > 1
         return cls(
-            token_ids=zeros(num_tokens), positions=zeros(num_tokens),
+            rank_cu_q_lens=zeros((cp_ranks, num_seqs + 1)) if cp else None,
+            cp_pass_q=zeros(1) if cp else None,
+            token_ids=zeros(cp_ranks * num_tokens), positions=zeros(cp_ranks * num_tokens),
             slot_mapping=np.full((num_kv_shards, num_tokens), pad_slot, np.int32),
             cu_q_lens=zeros(num_seqs + 1), kv_lens=zeros((num_kv_shards, num_seqs)),
             page_table=zeros((num_kv_shards, num_seqs, width)), num_seqs=zeros(1),
@@ -165,11 +198,18 @@ def sampling_key_data(seeds: np.ndarray, output_index: np.ndarray) -> np.ndarray
 
 
 def build_step_inputs(batch: Batch, allocator: BlockAllocator, ladder: BucketLadder, *,
-                      pad_slot: int) -> StepInputs:
+                      pad_slot: int, cp_ranks: int = 1, ring_cost=None) -> StepInputs:
     """Flattens a batch into padded step arrays. Every chunk's pages must already be reserved.
 
     pad_slot: the slot padding tokens write to; at least pages_per_shard * page_size (one
     past a shard's last real slot) and below 2**31.
+
+    With cp ranks (context parallelism) the allocator's pages are cp * page_size tokens, one
+    page_size page on every rank with the same local id; each token goes to the rank its
+    position names (`cp_layout.rank_of_position`), the token arrays are the ranks' runs one
+    after the other, T is the bucket of the busiest rank's tokens, and `ring_cost`
+    (`medha_jax.scheduler.cp_cost.RingCost`) picks pass-KV or pass-Q (Algorithm 5;
+    decode-only steps pass Q).
 
     With several KV shards (KV-cache parallelism) each sequence's context is split into the
     allocator's segments, one shard each: the per-shard arrays get each segment's local pages,
@@ -179,6 +219,9 @@ def build_step_inputs(batch: Batch, allocator: BlockAllocator, ladder: BucketLad
     num_seqs = len(chunks)
     if num_seqs == 0:
         raise ValueError("cannot build step inputs for an empty batch")
+    if cp_ranks > 1:
+        return _cp_step_inputs(batch, allocator, ladder, pad_slot=pad_slot, cp_ranks=cp_ranks,
+                               ring_cost=ring_cost)
     page_size = allocator.page_size
     num_shards = allocator.num_shards
     num_slots = allocator.pages_per_shard * page_size
@@ -224,7 +267,7 @@ def build_step_inputs(batch: Batch, allocator: BlockAllocator, ladder: BucketLad
         temperature.append(params.temperature)
         top_k.append(params.top_k)
         top_p.append(params.top_p)
-        seed = hash(request_id) if params.seed is None else params.seed
+        seed = request_seed(request) if params.seed is None else params.seed
         seeds.append(seed & _UINT64_MASK)
         request_ids.append(request_id)
 
@@ -325,3 +368,58 @@ def _sharded_tables(segments_of_seq, starts: np.ndarray, num_shards: int, padded
             page_table[shard, s, :len(table)] = table
             kv_lens[shard, s] = min(max(int(starts[s]) - k * segment_size, 0), segment_size)
     return page_table
+
+
+def _cp_step_inputs(batch: Batch, allocator: BlockAllocator, ladder: BucketLadder, *,
+                    pad_slot: int, cp_ranks: int, ring_cost) -> StepInputs:
+    """`build_step_inputs` over cp ranks: the one-rank inputs, then each token moved to its
+    rank's run (see there)."""
+    from medha_jax.model import cp_layout
+    from medha_jax.scheduler.cp_cost import PASS_Q
+
+    if allocator.num_shards != 1 or allocator.page_size % cp_ranks:
+        raise ValueError(f"cp={cp_ranks} wants one allocator pool of pages of cp * page_size "
+                         f"tokens, got {allocator.num_shards} pools of {allocator.page_size}")
+    page_size = allocator.page_size // cp_ranks
+    # The one-rank layout of the batch (sequence-major, positions ascending), with slots
+    # against pages of cp * page_size tokens, which are remapped below.
+    flat = build_step_inputs(batch, allocator, ladder, pad_slot=allocator.page_size
+                             * allocator.pages_per_shard)
+    num_tokens, num_seqs = flat.num_tokens, len(batch.chunks)
+    _, padded_seqs, width = flat.padded_shape
+    positions = flat.positions[:num_tokens]
+    seq = np.repeat(np.arange(num_seqs), np.diff(flat.cu_q_lens[:num_seqs + 1]))
+    rank = cp_layout.rank_of_position(positions, cp_ranks, page_size)
+    order = np.argsort(rank, kind="stable")        # by rank; sequence and position kept
+    counts = np.bincount(rank, minlength=cp_ranks)
+    rank_tokens = ladder.token_bucket(int(counts.max()))
+    local = np.arange(num_tokens) - np.repeat(np.cumsum(counts) - counts, counts)
+    target = np.empty(num_tokens, np.int64)
+    target[order] = rank[order] * rank_tokens + local    # each token's index in [R * T]
+
+    token_ids = np.zeros(cp_ranks * rank_tokens, np.int32)
+    token_ids[target] = flat.token_ids[:num_tokens]
+    all_positions = np.zeros(cp_ranks * rank_tokens, np.int32)
+    all_positions[target] = positions
+    table = flat.page_table[0]
+    logical_page = positions // (cp_ranks * page_size)
+    slot_mapping = np.full((cp_ranks, rank_tokens), pad_slot, np.int32)
+    slot_mapping[rank, target - rank * rank_tokens] = (
+        table[seq, logical_page] * page_size + positions % page_size)
+    rank_cu_q_lens = np.zeros((cp_ranks, padded_seqs + 1), np.int32)
+    np.add.at(rank_cu_q_lens, (rank, seq + 1), 1)
+    rank_cu_q_lens = np.cumsum(rank_cu_q_lens, axis=1, dtype=np.int32)
+    kv_lens = np.zeros((cp_ranks, padded_seqs), np.int32)
+    starts = [chunk.start for chunk in batch.chunks]
+    for s, start in enumerate(starts):
+        kv_lens[:, s] = cp_layout.cached_on_rank(start, cp_ranks, page_size)
+    logits_indices = np.zeros(padded_seqs, np.int32)
+    logits_indices[:num_seqs] = target[flat.cu_q_lens[1:num_seqs + 1] - 1]
+    new, cached = num_tokens, sum(starts)
+    decodes_only = all(chunk.num_tokens == 1 for chunk in batch.chunks)
+    pass_q = decodes_only or (ring_cost is not None and ring_cost.choose(new, cached) == PASS_Q)
+    return dataclasses.replace(
+        flat, token_ids=token_ids, positions=all_positions, slot_mapping=slot_mapping,
+        kv_lens=kv_lens, page_table=np.broadcast_to(table, (cp_ranks,) + table.shape).copy(),
+        logits_indices=logits_indices, rank_cu_q_lens=rank_cu_q_lens,
+        cp_pass_q=np.array([int(pass_q)], np.int32))

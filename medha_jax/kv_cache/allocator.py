@@ -450,6 +450,19 @@ class BlockAllocator:
                     else:
                         free_pages.append(page)
 
+    def drop_prefix_cache(self) -> None:
+        """Forgets every cached prefix: the pages' contents were lost (the device cache was
+        rebuilt after a failed step). Only with no request holding pages; cached pages
+        become free."""
+        if self._requests:
+            raise ValueError(f"{len(self._requests)} requests still hold pages; free them "
+                             "before dropping the prefix cache")
+        for shard in range(self.num_shards):
+            self._free_pages[shard].extend(reversed(self._evictable[shard]))
+            self._evictable[shard].clear()
+        self._page_of_hash.clear()
+        self._hash_of_page.clear()
+
     def _get(self, request_id: str) -> _RequestPages:
         req = self._requests.get(request_id)
         if req is None:

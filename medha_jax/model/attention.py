@@ -17,8 +17,15 @@ must stay where it is, so each device writes and reads only its own part:
     (b) the step's own tokens, causal inside each chunk, computed once from this step's K/V
         (not from the cache), so a chunk that crosses a shard boundary needs nothing special.
 
+- Several context-parallel ranks (cp, seed 002): the step's tokens are split over the ranks
+  (`medha_jax.model.cp_layout`), each rank writes the K/V of its own tokens into its own
+  pages, and `medha_jax.model.ring_attention` attends over all ranks by ring pass-KV or
+  pass-Q. cp and kvp do not combine: both split the cache's pages, and kvp's merge assumes
+  every shard sees every query while cp's ring assumes each rank holds its own queries
+  (a kvp group of cp rings is future work).
+
 Step metadata carries a leading KV-shard dimension ([shards, ...], sharded like the cache's
-pages) so that both cases read the same arrays.
+pages: kvp shards or cp ranks) so that every case reads the same arrays.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from medha_jax.model.params import KV_CACHE_AXES, MeshLayout
+from medha_jax.model.ring_attention import ring_attention
 from pallas_kernels import merge_attention, ragged_paged_attention
 
 
@@ -38,9 +46,10 @@ from pallas_kernels import merge_attention, ragged_paged_attention
 class AttentionMetadata:
     """Where each token of a ragged step lives. N KV shards, T tokens, S sequences, W pages.
 
-    slot_mapping: int32 [N, T]     slot (page * page_size + offset, page local to the shard)
+    slot_mapping: int32 [N, T / cp] slot (page * page_size + offset, page local to the shard)
                                    each token's K/V is written to on each shard; one past the
                                    shard's last slot where the shard does not own the token
+                                   (with cp: each rank's own tokens only)
     page_table:   int32 [N, S, W]  each sequence's local page ids on each shard, in token order
     cu_q_lens:    int32 [S + 1]    token range of each sequence in the flat run
     kv_lens:      int32 [N, S]     keys of each sequence the cache attention reads on each
@@ -48,7 +57,11 @@ class AttentionMetadata:
                                    (causal over the cache); with several, the tokens cached on
                                    that shard before this step (this step's own tokens are
                                    attended from their fresh K/V)
+                                   (with cp: tokens cached on each rank before the step)
     num_seqs:     int32 [1]        sequences in use (the rest are padding)
+    rank_cu_q_lens: int32 [cp, S + 1] cp only: each rank's run of new tokens by sequence
+                                   (cu_q_lens is then unused)
+    cp_pass_q:    int32 [1]        cp only: 1 = ring pass-Q, 0 = ring pass-KV
     """
 
     slot_mapping: jax.Array
@@ -56,30 +69,50 @@ class AttentionMetadata:
     cu_q_lens: jax.Array
     kv_lens: jax.Array
     num_seqs: jax.Array
+    rank_cu_q_lens: jax.Array | None = None
+    cp_pass_q: jax.Array | None = None
 
     @classmethod
     def of(cls, fields) -> AttentionMetadata:
         """The metadata among named step arrays (e.g. `unpack_int32`'s dict)."""
-        return cls(**{f.name: fields[f.name] for f in dataclasses.fields(cls)})
+        return cls(**{f.name: fields[f.name] for f in dataclasses.fields(cls)
+                      if f.name in fields})
 
 
 def num_kv_shards(layout: MeshLayout) -> int:
-    axis = layout.rules.mesh_axis("pages")
-    return 1 if axis is None else layout.mesh.shape[axis]
+    """KV shards of the cache's pages: kvp shards or cp ranks."""
+    return layout.rules.degree(layout.mesh, "pages")
+
+
+def num_cp_ranks(layout: MeshLayout) -> int:
+    """Context-parallel ranks: how many ways a step's tokens are split."""
+    return layout.rules.degree(layout.mesh, "tokens")
 
 
 def attention(q, k, v, k_cache, v_cache, layer_id, meta: AttentionMetadata, *,
-              layout: MeshLayout, sm_scale: float):
+              layout: MeshLayout, sm_scale: float, positions=None):
     """Writes K/V of one layer and attends.
 
     q: [T, H, hd]; k, v: [T, K, hd]; k_cache, v_cache: [L, P, page_size, K, hd] (all layers;
-    P pages over all KV shards); layer_id: int32 []. Returns (out [T, H, hd], k_cache, v_cache).
+    P pages over all KV shards); layer_id: int32 []; positions: int32 [T] (read with cp only).
+    Returns (out [T, H, hd], k_cache, v_cache).
     """
+    cp = num_cp_ranks(layout)
+    if cp > 1 and num_kv_shards(layout) != cp:
+        raise ValueError(f"cp={cp} with {num_kv_shards(layout)} KV shards: cp and kvp do not "
+                         "combine (see this module's docstring)")
+    if cp > 1 and (meta.rank_cu_q_lens is None or positions is None):
+        raise ValueError("cp > 1 needs the step's rank_cu_q_lens, cp_pass_q and positions "
+                         "(medha_jax.model.cp_layout); Model.logits runs cp, the engine's "
+                         "step inputs do not carry them yet")
     body = functools.partial(_attend_on_device, sm_scale=sm_scale,
                              impl=layout.attention_impl,
                              kv_shard_axis=layout.rules.mesh_axis("pages"),
-                             num_shards=num_kv_shards(layout))
-    args = (q, k, v, k_cache, v_cache, layer_id, meta)
+                             num_shards=num_kv_shards(layout), cp=cp,
+                             cp_axis=layout.rules.mesh_axis("tokens"))
+    if positions is None or cp == 1:
+        positions = jnp.zeros(q.shape[:1], jnp.int32)   # unread without cp
+    args = (q, k, v, positions, k_cache, v_cache, layer_id, meta)
     if layout.mesh.size == 1:
         return body(*args)
     spec = layout.rules.spec
@@ -88,20 +121,23 @@ def attention(q, k, v, k_cache, v_cache, layer_id, meta: AttentionMetadata, *,
     # The cache's layers stay whole on every device until the spp axis runs one program per
     # stage (issue 13); the layer scan indexes them by global id.
     cache_spec = spec((None,) + KV_CACHE_AXES[1:])
+    cp_only = lambda field, s: None if field is None else s  # noqa: E731
     meta_spec = AttentionMetadata(
-        slot_mapping=spec(("pages", "tokens")), page_table=spec(("pages", "seqs", None)),
-        cu_q_lens=spec((None,)), kv_lens=spec(("pages", "seqs")), num_seqs=spec((None,)))
+        slot_mapping=spec(("pages", None)), page_table=spec(("pages", "seqs", None)),
+        cu_q_lens=spec((None,)), kv_lens=spec(("pages", "seqs")), num_seqs=spec((None,)),
+        rank_cu_q_lens=cp_only(meta.rank_cu_q_lens, spec((None, None))),
+        cp_pass_q=cp_only(meta.cp_pass_q, spec((None,))))
     sharded = jax.shard_map(
-        body, mesh=layout.mesh, in_specs=(q_spec, kv_spec, kv_spec, cache_spec, cache_spec,
-                                          spec(()), meta_spec),
+        body, mesh=layout.mesh, in_specs=(q_spec, kv_spec, kv_spec, spec(("tokens",)),
+                                          cache_spec, cache_spec, spec(()), meta_spec),
         out_specs=(q_spec, cache_spec, cache_spec), check_vma=False)
     return sharded(*args)
 
 
-def _attend_on_device(q, k, v, k_cache, v_cache, layer_id, meta: AttentionMetadata, *,
-                      sm_scale: float, impl: str, kv_shard_axis: str | None, num_shards: int):
-    """The per-device body: this device's heads, its KV shard's pages ([1, ...] of the
-    metadata's shard dimension)."""
+def _attend_on_device(q, k, v, positions, k_cache, v_cache, layer_id, meta: AttentionMetadata,
+                      *, sm_scale: float, impl: str, kv_shard_axis, num_shards: int, cp: int, cp_axis):
+    """The per-device body: this device's heads and tokens, its KV shard's pages ([1, ...]
+    of the metadata's shard dimension)."""
     slot_mapping, page_table, kv_lens = meta.slot_mapping[0], meta.page_table[0], meta.kv_lens[0]
     k_cache = _write(k_cache, layer_id, k, slot_mapping)
     v_cache = _write(v_cache, layer_id, v, slot_mapping)
@@ -112,6 +148,11 @@ def _attend_on_device(q, k, v, k_cache, v_cache, layer_id, meta: AttentionMetada
     layer_pages = page_table + layer_id * num_pages
     attend = functools.partial(ragged_paged_attention, sm_scale=sm_scale, impl=impl)
     k_all, v_all = _all_layer_pages(k_cache), _all_layer_pages(v_cache)
+    if cp > 1:
+        out = ring_attention(q, k, v, positions, k_all, v_all, layer_pages, kv_lens,
+                             meta.rank_cu_q_lens, meta.num_seqs, meta.cp_pass_q,
+                             axis=cp_axis, num_ranks=cp, sm_scale=sm_scale, impl=impl)
+        return out, k_cache, v_cache
     if num_shards == 1:
         out, _ = attend(q, k_all, v_all, layer_pages, meta.cu_q_lens, kv_lens, meta.num_seqs)
         return out, k_cache, v_cache

@@ -132,7 +132,7 @@ def _decoder_layer(carry, layer, *, config: ModelConfig, layout: MeshLayout, pos
     q = layers.apply_rope(q, positions, inv_freq)
     k = layers.apply_rope(k, positions, inv_freq)
     attn, k_cache, v_cache = attention(q, k, v, k_cache, v_cache, layer_id, meta, layout=layout,
-                                       sm_scale=config.head_dim ** -0.5)
+                                       sm_scale=config.head_dim ** -0.5, positions=positions)
     x = x + jnp.einsum("thk,hkd->td", attn.astype(x.dtype), p["wo"])
     h = layers.rms_norm(x, p["mlp_norm"], config.rms_norm_eps)
     x = x + layers.swiglu_mlp(h, p["w_gate"], p["w_up"], p["w_down"])

@@ -15,7 +15,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from medha_jax.config import MODEL_PRESETS, ModelConfig
-from medha_jax.model.attention import num_kv_shards
+from medha_jax.model import cp_layout
+from medha_jax.model.attention import num_cp_ranks, num_kv_shards
 from medha_jax.model.llama import (KVCache, Llama, init_random_params, numpy_dtype,
                                    one_sequence_metadata)
 from medha_jax.model.params import KV_CACHE_AXES, MeshLayout, param_specs
@@ -43,14 +44,17 @@ class Model:
                                      donate_argnames=("kv_cache",))
 
     def logits(self, token_ids: Sequence[int], *, chunk_sizes: Sequence[int] | None = None,
-               kv_tokens_per_shard: int | None = None, page_size: int = 16) -> np.ndarray:
+               kv_tokens_per_shard: int | None = None, page_size: int = 16,
+               cp_variant: str = "auto") -> np.ndarray:
         """float32 logits [tokens, vocab_size] of a causal forward over `token_ids`.
 
         One-shot by default. With `chunk_sizes` (summing to the number of tokens) the prompt
         runs as successive chunks through a paged cache, as the engine's chunked prefill
         and decodes (chunks of 1) do; on a mesh with several KV shards the cache is spread
         over them, `kv_tokens_per_shard` tokens a shard in order (default: evenly). This is
-        the oracle of chunking and of KV-cache parallelism.
+        the oracle of chunking and of KV-cache parallelism. On a mesh with cp ranks each chunk
+        is split over them (`medha_jax.model.cp_layout`) and attended by the ring variant
+        `cp_variant`: "kv", "q" or "auto" (the heuristic, `medha_jax.scheduler.cp_cost`).
         """
         ids = np.asarray(token_ids, dtype=np.int32)
         if ids.ndim != 1 or ids.size == 0:
@@ -62,6 +66,8 @@ class Model:
         if min(chunk_sizes) < 1 or sum(chunk_sizes) != ids.size:
             raise ValueError(f"{chunk_sizes=} must be positive and sum to {ids.size} tokens")
         shards = num_kv_shards(self.layout)
+        if num_cp_ranks(self.layout) > 1:
+            return self._cp_logits(ids, chunk_sizes, page_size, cp_variant)
         if kv_tokens_per_shard is None:
             kv_tokens_per_shard = -(-ids.size // shards)
         per_shard = -(-kv_tokens_per_shard // page_size) * page_size
@@ -84,6 +90,45 @@ class Model:
                 out.append(np.asarray(logits)[:n])
                 start += n
         return np.concatenate(out)
+
+    def _cp_logits(self, ids: np.ndarray, chunk_sizes: list[int], page_size: int,
+                   cp_variant: str) -> np.ndarray:
+        """`logits` over cp ranks: one sequence, its chunks split by `cp_layout`, each rank's
+        K/V in its own pages 0, 1, 2, ... in the order they arrive."""
+        from medha_jax.scheduler.cp_cost import choose_pass_q
+
+        ranks = num_cp_ranks(self.layout)
+        placements, cached = cp_layout.plan_sequence(chunk_sizes, ranks)
+        pages = -(-int(cached.max()) // page_size)
+        cache = self.new_kv_cache(ranks * pages, page_size)
+        table = np.broadcast_to(np.arange(pages, dtype=np.int32), (ranks, pages))
+        out = np.zeros((ids.size, self.config.vocab_size), np.float32)
+        with jax.set_mesh(self.mesh):
+            for (start, offsets, before), n in zip(placements, chunk_sizes):
+                chunk = cp_layout.CpChunk(start=start, offsets=offsets, cached=before,
+                                          pages=table)
+                most = cp_layout.tokens_per_rank([chunk])
+                step = cp_layout.build_cp_step(
+                    [chunk], num_ranks=ranks, rank_tokens=max(8, 1 << (most - 1).bit_length()),
+                    padded_seqs=1, width=pages, page_size=page_size, pad_slot=pages * page_size)
+                if cp_variant == "auto":
+                    pass_q = choose_pass_q(self.config, new_tokens=n, cached_tokens=start,
+                                           num_ranks=ranks)
+                elif cp_variant in ("kv", "q"):
+                    pass_q = cp_variant == "q"
+                else:
+                    raise ValueError(f"{cp_variant=} must be 'kv', 'q' or 'auto'")
+                real = step.source >= 0
+                positions = step.positions
+                chunk_ids = np.where(real, ids[np.where(real, positions, 0)], 0).astype(np.int32)
+                meta = cp_layout.step_metadata(step, 1, pass_q)
+                place = lambda x: jax.device_put(  # noqa: E731  (tokens split over cp)
+                    x, self.layout.sharding(x.shape, ("tokens",)))
+                logits, cache = self._chunk_logits(self.state, cache, place(chunk_ids),
+                                                   place(positions), meta)
+                logits = np.asarray(logits)
+                out[positions[real]] = logits[real]
+        return out
 
     def kv_cache_sharding(self, num_pages: int, page_size: int):
         """Shape and sharding of a cache of `num_pages` pages over all KV shards."""
@@ -123,7 +168,8 @@ def load_model(model: str | os.PathLike | Model = DEFAULT_MODEL, *,
     embedded SmolLM2-135M-Instruct GGUF), a Hugging Face checkpoint directory, or a .gguf
     file. dtype: by default the checkpoint's (the preset's) own dtype on GPU and TPU and
     float32 on the CPU. attention_impl: "auto" (chosen per back-end now, and said),
-    "xla", "pallas" or "interpret". `rules` decide every sharding, the kernels' included.
+    "xla", "pallas", "interpret", "pallas-tpu" or "interpret-tpu". `rules` decide every
+    sharding, the kernels' included.
     With verbose, one line says the dtype and attention implementation chosen.
     """
     if isinstance(model, Model):

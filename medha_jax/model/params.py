@@ -124,7 +124,8 @@ class MeshLayout:
     """How a ModelConfig is laid out on a mesh. Static and hashable: part of the model's
     graph definition, so every jitted function and shard_map sees the same rules.
 
-    attention_impl is already resolved ("xla", "pallas", "interpret"), never "auto".
+    attention_impl is already resolved ("xla", "pallas", "interpret", "pallas-tpu",
+    "interpret-tpu"), never "auto".
     """
 
     mesh: Mesh

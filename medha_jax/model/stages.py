@@ -124,6 +124,11 @@ class Stage:
         return out
 
 
+def num_stages(mesh: Mesh) -> int:
+    """Pipeline stages of a replica mesh: its spp degree."""
+    return mesh.shape["spp"]
+
+
 def stage_submeshes(mesh: Mesh) -> list[Mesh]:
     """The replica mesh's spp slices, each a mesh with the same axis names and spp = 1."""
     spp_dim = mesh.axis_names.index("spp")

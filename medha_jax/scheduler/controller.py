@@ -8,10 +8,15 @@ Two public steps, as vLLM v1's scheduler (`schedule()` / `update_from_output()`)
   update(batch, result) applies what an executor returned for that batch: progress,
       prefix-cache commits, sampled tokens, finishes.
 Execution is owned outside (the server loop, the simulator, tests, a pipelined engine).
-Several batches may be in flight: update() may come after later schedule() calls. A
-request in an unfinished batch is skipped by schedule() (its next tokens depend on that
-batch) and is never preempted (its pages are being written). `run_one_step` is the
-synchronous schedule -> execute -> update iteration.
+Several batches may be in flight: update() may come after later schedule() calls, in any
+order across requests but in scheduling order for each request's chunks. A request in an unfinished batch
+is never preempted (its pages are being written). Its prefill may go on: the next chunk
+starts where the scheduled ones end (`num_scheduled_tokens`), since it needs only their
+K/V, which a pipelined executor writes in dispatch order (seed 000 section 3.3: chunk i+1
+enters stage 0 while chunk i is in stage 1). A decode waits for its request's batch in
+flight: it needs that batch's sampled token. `run_one_step` is the
+synchronous schedule -> execute -> update iteration; `InFlightRunner`
+(medha_jax.scheduler.in_flight) keeps several batches in flight.
 
 Plain Python, single-threaded: the server serialises calls from its own loop thread.
 """
@@ -73,7 +78,7 @@ class ReplicaController:
         self._decodes: dict[str, Request] = {}      # running, one token to compute
         self._prefills = PriorityIndex(policy)      # waiting + running with prefill work left
         self._admission: dict[str, int] = {}        # request_id -> admission number (tie-break)
-        self._in_flight: set[str] = set()           # in a batch not yet update()d
+        self._in_flight: dict[str, int] = {}        # request_id -> its batches not yet update()d
         self._num_admitted = 0
         self.finished: dict[str, Request] = {}
         self.num_preemptions = 0
@@ -169,7 +174,7 @@ class ReplicaController:
     def _finish(self, request: Request, reason: FinishReason, now: float) -> None:
         rid = request.request_id
         self.kv.release(rid)
-        self._in_flight.discard(rid)
+        self._in_flight.pop(rid, None)
         if request in self._prefills:
             self._prefills.remove(request)
         self._decodes.pop(rid, None)
@@ -181,6 +186,27 @@ class ReplicaController:
         request.finish_time = now
         self.finished[rid] = request
 
+    def preempt_all(self) -> int:
+        """After the KV cache's contents were lost (a step failed on the device and the
+        engine rebuilt the cache): every request holding pages is preempted for recompute
+        from its tokens (it keeps its output), and the prefix cache, whose pages pointed
+        into the lost cache, is dropped. Batches still in flight read the lost cache too:
+        finish their requests (or drop those batches unapplied) first; any left are
+        preempted here and their batches must not be update()d. Returns how many requests
+        were preempted."""
+        running = list(self._running.values())
+        self._in_flight.clear()
+        for request in running:
+            self._preempt(request)
+        for request in self._requests.values():
+            # Registered during packing but not yet running: its pages are gone too.
+            if self.kv.has(request.request_id):
+                self.kv.release(request.request_id)
+                request.num_computed_tokens = request.num_cached_tokens = 0
+                self._prefills.update(request)
+        self.kv.drop_prefix_cache()
+        return len(running)
+
     # -------------------------------------------------------------------- steps
 
     def schedule(self) -> Batch:
@@ -191,15 +217,20 @@ class ReplicaController:
         in_flight = self._in_flight
         k = self.max_prefill_candidates
         if in_flight:
+            # A request in flight may get its next prefill chunk, never a second sample.
             candidates = [r for r in self._prefills.top(now, k + len(in_flight))
-                          if r.request_id not in in_flight][:k]
+                          if r.request_id not in in_flight
+                          or r.num_scheduled_tokens < r.num_tokens][:k]
         else:
             candidates = self._prefills.top(now, k)
         gate = _KVGate(self.kv, now, pick_victim=self._pick_victim, preempt=self._preempt,
                        start_running=self._start_running, requeue=self._prefills.update)
         batch = self.packer.pack(self._decode_order(), candidates, now, gate)
         gate.release_unscheduled()
-        in_flight.update(c.request.request_id for c in batch.chunks)
+        for chunk in batch.chunks:
+            rid = chunk.request.request_id
+            in_flight[rid] = in_flight.get(rid, 0) + 1
+            chunk.request.num_scheduled_tokens = chunk.end
         self.last_schedule_seconds = time.perf_counter() - start
         return batch
 
@@ -226,7 +257,10 @@ class ReplicaController:
         for chunk in live:
             request = chunk.request
             rid = request.request_id
-            self._in_flight.discard(rid)
+            if self._in_flight[rid] == 1:
+                del self._in_flight[rid]
+            else:
+                self._in_flight[rid] -= 1
             request.num_computed_tokens = chunk.end
             self.kv.commit(request, chunk.end)
             if not chunk.samples:
@@ -280,7 +314,7 @@ class ReplicaController:
         self.kv.release(rid)
         del self._running[rid]
         request.state = RequestState.WAITING
-        request.num_computed_tokens = 0
+        request.num_computed_tokens = request.num_scheduled_tokens = 0
         request.num_cached_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -335,6 +369,7 @@ class _KVGate:
         if request.state is RequestState.WAITING and not self.kv.has(rid):
             reused = self.kv.register(request)
             request.num_computed_tokens = request.num_cached_tokens = reused
+            request.num_scheduled_tokens = reused
             self.registered.append(request)
             if reused:
                 self._requeue(request)
@@ -362,4 +397,5 @@ class _KVGate:
                 self.kv.release(request.request_id)
                 if request.num_computed_tokens:
                     request.num_computed_tokens = request.num_cached_tokens = 0
+                    request.num_scheduled_tokens = 0
                     self._requeue(request)

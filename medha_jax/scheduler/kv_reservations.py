@@ -39,6 +39,8 @@ class KVAllocator(Protocol):
 
     def has(self, request_id: str) -> bool: ...
 
+    def drop_prefix_cache(self) -> None: ...
+
 
 class TokenView(Sequence):
     """Prompt + output token ids of a request without copying them (for the allocator's hashes)."""
@@ -101,3 +103,9 @@ class KVReservations:
         """Frees the request's pages (no-op when it holds none)."""
         if self._reserved_tokens.pop(request_id, None) is not None:
             self.allocator.free(request_id)
+
+    def drop_prefix_cache(self) -> None:
+        """Forgets the cached prefixes (their pages' contents were lost); nothing may hold pages."""
+        if self._reserved_tokens:
+            raise ValueError(f"{len(self._reserved_tokens)} requests still hold KV pages")
+        self.allocator.drop_prefix_cache()

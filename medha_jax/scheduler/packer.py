@@ -308,7 +308,7 @@ class AdaptivePacker(BatchPacker):
             if n == 0:
                 unserved.append(request)        # Algorithm 1, line 17: tries next time
                 continue
-            chunk = ScheduledChunk(request, request.num_computed_tokens, n)
+            chunk = ScheduledChunk(request, request.num_scheduled_tokens, n)
             if not gate.reserve(chunk):
                 continue
             chunks.append(chunk)
@@ -379,7 +379,7 @@ class AdaptivePacker(BatchPacker):
         (Not t_pred < budget: where chunks run side by side, one more may cost nothing.)"""
         if self._room(features) < 1:
             return False
-        start = request.num_computed_tokens
+        start = request.num_scheduled_tokens
         one = features.plus_chunk(1, start, start + 1 == request.num_tokens,
                                   self.limits.token_buckets)
         return self.predictor.predict_features(one) <= budget_s
@@ -391,7 +391,7 @@ class AdaptivePacker(BatchPacker):
         if not gate.prepare(request):
             return None
         n = self._chunk_size(request, features, budget_s)
-        chunk = ScheduledChunk(request, request.num_computed_tokens, n)
+        chunk = ScheduledChunk(request, request.num_scheduled_tokens, n)
         if n == 0 or not gate.reserve(chunk):
             return None
         chunks.append(chunk)
@@ -401,7 +401,7 @@ class AdaptivePacker(BatchPacker):
         """GETCHUNKSIZE's binary search: the largest chunk of `request` that keeps the batch
         within budget_s; 0 when none fits."""
         room = self._room(features)
-        start = request.num_computed_tokens
+        start = request.num_scheduled_tokens
         remaining = request.num_tokens - start
         return largest_chunk(self.predictor, features, start=start,
                              max_tokens=int(min(remaining, room)), remaining=remaining,
@@ -418,7 +418,7 @@ class AdaptivePacker(BatchPacker):
                 break
             if not gate.prepare(request):
                 continue
-            start = request.num_computed_tokens
+            start = request.num_scheduled_tokens
             n = int(min(self.min_chunk_tokens, request.num_tokens - start, room))
             chunk = ScheduledChunk(request, start, n)
             if gate.reserve(chunk):
@@ -460,7 +460,7 @@ class TokenBudgetPacker(BatchPacker):
                 if self.head_of_line_blocking:
                     break
                 continue
-            start = request.num_computed_tokens
+            start = request.num_scheduled_tokens
             n = int(min(request.num_tokens - start, room))
             chunk = ScheduledChunk(request, start, n)
             if not gate.reserve(chunk):

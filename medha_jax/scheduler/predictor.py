@@ -31,6 +31,7 @@ import numpy as np
 from medha_jax.buckets import padded_size
 from medha_jax.config import ModelConfig, ParallelConfig
 from medha_jax.request import Batch
+from medha_jax.scheduler.cp_cost import PASS_Q, RingCost
 from medha_jax.scheduler.hardware import HardwareSpec, hardware_preset
 
 
@@ -175,22 +176,24 @@ class AnalyticalPredictor:
           (a ring all-reduce each). Queries are replicated: linear layers and the
           attention within the chunk do not shrink with kvp.
       cp  divides tokens (balanced 2N-chunk sharding): linear work and attention FLOPs
-          shrink by cp, and the ring passes the context's KV, overlapped with attention.
-      spp stage time covers layers / spp. The prefill stream costs one stage per
-          iteration (chunk i+1 enters stage 0 while chunk i is in stage 1, seed 000
-          sec. 3.3). A sampled token, though, leaves only after its sequence crossed every
-          stage, and the sequence's next step needs it: an iteration that samples also
-          waits for the sampling chunks' own work in the other spp - 1 stages (their
-          linear layers or the weight read, whichever is slower, plus the batch's KV
-          reads, an upper bound since the features do not split them by chunk).
-          So decodes pay the full pipeline depth while co-batched prefill chunks still
-          stream (decodes are not micro-batched in this model).
+          shrink by cp; the ring's transfers not hidden under attention (and pass-Q's
+          All2All) are added, for the variant Algorithm 5 picks (`cp_cost.RingCost`).
+      spp the prediction is one stage's time: the layers / spp of the slowest stage and
+          the hand-off of the activations to the next stage. The executors keep up to
+          spp batches in flight (medha_jax.scheduler.in_flight): a prefill's chunk i+1
+          enters stage 0 while chunk i is in stage 1 (seed 000 sec. 3.3), so the prefill
+          stream costs one stage per iteration, while a sampled token leaves only after
+          spp stages and its sequence's next decode waits for it. That depth is the
+          executor's (the simulator runs batches through the stages), not the price. The
+          LM head (last stage only) and the host's per-step overhead (paid once per
+          batch, at dispatch) are spread evenly over the stages, so that a batch's trip
+          through all of them costs what it does on the devices.
     """
 
     def __init__(self, model: ModelConfig, parallel: ParallelConfig = ParallelConfig(),
                  hardware: HardwareSpec | str = "h100", *, efficiency: Efficiency = Efficiency(),
                  token_buckets: Sequence[int] | None = None,
-                 kv_tokens_per_shard: int | None = None):
+                 kv_tokens_per_shard: int | None = None, cp_variant: str | None = None):
         if isinstance(hardware, str):
             hardware = hardware_preset(hardware)
         self.model, self.parallel, self.hardware = model, parallel, hardware
@@ -211,8 +214,8 @@ class AnalyticalPredictor:
         # weight read that bounds small batches.
         self._linear_s_per_token = \
             2 * layer_params * layers / (p.tp * p.cp) / (flops_s * eff.matmul)
-        self._head_s_per_seq = 2 * head_params / p.tp / (flops_s * eff.matmul)
-        self._weights_read_s = b * (layer_params * layers + head_params) / p.tp / hbm_s
+        self._head_s_per_seq = 2 * head_params / p.tp / p.spp / (flops_s * eff.matmul)
+        self._weights_read_s = b * (layer_params * layers + head_params / p.spp) / p.tp / hbm_s
         # Activations in and out of each matmul (x, qkv, attn out, gate/up, down).
         act_values = 3 * d + hd * (m.num_heads + 2 * m.num_kv_heads) + 3 * m.intermediate_size
         self._act_read_s_per_token = b * act_values * layers / (p.tp * p.cp) / hbm_s
@@ -225,9 +228,13 @@ class AnalyticalPredictor:
         # Within-chunk traffic: Q and O read/written, K and V written, per token.
         self._chunk_io_s_per_token = \
             b * hd * (2 * m.num_heads / p.tp + 2 * m.num_kv_heads / tp_kv) * layers / p.cp / hbm_s
-        # Context parallel ring: each rank receives the other ranks' KV of the context.
-        self._ring_s_per_token = \
-            (kv_bytes_per_token * (p.cp - 1) / p.cp / link_s) if p.cp > 1 else 0.0
+        # ---- cp hook: the ring's cost and the pass-KV/pass-Q choice live in cp_cost ----
+        # cp_variant None lets Algorithm 5 choose per batch; cp_cost.PASS_KV / PASS_Q force.
+        self._cp_ring = RingCost.create(
+            m, hw, num_ranks=p.cp, tp=p.tp, spp=p.spp, attention_efficiency=eff.attention,
+            interconnect_efficiency=eff.interconnect,
+            latency_s=eff.collective_latency_s) if p.cp > 1 else None
+        self._cp_variant = cp_variant
 
         lat = eff.collective_latency_s
         # TP: two ring all-reduces of [tokens, d] per layer.
@@ -246,8 +253,7 @@ class AnalyticalPredictor:
         self._p2p_s_per_token = (b * d / p.tp / link_s) if p.spp > 1 else 0.0
         self._p2p_fixed_s = lat if p.spp > 1 else 0.0
         self._fixed_collectives_s = self._tp_fixed_s + self._kvp_fixed_s + self._p2p_fixed_s
-        self._spp = p.spp
-        self._overhead_s = eff.step_overhead_s
+        self._overhead_s = eff.step_overhead_s / p.spp
 
     def predict_features(self, f: BatchFeatures) -> float:
         # Called thousands of times per iteration by the packer's searches: plain
@@ -265,22 +271,17 @@ class AnalyticalPredictor:
         context = self._attn_s_per_pair * (f.sum_chunk_x_context - f.sum_chunk_sq) * shard_share
         if earlier_kv_s > context:
             context = earlier_kv_s
-        ring = self._ring_s_per_token * f.sum_context
-        if ring > context:
-            context = ring
+        if self._cp_ring is not None:                    # cp hook (see __init__)
+            variant = self._cp_variant or (
+                PASS_Q if tokens == f.seqs else self._cp_ring.choose(tokens, earlier))
+            context += self._cp_ring.exposed_s(variant, tokens, earlier)
         within = self._attn_s_per_pair * (f.sum_chunk_sq + tokens) / 2
         chunk_io = self._chunk_io_s_per_token * tokens
         if chunk_io > within:
             within = chunk_io
         collectives = (self._fixed_collectives_s + self._tp_s_per_token * padded
                        + self._kvp_s_per_token * tokens + self._p2p_s_per_token * padded)
-        t = self._overhead_s + linear + context + within + collectives
-        if self._spp > 1 and f.sampling_tokens:
-            tail = self._linear_s_per_token * f.sampling_tokens
-            if tail < self._weights_read_s:
-                tail = self._weights_read_s
-            t += (self._spp - 1) * (tail + earlier_kv_s + self._p2p_fixed_s)
-        return t
+        return self._overhead_s + linear + context + within + collectives
 
     def _busiest_kv_shard(self, earlier_tokens: int, max_context: int) -> float:
         """Earlier-context KV tokens the busiest KV shard reads (all of them at kvp = 1)."""

@@ -1,0 +1,295 @@
+"""Context parallelism (seed 002): a step's tokens split over cp ranks, ring pass-KV and
+pass-Q attention, each rank's K/V in its own pages; exact against one device."""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+from medha_jax import ParallelConfig, hlo, load_model
+from medha_jax.config import model_preset
+from medha_jax.model import cp_layout
+from medha_jax.model.ring_attention import RING_ATTEND, RING_SEND
+from medha_jax.scheduler.cp_cost import choose_pass_q
+
+CP_MESHES = [ParallelConfig(cp=2), ParallelConfig(cp=4), ParallelConfig(cp=8),
+             ParallelConfig(cp=2, tp=2)]
+# Full prefill (0% cached), then partial prefills with 50%, 95% and 99% of the context
+# cached (96/192, 192/202, 202/204), then decodes.
+CHUNKS = [96, 96, 10, 2, 1, 1, 1]
+
+
+@functools.cache
+def tiny(parallel=ParallelConfig()):
+    """One loaded tiny model per mesh for the whole module (loading compiles)."""
+    return load_model("tiny", parallel=parallel, verbose=False)
+
+
+@pytest.fixture(scope="module")
+def prompt_and_logits():
+    ids = np.random.default_rng(14).integers(0, 256, size=sum(CHUNKS)).tolist()
+    return ids, tiny().logits(ids)
+
+
+def test_the_heuristic_picks_both_variants_over_these_chunks():
+    config = model_preset("tiny")
+    picks = [choose_pass_q(config, new_tokens=n, cached_tokens=sum(CHUNKS[:i]), num_ranks=4)
+             for i, n in enumerate(CHUNKS)]
+    # tiny: 2 N_KV / N_H = 0.5, so pass-KV at 100% and 50% misses, pass-Q below.
+    assert picks == [False, False, True, True, True, True, True]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", CP_MESHES, ids=str)
+def test_logits_equal_one_device_for_both_variants_and_the_heuristic(prompt_and_logits,
+                                                                     parallel):
+    ids, expected = prompt_and_logits
+    model = tiny(parallel)
+    for variant in ("kv", "q", "auto"):
+        got = model.logits(ids, chunk_sizes=CHUNKS, cp_variant=variant)
+        np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0, err_msg=variant)
+        assert (got.argmax(-1) == expected.argmax(-1)).all(), variant
+
+
+# --------------------------------------------------------- several sequences in one step
+
+def run_steps(model, steps, prompts, *, pass_q: bool, pages_per_seq: int = 4, page_size=16):
+    """Runs cp steps, each a list of (seq, num_new) fused in one batch; returns each
+    sequence's logits by position. Sequence s owns pages s * pages_per_seq ... on each rank."""
+    from medha_jax.model.attention import num_cp_ranks
+
+    ranks = num_cp_ranks(model.layout)
+    num_seqs = len(prompts)
+    cache = model.new_kv_cache(ranks * pages_per_seq * num_seqs, page_size)
+    done = [0] * num_seqs
+    cached = np.zeros((num_seqs, ranks), np.int64)
+    logits = [np.zeros((len(p), 256), np.float32) for p in prompts]
+    decodes = 0
+    with jax.set_mesh(model.mesh):
+        for step_chunks in steps:
+            chunks = []
+            for s, n in step_chunks:
+                offsets = cp_layout.place_new_tokens(n, ranks, decode_rank=decodes)
+                decodes += n == 1                       # round-robin over the batch's decodes
+                pages = np.broadcast_to(s * pages_per_seq + np.arange(pages_per_seq),
+                                        (ranks, pages_per_seq)).astype(np.int32)
+                chunks.append(cp_layout.CpChunk(start=done[s], offsets=offsets,
+                                                cached=cached[s].copy(), pages=pages))
+                cached[s] += [len(o) for o in offsets]
+            step = cp_layout.build_cp_step(
+                chunks, num_ranks=ranks, rank_tokens=32, padded_seqs=4, width=pages_per_seq,
+                page_size=page_size, pad_slot=pages_per_seq * num_seqs * page_size)
+            real = step.source >= 0
+            seq_ids = np.array([s for s, _ in step_chunks])
+            seq_of = seq_ids[np.where(real, step.source // cp_layout.SOURCE_STRIDE, 0)]
+            ids = np.array([prompts[s][p] if r else 0
+                            for s, p, r in zip(seq_of, step.positions, real)], np.int32)
+            place = lambda x: jax.device_put(  # noqa: E731
+                x, model.layout.sharding(x.shape, ("tokens",)))
+            out, cache = model._chunk_logits(model.state, cache, place(ids),
+                                             place(step.positions),
+                                             cp_layout.step_metadata(step, len(chunks), pass_q))
+            out = np.asarray(out)
+            for t in np.flatnonzero(real):
+                logits[seq_of[t]][step.positions[t]] = out[t]
+            for (s, n), chunk in zip(step_chunks, chunks):
+                done[s] += n
+    return logits
+
+
+@pytest.mark.slow
+def test_a_batch_fusing_sequences_of_different_lengths_equals_one_device():
+    parallel = ParallelConfig(cp=4)
+    rng = np.random.default_rng(15)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (41, 60, 14)]
+    expected = [tiny().logits(p) for p in prompts]
+    model = tiny(parallel)
+    # Three prefills of different lengths fused; then a decode, a partial prefill over a
+    # 30-token cache and another decode in one step; then two decodes.
+    steps = [[(0, 40), (1, 30), (2, 13)], [(0, 1), (1, 29), (2, 1)], [(1, 1)]]
+    for pass_q in (False, True):
+        got = run_steps(model, steps, prompts, pass_q=pass_q)
+        for g, e in zip(got, expected):
+            np.testing.assert_allclose(g, e, atol=1e-4, rtol=0, err_msg=f"{pass_q=}")
+            assert (g.argmax(-1) == e.argmax(-1)).all()
+
+
+# ------------------------------------------------------------------------- what is moved
+
+def ring_step_hlo(parallel, rank_tokens=16, pages=4):
+    model = tiny(parallel)
+    ranks = parallel.cp
+    chunk = cp_layout.CpChunk(start=0, offsets=cp_layout.balanced_offsets(ranks * rank_tokens,
+                                                                          ranks),
+                              cached=np.zeros(ranks, int),
+                              pages=np.broadcast_to(np.arange(pages), (ranks, pages)))
+    step = cp_layout.build_cp_step([chunk], num_ranks=ranks, rank_tokens=rank_tokens,
+                                   padded_seqs=1, width=pages, page_size=16,
+                                   pad_slot=pages * 16)
+    with jax.set_mesh(model.mesh):
+        return model._chunk_logits.lower(
+            model.state, model.new_kv_cache(ranks * pages, 16),
+            np.zeros(ranks * rank_tokens, np.int32), step.positions,
+            cp_layout.step_metadata(step, 1, False)).compile().as_text()
+
+
+@pytest.mark.slow
+def test_the_ring_sends_each_block_without_waiting_for_its_attention():
+    text = ring_step_hlo(ParallelConfig(cp=4))
+    rings = [instrs for instrs in hlo.scheduled_instructions(text).values()
+             if any(i.op.startswith("collective-permute") and RING_SEND in i.scope
+                    for i in instrs)]
+    assert len(rings) == 2                        # the pass-KV and the pass-Q branch
+    for instrs in rings:
+        sends = [i for i in instrs if i.op.startswith("collective-permute")
+                 and RING_SEND in i.scope]
+        steps = {int(i.scope.split(RING_SEND)[1].split("/")[0]) for i in sends}
+        assert steps == {1, 2, 3}                 # N - 1 transfers of a 4-rank ring
+        attends = {int(i.scope.split(RING_ATTEND)[1].split("/")[0]) for i in instrs
+                   if RING_ATTEND in i.scope}
+        assert attends == {0, 1, 2, 3}
+        # Block j + 1's transfer needs no ring attention at all (in particular not block
+        # j's), so it can be in flight while block j is attended.
+        for send in sends:
+            assert not hlo.depends_on(instrs, send.name, lambda i: RING_ATTEND in i.scope)
+        # Where XLA makes the permutes asynchronous (GPU, TPU) the attention must be
+        # scheduled between start and done; the CPU back-end runs them synchronously.
+        pairs = hlo.async_pairs(instrs)
+        if pairs:
+            assert all(any(RING_ATTEND in i.scope for i in between) for _, _, between in pairs)
+        else:
+            assert jax.default_backend() == "cpu"
+
+
+def test_async_pairs_find_what_runs_while_a_permute_is_in_flight():
+    text = """HloModule m, is_scheduled=true
+
+ENTRY %main (p0: f32[4]) -> f32[4] {
+  %p0 = f32[4]{0} parameter(0)
+  %cps = (f32[4]{0}, f32[4]{0}) collective-permute-start(%p0), source_target_pairs={{0,1},{1,0}}, metadata={op_name="jit(f)/cp_ring_send_1/ppermute"}
+  %mul = f32[4]{0} multiply(%p0, %p0), metadata={op_name="jit(f)/cp_ring_attend_0/mul"}
+  %cpd = f32[4]{0} collective-permute-done(%cps)
+  ROOT %add = f32[4]{0} add(%mul, %cpd)
+}
+"""
+    instrs = hlo.scheduled_instructions(text)["main"]
+    [(start, done, between)] = hlo.async_pairs(instrs)
+    assert (start.name, done.name, [i.name for i in between]) == ("cps", "cpd", ["mul"])
+    assert not hlo.depends_on(instrs, "cps", lambda i: RING_ATTEND in i.scope)
+    assert hlo.depends_on(instrs, "add", lambda i: RING_ATTEND in i.scope)
+
+
+@pytest.mark.slow
+def test_bytes_per_ring_step_are_the_blocks_of_each_variant():
+    # cp=2: 16 tokens a rank; tiny has 8 query heads and 2 K/V heads of 16 (float32).
+    text = ring_step_hlo(ParallelConfig(cp=2))
+    found = hlo.collectives(text)
+    permutes = sorted(c.bytes for c in found if c.op == "collective-permute")
+    kv_block = 16 * 2 * 16 * 4                    # new K or V of one rank
+    cached_block = 4 * 16 * 2 * 16 * 4            # one rank's pages of the sequence (W=4)
+    q_block = 16 * 8 * 16 * 4
+    assert kv_block in permutes and cached_block in permutes and q_block in permutes
+    # Linear layers run on each rank's own 16 tokens: the MLP's [tokens, 128] activations
+    # are [16, 128] on a device, never the step's [32, 128].
+    shapes = {i.shape.split("{")[0] for instrs in hlo.scheduled_instructions(text).values()
+              for i in instrs}
+    assert "f32[16,128]" in shapes and "f32[32,128]" not in shapes
+    all_to_all = [c for c in found if c.op == "all-to-all"]
+    # pass-Q returns [ranks, tokens, heads, head_dim] outputs and [ranks, tokens, heads] LSEs.
+    assert sum(c.bytes for c in all_to_all) == 2 * 16 * 8 * (16 + 1) * 4
+
+
+def test_kv_bytes_per_device_shrink_with_cp():
+    chunks = [1024] * 4 + [1] * 8                 # a 4K prefill in chunks, then decodes
+    per_device = {}
+    for cp in (1, 4):
+        _, held = cp_layout.plan_sequence(chunks, cp)
+        assert held.sum() == sum(chunks)
+        model = tiny(ParallelConfig(cp=cp))
+        pages = -(-int(held.max()) // 16)
+        cache = model.new_kv_cache(cp * pages, 16)
+        per_device[cp] = cache.k.addressable_shards[0].data.nbytes
+        assert {s.data.nbytes for s in cache.k.addressable_shards} == {per_device[cp]}
+    assert per_device[4] / per_device[1] == pytest.approx(1 / 4, rel=0.02)
+
+
+def test_balanced_layout_gives_every_rank_chunks_i_and_2n_minus_1_minus_i():
+    offsets = cp_layout.balanced_offsets(64, 4)                   # 8 chunks of 8
+    assert [list(o[[0, 8]]) for o in offsets] == [[0, 56], [8, 48], [16, 40], [24, 32]]
+    # Causal work (keys each query sees) is equal over the ranks.
+    assert len({int((o + 1).sum()) for o in offsets}) == 1
+    decodes = [cp_layout.place_new_tokens(1, 4, decode_rank=k) for k in range(8)]
+    assert [int(np.argmax([len(o) for o in d])) for d in decodes] == [0, 1, 2, 3, 0, 1, 2, 3]
+
+
+# ---------------------------------------------------------------------- through the engine
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cp", [2, 4])
+def test_engine_tokens_equal_one_device_with_prefix_reuse(cp):
+    from medha_jax.engine import Engine, EngineConfig
+    from tests.hf_oracle import greedy_with_logits
+    from tests.test_engine import drive, make_request
+
+    rng = np.random.default_rng(16)
+    shared = rng.integers(0, 256, 70).tolist()           # over a 64-token page at cp=4
+    prompts = {"short": rng.integers(0, 256, 20).tolist(),
+               "long": rng.integers(0, 256, 100).tolist(),
+               "shared": shared + rng.integers(0, 256, 30).tolist(),
+               "shared-again": shared + rng.integers(0, 256, 25).tolist()}
+    reference = {rid: greedy_with_logits(tiny(), p, 5) for rid, p in prompts.items()}
+    model = tiny(ParallelConfig(cp=cp))
+    engine = Engine(model, EngineConfig(page_size=16, num_pages=16, max_tokens_per_step=64,
+                                        max_seqs=8))
+    assert engine.allocator.page_size == 16 * cp          # one 16-token page on every rank
+    # The cache's pages are split over the ranks: each device holds its 16 pages.
+    assert {s.data.shape[1] for s in engine.kv_cache.k.addressable_shards} == {16}
+    arrivals = [(0, make_request(rid, prompts[rid], 5)) for rid in ("short", "long", "shared")]
+    arrivals.append((30, make_request("shared-again", prompts["shared-again"], 5)))
+    reused = {}
+    allocate = engine.allocator.allocate
+    engine.allocator.allocate = lambda rid, ids=None: reused.setdefault(rid, allocate(rid, ids))
+    done = drive(engine, arrivals, rng=rng, max_chunk=40)
+    assert done == reference
+    assert reused["shared-again"] == 64                   # the shared prefix's full pages
+    assert engine.allocator.num_free_pages == engine.allocator.num_pages
+
+
+def test_the_engines_placement_is_a_zigzag_per_window_and_counts_what_each_rank_cached():
+    ranks, page = 4, 16
+    stripes = cp_layout.rank_of_position(np.arange(0, 2 * ranks * page, page), ranks, page)
+    assert stripes.tolist() == [0, 1, 2, 3, 3, 2, 1, 0]     # stripes i and 2N-1-i on rank i
+    for start in range(0, 300, 7):
+        held = np.bincount(cp_layout.rank_of_position(np.arange(start), ranks, page),
+                           minlength=ranks)
+        assert cp_layout.cached_on_rank(start, ranks, page).tolist() == held.tolist()
+
+
+_INTERPRET_CHECK = """
+import numpy as np
+from medha_jax import ParallelConfig, load_model
+ids = np.random.default_rng(5).integers(0, 256, size=40).tolist()
+want = load_model("tiny", verbose=False).logits(ids)
+model = load_model("tiny", parallel=ParallelConfig(cp=2), attention_impl="interpret",
+                   verbose=False)
+assert model.layout.attention_impl == "interpret"
+for variant in ("kv", "q"):
+    got = model.logits(ids, chunk_sizes=[30, 9, 1], cp_variant=variant)
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0, err_msg=variant)
+print("ok")
+"""
+
+
+@pytest.mark.slow
+def test_the_ring_runs_around_the_pallas_kernel_in_interpret_mode():
+    # Its own process with 2 devices: the kernel interpreter is slow with many (common.md).
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-c", _INTERPRET_CHECK], env=env, timeout=600,
+                          capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
