@@ -66,9 +66,10 @@ class Request:
     # Progress, maintained by the controller.
     state: RequestState = RequestState.WAITING
     num_computed_tokens: int = 0               # tokens whose K/V are in the cache
-    # Computed, or in a batch still in flight (a pipelined executor runs several batches at
-    # once: a prefill's next chunk may be scheduled before the previous one is done).
-    num_scheduled_tokens: int = 0
+    # In batches still in flight (a pipelined executor runs several at once: a prefill's
+    # next chunk may be scheduled before the previous one is done); maintained by the
+    # controller.
+    num_in_flight_tokens: int = 0
     num_cached_tokens: int = 0                 # of those, reused from the prefix cache
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     num_preemptions: int = 0
@@ -98,6 +99,11 @@ class Request:
     def num_tokens(self) -> int:
         """Prompt plus generated tokens."""
         return self.prompt_len + len(self.output_token_ids)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Computed or in flight: where the request's next chunk starts."""
+        return self.num_computed_tokens + self.num_in_flight_tokens
 
     @property
     def num_pending_tokens(self) -> int:

@@ -282,7 +282,7 @@ def simulate(requests: list[Request], *, scheduler: str | SchedulerConfig, model
         controllers.append(make_controller(
             config, allocator=CountingAllocator(capacity // page_size, page_size), clock=clock,
             predictor=predictor, model_config=model, max_model_len=max_model_len,
-            prefill_time_cache=prefill_time_cache))
+            prefill_time_cache=prefill_time_cache, pipeline_stages=parallel.spp))
         executor = SimulatedExecutor(device_predictor or predictor, clock, parallel.spp)
         runners.append(InFlightRunner(controllers[-1], executor))
         # Algorithm 3's table depends only on the predictor and the config: share it.

@@ -87,7 +87,8 @@ class Server:
         self.controller = make_controller(
             self.scheduler_config, allocator=self.engine.allocator, clock=self._clock,
             predictor=predictor or fit_predictor(self.engine), model_config=self.config,
-            eos_token_ids=eos, max_model_len=self.engine.max_model_len)
+            eos_token_ids=eos, max_model_len=self.engine.max_model_len,
+            pipeline_stages=self.engine.num_stages)
         self.metrics = ServerMetrics()
         self._ids = itertools.count()
         # Random per server, so no caller can name another's request by guessing.

@@ -242,3 +242,13 @@ def test_packer_properties(decode_contexts, prefills, buckets, max_seqs, t_targe
     # Work is never left idle when it fits: with room left, some prefill got a chunk.
     if queue and not batch_prefills:
         assert batch.num_seqs == max_seqs or batch.num_tokens == limits.token_limit
+
+
+def test_a_decodes_tpot_is_spread_over_the_pipeline_stages():
+    # Each batch is one stage's work; a decode's next token comes after all of them.
+    decodes = [ScheduledChunk(_decode("d", 1000, tpot=0.12), 1000, 1)]
+    assert _adaptive(target_batch_time_s=1.0).t_target(decodes) == pytest.approx(0.12)
+    assert _adaptive(target_batch_time_s=1.0, pipeline_stages=4).t_target(decodes) == \
+        pytest.approx(0.03)
+    assert _adaptive(target_batch_time_s=0.02, pipeline_stages=4).t_target(decodes) == \
+        pytest.approx(0.02)

@@ -175,6 +175,7 @@ class ReplicaController:
         rid = request.request_id
         self.kv.release(rid)
         self._in_flight.pop(rid, None)
+        request.num_in_flight_tokens = 0
         if request in self._prefills:
             self._prefills.remove(request)
         self._decodes.pop(rid, None)
@@ -196,6 +197,8 @@ class ReplicaController:
         were preempted."""
         running = list(self._running.values())
         self._in_flight.clear()
+        for request in self._requests.values():
+            request.num_in_flight_tokens = 0
         for request in running:
             self._preempt(request)
         for request in self._requests.values():
@@ -230,7 +233,7 @@ class ReplicaController:
         for chunk in batch.chunks:
             rid = chunk.request.request_id
             in_flight[rid] = in_flight.get(rid, 0) + 1
-            chunk.request.num_scheduled_tokens = chunk.end
+            chunk.request.num_in_flight_tokens += chunk.num_tokens
         self.last_schedule_seconds = time.perf_counter() - start
         return batch
 
@@ -261,6 +264,7 @@ class ReplicaController:
                 del self._in_flight[rid]
             else:
                 self._in_flight[rid] -= 1
+            request.num_in_flight_tokens -= chunk.num_tokens
             request.num_computed_tokens = chunk.end
             self.kv.commit(request, chunk.end)
             if not chunk.samples:
@@ -314,7 +318,7 @@ class ReplicaController:
         self.kv.release(rid)
         del self._running[rid]
         request.state = RequestState.WAITING
-        request.num_computed_tokens = request.num_scheduled_tokens = 0
+        request.num_computed_tokens = 0
         request.num_cached_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -369,7 +373,6 @@ class _KVGate:
         if request.state is RequestState.WAITING and not self.kv.has(rid):
             reused = self.kv.register(request)
             request.num_computed_tokens = request.num_cached_tokens = reused
-            request.num_scheduled_tokens = reused
             self.registered.append(request)
             if reused:
                 self._requeue(request)
@@ -397,5 +400,4 @@ class _KVGate:
                 self.kv.release(request.request_id)
                 if request.num_computed_tokens:
                     request.num_computed_tokens = request.num_cached_tokens = 0
-                    request.num_scheduled_tokens = 0
                     self._requeue(request)

@@ -55,11 +55,13 @@ def make_prefill_time_cache(predictor: RuntimePredictor,
 def make_controller(config: SchedulerConfig, *, allocator: KVAllocator, clock: Clock,
                     predictor: RuntimePredictor, model_config: ModelConfig,
                     eos_token_ids: Iterable[int] = (), max_model_len: int,
-                    prefill_time_cache: PrefillTimeCache | None = None) -> ReplicaController:
+                    prefill_time_cache: PrefillTimeCache | None = None,
+                    pipeline_stages: int = 1) -> ReplicaController:
     """A controller scheduling as `config` says.
 
     prefill_time_cache: reuse one built by make_prefill_time_cache (same predictor and
       limits), e.g. across the replicas of a simulation.
+    pipeline_stages: the executor's spp (a decode's TPOT spans that many batches).
     """
     if not isinstance(config, SchedulerConfig):
         raise TypeError(f"config must be a SchedulerConfig, got {type(config).__name__} "
@@ -94,7 +96,8 @@ def make_controller(config: SchedulerConfig, *, allocator: KVAllocator, clock: C
                                 space_sharing=multi, rho_max=config.rho_max,
                                 long_prefill_tokens=config.long_prefill_tokens,
                                 min_chunk_tokens=config.min_chunk_tokens,
-                                chunk_hint=prefill_time_cache.lone_chunk)
+                                chunk_hint=prefill_time_cache.lone_chunk,
+                                pipeline_stages=pipeline_stages)
     return ReplicaController(
         policy=order, packer=packer, allocator=allocator, clock=clock,
         prefill_time_cache=prefill_time_cache, max_model_len=max_model_len,

@@ -217,6 +217,10 @@ class AdaptivePacker(BatchPacker):
                          exceeds max(t_target, decode time) by at most one such chunk.
     chunk_hint:          context length -> a likely chunk size (the lone-prefill chunk of
                          the PrefillTimeCache), where each chunk search starts.
+    pipeline_stages:     spp of the executor. The predictor prices one stage and a batch is
+                         one stage's work, but a decode's next token comes only after its
+                         batch crossed every stage: a decode's TPOT buys tpot_s / stages of
+                         one batch.
     """
 
     def __init__(self, predictor: RuntimePredictor, limits: EngineLimits, *,
@@ -224,8 +228,10 @@ class AdaptivePacker(BatchPacker):
                  target_batch_time_s: float = 0.05, multi_prefill: bool = False,
                  space_sharing: bool = False, rho_max: float = 0.4,
                  long_prefill_tokens: int = 8192, min_chunk_tokens: int = 16,
-                 chunk_hint: Callable[[int], int] | None = None):
+                 chunk_hint: Callable[[int], int] | None = None, pipeline_stages: int = 1):
         super().__init__(predictor, limits)
+        if pipeline_stages < 1:
+            raise ValueError(f"pipeline_stages must be >= 1, got {pipeline_stages!r}")
         if not target_batch_time_s > 0:
             raise ValueError(f"target_batch_time_s must be > 0, got {target_batch_time_s!r}")
         if not 0 <= rho_max < 1:
@@ -240,12 +246,14 @@ class AdaptivePacker(BatchPacker):
         self.long_prefill_tokens = long_prefill_tokens
         self.min_chunk_tokens = min_chunk_tokens
         self.chunk_hint = chunk_hint
+        self.pipeline_stages = pipeline_stages
 
     def t_target(self, decodes: Sequence[ScheduledChunk]) -> float:
-        """The batch's time budget: the strictest TPOT among its decodes, or the default."""
+        """The batch's time budget: the strictest TPOT among its decodes (over the pipeline's
+        stages), or the default."""
         budget = self.target_batch_time_s
         for chunk in decodes:
-            tpot = chunk.request.slo.tpot_s
+            tpot = chunk.request.slo.tpot_s / self.pipeline_stages
             if tpot < budget:
                 budget = tpot
         return budget
