@@ -154,7 +154,10 @@ def test_matches_slow_builder_and_kernel_contract(seed):
         actual = getattr(inputs, name)
         assert actual.dtype == dtypes.get(name, np.int32), name
         np.testing.assert_array_equal(actual, np.array(value, actual.dtype), err_msg=name)
-    assert set(inputs.arrays()) == set(expected) | {"num_seqs"}
+    assert set(inputs.arrays()) == set(expected) | {"num_seqs", "num_decodes"}
+    q_lens = [c.num_tokens for c in batch.chunks]
+    leading = next((i for i, n in enumerate(q_lens) if n != 1), len(q_lens))
+    assert inputs.num_decodes.tolist() == [leading]
     check_kernel_contract(inputs, page_size, pad_slot)
 
 

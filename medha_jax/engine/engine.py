@@ -38,6 +38,7 @@ from medha_jax.request import Batch, StepResult
 from medha_jax.scheduler.cp_cost import RingCost
 from medha_jax.scheduler.predictor import BatchFeatures, batch_features
 from meshes import replicated
+from pallas_kernels import order_decodes_first
 
 
 STEP_RECORDS_KEPT = 10_000
@@ -257,6 +258,10 @@ class Engine:
         spp > 1) without waiting for it. Steps run in dispatch order: each donates the
         cache the one before wrote."""
         start = time.perf_counter()
+        # Decodes first: the attention kernels' decode path serves the leading one-token
+        # sequences (StepInputs.num_decodes); tokens come back in this order.
+        order, _ = order_decodes_first([chunk.num_tokens for chunk in batch.chunks])
+        batch = Batch([batch.chunks[i] for i in order], batch.predicted_time_s)
         inputs = build_step_inputs(batch, self.allocator, self.ladder, pad_slot=self.pad_slot,
                                    cp_ranks=self.cp_ranks, ring_cost=self.ring_cost)
         executable = self.executable(inputs.padded_shape)

@@ -64,7 +64,7 @@ def request_seed(request) -> int:
 
 # The packed fields, in packing order.
 _PACKED_INT32 = ("token_ids", "positions", "slot_mapping", "cu_q_lens", "kv_lens", "page_table",
-                 "num_seqs", "logits_indices", "top_k")
+                 "num_seqs", "num_decodes", "logits_indices", "top_k")
 _PACKED_CP_INT32 = ("rank_cu_q_lens", "cp_pass_q")
 _PACKED_FLOAT32 = ("temperature", "top_p")
 
@@ -78,7 +78,7 @@ def _int32_shapes(shape: tuple[int, int, int], num_kv_shards: int, cp_ranks: int
     shapes = {"token_ids": (cp_ranks * num_tokens,), "positions": (cp_ranks * num_tokens,),
               "slot_mapping": (n, num_tokens), "cu_q_lens": (num_seqs + 1,),
               "kv_lens": (n, num_seqs), "page_table": (n, num_seqs, width), "num_seqs": (1,),
-              "logits_indices": (num_seqs,), "top_k": (num_seqs,)}
+              "num_decodes": (1,), "logits_indices": (num_seqs,), "top_k": (num_seqs,)}
     if cp_ranks > 1:
         shapes.update(rank_cu_q_lens=(cp_ranks, num_seqs + 1), cp_pass_q=(1,))
     return shapes
@@ -118,6 +118,9 @@ class StepInputs:
                                 #   several: tokens cached on each shard before this step
     page_table: np.ndarray      # int32 [N, S, W]: local pages of each sequence on each shard
     num_seqs: np.ndarray        # int32 [1]: real sequences
+    num_decodes: np.ndarray     # int32 [1]: the leading sequences of one token each (decodes
+                                #   first, as the engine orders a batch: the attention kernels'
+                                #   decode path serves them)
     logits_indices: np.ndarray  # int32 [S]: token index of each sequence's last token; padding 0
     sample_mask: np.ndarray     # bool [S]: the chunk reaches its request's last token and samples
     temperature: np.ndarray     # float32 [S]: 0 = greedy; padding 0
@@ -173,6 +176,7 @@ class StepInputs:
             slot_mapping=np.full((num_kv_shards, num_tokens), pad_slot, np.int32),
             cu_q_lens=zeros(num_seqs + 1), kv_lens=zeros((num_kv_shards, num_seqs)),
             page_table=zeros((num_kv_shards, num_seqs, width)), num_seqs=zeros(1),
+            num_decodes=zeros(1),
             logits_indices=zeros(num_seqs), sample_mask=np.zeros(num_seqs, bool),
             temperature=np.zeros(num_seqs, np.float32), top_k=zeros(num_seqs),
             top_p=np.ones(num_seqs, np.float32), rng_keys=np.zeros((num_seqs, 2), np.uint32),
@@ -333,9 +337,18 @@ def build_step_inputs(batch: Batch, allocator: BlockAllocator, ladder: BucketLad
     return StepInputs(
         token_ids=token_ids, positions=positions, slot_mapping=slot_mapping,
         cu_q_lens=cu_q_lens, kv_lens=kv_lens, page_table=page_table,
-        num_seqs=np.array([num_seqs], np.int32), logits_indices=logits_indices,
+        num_seqs=np.array([num_seqs], np.int32),
+        num_decodes=np.array([_leading_ones(q_lens)], np.int32), logits_indices=logits_indices,
         sample_mask=sample_mask, temperature=temperature_np, top_k=top_k_np, top_p=top_p_np,
         rng_keys=rng_keys, num_tokens=num_tokens, request_ids=tuple(request_ids))
+
+
+def _leading_ones(q_lens: list[int]) -> int:
+    """How many sequences at the front have one query token."""
+    for i, n in enumerate(q_lens):
+        if n != 1:
+            return i
+    return len(q_lens)
 
 
 def _segments_to(allocator: BlockAllocator, request_id: str, end: int

@@ -62,6 +62,10 @@ class AttentionMetadata:
     rank_cu_q_lens: int32 [cp, S + 1] cp only: each rank's run of new tokens by sequence
                                    (cu_q_lens is then unused)
     cp_pass_q:    int32 [1]        cp only: 1 = ring pass-Q, 0 = ring pass-KV
+    num_decodes:  int32 [1]        the leading sequences that have one query token each
+                                   (the engine orders decodes first): the Pallas kernels
+                                   serve them with the decode kernel, the rest with query
+                                   blocks sized for prefill chunks (None: all by the latter)
     """
 
     slot_mapping: jax.Array
@@ -71,6 +75,7 @@ class AttentionMetadata:
     num_seqs: jax.Array
     rank_cu_q_lens: jax.Array | None = None
     cp_pass_q: jax.Array | None = None
+    num_decodes: jax.Array | None = None
 
     @classmethod
     def of(cls, fields) -> AttentionMetadata:
@@ -126,7 +131,8 @@ def attention(q, k, v, k_cache, v_cache, layer_id, meta: AttentionMetadata, *,
         slot_mapping=spec(("pages", None)), page_table=spec(("pages", "seqs", None)),
         cu_q_lens=spec((None,)), kv_lens=spec(("pages", "seqs")), num_seqs=spec((None,)),
         rank_cu_q_lens=cp_only(meta.rank_cu_q_lens, spec((None, None))),
-        cp_pass_q=cp_only(meta.cp_pass_q, spec((None,))))
+        cp_pass_q=cp_only(meta.cp_pass_q, spec((None,))),
+        num_decodes=None if meta.num_decodes is None else spec((None,)))
     sharded = jax.shard_map(
         body, mesh=layout.mesh, in_specs=(q_spec, kv_spec, kv_spec, spec(("tokens",)),
                                           cache_spec, cache_spec, spec(()), meta_spec),
@@ -154,11 +160,12 @@ def _attend_on_device(q, k, v, positions, k_cache, v_cache, layer_id, meta: Atte
                              axis=cp_axis, num_ranks=cp, sm_scale=sm_scale, impl=impl)
         return out, k_cache, v_cache
     if num_shards == 1:
-        out, _ = attend(q, k_all, v_all, layer_pages, meta.cu_q_lens, kv_lens, meta.num_seqs)
+        out, _ = attend(q, k_all, v_all, layer_pages, meta.cu_q_lens, kv_lens, meta.num_seqs,
+                        num_decodes=meta.num_decodes)
         return out, k_cache, v_cache
 
     prefix_out, prefix_lse = attend(q, k_all, v_all, layer_pages, meta.cu_q_lens, kv_lens,
-                                    meta.num_seqs, causal=False)
+                                    meta.num_seqs, causal=False, num_decodes=meta.num_decodes)
     prefix_out, prefix_lse = _merge_over_shards(prefix_out, prefix_lse, kv_shard_axis)
     own_out, own_lse = _attend_own_tokens(q, k, v, meta, attend)
     out, _ = merge_attention(jnp.stack([prefix_out.astype(jnp.float32),
