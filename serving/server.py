@@ -202,6 +202,33 @@ class Server:
                              request_id=request_id, _loop=asyncio.get_running_loop())
         return _cancel_when_abandoned_async(handle)
 
+    def chat_prompt(self, messages: Sequence[dict], **template_kwargs) -> TokensPrompt:
+        """The prompt of a conversation: the model's chat template rendered with
+        add_generation_prompt=True, tokenized without adding a BOS (the template writes its
+        special tokens itself, as transformers' apply_chat_template(tokenize=True) does).
+        messages: [{"role": "system" | "user" | "assistant", "content": str}, ...]."""
+        validation.check_messages(messages)
+        if self.tokenizer is None:
+            raise ValueError(f"messages: model {self.config.name!r} has no tokenizer")
+        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
+                                                  **template_kwargs)
+        return TokensPrompt(self.tokenizer.encode(text, add_bos=False))
+
+    def chat(self, messages: Sequence[dict], sampling_params: SamplingParams | None = None, *,
+             slo: SLO | None = None, priority: int = 0) -> RequestOutput:
+        """Generates the assistant's reply to one conversation (blocks until done). The
+        checkpoint's end-of-turn tokens are its eos ids, so the reply stops at the turn's
+        end; `output.text` is the reply without them."""
+        return self.generate(self.chat_prompt(messages), sampling_params, slo=slo,
+                             priority=priority)
+
+    def chat_stream(self, messages: Sequence[dict],
+                    sampling_params: SamplingParams | None = None, *, slo: SLO | None = None,
+                    priority: int = 0) -> Iterator[StreamDelta]:
+        """chat, as deltas (see generate_stream)."""
+        return self.generate_stream(self.chat_prompt(messages), sampling_params, slo=slo,
+                                    priority=priority)
+
     def cancel(self, id: str) -> bool:
         """Cancels an in-flight request by the server's id (`RequestHandle.id`; a caller's
         request_id is only a label) and frees its pages; its final delta says "cancelled".
