@@ -28,6 +28,12 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", default="lars",
                         help="scheduling policy: lars (default), lars-mp, lrs, edf, fcfs-np, "
                              "sarathi-512, sarathi-2048")
+    parser.add_argument("--cache-dir", default=None,
+                        help="where compiled executables and fitted predictors are kept "
+                             "between runs (default: $MEDHA_CACHE_DIR, else "
+                             "~/.cache/medha-jax)")
+    parser.add_argument("--no-cache", action="store_true",
+                        help="neither read nor write that cache")
     engine = parser.add_argument_group("engine (defaults: EngineConfig's)")
     for flag, help in [("--max-kv-tokens", "KV-cache capacity in tokens"),
                        ("--max-model-len", "longest prompt + output, in tokens"),
@@ -55,6 +61,7 @@ def _make_server(args, *, warmup: bool, calibrate: bool):
     sizes = {f: getattr(args, f) for f in ENGINE_FLAGS if getattr(args, f) is not None}
     return Server(model, scheduler=scheduler, engine_config=EngineConfig(**sizes),
                   metrics_port=getattr(args, "metrics_port", None), warmup=warmup,
+                  cache_dir=False if args.no_cache else args.cache_dir,
                   predictor=None if calibrate else AnalyticalPredictor(model.config, parallel))
 
 
