@@ -107,7 +107,8 @@ def _serve(args) -> int:
             addresses.append(grpc_server.address)
         if args.http_port is not None:
             http_server = HttpServer(server, host=args.host, port=args.http_port, token=token,
-                                     max_concurrent_requests=args.max_concurrent_requests)
+                                     max_concurrent_requests=args.max_concurrent_requests,
+                                     model_name=args.served_model_name or args.model)
             frontends.append(lambda: http_server.stop(timeout=args.grace + 5))
             addresses.append(f"{http_server.url} (OpenAI API: {http_server.url}/v1)")
         print(f"serving {server.config.name} ({server.policy}) on {' and '.join(addresses)}"
@@ -158,6 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "/v1/chat/completions, /v1/models, /health, /metrics) on this port")
     serve.add_argument("--no-grpc", action="store_true",
                        help="serve only the HTTP API (needs --http-port)")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model's id in the HTTP API (default: --model's value)")
     serve.add_argument("--max-concurrent-requests", type=int, default=256,
                        help="open HTTP requests at most; more get 429")
     serve.add_argument("--token", default=None,

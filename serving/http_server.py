@@ -25,7 +25,11 @@ import secrets
 import socket
 import threading
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
+
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
 
 from medha_jax.sampling_params import SamplingParams
 from medha_jax.scheduler.controller import CapacityError
@@ -238,7 +242,7 @@ class _Api:
         if room < 1:
             raise ApiError(413, f"the prompt has {len(ids)} tokens; this server's context is "
                                 f"{self.server.max_model_len} tokens (room for at least one "
-                                "output token is needed)", param="messages",
+                                "output token is needed)",
                            code="context_length_exceeded")
         if fill_room:
             params = dataclasses.replace(params, max_tokens=room)
@@ -263,7 +267,6 @@ class _Api:
     async def run(self, request, build) -> Any:
         """Auth, body, `build(body) -> (handle, render)`, then a JSON or SSE response; any
         ApiError on the way becomes its error object."""
-        from starlette.responses import JSONResponse, StreamingResponse
 
         try:
             self.check_auth(request)
@@ -273,20 +276,23 @@ class _Api:
             return JSONResponse(e.body(), status_code=e.status)
         self.open_requests += 1
         if stream:
-            return StreamingResponse(self._sse(handle, render, include_usage),
-                                     media_type="text/event-stream",
-                                     headers={"cache-control": "no-cache"})
+            return _EventStream(self._sse(handle, render, include_usage),
+                                on_close=lambda: self._close_stream(handle))
         try:
             output = await _result_or_disconnect(request, handle)
         finally:
             self.open_requests -= 1
         if output is None:                       # the client went away: nobody to answer
-            from starlette.responses import Response
             return Response(status_code=499)
         if output.finish_reason == "error":
             return JSONResponse(ApiError(500, output.error or "generation failed",
                                          type="server_error").body(), status_code=500)
         return JSONResponse(render.final(output))
+
+    def _close_stream(self, handle: RequestHandle) -> None:
+        self.open_requests -= 1
+        if not handle.finished:
+            handle.cancel()
 
     async def _sse(self, handle: RequestHandle, render, include_usage: bool
                    ) -> AsyncIterator[str]:
@@ -308,7 +314,6 @@ class _Api:
                 yield _event(render.usage_chunk(len(handle.prompt_token_ids), num_out))
             yield "data: [DONE]\n\n"
         finally:
-            self.open_requests -= 1
             if not handle.finished:
                 handle.cancel()
 
@@ -343,7 +348,6 @@ class _Api:
         return await self.run(request, build)
 
     async def models(self, request):
-        from starlette.responses import JSONResponse
         try:
             self.check_auth(request)
         except ApiError as e:
@@ -353,13 +357,11 @@ class _Api:
             "owned_by": "medha-jax", "max_model_len": self.server.max_model_len}]})
 
     async def health(self, request):
-        from starlette.responses import JSONResponse
         if self.server.closed:
             return JSONResponse({"status": "closing"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     async def metrics(self, request):
-        from starlette.responses import PlainTextResponse
         return PlainTextResponse(self.server.metrics_text(),
                                  media_type="text/plain; version=0.0.4")
 
@@ -388,6 +390,23 @@ async def _result_or_disconnect(request, handle: RequestHandle):
         return work.result()
     handle.cancel()
     return None
+
+
+class _EventStream(StreamingResponse):
+    """A server-sent-event response that runs on_close however it ends, even when the
+    client left before its body was first iterated (the body's own `finally` never runs)."""
+
+    def __init__(self, body: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(body, media_type="text/event-stream",
+                         headers={"cache-control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+            self._on_close()
 
 
 def _event(obj: dict) -> str:
@@ -462,9 +481,6 @@ def make_app(server, *, token: str | None = None, max_concurrent_requests: int =
              max_body_bytes: int = MAX_BODY_BYTES, model_name: str | None = None):
     """The Starlette app serving `server` (mount it in your own ASGI server, or use
     HttpServer)."""
-    from starlette.applications import Starlette
-    from starlette.routing import Route
-
     api = _Api(server, token=token, max_concurrent_requests=max_concurrent_requests,
                max_body_bytes=max_body_bytes, model_name=model_name)
     app = Starlette(routes=[

@@ -267,8 +267,9 @@ def test_cli_serves_http_only_with_a_token_and_stops_on_sigterm(model_dir):
                           r"required\)", banner)
         assert match, f"banner {banner!r}; stderr: {proc.stderr.read() if proc.poll() else ''}"
         client = openai.OpenAI(base_url=f"{match.group(1)}/v1", api_key="tok", max_retries=0)
-        out = client.completions.create(model=client.models.list().data[0].id, prompt="hi",
-                                        max_tokens=3, temperature=0)
+        assert [m.id for m in client.models.list().data] == [model_dir]   # --model's value
+        out = client.completions.create(model=model_dir, prompt="hi", max_tokens=3,
+                                        temperature=0)
         assert out.usage.completion_tokens == 3 and out.choices[0].finish_reason == "length"
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
