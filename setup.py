@@ -60,6 +60,7 @@ INSTALL_REQUIRES = [
     "jinja2>=3.1",          # chat templates (Tokenizer.apply_chat_template)
     "starlette>=0.40",      # the OpenAI-compatible HTTP API (serving/http_server.py)
     "uvicorn>=0.30",
+    "huggingface_hub",      # load_model("org/name") through the Hugging Face cache
 ]
 
 EXTRAS_REQUIRE = {
