@@ -28,6 +28,7 @@ import time
 from typing import Any, AsyncIterator, Callable
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -265,8 +266,8 @@ class _Api:
             raise ApiError(503, str(e), type="server_error", code="unavailable") from None
 
     async def run(self, request, build) -> Any:
-        """Auth, body, `build(body) -> (handle, render)`, then a JSON or SSE response; any
-        ApiError on the way becomes its error object."""
+        """Auth, body, `build(body) -> (handle, stream, include_usage, render)`, then a JSON
+        or an SSE response; any ApiError on the way becomes its error object."""
 
         try:
             self.check_auth(request)
@@ -483,7 +484,12 @@ def make_app(server, *, token: str | None = None, max_concurrent_requests: int =
     HttpServer)."""
     api = _Api(server, token=token, max_concurrent_requests=max_concurrent_requests,
                max_body_bytes=max_body_bytes, model_name=model_name)
-    app = Starlette(routes=[
+    async def http_error(request, exc: HTTPException):
+        # Unknown routes and methods answer in the same shape as every other error.
+        return JSONResponse(ApiError(exc.status_code, f"{request.method} {request.url.path}: "
+                                     f"{exc.detail}").body(), status_code=exc.status_code)
+
+    app = Starlette(exception_handlers={HTTPException: http_error}, routes=[
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
         Route("/v1/models", api.models, methods=["GET"]),

@@ -195,6 +195,13 @@ def test_body_over_the_limit_is_413(server):
     assert status == 413 and got["error"]["code"] == "request_too_large"
 
 
+def test_unknown_routes_and_methods_are_error_objects(http):
+    status, got = raw(http, "GET", "/v1/completions")
+    assert status == 405 and "Method Not Allowed" in got["error"]["message"]
+    status, got = raw(http, "POST", "/v1/embeddings", {"input": "x"})
+    assert status == 404 and "/v1/embeddings" in got["error"]["message"]
+
+
 def test_missing_token_is_401(http):
     status, got = raw(http, "POST", "/v1/completions", {"prompt": "x"}, token=None)
     assert status == 401 and got["error"]["type"] == "authentication_error"
