@@ -74,7 +74,7 @@ def _generate(args) -> int:
     with _make_server(args, warmup=False, calibrate=False) as server:
         prompt = args.prompt
         if not args.raw and server.tokenizer is not None and server.tokenizer.chat_template:
-            prompt = server.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+            prompt = server.chat_prompt([{"role": "user", "content": prompt}])
         final = None
         for delta in server.generate_stream(prompt, params):
             print(delta.text, end="", flush=True)
