@@ -125,11 +125,17 @@ def ours():
 
 
 @pytest.fixture(scope="module")
-def theirs():
-    from transformers import AutoTokenizer
+def theirs(ours):
+    """transformers' tokenizer over the same vocabulary and special tokens (built from ours:
+    reading the GGUF with transformers costs seconds, and test_tokenizer already checks it
+    gives the same tokens and the same SmolLM2 template rendering)."""
+    from transformers import PreTrainedTokenizerFast
 
-    path = default_model_path()
-    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    token = ours.backend.id_to_token
+    return PreTrainedTokenizerFast(tokenizer_object=ours.backend,
+                                   bos_token=token(ours.bos_token_id),
+                                   eos_token=token(ours.eos_token_ids[0]),
+                                   chat_template=ours.chat_template)
 
 
 def with_template(tokenizer: Tokenizer, template: str) -> Tokenizer:
