@@ -58,6 +58,9 @@ INSTALL_REQUIRES = [
     "tqdm",
     "matplotlib",
     "jinja2>=3.1",          # chat templates (Tokenizer.apply_chat_template)
+    "starlette>=0.40",      # the OpenAI-compatible HTTP API (serving/http_server.py)
+    "uvicorn>=0.30",
+    "huggingface_hub",      # load_model("org/name") through the Hugging Face cache
 ]
 
 EXTRAS_REQUIRE = {
@@ -68,6 +71,7 @@ EXTRAS_REQUIRE = {
         "nbclient",
         "nbformat",
         "ipykernel",
+        "openai",           # tests/test_http.py drives the HTTP API with the official client
     ],
     # Test oracles only: never needed to serve. torch is pinned to the CPU wheel.
     "hf": ["torch==2.13.0", "transformers==5.23.0", "accelerate", "sentencepiece"],

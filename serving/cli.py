@@ -2,6 +2,7 @@
 
     medha-jax generate "What is the capital of France?" --max-tokens 32
     medha-jax serve --port 50051 --token "$MEDHA_TOKEN" --metrics-port 9100
+    medha-jax serve --http-port 8000 --no-grpc      # OpenAI API at http://127.0.0.1:8000/v1
     medha-jax demo
 """
 
@@ -27,6 +28,12 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", default="lars-mp",
                         help="scheduling policy: lars-mp (default: the full Medha scheduler), "
                              "lars, lrs, edf, fcfs, fcfs-np, sarathi-512, sarathi-2048")
+    parser.add_argument("--cache-dir", default=None,
+                        help="where compiled executables and fitted predictors are kept "
+                             "between runs (default: $MEDHA_CACHE_DIR, else "
+                             "~/.cache/medha-jax)")
+    parser.add_argument("--no-cache", action="store_true",
+                        help="neither read nor write that cache")
     engine = parser.add_argument_group("engine (defaults: EngineConfig's)")
     for flag, help in [("--max-kv-tokens", "KV-cache capacity in tokens"),
                        ("--max-model-len", "longest prompt + output, in tokens"),
@@ -54,6 +61,7 @@ def _make_server(args, *, warmup: bool, calibrate: bool):
     sizes = {f: getattr(args, f) for f in ENGINE_FLAGS if getattr(args, f) is not None}
     return Server(model, scheduler=scheduler, engine_config=EngineConfig(**sizes),
                   metrics_port=getattr(args, "metrics_port", None), warmup=warmup,
+                  cache_dir=False if args.no_cache else args.cache_dir,
                   predictor=None if calibrate else AnalyticalPredictor(model.config, parallel))
 
 
@@ -66,7 +74,7 @@ def _generate(args) -> int:
     with _make_server(args, warmup=False, calibrate=False) as server:
         prompt = args.prompt
         if not args.raw and server.tokenizer is not None and server.tokenizer.chat_template:
-            prompt = server.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+            prompt = server.chat_prompt([{"role": "user", "content": prompt}])
         final = None
         for delta in server.generate_stream(prompt, params):
             print(delta.text, end="", flush=True)
@@ -83,14 +91,27 @@ def _generate(args) -> int:
 
 def _serve(args) -> int:
     from serving.grpc_service import GrpcServer
+    from serving.http_server import HttpServer
 
+    if args.no_grpc and args.http_port is None:
+        raise ValueError("--no-grpc needs --http-port: nothing would be served")
     token = args.token or os.environ.get("MEDHA_TOKEN") or None
     with _make_server(args, warmup=True, calibrate=True) as server:
-        limits = ({"max_message_bytes": args.max_message_bytes}
-                  if args.max_message_bytes is not None else {})
-        grpc_server = GrpcServer(server, host=args.host, port=args.port, token=token,
-                                 max_concurrent_rpcs=args.max_concurrent_rpcs, **limits)
-        print(f"serving {server.config.name} ({server.policy}) on {grpc_server.address}"
+        frontends, addresses = [], []
+        if not args.no_grpc:
+            limits = ({"max_message_bytes": args.max_message_bytes}
+                      if args.max_message_bytes is not None else {})
+            grpc_server = GrpcServer(server, host=args.host, port=args.port, token=token,
+                                     max_concurrent_rpcs=args.max_concurrent_rpcs, **limits)
+            frontends.append(lambda: grpc_server.stop(grace=args.grace))
+            addresses.append(grpc_server.address)
+        if args.http_port is not None:
+            http_server = HttpServer(server, host=args.host, port=args.http_port, token=token,
+                                     max_concurrent_requests=args.max_concurrent_requests,
+                                     model_name=args.served_model_name or args.model)
+            frontends.append(lambda: http_server.stop(timeout=args.grace + 5))
+            addresses.append(f"{http_server.url} (OpenAI API: {http_server.url}/v1)")
+        print(f"serving {server.config.name} ({server.policy}) on {' and '.join(addresses)}"
               + (" (bearer token required)" if token else "")
               + (f"; metrics on http://127.0.0.1:{server.metrics_port}/metrics"
                  if server.metrics_port is not None else ""), flush=True)
@@ -99,7 +120,8 @@ def _serve(args) -> int:
             signal.signal(sig, lambda *_: stop.set())
         stop.wait()
         print("stopping: finishing open calls", flush=True)
-        grpc_server.stop(grace=args.grace)
+        for stop_frontend in frontends:
+            stop_frontend()
     return 0
 
 
@@ -127,10 +149,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(gen)
     gen.set_defaults(run=_generate)
 
-    serve = commands.add_parser("serve", help="serve the gRPC API (medha.v1.Medha + health)")
+    serve = commands.add_parser(
+        "serve", help="serve the gRPC API (medha.v1.Medha + health) and/or the OpenAI HTTP API")
     serve.add_argument("--host", default="127.0.0.1",
                        help="bind address (default 127.0.0.1; 0.0.0.0 exposes it to the network)")
-    serve.add_argument("--port", type=int, default=DEFAULT_PORT)
+    serve.add_argument("--port", type=int, default=DEFAULT_PORT, help="gRPC port (0: any free)")
+    serve.add_argument("--http-port", type=int, default=None,
+                       help="also serve the OpenAI-compatible HTTP API (/v1/completions, "
+                            "/v1/chat/completions, /v1/models, /health, /metrics) on this port")
+    serve.add_argument("--no-grpc", action="store_true",
+                       help="serve only the HTTP API (needs --http-port)")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model's id in the HTTP API (default: --model's value)")
+    serve.add_argument("--max-concurrent-requests", type=int, default=256,
+                       help="open HTTP requests at most; more get 429")
     serve.add_argument("--token", default=None,
                        help="require 'authorization: Bearer TOKEN' (default: $MEDHA_TOKEN if set)")
     serve.add_argument("--metrics-port", type=int, default=None,

@@ -21,6 +21,7 @@ import asyncio
 import dataclasses
 import itertools
 import secrets
+import time
 from typing import AsyncIterator, Iterator, Sequence
 
 from medha_jax.request import SLO, Request, WallClock
@@ -33,7 +34,33 @@ from serving.outputs import (IncrementalDetokenizer, RequestHandle, RequestOutpu
                              RequestStream, StreamDelta)
 from serving.validation import Prompt, TokensPrompt
 
-__all__ = ["Prompt", "Server", "TokensPrompt"]
+__all__ = ["Prompt", "Server", "StartupReport", "TokensPrompt"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StartupReport:
+    """What a Server's start took and what it found in its caches (see Server cache_dir).
+
+    executables_loaded / executables_compiled_and_saved: JAX's persistent-cache hits and
+    misses while warming up (compiles JAX judged too quick to be worth caching are in
+    neither); ready_seconds: the constructor's time, loading the model included when it
+    was given by name."""
+
+    compilation_cache_dir: str | None
+    executables_loaded: int
+    executables_compiled_and_saved: int
+    compile_seconds_saved: float
+    predictor: str
+    ready_seconds: float
+
+    def summary(self) -> str:
+        cache = ("compilation cache off" if self.compilation_cache_dir is None else
+                 f"compilation cache {self.compilation_cache_dir}: "
+                 f"{self.executables_loaded} executables loaded "
+                 f"(~{self.compile_seconds_saved:.1f} s of compiling saved), "
+                 f"{self.executables_compiled_and_saved} compiled and saved")
+        return (f"ready in {self.ready_seconds:.1f} s; {cache}; "
+                f"runtime predictor {self.predictor}")
 
 
 class Server:
@@ -42,7 +69,8 @@ class Server:
     def __init__(self, model="smollm2-135m", *, parallel=None,
                  scheduler: str | SchedulerConfig = "lars-mp", engine_config=None,
                  default_slo: SLO | None = None, dtype: str | None = None,
-                 metrics_port: int | None = None, warmup: bool = True, predictor=None):
+                 metrics_port: int | None = None, warmup: bool = True, predictor=None,
+                 cache_dir=None):
         """model: a preset name, a Hugging Face directory, a .gguf file, a loaded Model, or
         an Engine to reuse (already compiled; then parallel, dtype and engine_config must
         be None). One engine serves one Server at a time.
@@ -52,16 +80,25 @@ class Server:
           takes longer than the default target of 50 ms. Its token buckets and sequences
           per step come from the engine (the shapes it compiled).
         default_slo: the SLO of requests that name none (also settable in the config).
-        predictor: a fitted RuntimePredictor to reuse; by default the engine times a
-          calibration sweep and fits one.
+        predictor: a fitted RuntimePredictor to reuse; by default the one saved for this
+          (model, dtype, mesh, engine config, device) under cache_dir, else the engine times
+          a calibration sweep, fits one and saves it there.
+        cache_dir: where compiled executables (JAX's persistent compilation cache) and fitted
+          predictors are kept between runs, so a second start is fast: a path, False for
+          none, or None for $MEDHA_CACHE_DIR (MEDHA_CACHE_DIR=off: none), else
+          ~/.cache/medha-jax. `startup` says what was loaded from it.
         """
         # Heavy imports here, so `import serving.server` (and medha_jax) stays cheap.
         from medha_jax.engine import Engine, EngineConfig
-        from medha_jax.engine.calibration import fit_predictor
+        from medha_jax.engine import cache_dirs
         from medha_jax.model import load_model
         from medha_jax.scheduler.factory import make_controller
 
+        started = time.perf_counter()
         config = SchedulerConfig.of(scheduler)       # a bad name fails before any loading
+        self.cache_dir = cache_dirs.cache_root(cache_dir)
+        xla_dir = cache_dirs.enable_compilation_cache(self.cache_dir)
+        hits, misses, saved = cache_dirs.CACHE_EVENTS.snapshot()
         if default_slo is not None and not isinstance(default_slo, SLO):
             raise TypeError(f"default_slo must be an SLO, got {type(default_slo).__name__}")
         if isinstance(model, Engine):
@@ -82,11 +119,24 @@ class Server:
         self.default_slo = self.scheduler_config.default_slo
         if warmup:
             self.engine.warmup()
+        hits2, misses2, saved2 = cache_dirs.CACHE_EVENTS.snapshot()
+        if predictor is None:
+            predictor, predictor_how = cache_dirs.load_or_fit_predictor(self.engine,
+                                                                        self.cache_dir)
+        else:
+            predictor_how = "given"
+        self.startup = StartupReport(
+            compilation_cache_dir=str(xla_dir) if xla_dir else None,
+            executables_loaded=hits2 - hits, executables_compiled_and_saved=misses2 - misses,
+            compile_seconds_saved=saved2 - saved, predictor=predictor_how,
+            ready_seconds=time.perf_counter() - started)
+        if warmup:
+            print(self.startup.summary(), flush=True)
         self._clock = WallClock()
         eos = tuple(self.tokenizer.eos_token_ids) if self.tokenizer is not None else ()
         self.controller = make_controller(
             self.scheduler_config, allocator=self.engine.allocator, clock=self._clock,
-            predictor=predictor or fit_predictor(self.engine), model_config=self.config,
+            predictor=predictor, model_config=self.config,
             eos_token_ids=eos, max_model_len=self.engine.max_model_len,
             pipeline_stages=self.engine.num_stages)
         self.metrics = ServerMetrics()
@@ -202,6 +252,33 @@ class Server:
         handle = self.submit(prompt, sampling_params, slo=slo, priority=priority,
                              request_id=request_id, _loop=asyncio.get_running_loop())
         return _cancel_when_abandoned_async(handle)
+
+    def chat_prompt(self, messages: Sequence[dict], **template_kwargs) -> TokensPrompt:
+        """The prompt of a conversation: the model's chat template rendered with
+        add_generation_prompt=True, tokenized without adding a BOS (the template writes its
+        special tokens itself, as transformers' apply_chat_template(tokenize=True) does).
+        messages: [{"role": "system" | "user" | "assistant", "content": str}, ...]."""
+        validation.check_messages(messages)
+        if self.tokenizer is None:
+            raise ValueError(f"messages: model {self.config.name!r} has no tokenizer")
+        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
+                                                  **template_kwargs)
+        return TokensPrompt(self.tokenizer.encode(text, add_bos=False))
+
+    def chat(self, messages: Sequence[dict], sampling_params: SamplingParams | None = None, *,
+             slo: SLO | None = None, priority: int = 0) -> RequestOutput:
+        """Generates the assistant's reply to one conversation (blocks until done). The
+        checkpoint's end-of-turn tokens are its eos ids, so the reply stops at the turn's
+        end; `output.text` is the reply without them."""
+        return self.generate(self.chat_prompt(messages), sampling_params, slo=slo,
+                             priority=priority)
+
+    def chat_stream(self, messages: Sequence[dict],
+                    sampling_params: SamplingParams | None = None, *, slo: SLO | None = None,
+                    priority: int = 0) -> Iterator[StreamDelta]:
+        """chat, as deltas (see generate_stream)."""
+        return self.generate_stream(self.chat_prompt(messages), sampling_params, slo=slo,
+                                    priority=priority)
 
     def cancel(self, id: str) -> bool:
         """Cancels an in-flight request by the server's id (`RequestHandle.id`; a caller's

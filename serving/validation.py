@@ -163,3 +163,24 @@ def check_request_id(request_id) -> None:
 def is_token_id(value) -> bool:
     # numbers.Integral admits numpy integers; bool is an int but never a token.
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+MAX_MESSAGES = 4096
+
+
+def check_messages(messages) -> None:
+    """A conversation: a non-empty list of {"role": str, "content": str | None} mappings
+    (other keys, e.g. tool calls, are passed to the chat template as they are)."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise TypeError(f"messages must be a non-empty list of {{role, content}} dicts, got "
+                        f"{type(messages).__name__ if messages else messages!r}")
+    if len(messages) > MAX_MESSAGES:
+        raise ValueError(f"messages has {len(messages)} entries; at most {MAX_MESSAGES}")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise TypeError(f"messages[{i}] must be a dict with a str 'role', got "
+                            f"{message!r:.80}")
+        content = message.get("content")
+        if content is not None and not isinstance(content, str):
+            raise TypeError(f"messages[{i}]['content'] must be a str, got "
+                            f"{type(content).__name__}")

@@ -165,8 +165,9 @@ def load_model(model: str | os.PathLike | Model = DEFAULT_MODEL, *,
     """Loads weights straight into sharded device arrays.
 
     `model` is a preset name (random weights, except "smollm2-135m" which loads the
-    embedded SmolLM2-135M-Instruct GGUF), a Hugging Face checkpoint directory, or a .gguf
-    file. dtype: by default the checkpoint's (the preset's) own dtype on GPU and TPU and
+    embedded SmolLM2-135M-Instruct GGUF), a Hugging Face checkpoint directory, a Hugging
+    Face Hub id ("org/name[@revision]", from the local Hugging Face cache, downloaded into
+    it when missing and the network allows), or a .gguf file. dtype: by default the checkpoint's (the preset's) own dtype on GPU and TPU and
     float32 on the CPU. attention_impl: "auto" (chosen per back-end now, and said),
     "xla", "pallas", "interpret", "pallas-tpu" or "interpret-tpu". `rules` decide every
     sharding, the kernels' included.
@@ -186,10 +187,12 @@ def load_model(model: str | os.PathLike | Model = DEFAULT_MODEL, *,
         checkpoint = ckpt.load_hf_checkpoint(spec)
     elif spec.endswith(".gguf") and os.path.isfile(spec):
         checkpoint = ckpt.load_gguf_checkpoint(spec)
+    elif _looks_like_hub_id(spec):
+        checkpoint = ckpt.load_hf_checkpoint(_hub_snapshot(spec))
     else:
         raise ValueError(
             f"unknown model {spec!r}: expected a preset name ({', '.join(sorted(MODEL_PRESETS))}), "
-            "a Hugging Face checkpoint directory, or a .gguf file")
+            "a Hugging Face checkpoint directory or Hub id ('org/name'), or a .gguf file")
     if checkpoint is not None:
         config = checkpoint.config
     backend = jax.default_backend()
@@ -211,6 +214,50 @@ def load_model(model: str | os.PathLike | Model = DEFAULT_MODEL, *,
               f"{describe_impl_choice(attention_impl, impl, backend)}", file=sys.stderr)
     return Model(Llama(config, params, layout),
                  tokenizer=None if checkpoint is None else checkpoint.tokenizer)
+
+
+_HUB_FILES = ["config.json", "generation_config.json", "*.safetensors",
+              "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json",
+              "special_tokens_map.json", "chat_template.jinja"]
+
+
+def _looks_like_hub_id(spec: str) -> bool:
+    """"org/name" or "org/name@revision", not a path that exists."""
+    repo = spec.split("@", 1)[0]
+    parts = repo.split("/")
+    return (len(parts) == 2 and all(parts) and not os.path.exists(spec)
+            and not spec.startswith((".", "/", "~")))
+
+
+def _hub_snapshot(spec: str) -> str:
+    """The local directory of Hub id `spec`: the Hugging Face cache's snapshot when it has
+    the checkpoint's files, else downloaded into the cache (unless offline)."""
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import HFValidationError
+    except ImportError:
+        raise ImportError(f"loading {spec!r} by its Hub id needs huggingface_hub: "
+                          "pip install huggingface_hub") from None
+    repo_id, _, revision = spec.partition("@")
+    kwargs = dict(repo_id=repo_id, revision=revision or None, allow_patterns=_HUB_FILES)
+    try:
+        return snapshot_download(local_files_only=True, **kwargs)
+    except HFValidationError as e:
+        raise ValueError(f"unknown model {spec!r}: not a valid Hub id ({e})") from None
+    except OSError as cached_error:          # LocalEntryNotFoundError: not in the cache
+        if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+            raise ValueError(
+                f"model {spec!r} is not in the Hugging Face cache and HF_HUB_OFFLINE is set: "
+                f"download it first (huggingface-cli download {repo_id}) or pass its "
+                f"directory") from None
+        try:
+            return snapshot_download(**kwargs)
+        except Exception as e:   # noqa: BLE001 - no network, no such repo, gated: all say so
+            raise ValueError(
+                f"model {spec!r} is not in the Hugging Face cache ({cached_error}) and could "
+                f"not be downloaded ({type(e).__name__}: {str(e)[:300]}); download it where "
+                f"there is a network (huggingface-cli download {repo_id}) or pass its "
+                f"directory") from None
 
 
 def _params_from_checkpoint(checkpoint, config: ModelConfig, layout: MeshLayout

@@ -1,0 +1,552 @@
+"""The OpenAI-compatible HTTP API over a Server, on Starlette + uvicorn.
+
+    with Server("smollm2-135m") as server, HttpServer(server, port=8000) as http:
+        ...   # openai.OpenAI(base_url=f"{http.url}/v1", api_key="unused")
+
+Routes: POST /v1/completions, POST /v1/chat/completions (both stream as server-sent events,
+`data: {...}` chunks then `data: [DONE]`), GET /v1/models, GET /health, GET /metrics.
+
+Errors are OpenAI error objects, `{"error": {"message", "type", "param", "code"}}`:
+400 a bad field or malformed JSON, 401 a missing or wrong bearer token, 404 an unknown model,
+413 a body or a prompt + max_tokens too long for the server, 429 more requests open than
+`max_concurrent_requests`, 503 the server is closing. A request is checked on the event loop
+before it is queued, so a bad one never reaches the loop thread, and the others carry on.
+
+A client that goes away (closes the stream or the connection) cancels its request, which
+frees its KV pages; the same path as gRPC's call callbacks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import secrets
+import socket
+import threading
+import time
+from typing import Any, AsyncIterator, Callable
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from medha_jax.sampling_params import SamplingParams
+from medha_jax.scheduler.controller import CapacityError
+from serving import validation
+from serving.outputs import RequestHandle, StreamDelta
+
+MAX_BODY_BYTES = 4 << 20        # a 128k-token prompt as JSON token ids fits
+DEFAULT_COMPLETION_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
+
+
+class ApiError(Exception):
+    """One OpenAI error object and its HTTP status."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (
+            status, message, type, param, code)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+# --- Request bodies -> (prompt, SamplingParams) ------------------------------------------
+
+def _field(body: dict, name: str, kinds: tuple, default=None, *, what: str):
+    """body[name] if it has one of `kinds` (bool is never a number), else a 400 naming it."""
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        raise ApiError(400, f"'{name}' must be {what}, got {json.dumps(value)[:80]}", param=name)
+    return value
+
+
+def _number(body, name, default=None):
+    return _field(body, name, (int, float), default, what="a number")
+
+
+def _int(body, name, default=None):
+    return _field(body, name, (int,), default, what="an integer")
+
+
+def sampling_params_from(body: dict, *, default_max_tokens: int | None
+                         ) -> tuple[SamplingParams, bool, bool, bool]:
+    """(SamplingParams, stream, include_usage, fill_room); 400 on a bad or unsupported field.
+
+    fill_room: default_max_tokens is None and the body names no max_tokens, so `submit`
+    gives the request all the room its prompt leaves in the context (chat's default)."""
+    n = _int(body, "n", 1)
+    if n != 1:
+        raise ApiError(400, f"'n' must be 1 (several samples per prompt are not supported "
+                            f"yet), got {n}", param="n")
+    # Fields asking for what this server cannot do yet; their "off" values are accepted.
+    for unsupported, off in [("logprobs", (False, 0)), ("top_logprobs", (0,)),
+                             ("echo", (False,)), ("best_of", (1,)), ("suffix", ("",)),
+                             ("tools", ([],)), ("logit_bias", ({},))]:
+        value = body.get(unsupported)
+        if value is not None and not (value in off and type(value) is type(off[0])):
+            raise ApiError(400, f"'{unsupported}' is not supported by this server",
+                           param=unsupported)
+    for penalty in ("presence_penalty", "frequency_penalty"):
+        if _number(body, penalty, 0) != 0:
+            raise ApiError(400, f"'{penalty}' is not supported (must be 0)", param=penalty)
+    stop = body.get("stop")
+    if stop is None:
+        stop = ()
+    elif isinstance(stop, str):
+        stop = (stop,)
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        stop = tuple(stop)
+    else:
+        raise ApiError(400, "'stop' must be a string or a list of strings", param="stop")
+    stop_token_ids = _field(body, "stop_token_ids", (list,), [], what="a list of token ids")
+    if not all(validation.is_token_id(t) for t in stop_token_ids):
+        raise ApiError(400, "'stop_token_ids' must be a list of integers", param="stop_token_ids")
+    max_tokens = _int(body, "max_completion_tokens", None)
+    max_tokens = _int(body, "max_tokens", max_tokens)
+    stream = _field(body, "stream", (bool,), False, what="a boolean")
+    stream_options = _field(body, "stream_options", (dict,), {}, what="an object")
+    if stream_options and not stream:
+        raise ApiError(400, "'stream_options' needs 'stream': true", param="stream_options")
+    kwargs = dict(temperature=_number(body, "temperature", 1.0),
+                  top_p=_number(body, "top_p", 1.0), top_k=_int(body, "top_k", 0),
+                  seed=_int(body, "seed", None), stop=stop, stop_token_ids=stop_token_ids,
+                  ignore_eos=_field(body, "ignore_eos", (bool,), False, what="a boolean"),
+                  max_tokens=max_tokens if max_tokens is not None else (default_max_tokens or 1))
+    if kwargs["temperature"] > 2:
+        raise ApiError(400, f"'temperature' must be in [0, 2], got {kwargs['temperature']}",
+                       param="temperature")
+    try:
+        params = SamplingParams(**kwargs)
+        validation.check_sampling_limits(params)
+    except (ValueError, TypeError) as e:
+        raise ApiError(400, str(e), param=str(e).split(" ", 1)[0]) from None
+    fill_room = max_tokens is None and default_max_tokens is None
+    return params, stream, bool(stream_options.get("include_usage", False)), fill_room
+
+
+def completion_prompt(body: dict):
+    """/v1/completions' `prompt`: a string, token ids, or a list of one of either."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]            # a batch of one: what the openai client sends for lists
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(validation.is_token_id(t) for t in prompt):
+        return validation.TokensPrompt(prompt)
+    if isinstance(prompt, list) and len(prompt) > 1:
+        raise ApiError(400, "'prompt' may hold one prompt per request (batches of prompts "
+                            "are not supported)", param="prompt")
+    raise ApiError(400, "'prompt' must be a non-empty string or a list of token ids",
+                   param="prompt")
+
+
+def chat_messages(body: dict) -> list[dict]:
+    """/v1/chat/completions' `messages`, content parts of type text joined to one string."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects",
+                       param="messages")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ApiError(400, f"messages[{i}] must be an object with a string 'role'",
+                           param=f"messages[{i}]")
+        content = message.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text"
+                       and isinstance(p.get("text"), str) for p in content):
+                raise ApiError(400, f"messages[{i}].content: only parts of type 'text' are "
+                                    "supported", param=f"messages[{i}].content")
+            content = "".join(p["text"] for p in content)
+        if content is not None and not isinstance(content, str):
+            raise ApiError(400, f"messages[{i}].content must be a string or a list of text "
+                                "parts", param=f"messages[{i}].content")
+        out.append({**message, "content": content or ""})
+    return out
+
+
+# --- The app --------------------------------------------------------------------------------
+
+def _finish_reason(reason: str | None) -> str | None:
+    # "cancelled" and "error" have no OpenAI name; they are passed through as they are.
+    return reason
+
+
+class _Api:
+    """The route handlers, bound to one Server."""
+
+    def __init__(self, server, *, token: str | None, max_concurrent_requests: int,
+                 max_body_bytes: int, model_name: str | None):
+        self.server = server
+        self.token = token
+        self.max_concurrent = max_concurrent_requests
+        self.max_body_bytes = max_body_bytes
+        self.model_name = model_name or server.config.name
+        self.open_requests = 0
+        self.created = int(time.time())
+
+    # ---- plumbing ----
+
+    def check_auth(self, request) -> None:
+        if self.token is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
+            raise ApiError(401, "missing or wrong bearer token (Authorization: Bearer ...)",
+                           type="authentication_error", code="invalid_api_key")
+
+    async def read_json(self, request) -> dict:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise ApiError(413, f"request body of {declared} bytes is over the server's limit "
+                                f"of {self.max_body_bytes}", code="request_too_large")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > self.max_body_bytes:
+                raise ApiError(413, f"request body is over the server's limit of "
+                                    f"{self.max_body_bytes} bytes", code="request_too_large")
+        try:
+            parsed = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"malformed JSON body: {e}") from None
+        if not isinstance(parsed, dict):
+            raise ApiError(400, "the JSON body must be an object")
+        model = parsed.get("model")
+        if model is not None and not isinstance(model, str):
+            raise ApiError(400, "'model' must be a string", param="model")
+        if model and model != self.model_name:
+            raise ApiError(404, f"model {model!r} is not served here; this server serves "
+                                f"{self.model_name!r}", param="model", code="model_not_found")
+        return parsed
+
+    def prompt_ids(self, prompt) -> list[int]:
+        try:
+            return validation.prompt_token_ids(
+                prompt, tokenizer=self.server.tokenizer, vocab_size=self.server.config.vocab_size,
+                model_name=self.server.config.name)
+        except (ValueError, TypeError) as e:
+            raise ApiError(400, str(e), param="prompt") from None
+
+    def submit(self, ids: list[int], params: SamplingParams, fill_room: bool = False
+               ) -> RequestHandle:
+        """Queues the request. fill_room: max_tokens is all the room the context leaves
+        (chat's default, as vLLM's)."""
+        room = self.server.max_model_len - len(ids)
+        if room < 1:
+            raise ApiError(413, f"the prompt has {len(ids)} tokens; this server's context is "
+                                f"{self.server.max_model_len} tokens (room for at least one "
+                                "output token is needed)",
+                           code="context_length_exceeded")
+        if fill_room:
+            params = dataclasses.replace(params, max_tokens=room)
+        elif len(ids) + params.max_tokens > self.server.max_model_len:
+            raise ApiError(413, f"prompt of {len(ids)} tokens + max_tokens={params.max_tokens} "
+                                f"exceeds this server's context of {self.server.max_model_len} "
+                                "tokens", param="max_tokens", code="context_length_exceeded")
+        if self.open_requests >= self.max_concurrent:
+            raise ApiError(429, f"the server has {self.open_requests} requests open, its limit; "
+                                "retry later", type="rate_limit_error", code="overloaded")
+        try:
+            return self.server.submit(validation.TokensPrompt(ids), params,
+                                      _loop=asyncio.get_running_loop())
+        except CapacityError as e:
+            raise ApiError(413, str(e), param="max_tokens",
+                           code="context_length_exceeded") from None
+        except (ValueError, TypeError) as e:
+            raise ApiError(400, str(e)) from None
+        except RuntimeError as e:      # the server is closing
+            raise ApiError(503, str(e), type="server_error", code="unavailable") from None
+
+    async def run(self, request, build) -> Any:
+        """Auth, body, `build(body) -> (handle, stream, include_usage, render)`, then a JSON
+        or an SSE response; any ApiError on the way becomes its error object."""
+
+        try:
+            self.check_auth(request)
+            body = await self.read_json(request)
+            handle, stream, include_usage, render = build(body)
+        except ApiError as e:
+            return JSONResponse(e.body(), status_code=e.status)
+        self.open_requests += 1
+        if stream:
+            return _EventStream(self._sse(handle, render, include_usage),
+                                on_close=lambda: self._close_stream(handle))
+        try:
+            output = await _result_or_disconnect(request, handle)
+        finally:
+            self.open_requests -= 1
+        if output is None:                       # the client went away: nobody to answer
+            return Response(status_code=499)
+        if output.finish_reason == "error":
+            return JSONResponse(ApiError(500, output.error or "generation failed",
+                                         type="server_error").body(), status_code=500)
+        return JSONResponse(render.final(output))
+
+    def _close_stream(self, handle: RequestHandle) -> None:
+        self.open_requests -= 1
+        if not handle.finished:
+            handle.cancel()
+
+    async def _sse(self, handle: RequestHandle, render, include_usage: bool
+                   ) -> AsyncIterator[str]:
+        # Starlette cancels this generator when the client disconnects (ASGI < 2.4 servers,
+        # uvicorn's included); `finally` then cancels the request and frees its pages.
+        try:
+            for chunk in render.start():
+                yield _event(chunk)
+            num_out = 0
+            async for delta in handle:
+                num_out += len(delta.token_ids)
+                if delta.finish_reason == "error":
+                    yield _event(ApiError(500, delta.error or "generation failed",
+                                          type="server_error").body())
+                    break
+                if delta.text or delta.finished:
+                    yield _event(render.chunk(delta))
+            if include_usage:
+                yield _event(render.usage_chunk(len(handle.prompt_token_ids), num_out))
+            yield "data: [DONE]\n\n"
+        finally:
+            if not handle.finished:
+                handle.cancel()
+
+    # ---- routes ----
+
+    async def completions(self, request):
+        def build(body):
+            params, stream, usage, fill_room = sampling_params_from(
+                body, default_max_tokens=DEFAULT_COMPLETION_MAX_TOKENS)
+            ids = self.prompt_ids(completion_prompt(body))
+            handle = self.submit(ids, params, fill_room)
+            return handle, stream, usage, _CompletionRender(self.model_name, handle)
+        return await self.run(request, build)
+
+    async def chat_completions(self, request):
+        def build(body):
+            params, stream, usage, fill_room = sampling_params_from(body,
+                                                                    default_max_tokens=None)
+            messages = chat_messages(body)
+            try:
+                ids = list(self.server.chat_prompt(messages).prompt_token_ids)
+            except (ValueError, TypeError) as e:
+                raise ApiError(400, str(e), param="messages") from None
+            except Exception as e:   # noqa: BLE001 - jinja's TemplateError: the messages' fault
+                raise ApiError(400, f"cannot apply the chat template: {e}",
+                               param="messages") from None
+            if not ids:
+                raise ApiError(400, "the chat template rendered an empty prompt",
+                               param="messages")
+            handle = self.submit(ids, params, fill_room)
+            return handle, stream, usage, _ChatRender(self.model_name, handle)
+        return await self.run(request, build)
+
+    async def models(self, request):
+        try:
+            self.check_auth(request)
+        except ApiError as e:
+            return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse({"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": self.created,
+            "owned_by": "medha-jax", "max_model_len": self.server.max_model_len}]})
+
+    async def health(self, request):
+        if self.server.closed:
+            return JSONResponse({"status": "closing"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def metrics(self, request):
+        return PlainTextResponse(self.server.metrics_text(),
+                                 media_type="text/plain; version=0.0.4")
+
+
+async def _result_or_disconnect(request, handle: RequestHandle):
+    """The request's final output, or None (and the request cancelled) if the client
+    disconnects first. The body has been read, so `receive` now only reports disconnects."""
+    async def collect():
+        async for delta in handle:
+            if delta.finished:
+                return handle.result()
+
+    async def disconnected():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work = asyncio.ensure_future(collect())
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+    if work in done:
+        return work.result()
+    handle.cancel()
+    return None
+
+
+class _EventStream(StreamingResponse):
+    """A server-sent-event response that runs on_close however it ends, even when the
+    client left before its body was first iterated (the body's own `finally` never runs)."""
+
+    def __init__(self, body: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(body, media_type="text/event-stream",
+                         headers={"cache-control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+            self._on_close()
+
+
+def _event(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class _CompletionRender:
+    """OpenAI `text_completion` objects for one request."""
+
+    def __init__(self, model: str, handle: RequestHandle):
+        self.model, self.id = model, f"cmpl-{handle.id}"
+        self.created = int(time.time())
+
+    def _obj(self, choices, usage=None) -> dict:
+        return {"id": self.id, "object": "text_completion", "created": self.created,
+                "model": self.model, "choices": choices, "usage": usage}
+
+    def final(self, output) -> dict:
+        return self._obj([{"index": 0, "text": output.text, "logprobs": None,
+                           "finish_reason": _finish_reason(output.finish_reason)}],
+                         _usage(len(output.prompt_token_ids), len(output.token_ids)))
+
+    def start(self):
+        return ()
+
+    def chunk(self, delta: StreamDelta) -> dict:
+        return self._obj([{"index": 0, "text": delta.text, "logprobs": None,
+                           "finish_reason": _finish_reason(delta.finish_reason)}])
+
+    def usage_chunk(self, prompt_tokens, completion_tokens) -> dict:
+        return self._obj([], _usage(prompt_tokens, completion_tokens))
+
+
+class _ChatRender:
+    """OpenAI `chat.completion` / `chat.completion.chunk` objects for one request."""
+
+    def __init__(self, model: str, handle: RequestHandle):
+        self.model, self.id = model, f"chatcmpl-{handle.id}"
+        self.created = int(time.time())
+
+    def _obj(self, kind, choices, usage=None) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
+                "choices": choices, "usage": usage}
+
+    def final(self, output) -> dict:
+        return self._obj("chat.completion", [{
+            "index": 0, "message": {"role": "assistant", "content": output.text},
+            "logprobs": None, "finish_reason": _finish_reason(output.finish_reason)}],
+            _usage(len(output.prompt_token_ids), len(output.token_ids)))
+
+    def start(self):
+        # The first chunk names the role, as OpenAI's does.
+        return (self._obj("chat.completion.chunk", [{
+            "index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            "finish_reason": None}]),)
+
+    def chunk(self, delta: StreamDelta) -> dict:
+        return self._obj("chat.completion.chunk", [{
+            "index": 0, "delta": {"content": delta.text} if delta.text else {},
+            "logprobs": None, "finish_reason": _finish_reason(delta.finish_reason)}])
+
+    def usage_chunk(self, prompt_tokens, completion_tokens) -> dict:
+        return self._obj("chat.completion.chunk", [], _usage(prompt_tokens, completion_tokens))
+
+
+def make_app(server, *, token: str | None = None, max_concurrent_requests: int = 256,
+             max_body_bytes: int = MAX_BODY_BYTES, model_name: str | None = None):
+    """The Starlette app serving `server` (mount it in your own ASGI server, or use
+    HttpServer)."""
+    api = _Api(server, token=token, max_concurrent_requests=max_concurrent_requests,
+               max_body_bytes=max_body_bytes, model_name=model_name)
+    async def http_error(request, exc: HTTPException):
+        # Unknown routes and methods answer in the same shape as every other error.
+        return JSONResponse(ApiError(exc.status_code, f"{request.method} {request.url.path}: "
+                                     f"{exc.detail}").body(), status_code=exc.status_code)
+
+    app = Starlette(exception_handlers={HTTPException: http_error}, routes=[
+        Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
+        Route("/v1/models", api.models, methods=["GET"]),
+        Route("/health", api.health, methods=["GET"]),
+        Route("/metrics", api.metrics, methods=["GET"]),
+    ])
+    app.state.api = api
+    return app
+
+
+class HttpServer:
+    """uvicorn serving `make_app(server)` on its own thread and event loop.
+
+    host defaults to loopback: 0.0.0.0 exposes the API (and, without a token, the model) to
+    the network. port=0 picks a free port (see `port`)."""
+
+    def __init__(self, server, *, host: str = "127.0.0.1", port: int = 0,
+                 token: str | None = None, max_concurrent_requests: int = 256,
+                 max_body_bytes: int = MAX_BODY_BYTES, model_name: str | None = None):
+        import uvicorn
+
+        self.app = make_app(server, token=token, max_concurrent_requests=max_concurrent_requests,
+                            max_body_bytes=max_body_bytes, model_name=model_name)
+        # Bound here, so the port is known (and a taken one fails) before serving starts.
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._socket = socket.socket(family, socket.SOCK_STREAM)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._socket.bind((host, port))
+        self.host, self.port = host, self._socket.getsockname()[1]
+        self._uvicorn = uvicorn.Server(uvicorn.Config(
+            self.app, log_level="warning", access_log=False, lifespan="off",
+            timeout_graceful_shutdown=5))
+        self._thread = threading.Thread(
+            target=lambda: self._uvicorn.run(sockets=[self._socket]),
+            name="medha-http", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._uvicorn.started and self._thread.is_alive():
+            if time.monotonic() > deadline:
+                raise RuntimeError("the HTTP server did not start in 30 s")
+            time.sleep(0.01)
+        if not self._uvicorn.started:
+            raise RuntimeError("the HTTP server failed to start (see the log above)")
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stops accepting, lets open responses finish (up to uvicorn's grace), joins."""
+        self._uvicorn.should_exit = True
+        self._thread.join(timeout)
+        self._socket.close()
+
+    def __enter__(self) -> "HttpServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

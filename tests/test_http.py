@@ -1,0 +1,286 @@
+"""The OpenAI-compatible HTTP API on loopback, driven by the official `openai` client and by
+raw HTTP (tiny model, CPU).
+
+Completions and chat, streaming and not, equal the Python API's greedy outputs; bad inputs
+(malformed JSON, wrong types, too long, wrong token, too many open requests) each get an
+OpenAI error object with its status while another request completes; a client that
+disconnects (streaming or not) cancels its request and frees its pages.
+"""
+
+import http.client as httplib
+import json
+import socket
+import threading
+import time
+
+import openai
+import pytest
+
+from medha_jax import SamplingParams
+from serving.http_server import HttpServer
+from serving.server import TokensPrompt
+from tests.test_cli import model_dir  # noqa: F401 - a fixture, for the CLI test
+from tests.test_server import make_tiny_server, wait_until_idle
+
+TOKEN = "test-token"
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    with make_tiny_server() as s:
+        s.tokenizer.chat_template = CHATML
+        yield s
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with HttpServer(server, token=TOKEN, max_concurrent_requests=4) as h:
+        yield h
+
+
+@pytest.fixture(scope="module")
+def client(http):
+    return openai.OpenAI(base_url=f"{http.url}/v1", api_key=TOKEN, max_retries=0, timeout=60)
+
+
+def greedy(n):
+    return SamplingParams(temperature=0.0, max_tokens=n)
+
+
+def raw(http, method, path, body=None, *, token=TOKEN, headers=None):
+    """(status, parsed JSON or text) of one raw HTTP request."""
+    conn = http_connection(http)
+    data = body if isinstance(body, (bytes, str)) or body is None else json.dumps(body)
+    hdrs = {"content-type": "application/json", **(headers or {})}
+    if token:
+        hdrs["authorization"] = f"Bearer {token}"
+    conn.request(method, path, body=data, headers=hdrs)
+    resp = conn.getresponse()
+    text = resp.read().decode()
+    conn.close()
+    try:
+        return resp.status, json.loads(text)
+    except json.JSONDecodeError:
+        return resp.status, text
+
+
+def http_connection(h):
+    return httplib.HTTPConnection(h.host, h.port, timeout=60)
+
+
+# --- The openai client ------------------------------------------------------------------------
+
+def test_completion_equals_the_python_api(server, client):
+    out = client.completions.create(model=server.config.name, prompt="Hello there",
+                                    max_tokens=10, temperature=0)
+    want = server.generate("Hello there", greedy(10))
+    choice = out.choices[0]
+    assert choice.text == want.text
+    assert choice.finish_reason == "length"
+    assert out.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert out.usage.completion_tokens == 10
+    assert out.object == "text_completion"
+
+
+def test_completion_stream_concatenates_to_the_whole(server, client):
+    want = server.generate("Stream me", greedy(12))
+    chunks = list(client.completions.create(
+        model=server.config.name, prompt="Stream me", max_tokens=12, temperature=0,
+        stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == want.text
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finals[-1] == "length" and all(f is None for f in finals[:-1])
+    assert chunks[-1].usage.completion_tokens == 12 and not chunks[-1].choices
+
+
+def test_completion_of_token_ids(server, client):
+    ids = [72, 105, 33, 200]
+    out = client.completions.create(model=server.config.name, prompt=ids, max_tokens=6,
+                                    temperature=0)
+    assert out.choices[0].text == server.generate(TokensPrompt(ids), greedy(6)).text
+
+
+def test_chat_equals_server_chat(server, client):
+    want = server.chat(MESSAGES, greedy(9))
+    out = client.chat.completions.create(model=server.config.name, messages=MESSAGES,
+                                         max_tokens=9, temperature=0)
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == want.text
+    # The prompt is the rendered template, tokenized without an added BOS.
+    rendered = server.tokenizer.apply_chat_template(MESSAGES)
+    assert out.usage.prompt_tokens == len(server.tokenizer.encode(rendered, add_bos=False))
+
+
+def test_chat_stream(server, client):
+    want = server.chat(MESSAGES, greedy(9))
+    chunks = list(client.chat.completions.create(
+        model=server.config.name, messages=MESSAGES, max_tokens=9, temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_chat_without_max_tokens_fills_the_context(server, client):
+    out = client.chat.completions.create(model=server.config.name, messages=MESSAGES,
+                                         temperature=0)
+    assert out.usage.prompt_tokens + out.usage.completion_tokens == server.max_model_len
+
+
+def test_models_health_metrics(server, client, http):
+    assert [m.id for m in client.models.list().data] == [server.config.name]
+    assert raw(http, "GET", "/health", token=None) == (200, {"status": "ok"})
+    status, text = raw(http, "GET", "/metrics", token=None)
+    assert status == 200 and "medha_requests_finished" in text
+
+
+def test_openai_client_errors(server, client, http):
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model=server.config.name, prompt="x", temperature=5)
+    with pytest.raises(openai.NotFoundError, match="not served here"):
+        client.completions.create(model="gpt-4", prompt="x")
+    bad = openai.OpenAI(base_url=f"{http.url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+# --- Raw HTTP bad inputs, while another request runs --------------------------------------
+
+@pytest.mark.parametrize("body, status, needle", [
+    (b"{not json", 400, "malformed JSON"),
+    (b"[1, 2]", 400, "must be an object"),
+    ({"prompt": "x", "temperature": "hot"}, 400, "'temperature' must be a number"),
+    ({"prompt": "x", "max_tokens": True}, 400, "'max_tokens' must be an integer"),
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens must be an int >= 1"),
+    ({"prompt": "x", "stop": [1]}, 400, "'stop' must be a string"),
+    ({"prompt": 7}, 400, "'prompt' must be"),
+    ({"prompt": [1, 300]}, 400, "outside the vocabulary"),
+    ({"prompt": "x", "n": 3}, 400, "'n' must be 1"),
+    ({"prompt": "x", "logprobs": 2}, 400, "'logprobs' is not supported"),
+    ({"prompt": "x" * 300}, 413, "context"),
+    ({"prompt": "x" * 200, "max_tokens": 100}, 413, "exceeds"),
+])
+def test_bad_inputs_get_error_objects_while_others_complete(server, http, body, status, needle):
+    want = server.generate("keep going", greedy(24))
+    result = {}
+
+    def other():
+        result["out"] = raw(http, "POST", "/v1/completions",
+                            {"prompt": "keep going", "max_tokens": 24, "temperature": 0})
+
+    t = threading.Thread(target=other)
+    t.start()
+    got_status, got = raw(http, "POST", "/v1/completions", body)
+    t.join(60)
+    assert got_status == status, got
+    assert needle in got["error"]["message"]
+    assert set(got["error"]) == {"message", "type", "param", "code"}
+    ok_status, ok = result["out"]
+    assert ok_status == 200 and ok["choices"][0]["text"] == want.text
+
+
+def test_bad_chat_messages(http):
+    for messages, needle in [("hi", "'messages' must be"), ([{"content": "x"}], "'role'"),
+                             ([{"role": "user", "content": 3}], "content")]:
+        status, got = raw(http, "POST", "/v1/chat/completions", {"messages": messages})
+        assert status == 400 and needle in got["error"]["message"], got
+
+
+def test_body_over_the_limit_is_413(server):
+    with HttpServer(server, max_body_bytes=1000) as h:
+        status, got = raw(h, "POST", "/v1/completions", {"prompt": "y" * 2000}, token=None)
+    assert status == 413 and got["error"]["code"] == "request_too_large"
+
+
+def test_unknown_routes_and_methods_are_error_objects(http):
+    status, got = raw(http, "GET", "/v1/completions")
+    assert status == 405 and "Method Not Allowed" in got["error"]["message"]
+    status, got = raw(http, "POST", "/v1/embeddings", {"input": "x"})
+    assert status == 404 and "/v1/embeddings" in got["error"]["message"]
+
+
+def test_missing_token_is_401(http):
+    status, got = raw(http, "POST", "/v1/completions", {"prompt": "x"}, token=None)
+    assert status == 401 and got["error"]["type"] == "authentication_error"
+
+
+def test_too_many_open_requests_is_429(server):
+    with HttpServer(server, max_concurrent_requests=1) as h:
+        conn = http_connection(h)
+        conn.request("POST", "/v1/completions", json.dumps(
+            {"prompt": "slow", "max_tokens": 200, "stream": True}),
+            {"content-type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200
+        resp.readline()                       # the stream has started: one request open
+        status, got = raw(h, "POST", "/v1/completions", {"prompt": "x"}, token=None)
+        assert status == 429 and got["error"]["type"] == "rate_limit_error"
+        conn.close()
+        assert wait_until_idle(server)
+
+
+# --- Disconnects free pages -------------------------------------------------------------------
+
+def _open_and_drop(http, body, read_first_line: bool):
+    sock = socket.create_connection((http.host, http.port))
+    data = json.dumps(body).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                 + f"authorization: Bearer {TOKEN}\r\ncontent-length: {len(data)}\r\n\r\n".encode()
+                 + data)
+    if read_first_line:
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+    sock.close()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnect_cancels_and_frees_pages(server, http, stream):
+    finished = server.metrics.requests_finished
+    before = finished.labels(finish_reason="cancelled")._value.get()
+    _open_and_drop(http, {"prompt": "long", "max_tokens": 240, "stream": stream},
+                   read_first_line=stream)
+    deadline = time.monotonic() + 30
+    while (finished.labels(finish_reason="cancelled")._value.get() == before
+           and time.monotonic() < deadline):
+        time.sleep(0.02)
+    assert finished.labels(finish_reason="cancelled")._value.get() == before + 1
+    assert wait_until_idle(server)
+
+
+# --- The command ------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_cli_serves_http_only_with_a_token_and_stops_on_sigterm(model_dir):
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    from tests.test_cli import SMALL_ENGINE
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "serving.cli", "serve", "--model", model_dir, "--no-grpc",
+         "--http-port", "0", "--token", "tok", *SMALL_ENGINE],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        banner = ""
+        for line in proc.stdout:                  # blocks until the server is up
+            if line.startswith("serving "):
+                banner = line
+                break
+        match = re.search(r" on (http://127\.0\.0\.1:\d+) \(OpenAI API: .*\) \(bearer token "
+                          r"required\)", banner)
+        assert match, f"banner {banner!r}; stderr: {proc.stderr.read() if proc.poll() else ''}"
+        client = openai.OpenAI(base_url=f"{match.group(1)}/v1", api_key="tok", max_retries=0)
+        assert [m.id for m in client.models.list().data] == [model_dir]   # --model's value
+        out = client.completions.create(model=model_dir, prompt="hi", max_tokens=3,
+                                        temperature=0)
+        assert out.usage.completion_tokens == 3 and out.choices[0].finish_reason == "length"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
