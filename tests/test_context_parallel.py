@@ -293,3 +293,25 @@ def test_the_ring_runs_around_the_pallas_kernel_in_interpret_mode():
     done = subprocess.run([sys.executable, "-c", _INTERPRET_CHECK], env=env, timeout=600,
                           capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_a_server_on_a_cp_mesh_serves_the_one_device_tokens():
+    from medha_jax import SamplingParams, TokensPrompt
+    from medha_jax.engine import Engine, EngineConfig
+    from medha_jax.scheduler.predictor import AnalyticalPredictor
+    from serving.server import Server
+
+    def generate(parallel):
+        engine = Engine(tiny(parallel), EngineConfig(page_size=16, num_pages=16,
+                                                     max_tokens_per_step=32, max_seqs=4))
+        predictor = AnalyticalPredictor(engine.model.config, parallel, "h100",
+                                        token_buckets=engine.ladder.token_buckets)
+        # Shapes compile as the steps need them (warm-up would compile the whole ladder).
+        with Server(engine, predictor=predictor, warmup=False) as server:
+            prompts = [TokensPrompt(list(range(5, 5 + n))) for n in (70, 9, 33)]
+            outputs = server.generate(prompts, SamplingParams(temperature=0.0, max_tokens=5))
+            assert server.num_free_pages == server.num_total_pages
+        return [out.token_ids for out in outputs]
+
+    assert generate(ParallelConfig(cp=2)) == generate(ParallelConfig())

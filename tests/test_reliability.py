@@ -49,12 +49,15 @@ def faulty_step(fault: DeviceFault):
     the sampled tokens (adding 0), so XLA cannot drop it."""
     real_step = engine_module.step
 
-    @functools.partial(jax.jit, static_argnames=("graphdef", "shape", "num_kv_shards"),
+    @functools.partial(jax.jit, static_argnames=("graphdef", "shape", "num_kv_shards",
+                                                 "cp_ranks"),
                        donate_argnames=("kv_cache",))
-    def step(graphdef, state, kv_cache, ints, floats, rng_keys, *, shape, num_kv_shards=1):
+    def step(graphdef, state, kv_cache, ints, floats, rng_keys, *, shape, num_kv_shards=1,
+             cp_ranks=1):
         tokens, kv_cache = real_step(graphdef, state, kv_cache, ints, floats, rng_keys,
-                                     shape=shape, num_kv_shards=num_kv_shards)
-        token_sum = jnp.sum(unpack_int32(ints, shape, num_kv_shards)["token_ids"])
+                                     shape=shape, num_kv_shards=num_kv_shards,
+                                     cp_ranks=cp_ranks)
+        token_sum = jnp.sum(unpack_int32(ints, shape, num_kv_shards, cp_ranks)["token_ids"])
         zero = jax.pure_callback(fault, jax.ShapeDtypeStruct((), jnp.int32), token_sum)
         return tokens + zero, kv_cache
 
