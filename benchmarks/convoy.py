@@ -28,14 +28,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import math
 import os
-import platform
 import sys
 from typing import Sequence
 
+from benchmarks.report import environment
 from medha_jax.config import ParallelConfig, model_preset
 from medha_jax.latency_report import (LatencyRecord, format_table, records_from_requests,
                                       summarize)
@@ -555,18 +554,6 @@ def prediction_error(predictor, steps) -> dict:
 # ---------------------------------------------------------------------------------------
 # Report
 # ---------------------------------------------------------------------------------------
-
-def environment() -> dict:
-    """Back-end and versions (BENCHMARKS.md), for the JSON context."""
-    import jax
-    import jaxlib
-
-    devices = jax.devices()
-    return {"backend": jax.default_backend(), "device_kind": devices[0].device_kind,
-            "device_count": len(devices), "jax": jax.__version__,
-            "jaxlib": jaxlib.__version__, "python": platform.python_version(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-
 
 def write_figures(runs: dict[str, dict[str, list[LatencyRecord]]], out_dir: str,
                   title: str) -> list[str]:

@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import os
-import platform
 from collections.abc import Sequence
+
+from benchmarks.report import environment, table
 
 K = 1024
 
@@ -47,15 +47,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="per-GPU CP link of part (a), GB/s (seed 002 GTT: 400 Gb/s RDMA)")
     p.add_argument("--chunk", type=int, default=4096, help="SPP prefill chunk of part (b)")
     return p.parse_args(argv)
-
-
-def table(title: str, rows: list[dict]) -> None:
-    print(f"\n{title}")
-    columns = list(rows[0])
-    print(" | ".join(columns))
-    print(" | ".join("---" for _ in columns))
-    for row in rows:
-        print(" | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in row.values()))
 
 
 # Seed 002 table 9 (Llama 3 405B) and table 4 (TTFT in ms, CP4 on GTT): T -> (pass-KV, pass-Q).
@@ -198,14 +189,11 @@ def main(argv: Sequence[str] | None = None) -> None:
           f"({jax.default_backend()}, tiny model, float32), next to cp_cost.RingCost", moved)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        context = {"backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind,
-                   "device_count": jax.device_count(), "jax": jax.__version__,
-                   "python": platform.python_version(),
+        context = {**environment(),
                    "model_simulated": "llama3-405b (a), llama3.1-8b (b)",
                    "model_measured": "tiny", "dtype": "float32 (measured), bfloat16 (simulated)",
                    "mesh": "cp=4,tp=8 (a); cp|spp=N,tp=8 (b); cp=N (c)",
-                   "hardware": args.hardware, "cp_link_gbs": args.cp_link_gbs,
-                   "date": datetime.datetime.now().isoformat(timespec="seconds")}
+                   "hardware": args.hardware, "cp_link_gbs": args.cp_link_gbs}
         with open(args.json, "w") as f:
             json.dump({"context": context, "table4": t4, "crossover_miss_rate_pct": crossover,
                        "cp_vs_spp_1m": vs_spp, "ring_bytes": moved}, f, indent=2)

@@ -29,7 +29,6 @@ import collections
 import dataclasses
 import datetime
 import json
-import math
 import threading
 import time
 from typing import Callable

@@ -19,13 +19,13 @@ Three parts, three tables, the measured one last:
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
 import time
 from collections.abc import Sequence
+
+from benchmarks.report import environment, table
 
 K = 1024
 M = 1024 * 1024
@@ -40,15 +40,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=8, help="tensor parallelism of the simulation")
     p.add_argument("--repeats", type=int, default=10, help="timed decode steps per config")
     return p.parse_args(argv)
-
-
-def table(title: str, rows: list[dict]) -> None:
-    print(f"\n{title}")
-    columns = list(rows[0])
-    print(" | ".join(columns))
-    print(" | ".join("---" for _ in columns))
-    for row in rows:
-        print(" | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in row.values()))
 
 
 def simulated(args) -> list[dict]:
@@ -150,11 +141,8 @@ def main(argv: Sequence[str] | None = None) -> None:
           f"({jax.default_backend()}, tiny model)", timed)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        context = {"backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind,
-                   "device_count": jax.device_count(), "jax": jax.__version__,
-                   "python": platform.python_version(), "model_simulated": "llama3-8b, llama3-70b",
-                   "model_measured": "tiny", "dtype": "float32 (measured), bfloat16 (simulated)",
-                   "date": datetime.datetime.now().isoformat(timespec="seconds")}
+        context = {**environment(), "model_simulated": "llama3-8b, llama3-70b",
+                   "model_measured": "tiny", "dtype": "float32 (measured), bfloat16 (simulated)"}
         with open(args.json, "w") as f:
             json.dump({"context": context, "simulated": sim, "collective_bytes": moved,
                        "decode_time": timed}, f, indent=2)

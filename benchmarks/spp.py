@@ -30,13 +30,13 @@ Three parts, one table last:
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
 import time
 from collections.abc import Sequence
+
+from benchmarks.report import environment
 
 K = 1024
 
@@ -246,17 +246,6 @@ def run_host_overlap(args) -> list[dict]:
 
 
 # --------------------------------------------------------------------------------- report
-
-def environment() -> dict:
-    import jax
-    import jaxlib
-
-    devices = jax.devices()
-    return {"backend": jax.default_backend(), "device_kind": devices[0].device_kind,
-            "device_count": len(devices), "jax": jax.__version__, "jaxlib": jaxlib.__version__,
-            "python": platform.python_version(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-
 
 def print_table(simulated: list[dict], measured: list[dict], overlap: list[dict], args) -> None:
     print(f"\nmeasured (tiny model, float32, {measured[0]['prompt_tokens']} tokens in chunks "
