@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import math
 import os
@@ -175,9 +176,12 @@ def decode_step(heads: Heads, impl: str, decode_args: tuple):
     return split_path_fn(heads, impl, num_decodes=seqs), args
 
 
+@functools.lru_cache(maxsize=None)
 def split_path_fn(heads: Heads, impl: str, num_decodes: int):
     """ragged_paged_attention's arguments -> (out, lse) through the decode/prefill split
-    with num_decodes leading decodes, passed traced as the model passes it."""
+    with num_decodes leading decodes, passed traced as the model passes it. One jitted
+    function per (heads, impl, num_decodes), so the chunking-overhead steps reuse the
+    prefill rows' compiles."""
     step = jax.jit(lambda *a: ragged_paged_attention(
         *a[:-1], sm_scale=heads.head_dim ** -0.5, impl=impl, num_decodes=a[-1]))
     decodes = jnp.array([num_decodes], jnp.int32)

@@ -9,8 +9,8 @@ import numpy as np
 from benchmarks import kernels
 from pallas_kernels import decode_attention
 
-# One shape per measurement (each is a compile of a few seconds); the overhead's 32-token
-# steps share the prefill row's.
+# One shape per measurement (each a compile of a second or more); the overhead's 32-token
+# steps reuse the prefill row's.
 TINY = kernels.Grid(contexts=(512,), chunks=(32,), decode_contexts=(256,), decode_batches=(2,),
                     overhead_context=512, overhead_positions=2, max_kv_bytes=1e9,
                     overhead_chunks=(32, 64))
@@ -37,6 +37,7 @@ def test_quick_run_prints_its_table_and_writes_json(monkeypatch, tmp_path, capsy
         return entry(q, *args, num_decodes=num_decodes, **kwargs)
 
     monkeypatch.setattr(kernels, "ragged_paged_attention", spy)
+    kernels.split_path_fn.cache_clear()     # its jitted steps must trace the spy
     path = tmp_path / "kernels.json"
     # --hardware: peaks on a CPU, so MFU and MBU are figures, not "-".
     kernels.main(["--quick", "--json", str(path), "--hardware", "h100", "--repeats", "1"])
