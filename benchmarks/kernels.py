@@ -20,8 +20,10 @@ Three measurements, each on one layer's attention (one sequence's chunk, or a de
   positions spread over the prompt, fitted with t(p) = a + b * p by least squares (a chunk
   step's attention is linear in its position), and the fit is summed over every chunk.
 
-Our prefill chunks run through the decode/prefill split (num_decodes=[0]: the ragged
-kernel's prefill-sized query blocks), our decodes through the decode kernel. Beside them,
+Ours run through the entry point the model calls, `ragged_paged_attention` with the
+decode/prefill split: prefill chunks with num_decodes=[0] (the ragged kernel's
+prefill-sized query blocks), decode batches with num_decodes=[batch] (the decode path, its
+KV splits capped as in the model). Beside them,
 where JAX ships a kernel for the device ("baselines", on by default on a GPU or TPU):
 GPU decode `jax.experimental.pallas.ops.gpu.paged_attention` (paged) and
 `decode_attention.gqa` (contiguous K/V); TPU prefill and decode
@@ -42,6 +44,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import math
 import os
@@ -55,7 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from medha_jax.config import model_preset
-from pallas_kernels import decode_attention, ragged_paged_attention
+from pallas_kernels import ragged_paged_attention
 from pallas_kernels.block_sizes import device_kind_of
 from pallas_kernels.dense_reference import random_page_table
 from pallas_kernels.dispatch import IMPLS, block_sizes_for, resolve_impl
@@ -76,6 +79,7 @@ class Grid:
     overhead_context: int
     overhead_positions: int     # chunk steps timed per chunk size for the overhead fit
     max_kv_bytes: float         # skip configurations whose cache would be larger
+    overhead_chunks: tuple[int, int] = (32, 2048)   # (small, large) chunk sizes compared
 
 
 def default_grid(backend: str, quick: bool, memory_bytes: float) -> Grid:
@@ -159,16 +163,29 @@ def prefill_step(heads: Heads, dtype, context: int, chunk: int, *, impl: str, ke
     args = (q, k_pages, v_pages, shuffled_page_table(rng, 1, context),
             jnp.array([0, chunk], jnp.int32), jnp.array([context], jnp.int32),
             jnp.array([1], jnp.int32))
-    return prefill_fn(heads, impl), args
+    return split_path_fn(heads, impl, num_decodes=0), args
 
 
-# The prefill path of the decode/prefill split: a chunk-only step has no decode.
-NO_DECODES = np.zeros(1, np.int32)
+def decode_step(heads: Heads, impl: str, decode_args: tuple):
+    """(fn, args) for a decode-only step from `decode_attention`'s arguments (q, k_pages,
+    v_pages, page_table, kv_lens): every sequence one query, all of them decodes."""
+    q, k_pages, v_pages, page_table, kv_lens = decode_args
+    seqs = q.shape[0]
+    args = (q, k_pages, v_pages, page_table, jnp.arange(seqs + 1, dtype=jnp.int32), kv_lens,
+            jnp.array([seqs], jnp.int32))
+    return split_path_fn(heads, impl, num_decodes=seqs), args
 
 
-def prefill_fn(heads: Heads, impl: str):
-    return jax.jit(lambda *a: ragged_paged_attention(
-        *a, sm_scale=heads.head_dim ** -0.5, impl=impl, num_decodes=NO_DECODES))
+@functools.lru_cache(maxsize=None)
+def split_path_fn(heads: Heads, impl: str, num_decodes: int):
+    """ragged_paged_attention's arguments -> (out, lse) through the decode/prefill split
+    with num_decodes leading decodes, passed traced as the model passes it. One jitted
+    function per (heads, impl, num_decodes), so the chunking-overhead steps reuse the
+    prefill rows' compiles."""
+    step = jax.jit(lambda *a: ragged_paged_attention(
+        *a[:-1], sm_scale=heads.head_dim ** -0.5, impl=impl, num_decodes=a[-1]))
+    decodes = jnp.array([num_decodes], jnp.int32)
+    return lambda *args: step(*args, decodes)
 
 
 # ----------------------------------------------------------------------------------------
@@ -176,7 +193,7 @@ def prefill_fn(heads: Heads, impl: str):
 # ----------------------------------------------------------------------------------------
 
 
-def _tpu_combined_kv(k_pages, v_pages):
+def jax_tpu_kv_cache(k_pages, v_pages):
     """JAX's TPU kernel cache: [pages, page_size, 2 * kv_heads, d], K even heads, V odd."""
     pages, page_size, kv_heads, head_dim = k_pages.shape
     return jnp.stack([k_pages, v_pages], axis=3).reshape(pages, page_size, 2 * kv_heads,
@@ -192,7 +209,7 @@ def jax_prefill_baselines(backend: str, heads: Heads) -> dict:
     def tpu(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, num_seqs):
         fn = jax.jit(lambda q, kv, kl, pt, cu, ns: rpa(q, kv, kl, pt, cu, ns,
                                                        sm_scale=heads.head_dim ** -0.5))
-        return fn, (q, _tpu_combined_kv(k_pages, v_pages), kv_lens, page_table, cu_q_lens,
+        return fn, (q, jax_tpu_kv_cache(k_pages, v_pages), kv_lens, page_table, cu_q_lens,
                     num_seqs)
     return {"jax-tpu-ragged": tpu}
 
@@ -207,7 +224,7 @@ def jax_decode_baselines(backend: str, heads: Heads) -> dict:
             seqs = q.shape[0]
             fn = jax.jit(lambda q, kv, kl, pt, cu, ns: rpa(q, kv, kl, pt, cu, ns,
                                                            sm_scale=sm_scale))
-            return fn, (q, _tpu_combined_kv(k_pages, v_pages), kv_lens, page_table,
+            return fn, (q, jax_tpu_kv_cache(k_pages, v_pages), kv_lens, page_table,
                         jnp.arange(seqs + 1, dtype=jnp.int32), jnp.array([seqs], jnp.int32))
         return {"jax-tpu-ragged": tpu}
     if backend not in ("gpu", "cuda", "rocm"):
@@ -281,27 +298,25 @@ def run_decode(heads, dtype, grid: Grid, impls, repeats, key, rng, log,
             k_pages, v_pages = paged_cache(key, heads, batch * context, dtype)
             q = jax.random.normal(jax.random.fold_in(key, 2),
                                   (batch, heads.q_heads, heads.head_dim), dtype)
-            args = (q, k_pages, v_pages, shuffled_page_table(rng, batch, context),
-                    jnp.full((batch,), context, jnp.int32))
+            decode_args = (q, k_pages, v_pages, shuffled_page_table(rng, batch, context),
+                           jnp.full((batch,), context, jnp.int32))
             row = {"kind": "decode", "context": context, "chunk": 1, "batch": batch,
                    "flops": 4.0 * heads.head_dim * heads.q_heads * context * batch,
                    "bytes": cache_bytes + 2 * batch * heads.q_heads * heads.head_dim * itemsize}
             for impl in impls:
-                fn = jax.jit(lambda *a, impl=impl: decode_attention(
-                    *a, sm_scale=heads.head_dim ** -0.5, impl=impl))
+                fn, args = decode_step(heads, impl, decode_args)
                 row[impl] = time_call(fn, args, repeats)
-            time_baselines(row, baselines or {}, args, repeats, log)
-            del k_pages, v_pages, args
+            time_baselines(row, baselines or {}, decode_args, repeats, log)
+            del k_pages, v_pages, decode_args, args
             rows.append(row)
             log(f"decode context={context} batch={batch}: "
                 f"{row[impls[0]]['time_s'] * 1e3:.3f} ms")
     return rows
 
 
-def run_chunking_overhead(heads, dtype, grid: Grid, impl, repeats, key, rng, log,
-                          chunk_sizes=(32, 2048)) -> dict:
+def run_chunking_overhead(heads, dtype, grid: Grid, impl, repeats, key, rng, log) -> dict:
     """Whole-prompt time in small vs large chunks, from a linear fit of sampled chunk steps."""
-    n = grid.overhead_context
+    n, chunk_sizes = grid.overhead_context, grid.overhead_chunks
     if kv_bytes(heads, n, jnp.dtype(dtype).itemsize) > grid.max_kv_bytes:
         log(f"skip chunking overhead at context={n}: cache too large")
         return {}
@@ -312,7 +327,7 @@ def run_chunking_overhead(heads, dtype, grid: Grid, impl, repeats, key, rng, log
     for chunk in chunk_sizes:
         q = jax.random.normal(jax.random.fold_in(key, chunk),
                               (chunk, heads.q_heads, heads.head_dim), dtype)
-        fn = prefill_fn(heads, impl)
+        fn = split_path_fn(heads, impl, num_decodes=0)
         starts = sorted({int(p) // chunk * chunk
                          for p in np.linspace(0, n - chunk, grid.overhead_positions)})
         samples = []
@@ -394,11 +409,13 @@ def environment(heads: Heads, model: str, dtype, impl: str, hardware) -> dict:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
-def cpu_notice(impl: str) -> str:
+def cpu_notice(impl: str, hardware) -> str:
     what = {"xla": "the XLA path (plain jnp) on the host CPU"}.get(
         impl, f"impl {impl!r} on the host CPU (an interpreter: its times are not a device's)")
-    return (f"CPU run: measured {what}, not a GPU or TPU kernel; no device peaks, so "
-            "MFU/MBU are '-'. Run on the device for the kernels' figures.")
+    fractions = ("no device peaks, so MFU/MBU are '-'" if hardware is None else
+                 f"MFU/MBU are against {hardware.name}'s peaks, not this host's")
+    return (f"CPU run: measured {what}, not a GPU or TPU kernel; {fractions}. Run on the "
+            "device for the kernels' figures.")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -450,7 +467,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     log(f"{backend} ({device.device_kind}); model {model} heads {heads}; {dtype.name}; "
         f"impl {impls}; peaks from {hardware.name if hardware else 'none (absolute numbers only)'}")
     if on_cpu:
-        log(cpu_notice(impl))
+        log(cpu_notice(impl, hardware))
     prefill_baselines = {} if args.no_baselines else jax_prefill_baselines(backend, heads)
     decode_baselines = {} if args.no_baselines else jax_decode_baselines(backend, heads)
 
@@ -475,10 +492,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if baseline_names:
         columns += [("speedup_vs_jax", "speedup_vs_jax"), ("jax_kernel", "jax_kernel")]
     if on_cpu:
-        print("\n" + cpu_notice(impl))
+        print("\n" + cpu_notice(impl, hardware))
     if overhead:
-        print(f"\nchunking overhead at context {overhead['context']}: 32-token chunks take "
-              f"{overhead['ratio']:.3f}x the time of 2048-token chunks "
+        small, large = grid.overhead_chunks
+        print(f"\nchunking overhead at context {overhead['context']}: {small}-token chunks "
+              f"take {overhead['ratio']:.3f}x the time of {large}-token chunks "
               f"({overhead['method']})")
     print()
     print(format_table(table, label=f"{impl} ({backend})", columns=columns))

@@ -143,6 +143,8 @@ TABLE_COLUMNS: tuple[tuple[str, str], ...] = (
 def _cell(value) -> str:
     if value is None:
         return "-"
+    if isinstance(value, str):
+        return value
     if isinstance(value, (int, np.integer)):
         return str(int(value))
     value = float(value)

@@ -2,10 +2,27 @@
 (`dispatch.choose_attention`), and call a Pallas kernel (GPU or TPU) or the XLA path.
 
 Decode and prefill paths: a caller that orders each step's sequences decodes first
-(`order_decodes_first`) passes num_decodes to `ragged_paged_attention`; the decodes then
-go to the decode kernel (GPU: split-K over programs, merged by LSE; TPU: one program per
-sequence and KV head) and the prefill chunks to the ragged kernel with query blocks of
-`BlockSizes.prefill_rows` rows, all in one compiled program (num_decodes is traced).
+(`order_decodes_first`) passes num_decodes to `ragged_paged_attention`; then, all in one
+compiled program (num_decodes is traced):
+
+- prefill chunks go to the ragged kernel in query blocks of `BlockSizes.prefill_block_q`
+  tokens (about prefill_rows kernel rows), so a long chunk reads each K/V tile once per
+  block of many rows;
+- decodes go to the decode path. GPU: the split-K decode kernel (`decode_attention_pallas`),
+  one program per (sequence, KV head, KV split), its rows the GQA group, the splits merged
+  by LSE. TPU: no second kernel: `decode_attention_tpu` runs the same Mosaic kernel again
+  with one-token query blocks of block_q tokens (never the prefill-sized ones), one
+  program per (KV head, sequence), no KV splits (the grid is a sequential loop there).
+
+One decode per program, not several as the issue's text has it: sequences share no K/V,
+so the rows of a second sequence in a program would reuse no tile the first loads (the
+matmul would compute cross-sequence scores only to mask them), and a decode is bound by
+the HBM bytes of its K/V, which packing does not reduce. Looping over several sequences
+inside a program instead makes fewer, longer programs: fewer loads in flight to hide HBM
+latency, and worse balance when contexts differ. Packing would only save each program's
+fixed cost: small on a GPU (the whole grid is one launch); on a TPU a fixed cost per grid
+step times sequences x KV heads (DMA latency is not part of it: the kernel prefetches the
+next program's first tile), whether that pays is for benchmarks/kernels.py on a TPU.
 """
 
 from __future__ import annotations
@@ -66,7 +83,9 @@ def check_paged_inputs(q, k_pages, v_pages, page_table) -> None:
 def _split_decode_prefill(impl, q, k_pages, v_pages, page_table, cu_q_lens, kv_lens,
                           num_seqs, num_decodes, *, sm_scale, block_sizes, causal):
     """Sequences 0..num_decodes-1 (one token each, tokens 0..num_decodes-1) through the
-    decode kernel, the others through the ragged kernel with prefill-sized query blocks.
+    decode path (GPU: the decode kernel; TPU: the ragged kernel in one-token blocks; see
+    the module docstring), the others through the ragged kernel with prefill-sized query
+    blocks.
 
     Static shapes: the decode batch is the first min(max_seqs, tokens) sequences, those
     past num_decodes given kv_len 0 (no key: no tile read, out 0); the ragged kernel's
@@ -145,8 +164,9 @@ def ragged_paged_attention(
     num_decodes: None, or the number of leading sequences that are decodes: sequences
     0..num_decodes-1 have exactly one query each (so they own tokens 0..num_decodes-1),
     and later ones are prefill chunks of any length (`order_decodes_first`). The kernels
-    then serve the decodes with the decode kernel and the chunks with query blocks of
-    block_sizes.prefill_rows rows; traced, so one compiled program serves every split.
+    then serve the decodes on the decode path and the chunks with query blocks of
+    block_sizes.prefill_rows rows (module docstring); traced, so one compiled program
+    serves every split.
     The XLA path finds its decodes itself (q_len 1) and ignores it. Results are the same
     with or without it.
 

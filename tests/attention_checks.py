@@ -3,9 +3,11 @@ and the one comparison of results against the dense oracle."""
 
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 from hypothesis import strategies as st
 
+from pallas_kernels import order_decodes_first
 from pallas_kernels.dense_reference import dense_attention_oracle, random_page_table
 
 
@@ -91,3 +93,30 @@ def assert_matches_oracle(out, lse, batch, sm_scale, *, causal=True, atol=2e-5):
     out, lse = np.asarray(out), np.asarray(lse)
     padding = np.arange(out.shape[0]) >= batch["cu_q_lens"][batch["num_seqs"][0]]
     assert (out[padding] == 0).all() and np.isneginf(lse[padding]).all()
+
+
+def decodes_first(q_lens, contexts):
+    """(q_lens, contexts, num_decodes int32 [1]) in the order the decode/prefill split
+    wants (`order_decodes_first`): the one-token sequences first."""
+    order, num_decodes = order_decodes_first(q_lens)
+    return ([q_lens[i] for i in order], [contexts[i] for i in order],
+            np.array([num_decodes], np.int32))
+
+
+def as_bfloat16(batch):
+    """(the batch with q and the cache in bfloat16, the same rounded back to float32 for
+    the oracle)."""
+    bf16 = {k: (v.astype(jnp.bfloat16) if v.dtype == np.float32 else v) for k, v in batch.items()}
+    rounded = {k: np.asarray(v, np.float32) if k in ("q", "k_pages", "v_pages") else v
+               for k, v in bf16.items()}
+    return bf16, rounded
+
+
+def mark_kernels(monkeypatch, module, marks):
+    """Wraps each kernel `module.name` of marks {name: offset} to add its offset to its
+    output, so a result shows which kernel served each token. The caller clears JAX's
+    caches so jitted entry points trace the wrappers."""
+    for name, mark in marks.items():
+        kernel = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _k=kernel, _m=mark, **kw: (
+            (lambda out, lse: (out + _m, lse))(*_k(*a, **kw))))

@@ -18,7 +18,8 @@ from pallas_kernels import (BlockSizes, merge_attention, order_decodes_first,
 from pallas_kernels.dense_reference import dense_attention_oracle
 from pallas_kernels.paged_kernel import kernel_rows, paged_attention_blocks
 from pallas_kernels.query_blocks import plan_query_blocks
-from tests.attention_checks import Shapes, assert_matches_oracle, make_batch, ragged_batches
+from tests.attention_checks import (Shapes, as_bfloat16, assert_matches_oracle, decodes_first,
+                                    make_batch, mark_kernels, ragged_batches)
 
 SHAPES = [
     Shapes(q_heads=4, kv_heads=4, head_dim=64, page_size=4),    # multi-head
@@ -118,10 +119,7 @@ def test_padding_tail_after_a_full_batch_ending_in_a_decode(impl):
 def test_bfloat16_inputs():
     shapes = SHAPES[1]
     batch = make_batch(3, shapes, [1, 9, 17], [30, 0, 40])
-    bf16 = {k: (v.astype(jnp.bfloat16) if v.dtype == np.float32 else v) for k, v in batch.items()}
-    # Compare against the oracle on the bf16-rounded inputs.
-    rounded = {k: np.asarray(v, np.float32) if k in ("q", "k_pages", "v_pages") else v
-               for k, v in bf16.items()}
+    bf16, rounded = as_bfloat16(batch)    # the oracle sees the bf16-rounded inputs
     for impl in IMPLS:
         out, lse = ragged_paged_attention(**bf16, sm_scale=0.125, impl=impl,
                                           block_sizes=TILINGS[0])
@@ -169,12 +167,6 @@ def test_shape_and_impl_errors_name_the_values():
 SPLIT_TILING = BlockSizes(block_q=4, kv_pages_per_block=2, num_kv_splits=3, prefill_rows=32)
 
 
-def decodes_first(q_lens, contexts):
-    order, num_decodes = order_decodes_first(q_lens)
-    return ([q_lens[i] for i in order], [contexts[i] for i in order],
-            np.array([num_decodes], np.int32))
-
-
 @settings(max_examples=5, deadline=None)
 @given(batch_spec=ragged_batches(tuple(SHAPES[1:3])), causal=st.booleans())
 def test_decode_prefill_split_equals_dense_oracle(batch_spec, causal):
@@ -202,11 +194,8 @@ def test_decode_sequences_run_the_decode_kernel(monkeypatch):
     kernel's mark, every chunk token the ragged kernel's; without it, all tokens go
     through the ragged kernel. A decode-only batch never sees the ragged kernel's mark."""
     from pallas_kernels import attention
-    marks = {"decode_attention_pallas": 100.0, "ragged_paged_attention_pallas": 1000.0}
-    for name, mark in marks.items():
-        kernel = getattr(attention, name)
-        monkeypatch.setattr(attention, name, lambda *a, _k=kernel, _m=mark, **kw: (
-            (lambda out, lse: (out + _m, lse))(*_k(*a, **kw))))
+    mark_kernels(monkeypatch, attention, {"decode_attention_pallas": 100.0,
+                                          "ragged_paged_attention_pallas": 1000.0})
     jax.clear_caches()   # the jitted entry point must trace the wrapped kernels
     try:
         shapes = SHAPES[1]
