@@ -17,6 +17,7 @@ from medha_jax.simulator import CountingAllocator
     (dict(rho_max=1.0), ValueError, r"rho_max must be in \[0, 1\)"),
     (dict(min_chunk_tokens=0), ValueError, "min_chunk_tokens must be an int >= 1, got 0"),
     (dict(max_prefill_candidates=2.5), ValueError, "max_prefill_candidates must be an int"),
+    (dict(max_rider_candidates=-1), ValueError, "max_rider_candidates must be an int >= 0"),
     (dict(token_buckets=(64, 32)), ValueError, "token_buckets must be strictly increasing"),
     (dict(token_buckets=(16, 32), max_tokens_per_batch=64), ValueError,
      "max_tokens_per_batch=64 exceeds the largest token bucket 32"),
@@ -59,5 +60,8 @@ def test_make_controller_follows_the_config():
     assert controller.packer.target_batch_time_s == 0.1      # the default SLO's TPOT caps it
     assert controller.packer.limits.max_seqs_per_batch == 4
     assert controller.prefill_time_cache.t_target == 0.1
+    # Riders beyond the LARS candidates only where there is space sharing.
+    assert controller.max_rider_candidates == SchedulerConfig().max_rider_candidates > 0
+    assert make(SchedulerConfig("lars")).max_rider_candidates == 0
     with pytest.raises(TypeError, match=r"SchedulerConfig\('lars'\) makes one"):
         make("lars")
