@@ -1,6 +1,7 @@
 """SchedulerConfig: one frozen value for every scheduler knob, checked when it is made."""
 
 import dataclasses
+import inspect
 
 import pytest
 
@@ -42,6 +43,18 @@ def test_defaults_names_and_limits():
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.policy = "edf"
     assert set(POLICY_NAMES) >= {"lars", "lars-mp", "fcfs-np"}
+
+
+def test_the_full_medha_scheduler_is_the_default_everywhere():
+    # Issue 18: lars-mp for the config, the Server and the CLI; the others are baselines.
+    from serving import cli
+    from serving.server import Server
+
+    assert SchedulerConfig().policy == "lars-mp"
+    assert inspect.signature(Server).parameters["scheduler"].default == "lars-mp"
+    for command in ("serve", "generate"):
+        args = cli.build_parser().parse_args([command] + (["hi"] if command == "generate" else []))
+        assert args.policy == "lars-mp"
 
 
 def test_make_controller_follows_the_config():
