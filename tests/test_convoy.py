@@ -60,20 +60,35 @@ def test_arguments_validate_and_default_by_mode():
 
 @pytest.mark.slow
 def test_figure13_loads_bracket_long_saturation(tmp_path):
-    # Three loads around the QPS where long prefills alone fill the replica, each policy
-    # of the ablation at each; the full scheduler serves short requests well inside
-    # their deadline where vanilla LARS serves them at it (seed 000, figure 13).
+    # Three loads around the QPS where long prefills alone fill the replica; the full
+    # scheduler (lars-mp) against vanilla LARS at each (issue 18, seed 000 figure 13).
+    # The other ablation policies run in `--figure13`; here they would only cost time.
     report = convoy.main(["--simulate", "--figure13", "--requests", "200", "--seed", "1",
-                          "--out", str(tmp_path), "--no-progress"])
+                          "--policies", "lars,lars-mp", "--out", str(tmp_path),
+                          "--no-progress"])
     figure13 = report["context"]["figure13"]
-    loads = [v["long_load"] for v in figure13["loads"]["by_qps"].values()]
-    assert loads == pytest.approx([0.5, 0.9, 1.3], rel=1e-3)   # QPS rounded to 4 digits
+    by_load = {v["long_load"]: report["results"][qps]
+               for qps, v in figure13["loads"]["by_qps"].items()}
+    assert sorted(by_load) == pytest.approx([0.5, 0.9, 1.3], rel=1e-3)   # QPS to 4 digits
     assert set(report["results"]) == set(figure13["ttft_over_deadline"])
-    near = report["results"][f"{sorted(float(q) for q in report['results'])[1]:g}"]
-    assert near["lars-mp"]["short_ttft_p50"] * 5 < near["lars"]["short_ttft_p50"]
-    assert near["lars-mp"]["short_ttft_p90"] < 0.5 * convoy.SLOPolicy().short_ttft_s
-    for summary in near.values():
-        assert summary["long_completed"] == summary["long_total"]
+    deadline = convoy.SLOPolicy().short_ttft_s
+    below, near, above = (by_load[load] for load in sorted(by_load))
+    for runs in (below, near, above):
+        full, lars = runs["lars-mp"], runs["lars"]
+        # Short requests start well inside their deadline, not at it, at every load.
+        assert full["short_ttft_p50"] < 0.1 * deadline
+        assert full["short_ttft_p90"] < 0.25 * deadline
+        for summary in runs.values():
+            assert summary["long_completed"] == summary["long_total"] > 0
+    # Below saturation, the median short request at least 1.6x sooner than under LARS
+    # (seed 000: 1.6-1.8x) where there is a convoy to cure: at 0.9 of saturation LARS
+    # holds the median short request to its deadline (18x here). At 0.5 more than half
+    # of the short requests arrive while no long prefill runs, and both serve those at
+    # once: the medians are close (0.087 vs 0.076 s here, 0.084 vs 0.080 s with 1000
+    # requests), so there the gain shows at p90 (2.1 vs 0.14 s).
+    assert near["lars-mp"]["short_ttft_p50"] * 1.6 <= near["lars"]["short_ttft_p50"]
+    assert below["lars-mp"]["short_ttft_p50"] <= below["lars"]["short_ttft_p50"]
+    assert below["lars-mp"]["short_ttft_p90"] * 1.6 <= below["lars"]["short_ttft_p90"]
     assert (tmp_path / "figure13_ttft_over_deadline.png").stat().st_size > 10_000
 
 
