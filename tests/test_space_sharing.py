@@ -3,7 +3,8 @@
 Controller + simulator executor (no JAX): a long prefill is under way when a short
 request arrives; its first token must come within two iterations, whether the long one
 has ample slack or is behind its deadline, and the long one's finish must not move by
-more than the short one's work.
+more than the short one's work; also behind a burst of more queued prefills than the
+packer's LARS candidates.
 """
 
 import pytest
