@@ -60,20 +60,35 @@ def test_arguments_validate_and_default_by_mode():
 
 @pytest.mark.slow
 def test_figure13_loads_bracket_long_saturation(tmp_path):
-    # Three loads around the QPS where long prefills alone fill the replica, each policy
-    # of the ablation at each; the full scheduler serves short requests well inside
-    # their deadline where vanilla LARS serves them at it (seed 000, figure 13).
+    # Three loads around the QPS where long prefills alone fill the replica; the full
+    # scheduler (lars-mp) against vanilla LARS at each (issue 18, seed 000 figure 13).
+    # The other ablation policies run in `--figure13`; here they would only cost time.
     report = convoy.main(["--simulate", "--figure13", "--requests", "200", "--seed", "1",
-                          "--out", str(tmp_path), "--no-progress"])
+                          "--policies", "lars,lars-mp", "--out", str(tmp_path),
+                          "--no-progress"])
     figure13 = report["context"]["figure13"]
-    loads = [v["long_load"] for v in figure13["loads"]["by_qps"].values()]
-    assert loads == pytest.approx([0.5, 0.9, 1.3], rel=1e-3)   # QPS rounded to 4 digits
+    by_load = {v["long_load"]: report["results"][qps]
+               for qps, v in figure13["loads"]["by_qps"].items()}
+    assert sorted(by_load) == pytest.approx([0.5, 0.9, 1.3], rel=1e-3)   # QPS to 4 digits
     assert set(report["results"]) == set(figure13["ttft_over_deadline"])
-    near = report["results"][f"{sorted(float(q) for q in report['results'])[1]:g}"]
-    assert near["lars-mp"]["short_ttft_p50"] * 5 < near["lars"]["short_ttft_p50"]
-    assert near["lars-mp"]["short_ttft_p90"] < 0.5 * convoy.SLOPolicy().short_ttft_s
-    for summary in near.values():
-        assert summary["long_completed"] == summary["long_total"]
+    deadline = convoy.SLOPolicy().short_ttft_s
+    below, near, above = (by_load[load] for load in sorted(by_load))
+    for runs in (below, near, above):
+        full, lars = runs["lars-mp"], runs["lars"]
+        # Short requests start well inside their deadline, not at it, at every load.
+        assert full["short_ttft_p50"] < 0.1 * deadline
+        assert full["short_ttft_p90"] < 0.25 * deadline
+        for summary in runs.values():
+            assert summary["long_completed"] == summary["long_total"] > 0
+    # Below saturation, the median short request at least 1.6x sooner than under LARS
+    # (seed 000: 1.6-1.8x) where there is a convoy to cure: at 0.9 of saturation LARS
+    # holds the median short request to its deadline (18x here). At 0.5 more than half
+    # of the short requests arrive while no long prefill runs, and both serve those at
+    # once: the medians are close (0.087 vs 0.076 s here, 0.084 vs 0.080 s with 1000
+    # requests), so there the gain shows at p90 (2.1 vs 0.14 s).
+    assert near["lars-mp"]["short_ttft_p50"] * 1.6 <= near["lars"]["short_ttft_p50"]
+    assert below["lars-mp"]["short_ttft_p50"] <= below["lars"]["short_ttft_p50"]
+    assert below["lars-mp"]["short_ttft_p90"] * 1.6 <= below["lars"]["short_ttft_p90"]
     assert (tmp_path / "figure13_ttft_over_deadline.png").stat().st_size > 10_000
 
 
@@ -96,34 +111,46 @@ class _Biased:
         return self.bias * self.predictor.predict_features(features)
 
 
-def _percentile_errors(requests, name):
-    """Relative errors of the simulated TTFT / TPOT p50 and p90 against the measured ones,
-    computed here from the per-request figures (not with the report's own code)."""
+def _percentile_ratios(requests, name):
+    """Simulated over measured TTFT / TPOT p50 and p90, computed here from the per-request
+    figures (not with the report's own code); |ratio - 1| is the report's relative error."""
     import numpy as np
 
-    errors = {}
+    ratios = {}
     for metric in ("ttft", "tpot"):
         measured = [r[f"measured_{metric}_s"] for r in requests
                     if r[f"measured_{metric}_s"] is not None]
         simulated = [r[f"simulated_{name}_{metric}_s"] for r in requests
                      if r[f"simulated_{name}_{metric}_s"] is not None]
         for q in (50, 90):
-            m, s = np.percentile(measured, q), np.percentile(simulated, q)
-            errors[f"{metric}_p{q}"] = abs(s - m) / m
-    return errors
+            ratios[f"{metric}_p{q}"] = np.percentile(simulated, q) / np.percentile(measured, q)
+    return ratios
+
+
+# The bound the tiny honest run must meet, as simulated / measured percentiles. One-sided
+# where it can be tight: the live run also pays what the simulator does not model (the
+# server's host work and hand-offs per request, as long as a ~1 ms step of this model, and
+# the stalls of a shared 2-core CPU), so it only ever runs slower than its simulation: in
+# 15 hand runs at load averages 6-17 the ratios were 0.05-1.00, the medians' 0.31-1.00,
+# none above 1 - the issue's 25% cannot hold here. A simulated device slower than the
+# live engine is never right, so no percentile may exceed 1.2x the measured one, and a
+# loose floor on the medians still catches a device far too fast. A device 1.5x too slow
+# fails this bound when the run's TPOT p50 is within 20%: checked by hand, in 5 of 6 runs
+# at load averages 6-9 (its ratios 1.26-1.50), but not at 14-17, where the live run
+# itself was 1.5-3x slower than its simulation - hence the test's twin is 3x slow.
+HONEST_MAX_RATIO, HONEST_MIN_P50_RATIO = 1.2, 0.2
+BIASED_DEVICE = 3.0
 
 
 @pytest.mark.slow
 def test_simulator_validation_detects_a_biased_device(tmp_path, monkeypatch):
     # The --validate-simulator path end to end on a tiny engine (one compiled shape). The
     # report's errors are checked against percentiles computed here from its per-request
-    # figures, and the 25% bar against a deliberately biased simulated device (3x slower
-    # than this run's iterations), simulated beside the honest one on the same live run:
-    # the bar must reject it, and the honest twin must be closer on every percentile.
-    # (The bar itself is not asserted for the honest twin: with this model a step takes
-    # ~1 ms and the server's host work and hand-offs per request as long, which the
-    # simulator does not model; 30-50% apart measured. It applies to the CPU-sized
-    # model of `--validate-simulator`, whose steps take 100s of ms.)
+    # figures; the honest twin against HONEST_MAX_RATIO and HONEST_MIN_P50_RATIO (not the
+    # 25% bar, which applies to the CPU-sized model of `--validate-simulator`, whose steps
+    # take 100s of ms); and a deliberately biased simulated device (BIASED_DEVICE x slower
+    # than this run's iterations), simulated beside the honest one on the same live run,
+    # must give longer latencies at every percentile and fail both the bound and the bar.
     monkeypatch.setattr(convoy, "SERVER_ENGINE", dict(
         page_size=16, max_kv_tokens=2048, max_model_len=256, max_tokens_per_step=64,
         min_token_bucket=64, max_seqs=8, enable_prefix_caching=False))
@@ -133,7 +160,8 @@ def test_simulator_validation_detects_a_biased_device(tmp_path, monkeypatch):
 
     def with_a_biased_twin(server, predictor, trace, **kwargs):
         def slower(*args, device_predictor=None, **kw):
-            return simulate_policy(*args, device_predictor=_Biased(device_predictor, 3.0), **kw)
+            return simulate_policy(*args, device_predictor=_Biased(device_predictor,
+                                                                   BIASED_DEVICE), **kw)
 
         monkeypatch.setattr(convoy, "simulate_policy", slower)
         biased["check"], _ = check_simulator(server, predictor, trace, **kwargs)
@@ -151,13 +179,16 @@ def test_simulator_validation_detects_a_biased_device(tmp_path, monkeypatch):
         assert summary["long_completed"] == summary["long_total"] == 2
     honest, slow = report["validation"]["8"]["lars"], biased["check"]
     assert len(honest["requests"]) == 12 and honest["calibration_error_on_run_steps"]["steps"] > 0
-    errors = _percentile_errors(honest["requests"], "as_run")
-    slow_errors = _percentile_errors(slow["requests"], "as_run")
-    for key, error in errors.items():
-        assert honest["as run"][key]["rel_error"] == pytest.approx(error)
-        assert slow["as run"][key]["rel_error"] == pytest.approx(slow_errors[key])
-        assert error < slow_errors[key]
-    assert max(slow_errors.values()) > 0.25 and not slow["within_tolerance"]
-    assert honest["within_tolerance"] == (max(errors.values()) <= 0.25)
+    ratios = _percentile_ratios(honest["requests"], "as_run")
+    slow_ratios = _percentile_ratios(slow["requests"], "as_run")
+    for key, ratio in ratios.items():
+        assert honest["as run"][key]["rel_error"] == pytest.approx(abs(ratio - 1))
+        assert slow["as run"][key]["rel_error"] == pytest.approx(abs(slow_ratios[key] - 1))
+        assert ratio < slow_ratios[key]           # a slower device: longer latencies
+        assert ratio <= HONEST_MAX_RATIO
+        if key.endswith("p50"):
+            assert ratio >= HONEST_MIN_P50_RATIO
+    assert max(slow_ratios.values()) > HONEST_MAX_RATIO and not slow["within_tolerance"]
+    assert honest["within_tolerance"] == (max(abs(r - 1) for r in ratios.values()) <= 0.25)
     assert json.loads((tmp_path / "v.json").read_text())["context"]["mode"] == \
         "live server + simulator"

@@ -1,6 +1,7 @@
 """SchedulerConfig: one frozen value for every scheduler knob, checked when it is made."""
 
 import dataclasses
+import inspect
 
 import pytest
 
@@ -17,6 +18,7 @@ from medha_jax.simulator import CountingAllocator
     (dict(rho_max=1.0), ValueError, r"rho_max must be in \[0, 1\)"),
     (dict(min_chunk_tokens=0), ValueError, "min_chunk_tokens must be an int >= 1, got 0"),
     (dict(max_prefill_candidates=2.5), ValueError, "max_prefill_candidates must be an int"),
+    (dict(max_rider_candidates=-1), ValueError, "max_rider_candidates must be an int >= 0"),
     (dict(token_buckets=(64, 32)), ValueError, "token_buckets must be strictly increasing"),
     (dict(token_buckets=(16, 32), max_tokens_per_batch=64), ValueError,
      "max_tokens_per_batch=64 exceeds the largest token bucket 32"),
@@ -43,6 +45,18 @@ def test_defaults_names_and_limits():
     assert set(POLICY_NAMES) >= {"lars", "lars-mp", "fcfs-np"}
 
 
+def test_the_full_medha_scheduler_is_the_default_everywhere():
+    # Issue 18: lars-mp for the config, the Server and the CLI; the others are baselines.
+    from serving import cli
+    from serving.server import Server
+
+    assert SchedulerConfig().policy == "lars-mp"
+    assert inspect.signature(Server).parameters["scheduler"].default == "lars-mp"
+    for command in ("serve", "generate"):
+        args = cli.build_parser().parse_args([command] + (["hi"] if command == "generate" else []))
+        assert args.policy == "lars-mp"
+
+
 def test_make_controller_follows_the_config():
     model = model_preset("tiny")
     predictor = AnalyticalPredictor(model, ParallelConfig(), "a100")
@@ -59,5 +73,8 @@ def test_make_controller_follows_the_config():
     assert controller.packer.target_batch_time_s == 0.1      # the default SLO's TPOT caps it
     assert controller.packer.limits.max_seqs_per_batch == 4
     assert controller.prefill_time_cache.t_target == 0.1
+    # Riders beyond the LARS candidates only where there is space sharing.
+    assert controller.max_rider_candidates == SchedulerConfig().max_rider_candidates > 0
+    assert make(SchedulerConfig("lars")).max_rider_candidates == 0
     with pytest.raises(TypeError, match=r"SchedulerConfig\('lars'\) makes one"):
         make("lars")

@@ -11,7 +11,7 @@ from medha_jax.kv_cache.allocator import BlockAllocator
 from medha_jax.request import SLO, Request, RequestState, VirtualClock
 from medha_jax.scheduler import (ReplicaController, SchedulerConfig, make_controller,
                                  run_one_step)
-from medha_jax.scheduler.policies import EDF, FCFS, LARS, LRS, PriorityIndex
+from medha_jax.scheduler.policies import EDF, FCFS, LARS, LRS, SRPT, PriorityIndex
 from medha_jax.scheduler.predictor import AnalyticalPredictor, batch_features
 from medha_jax.simulator import SimulatedExecutor, simulate
 
@@ -36,6 +36,7 @@ def test_policy_keys_match_their_definitions():
     assert EDF().priority_key(r, t) == 12.0
     assert LRS(w).priority_key(r, t) == pytest.approx(12.0 - 4.0 - 3.0)
     assert LARS(w).priority_key(r, t) == pytest.approx((12.0 - 4.0 - 3.0) / 5.0)
+    assert SRPT(w).priority_key(r, t) == pytest.approx(3.0)
 
 
 def test_lars_ranks_the_long_request_first_at_equal_slack():
@@ -53,7 +54,9 @@ def test_priority_index_top_equals_a_full_sort(policy_name):
     rng = random.Random(policy_name)
     w = _work_per_token(0.002)
     policy = {"fcfs": FCFS(), "edf": EDF(), "lrs": LRS(w), "lars": LARS(w)}[policy_name]
-    index = PriorityIndex(policy, capacity=4)     # grows past its initial capacity
+    # Grows past its initial capacity; keeps the controller's second order beside the first.
+    srpt = SRPT(w)
+    index = PriorityIndex(policy, capacity=4, secondary=srpt)
     live = {}
     for step in range(300):
         action = rng.random()
@@ -73,11 +76,14 @@ def test_priority_index_top_equals_a_full_sort(policy_name):
             index.update(r)
         now = rng.uniform(0, 100)
         k = rng.randint(1, 20)
-        expected = sorted(live.values(), key=lambda r: policy.sort_key(r, now))[:k]
-        got = index.top(now, k)
-        assert [r.priority for r in got] == [r.priority for r in expected]
-        assert [policy.priority_key(r, now) for r in got] == pytest.approx(
-            [policy.priority_key(r, now) for r in expected])
+        for order, secondary in ((policy, False), (srpt, True)):
+            expected = sorted(live.values(), key=lambda r: order.sort_key(r, now))[:k]
+            got = index.top(now, k, secondary=secondary)
+            assert [r.priority for r in got] == [r.priority for r in expected]
+            assert [order.priority_key(r, now) for r in got] == pytest.approx(
+                [order.priority_key(r, now) for r in expected])
+        for r in got:       # the stored key, as the controller sorts its riders by it
+            assert index.sort_key(r, now) == pytest.approx(policy.sort_key(r, now))
         assert len(index) == len(live)
 
 
@@ -88,6 +94,8 @@ def test_priority_class_comes_before_the_key():
     index.add(urgent_low_class)
     index.add(relaxed_high_class)
     assert [r.request_id for r in index.top(0.0, 2)] == ["first-class", "late-class"]
+    with pytest.raises(ValueError, match="no secondary"):
+        index.top(0.0, 2, secondary=True)
 
 
 # ----------------------------------------------------------------- the example of sec. 4.1

@@ -44,6 +44,11 @@ class SchedulerConfig:
     max_prefill_candidates: how many of the most urgent prefills the packer looks at per
                             iteration: a batch never holds more than a few, and ordering only
                             the top keeps a step cheap at 10,000 queued requests.
+    max_rider_candidates:   lars-mp only: how many more prefills, those of least remaining
+                            work beyond the max_prefill_candidates, the packer may also run
+                            beside a long prefill (space sharing). In a burst a newly arrived
+                            short request has a high relative slack and ranks below the
+                            candidates; without these it would wait for its deadline.
     prefill_cache_step:     Algorithm 3's table resolution, in tokens.
     token_buckets:          the engine's padded token counts (None: no padding).
     max_tokens_per_batch:   tokens per step (None: the largest bucket, or no limit).
@@ -60,6 +65,7 @@ class SchedulerConfig:
     min_chunk_tokens: int = 16
     long_prefill_tokens: int = 8192
     max_prefill_candidates: int = 64
+    max_rider_candidates: int = 16
     prefill_cache_step: int = 1024
     token_buckets: tuple[int, ...] | None = None
     max_tokens_per_batch: int | None = None
@@ -74,11 +80,12 @@ class SchedulerConfig:
                              f"got {self.target_batch_time_s!r}")
         if not 0 <= self.rho_max < 1:
             raise ValueError(f"rho_max must be in [0, 1), got {self.rho_max!r}")
-        for name in ("min_chunk_tokens", "long_prefill_tokens", "max_prefill_candidates",
-                     "prefill_cache_step"):
+        for name, least in (("min_chunk_tokens", 1), ("long_prefill_tokens", 1),
+                            ("max_prefill_candidates", 1), ("max_rider_candidates", 0),
+                            ("prefill_cache_step", 1)):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
         if self.default_slo is not None and not isinstance(self.default_slo, SLO):
             raise TypeError(f"default_slo must be an SLO or None, "
                             f"got {type(self.default_slo).__name__}")

@@ -30,7 +30,7 @@ from medha_jax.request import (Batch, Clock, Executor, FinishReason, Request, Re
                                RequestUpdate, ScheduledChunk, StepResult)
 from medha_jax.scheduler.kv_reservations import KVAllocator, KVReservations
 from medha_jax.scheduler.packer import BatchPacker
-from medha_jax.scheduler.policies import Policy, PriorityIndex
+from medha_jax.scheduler.policies import SRPT, Policy, PriorityIndex
 from medha_jax.scheduler.prefill_time_cache import PrefillTimeCache
 
 __all__ = ["CapacityError", "KVAllocator", "ReplicaController", "run_one_step"]
@@ -57,11 +57,16 @@ class ReplicaController:
     def __init__(self, *, policy: Policy, packer: BatchPacker, allocator: KVAllocator,
                  clock: Clock, prefill_time_cache: PrefillTimeCache, max_model_len: int,
                  eos_token_ids: Iterable[int] = (), max_prefill_candidates: int = 64,
-                 name: str = "custom"):
+                 max_rider_candidates: int = 0, name: str = "custom"):
+        """max_prefill_candidates: the most urgent prefills the packer is offered.
+        max_rider_candidates: and up to this many more, of least remaining work among the
+          rest (space sharing's riders; SchedulerConfig says why)."""
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
         if max_prefill_candidates < 1:
             raise ValueError(f"max_prefill_candidates must be >= 1, got {max_prefill_candidates}")
+        if max_rider_candidates < 0:
+            raise ValueError(f"max_rider_candidates must be >= 0, got {max_rider_candidates}")
         if prefill_time_cache.max_len < max_model_len:
             raise ValueError(f"the prefill time cache covers {prefill_time_cache.max_len} tokens, "
                              f"less than {max_model_len=}")
@@ -72,11 +77,14 @@ class ReplicaController:
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.max_prefill_candidates = max_prefill_candidates
+        self.max_rider_candidates = max_rider_candidates
 
         self._requests: dict[str, Request] = {}     # unfinished
         self._running: dict[str, Request] = {}      # hold KV pages
         self._decodes: dict[str, Request] = {}      # running, one token to compute
-        self._prefills = PriorityIndex(policy)      # waiting + running with prefill work left
+        # Waiting + running with prefill work left; with riders also by remaining work.
+        self._prefills = PriorityIndex(policy, secondary=SRPT(
+            prefill_time_cache.remaining_work) if max_rider_candidates else None)
         self._admission: dict[str, int] = {}        # request_id -> admission number (tie-break)
         self._in_flight: dict[str, int] = {}        # request_id -> its batches not yet update()d
         self._num_admitted = 0
@@ -218,14 +226,7 @@ class ReplicaController:
         start = time.perf_counter()
         now = self.clock.now()
         in_flight = self._in_flight
-        k = self.max_prefill_candidates
-        if in_flight:
-            # A request in flight may get its next prefill chunk, never a second sample.
-            candidates = [r for r in self._prefills.top(now, k + len(in_flight))
-                          if r.request_id not in in_flight
-                          or r.num_scheduled_tokens < r.num_tokens][:k]
-        else:
-            candidates = self._prefills.top(now, k)
+        candidates = self._candidates(now)
         gate = _KVGate(self.kv, now, pick_victim=self._pick_victim, preempt=self._preempt,
                        start_running=self._start_running, requeue=self._prefills.update)
         batch = self.packer.pack(self._decode_order(), candidates, now, gate)
@@ -283,6 +284,34 @@ class ReplicaController:
                 self._decodes[rid] = request
             updates.append(RequestUpdate(request, (token,), reason is not None))
         return updates
+
+    def _candidates(self, now: float) -> list[Request]:
+        """The prefills the packer is offered, in policy order: the max_prefill_candidates
+        most urgent, then up to max_rider_candidates of least remaining work among the rest.
+
+        The packer reads only a few, so only the top is ordered. But space sharing runs a
+        short request beside a long one as soon as it arrives, when the policy (LARS: its
+        relative slack is high) ranks it last: beyond the top whenever more prefills are
+        queued, as in a burst. Least remaining work is who most likely fits the long
+        one's slack. Those come after the top, so the list stays a subsequence of the
+        policy's order and the packer's reading of it holds."""
+        in_flight, k = self._in_flight, self.max_prefill_candidates
+
+        def runnable(r: Request) -> bool:
+            # A request in flight may get its next prefill chunk, never a second sample.
+            return r.request_id not in in_flight or r.num_scheduled_tokens < r.num_tokens
+
+        candidates = self._prefills.top(now, k + len(in_flight))
+        if in_flight:
+            candidates = [r for r in candidates if runnable(r)][:k]
+        extra = self.max_rider_candidates
+        if not extra or len(self._prefills) <= k + len(in_flight):
+            return candidates                        # the top was the whole queue
+        chosen = {r.request_id for r in candidates}
+        riders = [r for r in self._prefills.top(now, k + extra + len(in_flight), secondary=True)
+                  if r.request_id not in chosen and runnable(r)][:extra]
+        riders.sort(key=lambda r: self._prefills.sort_key(r, now))
+        return candidates + riders
 
     def _decode_order(self) -> list[Request]:
         decodes = list(self._decodes.values())

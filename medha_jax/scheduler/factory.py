@@ -102,4 +102,5 @@ def make_controller(config: SchedulerConfig, *, allocator: KVAllocator, clock: C
         policy=order, packer=packer, allocator=allocator, clock=clock,
         prefill_time_cache=prefill_time_cache, max_model_len=max_model_len,
         eos_token_ids=eos_token_ids, max_prefill_candidates=config.max_prefill_candidates,
+        max_rider_candidates=config.max_rider_candidates if policy == "lars-mp" else 0,
         name=policy)

@@ -6,6 +6,7 @@ Every policy's urgency is linear in time: key(t) = offset - slope * t, lower fir
     EDF   deadline a + d                              (offset a + d,             slope 0)
     LRS   slack a + d - t - w(t)                      (offset a + d - w(t),      slope 1)
     LARS  relative slack (a + d - t - w(t)) / w_total (offset (a+d-w(t))/w_total, slope 1/w_total)
+    SRPT  remaining work w(t)                         (offset w(t),              slope 0)
 
 (seed 000, section 4.1). w(t) is the remaining prefill work, from the PrefillTimeCache
 (Algorithm 3); w_total the work of the whole prompt, set when the request is admitted.
@@ -13,7 +14,9 @@ Offsets change only when a request makes progress, so `PriorityIndex` stores
 (offset, slope) per request in numpy arrays and orders the whole queue at time t with
 one vectorised expression and a partial sort of the top few - no re-sorting of
 thousands of Python objects each iteration. The request's priority class
-(`Request.priority`, lower = more important) comes before the key.
+(`Request.priority`, lower = more important) comes before the key. The index may keep a
+second policy's keys beside the first (the controller draws space-sharing riders from the
+least remaining work, SRPT, of a queue that LARS orders).
 """
 
 from __future__ import annotations
@@ -93,18 +96,31 @@ class LARS(_SlackPolicy):
         return (request.deadline - self.remaining_work(request)) / w_total, 1.0 / w_total
 
 
+class SRPT(_SlackPolicy):
+    """Shortest remaining prefill work w(t) first. Not a scheduling policy of its own: the
+    controller's second order, where it looks for short requests to run beside a long one."""
+
+    name = "srpt"
+
+    def linear_key(self, request: Request) -> tuple[float, float]:
+        return self.remaining_work(request), 0.0
+
+
 class PriorityIndex:
-    """The prefill queue: requests with prompt (or recompute) work left, ordered by a policy.
+    """The prefill queue: requests with prompt (or recompute) work left, ordered by a policy
+    and, optionally, by a secondary policy too.
 
     add / remove / update are O(1); `top(now, k)` is O(n) numpy work plus O(k log k).
     """
 
-    def __init__(self, policy: Policy, capacity: int = 64):
+    def __init__(self, policy: Policy, capacity: int = 64, *, secondary: Policy | None = None):
         self.policy = policy
+        self.secondary = secondary
+        self._policies = (policy,) if secondary is None else (policy, secondary)
         self._requests: list[Request] = []
         self._slot: dict[str, int] = {}          # request_id -> row
-        self._offset = np.empty(capacity)
-        self._slope = np.empty(capacity)
+        self._offset = np.empty((len(self._policies), capacity))   # [policy, row]
+        self._slope = np.empty((len(self._policies), capacity))
         self._klass = np.empty(capacity, dtype=np.int64)
         self._order = np.empty(capacity, dtype=np.int64)   # insertion number: the tie-break
         self._next_order = 0
@@ -120,7 +136,7 @@ class PriorityIndex:
         if request.request_id in self._slot:
             raise ValueError(f"request {request.request_id} is already queued")
         row = len(self._requests)
-        if row == len(self._offset):
+        if row == len(self._klass):
             self._grow()
         self._requests.append(request)
         self._slot[request.request_id] = row
@@ -128,12 +144,15 @@ class PriorityIndex:
         self._class_counts[request.priority] = self._class_counts.get(request.priority, 0) + 1
         self._order[row] = self._next_order
         self._next_order += 1
-        self._offset[row], self._slope[row] = self.policy.linear_key(request)
+        self._set_keys(row, request)
 
     def update(self, request: Request) -> None:
-        """Re-reads the request's key after it made progress."""
-        row = self._slot[request.request_id]
-        self._offset[row], self._slope[row] = self.policy.linear_key(request)
+        """Re-reads the request's keys after it made progress."""
+        self._set_keys(self._slot[request.request_id], request)
+
+    def _set_keys(self, row: int, request: Request) -> None:
+        for i, policy in enumerate(self._policies):
+            self._offset[i, row], self._slope[i, row] = policy.linear_key(request)
 
     def remove(self, request: Request) -> None:
         row = self._slot.pop(request.request_id)
@@ -147,15 +166,24 @@ class PriorityIndex:
             self._requests[row] = moved
             self._slot[moved.request_id] = row
             for array in (self._offset, self._slope, self._klass, self._order):
-                array[row] = array[last]
+                array[..., row] = array[..., last]
         self._requests.pop()
 
-    def top(self, now: float, k: int) -> list[Request]:
-        """The k most urgent requests at time `now`, most urgent first."""
+    def sort_key(self, request: Request, now: float) -> tuple[int, float]:
+        """The policy's sort_key of a queued request, from the stored key (no w(t))."""
+        row = self._slot[request.request_id]
+        return int(self._klass[row]), float(self._offset[0, row] - self._slope[0, row] * now)
+
+    def top(self, now: float, k: int, *, secondary: bool = False) -> list[Request]:
+        """The k most urgent requests at time `now`, most urgent first (by the secondary
+        policy's keys if `secondary`)."""
         n = len(self._requests)
         if n == 0 or k <= 0:
             return []
-        keys = self._offset[:n] - self._slope[:n] * now
+        if secondary and self.secondary is None:
+            raise ValueError("this index keeps no secondary policy")
+        i = int(secondary)
+        keys = self._offset[i, :n] - self._slope[i, :n] * now
         if len(self._class_counts) > 1:
             # Several priority classes: a more important class always goes first, so
             # push every other class behind it by the spread of the keys.
@@ -168,8 +196,8 @@ class PriorityIndex:
         return [requests[r] for r in rows.tolist()]
 
     def _grow(self) -> None:
-        size = 2 * len(self._offset)
-        self._offset = np.resize(self._offset, size)
-        self._slope = np.resize(self._slope, size)
+        size = 2 * len(self._klass)
+        self._offset = np.pad(self._offset, ((0, 0), (0, size - self._offset.shape[1])))
+        self._slope = np.pad(self._slope, ((0, 0), (0, size - self._slope.shape[1])))
         self._klass = np.resize(self._klass, size)
         self._order = np.resize(self._order, size)

@@ -57,6 +57,9 @@ class PrefillTimeCache:
             lengths.append(max_len)
         self._table_lengths = lengths
         self._table = [self._simulated(l) for l in lengths]
+        # C[l] below the first step, filled as asked: each costs a prediction, and the
+        # scheduler asks for short prompts' w(t) many times per iteration.
+        self._below_step: dict[int, float] = {}
 
     def _chunk_time(self, start: int, n: int, samples: bool) -> float:
         features = BatchFeatures().plus_chunk(n, start, samples, self.limits.token_buckets)
@@ -78,7 +81,10 @@ class PrefillTimeCache:
         if num_tokens == 0:
             return 0.0
         if num_tokens < self.step:
-            return self._simulated(num_tokens)
+            seconds = self._below_step.get(num_tokens)
+            if seconds is None:
+                seconds = self._below_step[num_tokens] = self._simulated(num_tokens)
+            return seconds
         k = num_tokens // self.step
         lo = self._table_lengths[k]
         if lo == num_tokens or k + 1 == len(self._table):
