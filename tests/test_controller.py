@@ -6,7 +6,7 @@ import pytest
 
 from medha_jax.config import ParallelConfig, model_preset
 from medha_jax.kv_cache.allocator import BlockAllocator
-from medha_jax.request import FinishReason, Request, RequestState, StepResult, VirtualClock
+from medha_jax.request import SLO, FinishReason, Request, RequestState, StepResult, VirtualClock
 from medha_jax.sampling_params import SamplingParams
 from medha_jax.scheduler import (POLICY_NAMES, CapacityError, SchedulerConfig, make_controller,
                                   run_one_step)
@@ -252,3 +252,34 @@ def test_a_request_in_flight_is_never_preempted():
     for r in (low, urgent):
         assert r.output_token_ids == [token_at(r.prompt_len + k) for k in range(r.max_new_tokens)]
     assert allocator.num_free_pages == allocator.num_pages
+
+
+@pytest.mark.parametrize("policy", POLICY_NAMES)
+def test_more_prefills_than_the_cache_holds_all_finish(policy):
+    """20 identical 4096-token prompts, a cache for 4 of them. Under the slack policies a
+    request near the end of its prefill is the least urgent (its w(t) is small), so if
+    eviction followed the current keys each recomputed victim would evict the next one
+    near the end and nothing would finish (it ran 3,000 steps with 20 unfinished and ~3,000
+    preemptions). Eviction ranks requests as if restarted, so they finish in about the
+    steps their work takes."""
+    from medha_jax.simulator import CountingAllocator, SimulatedExecutor
+
+    model = model_preset("llama3-8b")
+    predictor = AnalyticalPredictor(model, ParallelConfig(tp=8), "a100")
+    clock = VirtualClock()
+    tokens, fit = 4096, 4
+    controller = make_controller(
+        SchedulerConfig(policy), allocator=CountingAllocator(fit * (tokens // 16 + 1), 16),
+        clock=clock, predictor=predictor, model_config=model, max_model_len=tokens + 16)
+    executor = SimulatedExecutor(predictor, clock)
+    requests = [Request(f"r{i}", tokens, 4, 0.0, slo=SLO(ttft_s=20 * controller.prefill_time_cache(tokens)))
+                for i in range(20)]
+    for request in requests:
+        controller.add_request(request)
+    for _ in range(500):
+        if not controller.has_unfinished():
+            break
+        run_one_step(controller, executor)
+    assert not controller.has_unfinished()
+    assert all(len(r.output_token_ids) == 4 for r in requests)
+    assert controller.num_preemptions <= len(requests)

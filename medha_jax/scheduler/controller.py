@@ -357,11 +357,21 @@ class ReplicaController:
             self._prefills.update(request)
 
     def _rank(self, request: Request, now: float) -> tuple[int, float, int]:
-        """A strict order of urgency: the policy's, ties to the earlier admission.
+        """The order of eviction: the policy's urgency as if the request had made no
+        progress, ties to the earlier admission.
 
         Strict, so that the most urgent request can always evict any other and the
-        cache never deadlocks with every holder waiting for a page."""
-        return (*self.policy.sort_key(request, now), self._admission[request.request_id])
+        cache never deadlocks with every holder waiting for a page. Progress-blind,
+        because under the slack policies (LRS, LARS) progress itself lowers urgency (w(t)
+        falls, slack grows): ranked by their current keys, a request near the end of its
+        prefill is the first victim, its recompute makes it the most urgent again, and it
+        evicts the next one near the end -- with more prefills than the cache holds,
+        nothing ever finished (a livelock; tests/test_controller.py). Ranked as if
+        restarted, a victim is less urgent than its evictor even after losing its work,
+        so it cannot evict it back. The packer still orders chunks by the current keys;
+        FCFS and EDF keys do not depend on progress, so for them nothing changes."""
+        return (*self.policy.sort_key_from_start(request, now),
+                self._admission[request.request_id])
 
     def _pick_victim(self, requester: Request, exclude: set[str], now: float) -> Request | None:
         """The lowest-priority running request outside the batch and outside every batch

@@ -45,6 +45,16 @@ class Policy:
         """Priority class first, then the policy's key."""
         return request.priority, self.priority_key(request, now)
 
+    def linear_key_from_start(self, request: Request) -> tuple[float, float]:
+        """linear_key as if the request had made no progress (all its prefill work left).
+        What eviction compares: it does not change as a request computes, so a request
+        evicted for another can never evict it back (see ReplicaController._pick_victim)."""
+        return self.linear_key(request)
+
+    def sort_key_from_start(self, request: Request, now: float) -> tuple[int, float]:
+        offset, slope = self.linear_key_from_start(request)
+        return request.priority, offset - slope * now
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
@@ -73,14 +83,24 @@ class _SlackPolicy(Policy):
     def __init__(self, remaining_work: Callable[[Request], float]):
         self.remaining_work = remaining_work
 
+    def linear_key(self, request: Request) -> tuple[float, float]:
+        return self.key_with_work(request, self.remaining_work(request))
+
+    def linear_key_from_start(self, request: Request) -> tuple[float, float]:
+        return self.key_with_work(request, request.w_total)
+
+    def key_with_work(self, request: Request, work: float) -> tuple[float, float]:
+        """(offset, slope) of the request with `work` seconds of prefill left."""
+        raise NotImplementedError
+
 
 class LRS(_SlackPolicy):
     """Least remaining slack: a + d - t - w(t), smallest first."""
 
     name = "lrs"
 
-    def linear_key(self, request: Request) -> tuple[float, float]:
-        return request.deadline - self.remaining_work(request), 1.0
+    def key_with_work(self, request: Request, work: float) -> tuple[float, float]:
+        return request.deadline - work, 1.0
 
 
 class LARS(_SlackPolicy):
@@ -88,12 +108,12 @@ class LARS(_SlackPolicy):
 
     name = "lars"
 
-    def linear_key(self, request: Request) -> tuple[float, float]:
+    def key_with_work(self, request: Request, work: float) -> tuple[float, float]:
         w_total = request.w_total
         if not w_total > 0:
             raise ValueError(f"request {request.request_id}: LARS needs w_total > 0, got "
                              f"{w_total!r}; the controller sets it at admission")
-        return (request.deadline - self.remaining_work(request)) / w_total, 1.0 / w_total
+        return (request.deadline - work) / w_total, 1.0 / w_total
 
 
 class SRPT(_SlackPolicy):
@@ -102,8 +122,8 @@ class SRPT(_SlackPolicy):
 
     name = "srpt"
 
-    def linear_key(self, request: Request) -> tuple[float, float]:
-        return self.remaining_work(request), 0.0
+    def key_with_work(self, request: Request, work: float) -> tuple[float, float]:
+        return work, 0.0
 
 
 class PriorityIndex:
