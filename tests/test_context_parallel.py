@@ -115,6 +115,19 @@ def test_a_batch_fusing_sequences_of_different_lengths_equals_one_device():
             assert (g.argmax(-1) == e.argmax(-1)).all()
 
 
+def test_attention_on_a_cp_mesh_says_which_step_inputs_it_needs():
+    from medha_jax.model.attention import AttentionMetadata, attention
+    from medha_jax.model.params import MeshLayout
+    from meshes import DEFAULT_RULES, make_mesh
+
+    layout = MeshLayout.create(model_preset("tiny"), make_mesh(ParallelConfig(cp=2)),
+                               DEFAULT_RULES, "xla")
+    meta = AttentionMetadata(slot_mapping=None, page_table=None, cu_q_lens=None, kv_lens=None,
+                             num_seqs=None)
+    with pytest.raises(ValueError, match="cp=2 needs .* build_step_inputs"):
+        attention(None, None, None, None, None, 0, meta, layout=layout, sm_scale=1.0)
+
+
 # ------------------------------------------------------------------------- what is moved
 
 def ring_step_hlo(parallel, rank_tokens=16, pages=4):
