@@ -11,10 +11,11 @@ from medha_jax import ParallelConfig, hlo, load_model
 from medha_jax.config import model_preset
 from medha_jax.model import cp_layout
 from medha_jax.model.ring_attention import RING_ATTEND, RING_SEND
-from medha_jax.scheduler.cp_cost import choose_pass_q
+from medha_jax.scheduler.cp_cost import PASS_KV, PASS_Q, choose_pass_q
 
+# cp = 8 with tp = 2 needs 16 devices; the suite has 8 virtual ones.
 CP_MESHES = [ParallelConfig(cp=2), ParallelConfig(cp=4), ParallelConfig(cp=8),
-             ParallelConfig(cp=2, tp=2)]
+             ParallelConfig(cp=2, tp=2), ParallelConfig(cp=4, tp=2)]
 # Full prefill (0% cached), then partial prefills with 50%, 95% and 99% of the context
 # cached (96/192, 192/202, 202/204), then decodes.
 CHUNKS = [96, 96, 10, 2, 1, 1, 1]
@@ -238,35 +239,85 @@ def test_balanced_layout_gives_every_rank_chunks_i_and_2n_minus_1_minus_i():
 
 # ---------------------------------------------------------------------- through the engine
 
-@pytest.mark.slow
-@pytest.mark.parametrize("cp", [2, 4])
-def test_engine_tokens_equal_one_device_with_prefix_reuse(cp):
+def engine_prompts(rng):
+    shared = rng.integers(0, 256, 70).tolist()           # over a 64-token page at cp=4
+    return {"short": rng.integers(0, 256, 20).tolist(),
+            "long": rng.integers(0, 256, 100).tolist(),
+            "shared": shared + rng.integers(0, 256, 30).tolist(),
+            "shared-again": shared + rng.integers(0, 256, 25).tolist()}
+
+
+def serve_with_prefix_reuse(parallel, cp_variant=None):
+    """Serves four requests through an Engine in random chunks, decodes batched with
+    prefills, the last one reusing the third's 70-token prefix; returns (engine, greedy
+    tokens by request, tokens the last request found in the prefix cache)."""
     from medha_jax.engine import Engine, EngineConfig
-    from tests.hf_oracle import greedy_with_logits
     from tests.test_engine import drive, make_request
 
     rng = np.random.default_rng(16)
-    shared = rng.integers(0, 256, 70).tolist()           # over a 64-token page at cp=4
-    prompts = {"short": rng.integers(0, 256, 20).tolist(),
-               "long": rng.integers(0, 256, 100).tolist(),
-               "shared": shared + rng.integers(0, 256, 30).tolist(),
-               "shared-again": shared + rng.integers(0, 256, 25).tolist()}
-    reference = {rid: greedy_with_logits(tiny(), p, 5) for rid, p in prompts.items()}
-    model = tiny(ParallelConfig(cp=cp))
-    engine = Engine(model, EngineConfig(page_size=16, num_pages=16, max_tokens_per_step=64,
-                                        max_seqs=8))
-    assert engine.allocator.page_size == 16 * cp          # one 16-token page on every rank
-    # The cache's pages are split over the ranks: each device holds its 16 pages.
-    assert {s.data.shape[1] for s in engine.kv_cache.k.addressable_shards} == {16}
+    prompts = engine_prompts(rng)
+    engine = Engine(tiny(parallel), EngineConfig(page_size=16, num_pages=16,
+                                                 max_tokens_per_step=64, max_seqs=8),
+                    cp_variant=cp_variant)
     arrivals = [(0, make_request(rid, prompts[rid], 5)) for rid in ("short", "long", "shared")]
     arrivals.append((30, make_request("shared-again", prompts["shared-again"], 5)))
     reused = {}
     allocate = engine.allocator.allocate
     engine.allocator.allocate = lambda rid, ids=None: reused.setdefault(rid, allocate(rid, ids))
     done = drive(engine, arrivals, rng=rng, max_chunk=40)
-    assert done == reference
-    assert reused["shared-again"] == 64                   # the shared prefix's full pages
     assert engine.allocator.num_free_pages == engine.allocator.num_pages
+    return engine, done, reused["shared-again"]
+
+
+@pytest.fixture(scope="module")
+def engine_reference():
+    """One device's greedy tokens for `serve_with_prefix_reuse`'s requests."""
+    from tests.hf_oracle import greedy_with_logits
+
+    prompts = engine_prompts(np.random.default_rng(16))
+    return {rid: greedy_with_logits(tiny(), p, 5) for rid, p in prompts.items()}
+
+
+@pytest.mark.slow
+def test_engine_tokens_equal_one_device_with_prefix_reuse(engine_reference):
+    engine, done, reused = serve_with_prefix_reuse(ParallelConfig(cp=4))
+    assert engine.allocator.page_size == 16 * 4           # one 16-token page on every rank
+    # The cache's pages are split over the ranks: each device holds its 16 pages.
+    assert {s.data.shape[1] for s in engine.kv_cache.k.addressable_shards} == {16}
+    assert done == engine_reference
+    assert reused == 64                                   # the shared prefix's full page
+
+
+@pytest.mark.slow
+def test_engine_with_tp_serves_one_device_tokens_with_either_variant_forced_or_chosen(
+        engine_reference):
+    # Tokens, not logits: the step samples on the device and returns ids only; logits
+    # within 1e-4 at cp = 2, tp = 2 are test_logits_equal_one_device_for_both_variants...
+    for variant in (PASS_KV, PASS_Q, None):
+        engine, done, reused = serve_with_prefix_reuse(ParallelConfig(cp=2, tp=2), variant)
+        assert done == engine_reference, variant
+        assert reused == 64, variant                      # two 32-token pages
+        counts = engine.cp_variant_counts
+        if variant is None:                               # the heuristic used both
+            assert counts[PASS_KV] > 0 and counts[PASS_Q] > 0, counts
+        else:                                             # decodes too
+            assert set(counts) == {variant}, counts
+
+
+def test_the_engines_ring_cost_is_its_devices_hardware_and_tp(monkeypatch):
+    from medha_jax.engine import Engine, EngineConfig
+    from medha_jax.engine import engine as engine_module
+    from medha_jax.scheduler.cp_cost import RingCost
+    from medha_jax.scheduler.hardware import CPU_STAND_IN
+
+    model = tiny(ParallelConfig(cp=2, tp=2))
+    config = EngineConfig(page_size=16, num_pages=4, max_seqs=2)
+    expected = functools.partial(RingCost.create, model.config, num_ranks=2, tp=2)
+    assert Engine(model, config).ring_cost == expected(CPU_STAND_IN)       # on the CPU
+    monkeypatch.setattr(engine_module, "device_kind_of", lambda device: "a100")
+    assert Engine(model, config).ring_cost == expected("a100")
+    with pytest.raises(ValueError, match="cp_variant"):
+        Engine(model, config, cp_variant="pass-k")
 
 
 def test_the_engines_placement_is_a_zigzag_per_window_and_counts_what_each_rank_cached():
