@@ -150,6 +150,13 @@ def ring_step_hlo(parallel, rank_tokens=16, pages=4):
 
 @pytest.mark.slow
 def test_the_ring_sends_each_block_without_waiting_for_its_attention():
+    """On the CPU this verifies that no ring step's transfer depends on any ring attention,
+    so nothing orders block j + 1's permute after block j's attention; it cannot verify that
+    they overlap. XLA:CPU has no asynchronous collectives: its pipeline has no
+    async-collective creator, and its first pass, async-collective-replacer, turns any
+    start/done pair into the synchronous op (jaxlib 0.10.2; no --xla_cpu_* flag, scheduler
+    type included, changes that). The start/done check runs where XLA emits the pairs (GPU,
+    TPU)."""
     text = ring_step_hlo(ParallelConfig(cp=4))
     rings = [instrs for instrs in hlo.scheduled_instructions(text).values()
              if any(i.op.startswith("collective-permute") and RING_SEND in i.scope
@@ -168,7 +175,7 @@ def test_the_ring_sends_each_block_without_waiting_for_its_attention():
         for send in sends:
             assert not hlo.depends_on(instrs, send.name, lambda i: RING_ATTEND in i.scope)
         # Where XLA makes the permutes asynchronous (GPU, TPU) the attention must be
-        # scheduled between start and done; the CPU back-end runs them synchronously.
+        # scheduled between start and done; XLA:CPU never does (see the docstring).
         pairs = hlo.async_pairs(instrs)
         if pairs:
             assert all(any(RING_ATTEND in i.scope for i in between) for _, _, between in pairs)
