@@ -223,15 +223,15 @@ def test_bytes_per_ring_step_are_the_blocks_of_each_variant():
 
 @pytest.mark.slow
 def test_kv_bytes_a_request_occupies_per_device_shrink_with_cp():
-    # One 1000-token request prefilled through the Engine with the same EngineConfig at
+    # One 496-token request prefilled through the Engine with the same EngineConfig at
     # cp = 1 and 4; per device, the pages it wrote (read from the cache arrays: pages with
     # any nonzero K) times a page's K and V bytes (from the arrays' shard shapes).
     from medha_jax.engine import Engine, EngineConfig
     from medha_jax.request import Batch, ScheduledChunk
     from tests.test_engine import make_request
 
-    prompt = np.random.default_rng(17).integers(0, 256, 1000).tolist()
-    config = EngineConfig(page_size=16, num_pages=64, max_tokens_per_step=1024, max_seqs=4)
+    prompt = np.random.default_rng(17).integers(0, 256, 496).tolist()
+    config = EngineConfig(page_size=16, num_pages=32, max_tokens_per_step=512, max_seqs=4)
     per_device = {}
     for cp in (1, 4):
         engine = Engine(tiny(ParallelConfig(cp=cp)), config)
@@ -243,13 +243,13 @@ def test_kv_bytes_a_request_occupies_per_device_shrink_with_cp():
             written.append(int(np.asarray(k.data).any(axis=(0, 2, 3, 4)).sum()))
             page_bytes.add((k.data.nbytes + v.data.nbytes) // k.data.shape[1])
         # Each allocator page in use is one page held on every rank; at cp = 4 the last,
-        # partial one (tokens 960-999) has no tokens for rank 0 yet.
+        # partial one (tokens 448-495) has no tokens for rank 0 yet.
         held = engine.allocator.num_used_pages
         assert max(written) == held and min(written) >= held - (cp > 1)
         per_device[cp] = held * page_bytes.pop()
-    # 63 pages x (K, V) x 2 layers x 16 tokens x 2 K/V heads x 16 head_dim x float32
-    assert per_device[1] == 63 * 2 * 2 * 16 * 2 * 16 * 4
-    assert per_device[4] / per_device[1] == pytest.approx(1 / 4, rel=0.05)   # 16 / 63
+    # 31 pages x (K, V) x 2 layers x 16 tokens x 2 K/V heads x 16 head_dim x float32
+    assert per_device[1] == 31 * 2 * 2 * 16 * 2 * 16 * 4
+    assert per_device[4] / per_device[1] == pytest.approx(1 / 4, rel=0.05)   # 8 / 31
 
 
 def test_balanced_layout_gives_every_rank_chunks_i_and_2n_minus_1_minus_i():
