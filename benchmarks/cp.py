@@ -3,7 +3,7 @@
     python -m benchmarks.cp --quick                  # about a minute on a 2-core CPU
     python -m benchmarks.cp --json results/cp.json
 
-Three parts, three tables, the measured one last:
+Four parts, four tables, the GPU's last:
 
 (a) simulated, the shape of seed 002 table 4: TTFT of one prefill of P cached and T new
     tokens, P + T = 128000, on 4 CP ranks of TP8 each (Llama-3 405B as in seed 002 table 9),
@@ -21,7 +21,14 @@ Three parts, three tables, the measured one last:
     includes the rank's own slot: N / (N - 1) of what it sends); next to RingCost's formula
     for the same step. The pass-KV message carries the rank's cached pages of the
     step's sequences padded to the page-table width (the equal-size messages of seed 002
-    section 3.5.2) and the new tokens' sequence ids and positions.
+    section 3.5.2) and the new tokens' sequence ids and positions. The script asks XLA for
+    8 virtual CPU devices before JAX starts (as benchmarks/spp.py does); this part runs on
+    them on a GPU host too.
+(d) measured on the GPUs when this machine has at least 2 (a ring needs 2 ranks): one cp
+    prefill step of --gpu-model (random weights, its own dtype, the Pallas kernel) on the
+    largest power of two of them up to 8, P cached and T new tokens, pass-KV and pass-Q
+    side by side (the same compiled program: the variant is data), median of --repeats
+    after a warm-up. With fewer it prints one row saying so.
 """
 
 from __future__ import annotations
@@ -46,6 +53,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cp-link-gbs", type=float, default=50.0,
                    help="per-GPU CP link of part (a), GB/s (seed 002 GTT: 400 Gb/s RDMA)")
     p.add_argument("--chunk", type=int, default=4096, help="SPP prefill chunk of part (b)")
+    p.add_argument("--gpu-model", default="llama3.1-8b", help="model preset of part (d)")
+    p.add_argument("--repeats", type=int, default=5, help="timed steps of part (d)")
     return p.parse_args(argv)
 
 
@@ -112,29 +121,53 @@ def simulated_vs_spp(args) -> list[dict]:
 
 # ------------------------------------------------------------------------------- measured
 
-def ring_step_bytes(ranks: int, rank_tokens: int, pages: int, cached: int) -> dict:
-    """Bytes of one rank's ring messages in a compiled step of the tiny model (per layer)."""
-    import jax
+def ring_step(model, rank_tokens: int, pages: int, cached: int):
+    """One cp prefill step of one sequence on `model`'s ranks: `cached` tokens already held
+    evenly by the ranks, rank_tokens new ones a rank (balanced layout), each rank's pages
+    0 .. pages - 1. Returns (token ids, positions, metadata of pass-KV, of pass-Q)."""
     import numpy as np
 
-    from medha_jax import ParallelConfig, hlo, load_model
     from medha_jax.model import cp_layout
-    from medha_jax.model.ring_attention import RING_SEND
-    from medha_jax.scheduler.cp_cost import PASS_KV, PASS_Q, RingCost
+    from medha_jax.model.attention import num_cp_ranks
 
-    model = load_model("tiny", parallel=ParallelConfig(cp=ranks), verbose=False)
+    ranks = num_cp_ranks(model.layout)
     new = ranks * rank_tokens
-    held = np.full(ranks, cached // ranks)
     chunk = cp_layout.CpChunk(start=cached, offsets=cp_layout.balanced_offsets(new, ranks),
-                              cached=held, pages=np.broadcast_to(np.arange(pages),
-                                                                 (ranks, pages)))
+                              cached=np.full(ranks, cached // ranks),
+                              pages=np.broadcast_to(np.arange(pages), (ranks, pages)))
     step = cp_layout.build_cp_step([chunk], num_ranks=ranks, rank_tokens=rank_tokens,
                                    padded_seqs=1, width=pages, page_size=16,
                                    pad_slot=pages * 16)
+    return (np.zeros(new, np.int32), step.positions,
+            *(cp_layout.step_metadata(step, 1, pass_q) for pass_q in (False, True)))
+
+
+def cpu_model(ranks: int):
+    """The tiny model (float32, XLA attention) on `ranks` virtual CPU devices, whatever the
+    default back-end."""
+    import jax
+
+    from medha_jax import ParallelConfig, load_model
+    from meshes import make_mesh
+
+    mesh = make_mesh(ParallelConfig(cp=ranks), devices=jax.devices("cpu")[:ranks])
+    return load_model("tiny", mesh=mesh, dtype="float32", attention_impl="xla", verbose=False)
+
+
+def ring_step_bytes(ranks: int, rank_tokens: int, pages: int, cached: int) -> dict:
+    """Bytes of one rank's ring messages in a compiled step of the tiny model (per layer)."""
+    import jax
+
+    from medha_jax import hlo
+    from medha_jax.model.ring_attention import RING_SEND
+    from medha_jax.scheduler.cp_cost import PASS_KV, PASS_Q, RingCost
+
+    model = cpu_model(ranks)
+    ids, positions, meta, _ = ring_step(model, rank_tokens, pages, cached)
     with jax.set_mesh(model.mesh):
         text = model._chunk_logits.lower(
-            model.state, model.new_kv_cache(ranks * pages, 16), np.zeros(new, np.int32),
-            step.positions, cp_layout.step_metadata(step, 1, False)).compile().as_text()
+            model.state, model.new_kv_cache(ranks * pages, 16), ids, positions,
+            meta).compile().as_text()
     measured = {}
     for instrs in hlo.scheduled_instructions(text).values():
         sends = [i for i in instrs if i.op.startswith("collective-permute")
@@ -144,6 +177,7 @@ def ring_step_bytes(ranks: int, rank_tokens: int, pages: int, cached: int) -> di
         variant = PASS_Q if any(i.op.startswith("all-to-all") for i in instrs) else PASS_KV
         measured[variant] = (sum(i.bytes for i in sends),
                              sum(i.bytes for i in instrs if i.op.startswith("all-to-all")))
+    new = ranks * rank_tokens
     cost = RingCost.create(model.config, num_ranks=ranks)
     return {v: {"measured": measured[v], "formula": (cost.step_bytes(v, new, cached),
                                                      cost.all2all_bytes(v, new))}
@@ -169,8 +203,66 @@ def measured(args) -> list[dict]:
     return rows
 
 
+# (d): (new, cached) tokens a rank, by --quick.
+GPU_STEP_TOKENS = {True: (1024, 4096), False: (2048, 16_384)}
+
+
+def gpu_ring_step(args) -> list[dict]:
+    """(d): one cp prefill step on the accelerators, both variants, or a row saying why not."""
+    import statistics
+    import time
+
+    import jax
+
+    from medha_jax import ParallelConfig, load_model
+    from medha_jax.scheduler.cp_cost import PASS_KV, PASS_Q
+    from meshes import make_mesh
+
+    backend = jax.default_backend()
+    devices = [] if backend == "cpu" else jax.devices()
+    ranks = 1 << (min(len(devices), 8).bit_length() - 1) if devices else 0
+    row = {"ranks": ranks, "variant": "-", "new_tokens": 0, "cached_tokens": 0,
+           "step_ms": "-", "step_min_ms": "-", "step_max_ms": "-", "vs_pass_kv": "-"}
+    if ranks < 2:
+        kind = f" ({devices[0].device_kind})" if devices else ""
+        return [{**row, "note": f"skipped: {len(devices)} accelerator device(s) on the "
+                                f"{backend} back-end{kind}; a ring needs at least 2"}]
+    model = load_model(args.gpu_model, mesh=make_mesh(ParallelConfig(cp=ranks),
+                                                      devices=devices[:ranks]), verbose=False)
+    rank_tokens, cached_a_rank = GPU_STEP_TOKENS[args.quick]
+    pages = -(-(cached_a_rank + rank_tokens) // 16)
+    ids, positions, *metas = ring_step(model, rank_tokens, pages, cached_a_rank * ranks)
+    cache = model.new_kv_cache(ranks * pages, 16)
+    rows = []
+    with jax.set_mesh(model.mesh):
+        place = lambda x: jax.device_put(  # noqa: E731  (tokens split over cp)
+            x, model.layout.sharding(x.shape, ("tokens",)))
+        ids, positions = place(ids), place(positions)
+        for variant, meta in zip((PASS_KV, PASS_Q), metas):
+            seconds = []
+            for repeat in range(args.repeats + 1):        # the first compiles: not timed
+                start = time.perf_counter()
+                logits, cache = model._chunk_logits(model.state, cache, ids, positions, meta)
+                jax.block_until_ready(logits)
+                if repeat:
+                    seconds.append(time.perf_counter() - start)
+            rows.append({**row, "variant": variant, "new_tokens": ranks * rank_tokens,
+                         "cached_tokens": ranks * cached_a_rank,
+                         "step_ms": 1e3 * statistics.median(seconds),
+                         "step_min_ms": 1e3 * min(seconds), "step_max_ms": 1e3 * max(seconds),
+                         "note": f"{args.gpu_model}, {model.config.dtype}, "
+                                 f"{devices[0].device_kind}"})
+    for r in rows:
+        r["vs_pass_kv"] = r["step_ms"] / rows[0]["step_ms"]
+    return rows
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
+    # Virtual CPU devices for part (c); JAX reads this when it starts its back-end.
+    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                   + " --xla_force_host_platform_device_count=8").strip()
     import jax
 
     t4 = simulated_table4(args)
@@ -185,18 +277,23 @@ def main(argv: Sequence[str] | None = None) -> None:
           f"preset, AnalyticalPredictor (SPP in {args.chunk}-token chunks; seed 000: SPP 1.64x "
           "faster than CP at 1M)", vs_spp)
     moved = measured(args)
-    table(f"(c) measured: bytes one rank sends per ring step and layer, from the optimized HLO "
-          f"({jax.default_backend()}, tiny model, float32), next to cp_cost.RingCost", moved)
+    table("(c) measured: bytes one rank sends per ring step and layer, from the optimized HLO "
+          "(cpu, tiny model, float32), next to cp_cost.RingCost", moved)
+    on_gpu = gpu_ring_step(args)
+    table(f"(d) measured: one cp prefill step on the accelerators ({jax.default_backend()}), "
+          f"pass-KV and pass-Q side by side, median of {args.repeats}", on_gpu)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         context = {**environment(),
                    "model_simulated": "llama3-405b (a), llama3.1-8b (b)",
                    "model_measured": "tiny", "dtype": "float32 (measured), bfloat16 (simulated)",
-                   "mesh": "cp=4,tp=8 (a); cp|spp=N,tp=8 (b); cp=N (c)",
+                   "mesh": "cp=4,tp=8 (a); cp|spp=N,tp=8 (b); cp=N (c, d)",
+                   "model_gpu": args.gpu_model, "args": vars(args),
                    "hardware": args.hardware, "cp_link_gbs": args.cp_link_gbs}
         with open(args.json, "w") as f:
             json.dump({"context": context, "table4": t4, "crossover_miss_rate_pct": crossover,
-                       "cp_vs_spp_1m": vs_spp, "ring_bytes": moved}, f, indent=2)
+                       "cp_vs_spp_1m": vs_spp, "ring_bytes": moved,
+                       "gpu_ring_step": on_gpu}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ import pytest
 
 from medha_jax.config import ParallelConfig, model_preset
 from medha_jax.request import Batch, Request, ScheduledChunk
-from medha_jax.scheduler.hardware import HARDWARE_PRESETS, HardwareSpec, hardware_preset
+from medha_jax.scheduler.hardware import (CPU_STAND_IN, HARDWARE_PRESETS, HardwareSpec,
+                                          hardware_for_device_kind, hardware_preset)
 from medha_jax.scheduler.packer import EngineLimits
 from medha_jax.scheduler.prefill_time_cache import PrefillTimeCache
 from medha_jax.scheduler.predictor import (AnalyticalPredictor, BatchFeatures, ProfiledPredictor,
@@ -36,6 +37,15 @@ def test_hardware_presets_and_errors():
     with pytest.raises(ValueError, match="peak_flops"):
         HardwareSpec(name="x", peak_flops=0, hbm_bandwidth=1, interconnect_bandwidth=1,
                      memory_bytes=1)
+
+
+def test_every_device_kind_key_has_a_preset():
+    from pallas_kernels.block_sizes import FALLBACK_KIND, GPU_KINDS, TPU_KINDS, device_kind_of
+
+    for kind in GPU_KINDS + TPU_KINDS + tuple(FALLBACK_KIND.values()):
+        assert hardware_for_device_kind(kind).name == kind
+    assert device_kind_of() == "cpu"                                # the suite's devices
+    assert hardware_for_device_kind("cpu") == hardware_preset(CPU_STAND_IN)
 
 
 def test_batch_features_by_hand():

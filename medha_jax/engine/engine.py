@@ -35,10 +35,12 @@ from medha_jax.model.llama import numpy_dtype
 from medha_jax.model.loading import Model
 from medha_jax.model.stages import num_stages, split_stages
 from medha_jax.request import Batch, StepResult
-from medha_jax.scheduler.cp_cost import RingCost
+from medha_jax.scheduler.cp_cost import PASS_KV, PASS_Q, RingCost
+from medha_jax.scheduler.hardware import hardware_for_device_kind
 from medha_jax.scheduler.predictor import BatchFeatures, batch_features
 from meshes import replicated
 from pallas_kernels import order_decodes_first
+from pallas_kernels.block_sizes import device_kind_of
 
 
 STEP_RECORDS_KEPT = 10_000
@@ -125,18 +127,28 @@ class Engine:
     """Implements medha_jax.request.PipelinedExecutor on a loaded Model.
 
     stage_hook: a test hook for spp > 1 (see medha_jax.engine.pipeline.StageHook).
+    cp_variant: with cp ranks, cp_cost.PASS_KV or PASS_Q forces that ring variant on every
+    step (tests, benchmarks); None lets the heuristic choose per step (Algorithm 5).
     """
 
     def __init__(self, model: Model, config: EngineConfig | None = None, *,
-                 stage_hook: StageHook | None = None):
+                 stage_hook: StageHook | None = None, cp_variant: str | None = None):
         config = config or EngineConfig()
+        if cp_variant not in (None, PASS_KV, PASS_Q):
+            raise ValueError(f"{cp_variant=} must be None, {PASS_KV!r} or {PASS_Q!r}")
         self.model = model
         self.config = config
         self.num_kv_shards = num_kv_shards(model.layout)
         # cp: one pool of pages of cp * page_size tokens, one page on every rank (cp_layout).
         self.cp_ranks = num_cp_ranks(model.layout)
-        self.ring_cost = RingCost.create(model.config, num_ranks=self.cp_ranks) \
-            if self.cp_ranks > 1 else None
+        # RingCost is per device: the peaks of the device the engine runs on, the heads
+        # one device holds after tp.
+        self.ring_cost = RingCost.create(
+            model.config, hardware_for_device_kind(device_kind_of(model.mesh.devices.flat[0])),
+            num_ranks=self.cp_ranks, tp=model.parallel.tp) if self.cp_ranks > 1 else None
+        self.cp_variant = cp_variant
+        # Steps run with each ring variant (cp only), counted at dispatch.
+        self.cp_variant_counts: collections.Counter[str] = collections.Counter()
         self.allocator = BlockAllocator(config.total_pages, config.page_size * self.cp_ranks,
                                         num_shards=self.num_kv_shards // self.cp_ranks,
                                         max_tokens_per_shard=config.max_tokens_per_kvp_group,
@@ -263,7 +275,10 @@ class Engine:
         order, _ = order_decodes_first([chunk.num_tokens for chunk in batch.chunks])
         batch = Batch([batch.chunks[i] for i in order], batch.predicted_time_s)
         inputs = build_step_inputs(batch, self.allocator, self.ladder, pad_slot=self.pad_slot,
-                                   cp_ranks=self.cp_ranks, ring_cost=self.ring_cost)
+                                   cp_ranks=self.cp_ranks, ring_cost=self.ring_cost,
+                                   cp_variant=self.cp_variant)
+        if inputs.cp_pass_q is not None:
+            self.cp_variant_counts[PASS_Q if inputs.cp_pass_q[0] else PASS_KV] += 1
         executable = self.executable(inputs.padded_shape)
         if self.pipeline is None:
             tokens, self.kv_cache = executable(*self.step_args(inputs)[1:])

@@ -202,7 +202,8 @@ def sampling_key_data(seeds: np.ndarray, output_index: np.ndarray) -> np.ndarray
 
 
 def build_step_inputs(batch: Batch, allocator: BlockAllocator, ladder: BucketLadder, *,
-                      pad_slot: int, cp_ranks: int = 1, ring_cost=None) -> StepInputs:
+                      pad_slot: int, cp_ranks: int = 1, ring_cost=None,
+                      cp_variant: str | None = None) -> StepInputs:
     """Flattens a batch into padded step arrays. Every chunk's pages must already be reserved.
 
     pad_slot: the slot padding tokens write to; at least pages_per_shard * page_size (one
@@ -213,7 +214,7 @@ def build_step_inputs(batch: Batch, allocator: BlockAllocator, ladder: BucketLad
     position names (`cp_layout.rank_of_position`), the token arrays are the ranks' runs one
     after the other, T is the bucket of the busiest rank's tokens, and `ring_cost`
     (`medha_jax.scheduler.cp_cost.RingCost`) picks pass-KV or pass-Q (Algorithm 5;
-    decode-only steps pass Q).
+    decode-only steps pass Q) unless `cp_variant` (cp_cost.PASS_KV or PASS_Q) forces one.
 
     With several KV shards (KV-cache parallelism) each sequence's context is split into the
     allocator's segments, one shard each: the per-shard arrays get each segment's local pages,
@@ -225,7 +226,7 @@ def build_step_inputs(batch: Batch, allocator: BlockAllocator, ladder: BucketLad
         raise ValueError("cannot build step inputs for an empty batch")
     if cp_ranks > 1:
         return _cp_step_inputs(batch, allocator, ladder, pad_slot=pad_slot, cp_ranks=cp_ranks,
-                               ring_cost=ring_cost)
+                               ring_cost=ring_cost, cp_variant=cp_variant)
     page_size = allocator.page_size
     num_shards = allocator.num_shards
     num_slots = allocator.pages_per_shard * page_size
@@ -384,7 +385,8 @@ def _sharded_tables(segments_of_seq, starts: np.ndarray, num_shards: int, padded
 
 
 def _cp_step_inputs(batch: Batch, allocator: BlockAllocator, ladder: BucketLadder, *,
-                    pad_slot: int, cp_ranks: int, ring_cost) -> StepInputs:
+                    pad_slot: int, cp_ranks: int, ring_cost, cp_variant: str | None
+                    ) -> StepInputs:
     """`build_step_inputs` over cp ranks: the one-rank inputs, then each token moved to its
     rank's run (see there)."""
     from medha_jax.model import cp_layout
@@ -429,8 +431,12 @@ def _cp_step_inputs(batch: Batch, allocator: BlockAllocator, ladder: BucketLadde
     logits_indices = np.zeros(padded_seqs, np.int32)
     logits_indices[:num_seqs] = target[flat.cu_q_lens[1:num_seqs + 1] - 1]
     new, cached = num_tokens, sum(starts)
-    decodes_only = all(chunk.num_tokens == 1 for chunk in batch.chunks)
-    pass_q = decodes_only or (ring_cost is not None and ring_cost.choose(new, cached) == PASS_Q)
+    if cp_variant is not None:
+        pass_q = cp_variant == PASS_Q
+    else:
+        decodes_only = all(chunk.num_tokens == 1 for chunk in batch.chunks)
+        pass_q = decodes_only or (ring_cost is not None
+                                  and ring_cost.choose(new, cached) == PASS_Q)
     return dataclasses.replace(
         flat, token_ids=token_ids, positions=all_positions, slot_mapping=slot_mapping,
         kv_lens=kv_lens, page_table=np.broadcast_to(table, (cp_ranks,) + table.shape).copy(),

@@ -106,10 +106,10 @@ def attention(q, k, v, k_cache, v_cache, layer_id, meta: AttentionMetadata, *,
     if cp > 1 and num_kv_shards(layout) != cp:
         raise ValueError(f"cp={cp} with {num_kv_shards(layout)} KV shards: cp and kvp do not "
                          "combine (see this module's docstring)")
-    if cp > 1 and (meta.rank_cu_q_lens is None or positions is None):
-        raise ValueError("cp > 1 needs the step's rank_cu_q_lens, cp_pass_q and positions "
-                         "(medha_jax.model.cp_layout); Model.logits runs cp, the engine's "
-                         "step inputs do not carry them yet")
+    if cp > 1 and (meta.rank_cu_q_lens is None or meta.cp_pass_q is None or positions is None):
+        raise ValueError(f"cp={cp} needs the step's rank_cu_q_lens, cp_pass_q and positions: "
+                         "the engine's build_step_inputs(..., cp_ranks=cp) and "
+                         "medha_jax.model.cp_layout.build_cp_step make them")
     body = functools.partial(_attend_on_device, sm_scale=sm_scale,
                              impl=layout.attention_impl,
                              kv_shard_axis=layout.rules.mesh_axis("pages"),

@@ -3,7 +3,9 @@
 Prefill: a sequence's new tokens split into 2N chunks, rank i takes chunks i and 2N-1-i, so
 every rank gets an equal share of the causal attention work (a head chunk that sees little
 and a tail chunk that sees much). The new tokens are split this way whatever ranks hold the
-sequence's cached tokens (partial prefill). Decode: one token a sequence, placed round-robin.
+sequence's cached tokens (partial prefill). Decode: one token a sequence, placed round-robin
+(Algorithm 4). That is the placement of `place_new_tokens` and `build_cp_step` (what
+`Model.logits` runs); the engine places tokens by position instead (the last section).
 
 The step's flat token array is the concatenation of the ranks' runs ([N * T_rank], sharded
 over cp); within a rank's run the sequences keep their batch order and each sequence's
@@ -155,7 +157,10 @@ def step_metadata(step: CpStep, num_seqs: int, pass_q: bool):
 # (hashes of full pages) and the allocator (pages from token counts) work unchanged, and the
 # K/V still stay on the rank that computed them. The cost: a chunk shorter than 2 * cp
 # stripes, and a decode, land on the ranks their positions name, not round-robin
-# (Algorithm 4), so small steps balance less well.
+# (Algorithm 4), so small steps balance less well. Measured
+# (test_decodes_spread_over_every_rank_by_position_within_a_bound): 32 decodes of
+# different lengths a step on 4 ranks, the busiest rank gets 1.3x to 1.5x round-robin's 8
+# on average, at most 15, and over 96 steps each rank 23% to 27% of them.
 
 
 def rank_of_position(positions: np.ndarray, num_ranks: int, page_size: int) -> np.ndarray:

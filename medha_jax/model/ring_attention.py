@@ -27,7 +27,8 @@ Both parts of rank j's keys are visited by every rank's queries around a ring of
   rank attends a visiting block over its own pages and new K/V, keeps the partial result
   in the slot of the query's source, and one All2All returns all partials to their owners,
   which merge N of them by LSE. Decode steps (Algorithm 4) are this same ring with the
-  decode tokens placed round-robin over the ranks.
+  decode tokens spread over the ranks (round-robin in `cp_layout.place_new_tokens`, by
+  position in the engine: see `cp_layout`).
 
 Every step starts the permute of the next block before attending the current one (MaxText's
 ring), so XLA overlaps the transfer with the attention. The choice of variant is data

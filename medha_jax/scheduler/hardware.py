@@ -62,6 +62,18 @@ HARDWARE_PRESETS: dict[str, HardwareSpec] = {
 }
 
 
+# A CPU has no preset of its own: an engine on (virtual) CPU devices stands in for a
+# deployment on accelerators (tests, notebooks, the simulator's validation), so the choices
+# it makes from the hardware (the cp ring's pass-KV / pass-Q thresholds) are the H100's.
+CPU_STAND_IN = "h100"
+
+
+def hardware_for_device_kind(kind: str) -> HardwareSpec:
+    """The preset of a device kind key (`pallas_kernels.block_sizes.device_kind_of`: "h100",
+    "tpu-v5e", ..., or "cpu", which gets CPU_STAND_IN's)."""
+    return hardware_preset(CPU_STAND_IN if kind == "cpu" else kind)
+
+
 def hardware_preset(name: str) -> HardwareSpec:
     try:
         return HARDWARE_PRESETS[name]
