@@ -105,3 +105,38 @@ def test_duplicate_ids_cancel_and_close(loop):
     assert engine.allocator.num_free_pages == engine.allocator.num_pages
     with pytest.raises(RuntimeError, match="the server is closed"):
         submit(loop, "late")
+
+
+def submit_group(loop, leader, n, max_tokens=3):
+    """n samples of one prompt: `leader` runs first, `leader-i` are held until its first
+    token (Server.submit's layout)."""
+    ids = [leader] + [f"{leader}-{i}" for i in range(1, n)]
+    handle = RequestHandle(leader, list(range(1, 6)), loop.cancel, n=n)
+    streams = [RequestStream(Request(rid, 5, max_tokens, time.monotonic(),
+                                     prompt_token_ids=list(range(1, 6)),
+                                     sampling=SamplingParams(temperature=0.0,
+                                                             max_tokens=max_tokens)),
+                             handle, IncrementalDetokenizer(None), index=i)
+               for i, rid in enumerate(ids)]
+    loop.add(streams[0], held=streams[1:])
+    return handle
+
+
+def test_held_samples_run_after_the_first_token_and_end_with_a_failed_one(loop):
+    out = submit_group(loop, "good", 3).result(timeout=30)
+    assert [(o.index, o.finish_reason, o.token_ids) for o in out.outputs] == \
+        [(i, "length", (TOKEN,) * 3) for i in range(3)]
+    # Sample 0 fails before its first token: the held samples end the same way, unrun.
+    bad = submit_group(loop, "bad", 3).result(timeout=30)
+    assert [o.finish_reason for o in bad.outputs] == ["error"] * 3
+    assert all("injected" in o.error and o.token_ids == () for o in bad.outputs)
+    assert not loop.controller.has_unfinished()
+    allocator = loop.engine.allocator
+    assert allocator.num_free_pages == allocator.num_pages
+    loop.engine.hold = threading.Event()
+    held = submit_group(loop, "held", 2, max_tokens=50)
+    with pytest.raises(ValueError, match="request_id 'held-1' is already in flight"):
+        submit(loop, "held-1")
+    assert loop.cancel("held")                  # sample 0's id cancels the group
+    loop.engine.hold.set()
+    assert [o.finish_reason for o in held.result(timeout=30).outputs] == ["cancelled"] * 2
