@@ -82,7 +82,8 @@ def _int(body, name, default=None):
 def completion_logprob_fields(body: dict) -> tuple[dict, bool]:
     """/v1/completions' `logprobs` (an int k: the top k of each token) and `echo` (the prompt
     in the text, and with logprobs the prompt's logprobs): (SamplingParams fields, echo)."""
-    logprobs = _int(body, "logprobs", None)
+    # false: off, as some clients send it (the API's type is an integer or null).
+    logprobs = None if body.get("logprobs") is False else _int(body, "logprobs", None)
     echo = _field(body, "echo", (bool,), False, what="a boolean")
     return {"logprobs": logprobs, "prompt_logprobs": logprobs if echo else None}, echo
 

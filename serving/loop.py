@@ -15,8 +15,8 @@ n samples of one prompt (SamplingParams.n) share its prefill through the prefix 
 sample 0 goes to the controller first; the others are held here and added once sample 0
 has its first token, when its prompt's full pages are computed and committed, so they
 reuse those pages and compute only the rest of the prompt (at least its last token).
-Should sample 0 end before that (cancelled, failed), the held ones end the same way.
-Cancelling sample 0's id cancels every sample.
+Should sample 0 end before that (cancelled, failed), the held ones end the same way. A
+held sample cancelled by its own id ends at once (RequestHandle.cancel names every sample).
 
 Failure containment: an exception in dispatching or collecting a batch, or in applying
 its result, fails only that batch's requests (FinishReason.ERROR, the error named) and
@@ -65,7 +65,8 @@ class ServingLoop:
         self._closing = False
         self._drain_on_close = False
         self._streams: dict[str, RequestStream] = {}  # loop thread only, in the controller
-        self._groups: dict[str, _SampleGroup] = {}    # loop thread only: id -> its n-group
+        # Loop thread only: sample 0's id and held samples' ids -> their n-group.
+        self._groups: dict[str, _SampleGroup] = {}
         self._observe_state()
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
@@ -92,8 +93,7 @@ class ServingLoop:
             self._lock.notify()
 
     def cancel(self, request_id: str) -> bool:
-        """Asks for the request (with sample 0's id: every sample) to be cancelled; False
-        if it is not in flight."""
+        """Asks for the request to be cancelled; False if it is not in flight."""
         with self._lock:
             if request_id not in self._in_flight:
                 return False
@@ -135,18 +135,18 @@ class ServingLoop:
             if kind == "add":
                 stream, held = arg
                 if held:
-                    group = _SampleGroup(stream.request_id, list(held),
-                                         {stream.request_id, *(h.request_id for h in held)})
-                    self._groups.update(dict.fromkeys(group.live, group))
+                    group = _SampleGroup(stream.request_id, list(held))
+                    self._groups.update(dict.fromkeys(
+                        [stream.request_id, *(h.request_id for h in held)], group))
                 self._add(stream)
             else:
-                self._cancel(arg)
+                self._end(arg, FinishReason.CANCELLED)
         if commands:
             self._observe_state()     # the gauges are fresh even when no step follows
         if closing and not (drain and controller.has_unfinished()):
             # No add can follow: add() checks _closing under the lock that took `commands`.
             for request_id in list(self._streams):
-                self._cancel(request_id)
+                self._end(request_id, FinishReason.CANCELLED)
             controller.pop_finished()
             self._observe_state()
             return False
@@ -236,21 +236,13 @@ class ServingLoop:
     def _release_held(self, group: _SampleGroup) -> None:
         held, group.held = group.held, []
         for stream in held:
+            self._groups.pop(stream.request_id, None)
             self._add(stream)
 
     def _fail(self, request_ids: Sequence[str], error: str) -> None:
         for request_id in request_ids:
             self._end(request_id, FinishReason.ERROR, error=error)
         self._observe_state()
-
-    def _cancel(self, request_id: str) -> None:
-        """Cancels a request; sample 0 of an n-group takes every sample with it."""
-        group = self._groups.get(request_id)
-        members = [request_id]
-        if group is not None and group.leader == request_id:
-            members += sorted(group.live - {request_id})
-        for member in members:
-            self._end(member, FinishReason.CANCELLED)
 
     def _end(self, request_id: str, reason: FinishReason, error: str | None = None) -> None:
         """Finishes a request in the controller (its pages freed) and for its caller."""
@@ -279,13 +271,11 @@ class ServingLoop:
         metrics = stream.finish(reason, error)
         self.metrics.observe_finished(metrics, FinishReason(reason).value)
         group = self._groups.pop(request_id, None)
-        if group is not None:
-            group.live.discard(request_id)
-            if group.leader == request_id and group.held:
-                # Sample 0 ended before its first token: its samples end the same way.
-                held, group.held = group.held, []
-                for other in held:
-                    self._finish(other, reason, error=error)
+        if group is not None and group.leader == request_id and group.held:
+            # Sample 0 ended before its first token: its samples end the same way.
+            held, group.held = group.held, []
+            for other in held:
+                self._finish(other, reason, error=error)
 
     def _observe_state(self) -> None:
         allocator = self.engine.allocator
@@ -303,11 +293,10 @@ def _request_ids(batch: Batch) -> list[str]:
 @dataclasses.dataclass
 class _SampleGroup:
     """The n samples of one prompt, in the loop: sample 0 (`leader`) runs first, the others
-    wait in `held` until it has its first token. `live`: ids not finished yet."""
+    wait in `held` until it has its first token."""
 
     leader: str
     held: list[RequestStream]
-    live: set[str]
 
 
 class _OneAtATime:

@@ -244,14 +244,17 @@ class RequestHandle:
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
                  cancel: Callable[[str], bool], loop: asyncio.AbstractEventLoop | None = None,
-                 *, id: str | None = None, n: int = 1):
+                 *, id: str | None = None, ids: Sequence[str] | None = None):
         """request_id: the caller's label, echoed in every delta and the output (not
-        necessarily unique); id: the server's identity of the request (unique; of sample 0,
-        which stands for all n), what `cancel` names (default: request_id)."""
+        necessarily unique); ids: the server's identities of the request's n samples
+        (unique), what `cancel` names; id: sample 0's (default: request_id)."""
         self.request_id = request_id
         self.id = request_id if id is None else id
+        self.ids = (self.id,) if ids is None else tuple(ids)
+        if self.ids[0] != self.id:
+            raise ValueError(f"ids {self.ids} must start with sample 0's id {self.id!r}")
         self.prompt_token_ids = tuple(prompt_token_ids)
-        self.n = n
+        self.n = len(self.ids)
         self._cancel = cancel
         self._loop = loop
         self._deltas: queue.SimpleQueue[StreamDelta] = queue.SimpleQueue()
@@ -259,7 +262,7 @@ class RequestHandle:
             asyncio.Queue() if loop is not None else None)
         self._done = threading.Event()
         self._output: RequestOutput | None = None
-        self._samples = [_Sample() for _ in range(n)]
+        self._samples = [_Sample() for _ in range(self.n)]
         self._num_finished = 0
         self._prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
@@ -305,8 +308,8 @@ class RequestHandle:
 
     def cancel(self) -> bool:
         """Asks the server to stop this request (all its samples); each final delta says
-        "cancelled"."""
-        return self._cancel(self.id)
+        "cancelled". False when none was in flight."""
+        return any([self._cancel(i) for i in self.ids])     # a list: cancel every one
 
     def result(self, timeout: float | None = None) -> RequestOutput:
         """Blocks until the request finishes; raises TimeoutError after `timeout` seconds."""

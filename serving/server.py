@@ -199,7 +199,7 @@ class Server:
         if request_id is None:
             request_id = server_ids[0]
         handle = RequestHandle(request_id, prompt_ids, self.cancel, loop=_loop,
-                               id=server_ids[0], n=params.n)
+                               id=server_ids[0], ids=server_ids)
         arrival = self._clock.now()
         streams = []
         for index, (server_id, detokenizer) in enumerate(zip(server_ids, detokenizers)):
@@ -297,7 +297,8 @@ class Server:
     def cancel(self, id: str) -> bool:
         """Cancels an in-flight request by the server's id (`RequestHandle.id`; a caller's
         request_id is only a label) and frees its pages; its final delta says "cancelled".
-        False when no such request is in flight (already finished, or never was)."""
+        False when no such request is in flight (already finished, or never was). With n
+        samples each has its own id (`RequestHandle.ids`): `handle.cancel()` cancels all."""
         return self._loop.cancel(id)
 
     def metrics_text(self) -> str:

@@ -107,17 +107,17 @@ def test_duplicate_ids_cancel_and_close(loop):
         submit(loop, "late")
 
 
-def submit_group(loop, leader, n, max_tokens=3):
+def submit_group(loop, leader, n, max_tokens=3, leader_max_tokens=None):
     """n samples of one prompt: `leader` runs first, `leader-i` are held until its first
     token (Server.submit's layout)."""
     ids = [leader] + [f"{leader}-{i}" for i in range(1, n)]
-    handle = RequestHandle(leader, list(range(1, 6)), loop.cancel, n=n)
-    streams = [RequestStream(Request(rid, 5, max_tokens, time.monotonic(),
+    handle = RequestHandle(leader, list(range(1, 6)), loop.cancel, ids=ids)
+    lengths = [leader_max_tokens or max_tokens] + [max_tokens] * (n - 1)
+    streams = [RequestStream(Request(rid, 5, m, time.monotonic(),
                                      prompt_token_ids=list(range(1, 6)),
-                                     sampling=SamplingParams(temperature=0.0,
-                                                             max_tokens=max_tokens)),
+                                     sampling=SamplingParams(temperature=0.0, max_tokens=m)),
                              handle, IncrementalDetokenizer(None), index=i)
-               for i, rid in enumerate(ids)]
+               for i, (rid, m) in enumerate(zip(ids, lengths))]
     loop.add(streams[0], held=streams[1:])
     return handle
 
@@ -137,6 +137,23 @@ def test_held_samples_run_after_the_first_token_and_end_with_a_failed_one(loop):
     held = submit_group(loop, "held", 2, max_tokens=50)
     with pytest.raises(ValueError, match="request_id 'held-1' is already in flight"):
         submit(loop, "held-1")
-    assert loop.cancel("held")                  # sample 0's id cancels the group
+    assert held.cancel()                        # every sample, the held one too
     loop.engine.hold.set()
     assert [o.finish_reason for o in held.result(timeout=30).outputs] == ["cancelled"] * 2
+
+
+def test_cancelling_the_handle_after_sample_0_finished_cancels_the_others(loop):
+    handle = submit_group(loop, "g", 3, max_tokens=240, leader_max_tokens=1)
+    for delta in handle:
+        if delta.index == 0 and delta.finished:
+            break
+    loop.engine.hold = threading.Event()        # the others stall at their next step
+    assert handle.cancel()
+    loop.engine.hold.set()
+    out = handle.result(timeout=30)
+    assert [o.finish_reason for o in out.outputs] == ["length", "cancelled", "cancelled"]
+    allocator = loop.engine.allocator
+    deadline = time.monotonic() + 30
+    while allocator.num_free_pages != allocator.num_pages and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert allocator.num_free_pages == allocator.num_pages
