@@ -51,6 +51,7 @@ INSTALL_REQUIRES = [
     "tokenizers",
     "gguf>=0.19.0",
     "grpcio==1.85.1",
+    "grpcio-health-checking==1.85.1",   # the standard grpc.health.v1 servicer
     # Builds the gRPC stubs at install time and, as a fallback, on first import.
     "grpcio-tools==1.85.1",
     "protobuf",

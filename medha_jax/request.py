@@ -183,12 +183,34 @@ class Batch:
         return bool(self.chunks)
 
 
+@dataclasses.dataclass(frozen=True)
+class TokenLogprobs:
+    """One token's log-probability under the model, and the most likely alternatives.
+
+    top: (token id, logprob) pairs, most likely first, as many as the request asked for
+    (it may include token_id itself)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclasses.dataclass
 class StepResult:
-    """What an executor returns for one batch."""
+    """What an executor returns for one batch.
+
+    logprobs and prompt_logprobs hold only what requests asked for (SamplingParams.logprobs,
+    .prompt_logprobs); executors that compute none (the simulator, test doubles) leave them
+    empty."""
 
     sampled_token_ids: dict[str, int]   # request_id -> new token, for chunks that sample
     duration_s: float                   # measured (engine) or predicted (simulator) time
+    # request_id -> the sampled token's logprobs.
+    logprobs: dict[str, TokenLogprobs] = dataclasses.field(default_factory=dict)
+    # request_id -> {prompt position p (>= 1) -> logprobs of prompt token p given tokens
+    # before it}, for the positions this batch's chunk computed.
+    prompt_logprobs: dict[str, dict[int, TokenLogprobs]] = dataclasses.field(
+        default_factory=dict)
 
 
 class Executor(Protocol):

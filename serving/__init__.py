@@ -6,9 +6,12 @@
                           TokensPrompt, and the single-or-batch rule of generate
     serving.loop          ServingLoop: the loop thread (inbox, schedule -> execute -> update,
                           failure containment)
-    serving.outputs       RequestOutput, RequestMetrics, StreamDelta, RequestHandle,
-                          RequestStream, and the incremental detokenizer that finds stop strings
-    serving.grpc_service  GrpcServer: medha.v1.Medha and grpc.health.v1.Health (serving/proto)
+    serving.outputs       RequestOutput (with n CompletionOutputs), RequestMetrics,
+                          StreamDelta, RequestHandle, RequestStream, and the incremental
+                          detokenizer that finds stop strings
+    serving.grpc_service  GrpcServer: medha.v1.Medha (serving/proto) and grpc.health.v1.Health
+    serving.http_server   the OpenAI-compatible HTTP API; serving.openai_logprobs its
+                          logprobs objects
     serving.metrics       per-Server Prometheus metrics
     serving.replay        replays a request trace against a live Server
     serving.cli           the `medha-jax` command; serving.demo is `medha-jax demo`

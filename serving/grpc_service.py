@@ -1,4 +1,5 @@
-"""The gRPC front end of a Server: medha.v1.Medha (Generate, Metrics) and grpc.health.v1.Health.
+"""The gRPC front end of a Server: medha.v1.Medha (Generate, Metrics) and grpc.health.v1.Health
+(the `grpcio-health-checking` package's servicer).
 
     grpc_server = GrpcServer(server, port=50051, token="s3cret")   # serving now
     grpc_server.wait()                                              # until stop()
@@ -19,16 +20,16 @@ cache with RESOURCE_EXHAUSTED, each with the server's message naming the field.
 from __future__ import annotations
 
 import hmac
-import threading
 from concurrent import futures
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from medha_jax.request import SLO
+from medha_jax.request import SLO, TokenLogprobs
 from medha_jax.sampling_params import SamplingParams
 from medha_jax.scheduler.controller import CapacityError
 from serving.outputs import StreamDelta
-from serving.proto import health_pb2, health_pb2_grpc, medha_pb2, medha_pb2_grpc
+from serving.proto import medha_pb2, medha_pb2_grpc
 from serving.server import Server
 
 SERVICE_NAME = "medha.v1.Medha"
@@ -44,7 +45,8 @@ def request_from_proto(msg: medha_pb2.GenerateRequest
         raise ValueError("prompt: set either text or token_ids")
     prompt = msg.text if which == "text" else list(msg.token_ids.ids)
     fields = {}
-    for name in ("temperature", "top_k", "top_p", "max_tokens", "seed"):
+    for name in ("temperature", "top_k", "top_p", "max_tokens", "seed", "n", "logprobs",
+                 "prompt_logprobs"):
         if msg.sampling.HasField(name):
             fields[name] = getattr(msg.sampling, name)
     params = SamplingParams(**fields, stop=tuple(msg.sampling.stop),
@@ -54,17 +56,26 @@ def request_from_proto(msg: medha_pb2.GenerateRequest
     return prompt, params, slo
 
 
+def _logprobs_proto(entry: TokenLogprobs) -> medha_pb2.TokenLogprobs:
+    return medha_pb2.TokenLogprobs(
+        token_id=entry.token_id, logprob=entry.logprob,
+        top=[medha_pb2.TokenLogprobs.Alternative(token_id=t, logprob=lp) for t, lp in entry.top])
+
+
 def response_from_delta(delta: StreamDelta) -> medha_pb2.GenerateResponse:
     response = medha_pb2.GenerateResponse(
         request_id=delta.request_id, token_ids=delta.token_ids, text=delta.text,
         finished=delta.finished, finish_reason=delta.finish_reason or "",
-        error=delta.error or "")
+        error=delta.error or "", index=delta.index,
+        logprobs=[_logprobs_proto(e) for e in delta.logprobs or ()],
+        # The first prompt token has no logprobs (None): the message holds tokens 1.. on.
+        prompt_logprobs=[_logprobs_proto(e) for e in (delta.prompt_logprobs or ())[1:]])
     if delta.metrics is not None:
         m = delta.metrics
         response.metrics.CopyFrom(medha_pb2.RequestMetrics(
             ttft_s=m.ttft, tpot_s=m.tpot, queue_time_s=m.queue_time,
             num_prompt_tokens=m.num_prompt_tokens, num_output_tokens=m.num_output_tokens,
-            num_preemptions=m.num_preemptions))
+            num_preemptions=m.num_preemptions, num_cached_tokens=m.num_cached_tokens))
     return response
 
 
@@ -120,42 +131,6 @@ class MedhaServicer(medha_pb2_grpc.MedhaServicer):
         return medha_pb2.MetricsResponse(text=self._server.metrics_text())
 
 
-class HealthServicer(health_pb2_grpc.HealthServicer):
-    """The standard health protocol: "" (the whole server) and "medha.v1.Medha"."""
-
-    def __init__(self):
-        self._status = {"": health_pb2.HealthCheckResponse.SERVING,
-                        SERVICE_NAME: health_pb2.HealthCheckResponse.SERVING}
-        self._changed = threading.Condition()
-
-    def set_serving(self, serving: bool) -> None:
-        status = (health_pb2.HealthCheckResponse.SERVING if serving
-                  else health_pb2.HealthCheckResponse.NOT_SERVING)
-        with self._changed:
-            for service in self._status:
-                self._status[service] = status
-            self._changed.notify_all()
-
-    def Check(self, request, context):
-        status = self._status.get(request.service)
-        if status is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
-        return health_pb2.HealthCheckResponse(status=status)
-
-    def Watch(self, request, context):
-        last = None
-        while context.is_active():
-            with self._changed:
-                status = self._status.get(request.service,
-                                          health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
-                if status == last:
-                    # Wake now and then to notice a client that went away.
-                    self._changed.wait(timeout=1.0)
-                    continue
-            last = status
-            yield health_pb2.HealthCheckResponse(status=status)
-
-
 class _BearerToken(grpc.ServerInterceptor):
     """Refuses calls without metadata "authorization: Bearer <token>" (health probes exempt)."""
 
@@ -187,7 +162,9 @@ class GrpcServer:
         if token is not None and not token:
             raise ValueError("token must be a non-empty string or None")
         self.server = server
-        self.health = HealthServicer()
+        # The standard health protocol: "" (the whole server) and "medha.v1.Medha".
+        self.health = health.HealthServicer()
+        self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         self._grpc = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_concurrent_rpcs,
                                        thread_name_prefix="medha-grpc"),
@@ -219,7 +196,7 @@ class GrpcServer:
 
     def stop(self, grace: float | None = 5.0) -> None:
         """Reports NOT_SERVING, then stops; open calls get `grace` seconds to finish."""
-        self.health.set_serving(False)
+        self.health.enter_graceful_shutdown()
         self._grpc.stop(grace).wait()
 
     def wait(self, timeout: float | None = None) -> bool:

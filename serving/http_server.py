@@ -5,6 +5,9 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both stream as server-sent events,
 `data: {...}` chunks then `data: [DONE]`), GET /v1/models, GET /health, GET /metrics.
+Both take `n` (n choices, sampled from one prefill; streamed chunks name their choice's
+index) and logprobs (completions: `logprobs: k`, with `echo: true` the prompt's too; chat:
+`logprobs: true` and `top_logprobs: k`), k <= 20 (serving.openai_logprobs).
 
 Errors are OpenAI error objects, `{"error": {"message", "type", "param", "code"}}`:
 400 a bad field or malformed JSON, 401 a missing or wrong bearer token, 404 an unknown model,
@@ -32,9 +35,10 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from medha_jax.sampling_params import SamplingParams
+from medha_jax.sampling_params import MAX_LOGPROBS, SamplingParams
 from medha_jax.scheduler.controller import CapacityError
 from serving import validation
+from serving.openai_logprobs import TokenText, chat_logprobs, completion_logprobs
 from serving.outputs import RequestHandle, StreamDelta
 
 MAX_BODY_BYTES = 4 << 20        # a 128k-token prompt as JSON token ids fits
@@ -75,19 +79,36 @@ def _int(body, name, default=None):
     return _field(body, name, (int,), default, what="an integer")
 
 
-def sampling_params_from(body: dict, *, default_max_tokens: int | None
+def completion_logprob_fields(body: dict) -> tuple[dict, bool]:
+    """/v1/completions' `logprobs` (an int k: the top k of each token) and `echo` (the prompt
+    in the text, and with logprobs the prompt's logprobs): (SamplingParams fields, echo)."""
+    # false: off, as some clients send it (the API's type is an integer or null).
+    logprobs = None if body.get("logprobs") is False else _int(body, "logprobs", None)
+    echo = _field(body, "echo", (bool,), False, what="a boolean")
+    return {"logprobs": logprobs, "prompt_logprobs": logprobs if echo else None}, echo
+
+
+def chat_logprob_fields(body: dict) -> dict:
+    """/v1/chat/completions' `logprobs` (a boolean) and `top_logprobs` (an int k <= 20)."""
+    wanted = _field(body, "logprobs", (bool,), False, what="a boolean")
+    top = _int(body, "top_logprobs", None)
+    if top is not None and not wanted:
+        raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise ApiError(400, f"'top_logprobs' must be in [0, {MAX_LOGPROBS}], got {top}",
+                       param="top_logprobs")
+    return {"logprobs": (top or 0) if wanted else None}
+
+
+def sampling_params_from(body: dict, *, default_max_tokens: int | None, **fields
                          ) -> tuple[SamplingParams, bool, bool, bool]:
     """(SamplingParams, stream, include_usage, fill_room); 400 on a bad or unsupported field.
+    fields: more SamplingParams fields, from the endpoint's own parsing (logprobs).
 
     fill_room: default_max_tokens is None and the body names no max_tokens, so `submit`
     gives the request all the room its prompt leaves in the context (chat's default)."""
-    n = _int(body, "n", 1)
-    if n != 1:
-        raise ApiError(400, f"'n' must be 1 (several samples per prompt are not supported "
-                            f"yet), got {n}", param="n")
-    # Fields asking for what this server cannot do yet; their "off" values are accepted.
-    for unsupported, off in [("logprobs", (False, 0)), ("top_logprobs", (0,)),
-                             ("echo", (False,)), ("best_of", (1,)), ("suffix", ("",)),
+    # Fields asking for what this server cannot do; their "off" values are accepted.
+    for unsupported, off in [("best_of", (1,)), ("suffix", ("",)),
                              ("tools", ([],)), ("logit_bias", ({},))]:
         value = body.get(unsupported)
         if value is not None and not (value in off and type(value) is type(off[0])):
@@ -118,7 +139,8 @@ def sampling_params_from(body: dict, *, default_max_tokens: int | None
                   top_p=_number(body, "top_p", 1.0), top_k=_int(body, "top_k", 0),
                   seed=_int(body, "seed", None), stop=stop, stop_token_ids=stop_token_ids,
                   ignore_eos=_field(body, "ignore_eos", (bool,), False, what="a boolean"),
-                  max_tokens=max_tokens if max_tokens is not None else (default_max_tokens or 1))
+                  max_tokens=max_tokens if max_tokens is not None else (default_max_tokens or 1),
+                  n=_int(body, "n", 1), **fields)
     if kwargs["temperature"] > 2:
         raise ApiError(400, f"'temperature' must be in [0, 2], got {kwargs['temperature']}",
                        param="temperature")
@@ -191,6 +213,7 @@ class _Api:
         self.model_name = model_name or server.config.name
         self.open_requests = 0
         self.created = int(time.time())
+        self.texts = TokenText(server.tokenizer)
 
     # ---- plumbing ----
 
@@ -285,8 +308,9 @@ class _Api:
             self.open_requests -= 1
         if output is None:                       # the client went away: nobody to answer
             return Response(status_code=499)
-        if output.finish_reason == "error":
-            return JSONResponse(ApiError(500, output.error or "generation failed",
+        failed = next((o for o in output.outputs if o.finish_reason == "error"), None)
+        if failed is not None:
+            return JSONResponse(ApiError(500, failed.error or "generation failed",
                                          type="server_error").body(), status_code=500)
         return JSONResponse(render.final(output))
 
@@ -302,17 +326,20 @@ class _Api:
         try:
             for chunk in render.start():
                 yield _event(chunk)
-            num_out = 0
+            num_out, cached = 0, None
             async for delta in handle:
                 num_out += len(delta.token_ids)
                 if delta.finish_reason == "error":
                     yield _event(ApiError(500, delta.error or "generation failed",
                                           type="server_error").body())
                     break
-                if delta.text or delta.finished:
+                if delta.finished and delta.index == 0:
+                    cached = delta.metrics.num_cached_tokens
+                if delta.text or delta.finished or delta.logprobs:
                     yield _event(render.chunk(delta))
             if include_usage:
-                yield _event(render.usage_chunk(len(handle.prompt_token_ids), num_out))
+                yield _event(render.usage_chunk(
+                    _usage(len(handle.prompt_token_ids), num_out, cached)))
             yield "data: [DONE]\n\n"
         finally:
             if not handle.finished:
@@ -322,17 +349,24 @@ class _Api:
 
     async def completions(self, request):
         def build(body):
+            fields, echo = completion_logprob_fields(body)
             params, stream, usage, fill_room = sampling_params_from(
-                body, default_max_tokens=DEFAULT_COMPLETION_MAX_TOKENS)
-            ids = self.prompt_ids(completion_prompt(body))
+                body, default_max_tokens=DEFAULT_COMPLETION_MAX_TOKENS, **fields)
+            prompt = completion_prompt(body)
+            ids = self.prompt_ids(prompt)
             handle = self.submit(ids, params, fill_room)
-            return handle, stream, usage, _CompletionRender(self.model_name, handle)
+            echoed = None
+            if echo:
+                echoed = prompt if isinstance(prompt, str) else \
+                    self.server.tokenizer.decode(ids) if self.server.tokenizer else ""
+            return handle, stream, usage, _CompletionRender(self.model_name, handle, self.texts,
+                                                            echo=echoed)
         return await self.run(request, build)
 
     async def chat_completions(self, request):
         def build(body):
-            params, stream, usage, fill_room = sampling_params_from(body,
-                                                                    default_max_tokens=None)
+            params, stream, usage, fill_room = sampling_params_from(
+                body, default_max_tokens=None, **chat_logprob_fields(body))
             messages = chat_messages(body)
             try:
                 ids = list(self.server.chat_prompt(messages).prompt_token_ids)
@@ -345,7 +379,7 @@ class _Api:
                 raise ApiError(400, "the chat template rendered an empty prompt",
                                param="messages")
             handle = self.submit(ids, params, fill_room)
-            return handle, stream, usage, _ChatRender(self.model_name, handle)
+            return handle, stream, usage, _ChatRender(self.model_name, handle, self.texts)
         return await self.run(request, build)
 
     async def models(self, request):
@@ -371,9 +405,9 @@ async def _result_or_disconnect(request, handle: RequestHandle):
     """The request's final output, or None (and the request cancelled) if the client
     disconnects first. The body has been read, so `receive` now only reports disconnects."""
     async def collect():
-        async for delta in handle:
-            if delta.finished:
-                return handle.result()
+        async for _ in handle:           # to the last sample's final delta
+            pass
+        return handle.result()
 
     async def disconnected():
         while (await request.receive())["type"] != "http.disconnect":
@@ -414,68 +448,111 @@ def _event(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
+           ) -> dict:
+    """OpenAI's usage; completion_tokens over all n choices, cached_tokens of the prompt
+    taken from the prefix cache (by the first choice)."""
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+             "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return usage
+
+
+def _output_usage(output) -> dict:
+    return _usage(len(output.prompt_token_ids), sum(len(o.token_ids) for o in output.outputs),
+                  output.metrics.num_cached_tokens)
 
 
 class _CompletionRender:
-    """OpenAI `text_completion` objects for one request."""
+    """OpenAI `text_completion` objects for one request: n choices.
 
-    def __init__(self, model: str, handle: RequestHandle):
+    echo: the prompt's text, which starts each choice's text (and with logprobs its tokens
+    start each choice's logprobs, the prompt logprobs of sample 0, the first one null)."""
+
+    def __init__(self, model: str, handle: RequestHandle, texts: TokenText, *,
+                 echo: str | None = None):
         self.model, self.id = model, f"cmpl-{handle.id}"
         self.created = int(time.time())
+        self.texts, self.echo = texts, echo
+        self.prompt_ids = list(handle.prompt_token_ids)
+        self._prompt_logprobs = None
+        self._echoed = [False] * handle.n
+        self._text_offsets = [0] * handle.n     # a stream's text so far, per choice
 
     def _obj(self, choices, usage=None) -> dict:
         return {"id": self.id, "object": "text_completion", "created": self.created,
                 "model": self.model, "choices": choices, "usage": usage}
 
+    def _choice(self, index: int, text: str, token_ids, logprobs, finish_reason) -> dict:
+        ids, entries = list(token_ids), None if logprobs is None else list(logprobs)
+        if self.echo is not None and not self._echoed[index]:
+            self._echoed[index] = True
+            text = self.echo + text
+            if entries is not None:
+                prompt = self._prompt_logprobs or (None,) * len(self.prompt_ids)
+                ids, entries = self.prompt_ids + ids, list(prompt) + entries
+        choice_logprobs = None if entries is None else completion_logprobs(
+            ids, entries, self.texts, self._text_offsets[index])
+        self._text_offsets[index] += len(text)
+        return {"index": index, "text": text, "logprobs": choice_logprobs,
+                "finish_reason": _finish_reason(finish_reason)}
+
     def final(self, output) -> dict:
-        return self._obj([{"index": 0, "text": output.text, "logprobs": None,
-                           "finish_reason": _finish_reason(output.finish_reason)}],
-                         _usage(len(output.prompt_token_ids), len(output.token_ids)))
+        self._prompt_logprobs = output.prompt_logprobs
+        return self._obj([self._choice(o.index, o.text, o.token_ids, o.logprobs,
+                                       o.finish_reason) for o in output.outputs],
+                         _output_usage(output))
 
     def start(self):
         return ()
 
     def chunk(self, delta: StreamDelta) -> dict:
-        return self._obj([{"index": 0, "text": delta.text, "logprobs": None,
-                           "finish_reason": _finish_reason(delta.finish_reason)}])
+        if delta.prompt_logprobs is not None:   # sample 0's first delta, before any other's
+            self._prompt_logprobs = delta.prompt_logprobs
+        return self._obj([self._choice(delta.index, delta.text, delta.token_ids,
+                                       delta.logprobs, delta.finish_reason)])
 
-    def usage_chunk(self, prompt_tokens, completion_tokens) -> dict:
-        return self._obj([], _usage(prompt_tokens, completion_tokens))
+    def usage_chunk(self, usage: dict) -> dict:
+        return self._obj([], usage)
 
 
 class _ChatRender:
-    """OpenAI `chat.completion` / `chat.completion.chunk` objects for one request."""
+    """OpenAI `chat.completion` / `chat.completion.chunk` objects for one request: n choices."""
 
-    def __init__(self, model: str, handle: RequestHandle):
+    def __init__(self, model: str, handle: RequestHandle, texts: TokenText):
         self.model, self.id = model, f"chatcmpl-{handle.id}"
         self.created = int(time.time())
+        self.texts, self.n = texts, handle.n
 
     def _obj(self, kind, choices, usage=None) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
                 "choices": choices, "usage": usage}
 
+    def _logprobs(self, entries) -> dict | None:
+        return None if entries is None else chat_logprobs(entries, self.texts)
+
     def final(self, output) -> dict:
         return self._obj("chat.completion", [{
-            "index": 0, "message": {"role": "assistant", "content": output.text},
-            "logprobs": None, "finish_reason": _finish_reason(output.finish_reason)}],
-            _usage(len(output.prompt_token_ids), len(output.token_ids)))
+            "index": o.index, "message": {"role": "assistant", "content": o.text},
+            "logprobs": self._logprobs(o.logprobs),
+            "finish_reason": _finish_reason(o.finish_reason)} for o in output.outputs],
+            _output_usage(output))
 
     def start(self):
-        # The first chunk names the role, as OpenAI's does.
-        return (self._obj("chat.completion.chunk", [{
-            "index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-            "finish_reason": None}]),)
+        # The first chunk of each choice names the role, as OpenAI's does.
+        return tuple(self._obj("chat.completion.chunk", [{
+            "index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            "finish_reason": None}]) for index in range(self.n))
 
     def chunk(self, delta: StreamDelta) -> dict:
         return self._obj("chat.completion.chunk", [{
-            "index": 0, "delta": {"content": delta.text} if delta.text else {},
-            "logprobs": None, "finish_reason": _finish_reason(delta.finish_reason)}])
+            "index": delta.index, "delta": {"content": delta.text} if delta.text else {},
+            "logprobs": self._logprobs(delta.logprobs),
+            "finish_reason": _finish_reason(delta.finish_reason)}])
 
-    def usage_chunk(self, prompt_tokens, completion_tokens) -> dict:
-        return self._obj("chat.completion.chunk", [], _usage(prompt_tokens, completion_tokens))
+    def usage_chunk(self, usage: dict) -> dict:
+        return self._obj("chat.completion.chunk", [], usage)
 
 
 def make_app(server, *, token: str | None = None, max_concurrent_requests: int = 256,

@@ -7,9 +7,16 @@ drains before every iteration; results flow back through each request's RequestS
 One iteration: schedule -> engine.dispatch while the engine has room for another batch in
 flight (its SPP stages), then engine.collect of the oldest -> update (the controller's two
 public steps, execution owned here through medha_jax.scheduler.in_flight), then deliver
-the new tokens: detokenization and stop strings (the controller handles stop token ids,
-end of sequence and max_tokens), final outputs, Prometheus metrics. An engine with only
-`execute` (a test double) runs one batch at a time.
+the new tokens and their logprobs: detokenization and stop strings (the controller handles
+stop token ids, end of sequence and max_tokens), final outputs, Prometheus metrics. An
+engine with only `execute` (a test double) runs one batch at a time.
+
+n samples of one prompt (SamplingParams.n) share its prefill through the prefix cache:
+sample 0 goes to the controller first; the others are held here and added once sample 0
+has its first token, when its prompt's full pages are computed and committed, so they
+reuse those pages and compute only the rest of the prompt (at least its last token).
+Should sample 0 end before that (cancelled, failed), the held ones end the same way. A
+held sample cancelled by its own id ends at once (RequestHandle.cancel names every sample).
 
 Failure containment: an exception in dispatching or collecting a batch, or in applying
 its result, fails only that batch's requests (FinishReason.ERROR, the error named) and
@@ -24,11 +31,12 @@ leave callers waiting on a dead thread.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Sequence
 
-from medha_jax.request import Batch, FinishReason, StepResult
+from medha_jax.request import Batch, FinishReason, StepResult, TokenLogprobs
 from medha_jax.scheduler.controller import ReplicaController
 from medha_jax.scheduler.in_flight import BatchFailed, InFlightRunner
 from serving.metrics import ServerMetrics
@@ -51,11 +59,14 @@ class ServingLoop:
         self.runner = InFlightRunner(controller, engine if hasattr(engine, "dispatch")
                                      else _OneAtATime(engine))
         self._lock = threading.Condition()          # guards everything up to _streams
-        self._inbox: list[tuple[str, object]] = []  # ("add", RequestStream) | ("cancel", id)
+        # ("add", (RequestStream, held RequestStreams)) | ("cancel", id)
+        self._inbox: list[tuple[str, object]] = []
         self._in_flight: set[str] = set()           # request ids submitted and not finished
         self._closing = False
         self._drain_on_close = False
-        self._streams: dict[str, RequestStream] = {}  # loop thread only
+        self._streams: dict[str, RequestStream] = {}  # loop thread only, in the controller
+        # Loop thread only: sample 0's id and held samples' ids -> their n-group.
+        self._groups: dict[str, _SampleGroup] = {}
         self._observe_state()
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
@@ -66,16 +77,19 @@ class ServingLoop:
     def closing(self) -> bool:
         return self._closing
 
-    def add(self, stream: RequestStream) -> None:
-        """Queues a validated request. Raises when its id is in flight or the loop stopped."""
-        rid = stream.request_id
+    def add(self, stream: RequestStream, held: Sequence[RequestStream] = ()) -> None:
+        """Queues a validated request; `held`: the other samples of its prompt (n > 1),
+        added once it has its first token (see the module's docstring). Raises when an id
+        is in flight or the loop stopped."""
+        ids = [stream.request_id, *(h.request_id for h in held)]
         with self._lock:
             if self._closing:
                 raise RuntimeError("the server is closed")
-            if rid in self._in_flight:
-                raise ValueError(f"request_id {rid!r} is already in flight")
-            self._in_flight.add(rid)
-            self._inbox.append(("add", stream))
+            taken = [rid for rid in ids if rid in self._in_flight]
+            if taken or len(set(ids)) < len(ids):
+                raise ValueError(f"request_id {(taken or ids)[0]!r} is already in flight")
+            self._in_flight.update(ids)
+            self._inbox.append(("add", (stream, tuple(held))))
             self._lock.notify()
 
     def cancel(self, request_id: str) -> bool:
@@ -119,7 +133,12 @@ class ServingLoop:
             closing, drain = self._closing, self._drain_on_close
         for kind, arg in commands:
             if kind == "add":
-                self._add(arg)
+                stream, held = arg
+                if held:
+                    group = _SampleGroup(stream.request_id, list(held))
+                    self._groups.update(dict.fromkeys(
+                        [stream.request_id, *(h.request_id for h in held)], group))
+                self._add(stream)
             else:
                 self._end(arg, FinishReason.CANCELLED)
         if commands:
@@ -165,11 +184,18 @@ class ServingLoop:
             return True
         if collected is None:
             return False
-        self.metrics.observe_step(collected.batch.num_tokens, collected.result.duration_s)
-        for update in collected.updates:
-            stream = self._streams.get(update.request.request_id)
+        result = collected.result
+        self.metrics.observe_step(collected.batch.num_tokens, result.duration_s)
+        for request_id, scored in result.prompt_logprobs.items():
+            stream = self._streams.get(request_id)
             if stream is not None:
-                self._deliver(stream, update.new_token_ids, update.finished)
+                stream.add_prompt_logprobs(scored)
+        for update in collected.updates:
+            request_id = update.request.request_id
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                self._deliver(stream, update.new_token_ids, update.finished,
+                              result.logprobs.get(request_id))
         self._observe_state()
         return True
 
@@ -186,10 +212,13 @@ class ServingLoop:
         self._observe_state()
 
     def _deliver(self, stream: RequestStream, new_token_ids: tuple[int, ...],
-                 finished: bool) -> None:
+                 finished: bool, logprobs: TokenLogprobs | None = None) -> None:
         request = stream.request
+        group = self._groups.get(request.request_id)
+        if group is not None and group.held and new_token_ids:
+            self._release_held(group)          # sample 0's prompt is in the prefix cache
         try:
-            stopped = stream.add_tokens(new_token_ids)
+            stopped = stream.add_tokens(new_token_ids, logprobs)
         except Exception as e:
             logger.exception("detokenizing request %s failed", request.request_id)
             self._end(request.request_id, FinishReason.ERROR,
@@ -198,12 +227,17 @@ class ServingLoop:
         if stopped:
             if not finished:
                 self.controller.finish(request.request_id, FinishReason.STOP)
-            self._finish(stream, FinishReason.STOP, new_token_ids)
+            self._finish(stream, FinishReason.STOP)
         elif finished:
-            self._finish(stream, request.finish_reason or FinishReason.STOP, new_token_ids,
-                         error=request.error)
+            self._finish(stream, request.finish_reason or FinishReason.STOP, error=request.error)
         else:
-            stream.push(new_token_ids)
+            stream.push()
+
+    def _release_held(self, group: _SampleGroup) -> None:
+        held, group.held = group.held, []
+        for stream in held:
+            self._groups.pop(stream.request_id, None)
+            self._add(stream)
 
     def _fail(self, request_ids: Sequence[str], error: str) -> None:
         for request_id in request_ids:
@@ -212,6 +246,13 @@ class ServingLoop:
 
     def _end(self, request_id: str, reason: FinishReason, error: str | None = None) -> None:
         """Finishes a request in the controller (its pages freed) and for its caller."""
+        group = self._groups.get(request_id)
+        held = next((s for s in group.held if s.request_id == request_id), None) \
+            if group is not None else None
+        if held is not None:          # never reached the controller: nothing to free
+            group.held.remove(held)
+            self._finish(held, reason, error=error)
+            return
         stream = self._streams.get(request_id)
         if stream is None:
             return                    # finished while the command was in the inbox
@@ -221,13 +262,20 @@ class ServingLoop:
             logger.exception("controller failed to release request %s", request_id)
         self._finish(stream, reason, error=error)
 
-    def _finish(self, stream: RequestStream, reason: FinishReason, new_token_ids=(),
+    def _finish(self, stream: RequestStream, reason: FinishReason,
                 error: str | None = None) -> None:
-        self._streams.pop(stream.request_id, None)
+        request_id = stream.request_id
+        self._streams.pop(request_id, None)
         with self._lock:
-            self._in_flight.discard(stream.request_id)
-        metrics = stream.finish(reason, new_token_ids, error)
+            self._in_flight.discard(request_id)
+        metrics = stream.finish(reason, error)
         self.metrics.observe_finished(metrics, FinishReason(reason).value)
+        group = self._groups.pop(request_id, None)
+        if group is not None and group.leader == request_id and group.held:
+            # Sample 0 ended before its first token: its samples end the same way.
+            held, group.held = group.held, []
+            for other in held:
+                self._finish(other, reason, error=error)
 
     def _observe_state(self) -> None:
         allocator = self.engine.allocator
@@ -240,6 +288,15 @@ class ServingLoop:
 
 def _request_ids(batch: Batch) -> list[str]:
     return [c.request.request_id for c in batch.chunks]
+
+
+@dataclasses.dataclass
+class _SampleGroup:
+    """The n samples of one prompt, in the loop: sample 0 (`leader`) runs first, the others
+    wait in `held` until it has its first token."""
+
+    leader: str
+    held: list[RequestStream]
 
 
 class _OneAtATime:

@@ -3,8 +3,10 @@
 The server's loop thread produces; callers on other threads (or an asyncio loop) consume.
 A RequestHandle is the meeting point: the loop thread pushes StreamDeltas into it, and the
 caller iterates them, waits for the final RequestOutput, or cancels. Concatenating a
-request's deltas (token ids and text) always gives its final output. A RequestStream is
-the loop thread's side of one request: it turns new tokens into deltas and finishes it.
+request's deltas (token ids, text, logprobs) always gives its final output; with n > 1
+samples each delta names its sample (`index`), and the request is done when all n are. A
+RequestStream is the loop thread's side of one sample: it turns new tokens into deltas and
+finishes it.
 
 Text is produced incrementally by `IncrementalDetokenizer`, which also finds stop strings:
 a byte-level tokenizer may split one UTF-8 character over several tokens, and a stop string
@@ -19,7 +21,7 @@ import queue
 import threading
 from typing import AsyncIterator, Callable, Iterator, Protocol, Sequence
 
-from medha_jax.request import FinishReason, Request
+from medha_jax.request import FinishReason, Request, TokenLogprobs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +30,9 @@ class RequestMetrics:
 
     ttft = first_token_time - arrival_time; tpot = (finish - first_token) / max(n_out - 1, 1);
     queue_time = first time scheduled - arrival. Times are None (and derived values 0.0)
-    when the request never got that far (cancelled or failed early).
+    when the request never got that far (cancelled or failed early). num_cached_tokens:
+    prompt tokens taken from the prefix cache instead of computed, in the request's last
+    admission (OpenAI's usage.prompt_tokens_details.cached_tokens).
     """
 
     arrival_time: float
@@ -40,6 +44,7 @@ class RequestMetrics:
     num_prompt_tokens: int
     num_output_tokens: int
     num_preemptions: int
+    num_cached_tokens: int = 0
 
     @classmethod
     def from_request(cls, req: Request) -> "RequestMetrics":
@@ -54,12 +59,32 @@ class RequestMetrics:
         return cls(arrival_time=req.arrival_time, first_token_time=req.first_token_time,
                    finish_time=req.finish_time, ttft=ttft, tpot=tpot, queue_time=queue_time,
                    num_prompt_tokens=req.prompt_len, num_output_tokens=n_out,
-                   num_preemptions=req.num_preemptions)
+                   num_preemptions=req.num_preemptions,
+                   num_cached_tokens=req.num_cached_tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompletionOutput:
+    """One sample of a request (vLLM's CompletionOutput). logprobs: one entry per token of
+    token_ids when SamplingParams.logprobs asked for them, else None; metrics: this
+    sample's own (each sample is a request of its own in the scheduler)."""
+
+    index: int
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str
+    logprobs: tuple[TokenLogprobs, ...] | None = None
+    error: str | None = None
+    metrics: RequestMetrics | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class RequestOutput:
-    """The whole result of one request. `error` says why when finish_reason == "error"."""
+    """The whole result of one request. `error` says why when finish_reason == "error".
+
+    The top-level token_ids, text, finish_reason, logprobs, metrics and error are sample
+    0's; `outputs` holds all n samples (one when n == 1). prompt_logprobs: when asked, one
+    entry per prompt token, the first None (nothing precedes it), as vLLM's."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -68,11 +93,17 @@ class RequestOutput:
     finish_reason: str
     metrics: RequestMetrics
     error: str | None = None
+    logprobs: tuple[TokenLogprobs, ...] | None = None
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
+    outputs: tuple[CompletionOutput, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
 class StreamDelta:
-    """What one request produced since its previous delta; the last one has finished=True."""
+    """What one sample produced since its previous delta; its last one has finished=True.
+
+    index: which sample (0..n-1). logprobs: one entry per token of token_ids when asked,
+    else None. prompt_logprobs: on sample 0's first delta, when asked (see RequestOutput)."""
 
     request_id: str
     token_ids: tuple[int, ...]
@@ -81,20 +112,29 @@ class StreamDelta:
     finish_reason: str | None = None
     metrics: RequestMetrics | None = None
     error: str | None = None
+    index: int = 0
+    logprobs: tuple[TokenLogprobs, ...] | None = None
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
 
 class Tokenizer(Protocol):
+    """medha_jax.checkpoint.Tokenizer: a Hugging Face `tokenizers.Tokenizer` as `backend`."""
+
+    backend: object
+
     def decode(self, ids: Sequence[int]) -> str: ...
 
 
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas and finds stop strings.
 
-    Decodes a short window of recent tokens twice (with and without the newest ones) and
-    emits the difference, as Hugging Face's TextStreamer and TGI do: decoding only the new
-    token would lose the leading space some tokenizers attach to a word, and decoding the
-    whole output every step costs O(n) per token. A window ending in U+FFFD is an
-    incomplete UTF-8 character; it waits for the next token.
+    Text comes from the tokenizers library's `DecodeStream` over the model's Hugging Face
+    tokenizer (every medha_jax Tokenizer wraps one as `backend`, the GGUF-built ones too, so
+    this is the only path): it decodes a short window of recent tokens with and without the
+    newest and emits the difference (as Hugging Face's TextStreamer and TGI do: decoding
+    only the new token would lose the leading space some tokenizers attach to a word, and
+    decoding the whole output every step costs O(n) per token), and gives nothing while the
+    newest tokens end inside a UTF-8 character.
 
     While generating, text that could be the start of a stop string is held back, so the
     deltas never contain text that is trimmed later.
@@ -104,10 +144,19 @@ class IncrementalDetokenizer:
         if stop and tokenizer is None:
             raise ValueError(f"stop={tuple(stop)!r} needs a model with a tokenizer")
         self._tokenizer = tokenizer
+        self._stream = None
+        if tokenizer is not None:
+            from tokenizers import Tokenizer as HfTokenizer
+            from tokenizers.decoders import DecodeStream
+
+            if not isinstance(getattr(tokenizer, "backend", None), HfTokenizer):
+                raise TypeError(f"the tokenizer must wrap a tokenizers.Tokenizer as `backend` "
+                                f"(medha_jax.checkpoint.Tokenizer does), got "
+                                f"{type(tokenizer).__name__}")
+            self._stream = DecodeStream(skip_special_tokens=True)
         self._stop = tuple(stop)
         self._ids: list[int] = []
-        self._prefix_offset = 0      # window start: ids before it are fully in self.text
-        self._read_offset = 0        # ids before it have been turned into text
+        self._num_decoded = 0        # ids whose text is in self.text
         self.text = ""               # all text decoded so far (trimmed at a stop string)
         self._emitted = 0            # characters of self.text already handed out
         self.stopped = False         # a stop string was found; self.text ends before it
@@ -115,10 +164,10 @@ class IncrementalDetokenizer:
     def add(self, token_ids: Sequence[int]) -> None:
         """Appends generated tokens; sets `stopped` when the text now contains a stop string."""
         self._ids.extend(token_ids)
-        if self._tokenizer is None or self.stopped:
+        if self._stream is None or self.stopped or not token_ids:
             return
-        new_text = self._pending_text()
-        if not new_text or new_text.endswith("\ufffd"):
+        new_text = self._stream.step(self._tokenizer.backend, [int(t) for t in token_ids])
+        if new_text is None:
             return                   # nothing printable yet (e.g. half a UTF-8 character)
         searched_from = max(len(self.text) - max((len(s) for s in self._stop), default=0), 0)
         self._append(new_text)
@@ -133,8 +182,8 @@ class IncrementalDetokenizer:
         The final delta also flushes tokens still waiting to complete a UTF-8 character
         (the output ended inside one), so no generated byte is silently dropped.
         """
-        if final and self._tokenizer is not None and not self.stopped:
-            self._append(self._pending_text())
+        if final and self._stream is not None and not self.stopped:
+            self._flush()
         end = len(self.text)
         if not final and not self.stopped:
             end -= self._held_back_chars()
@@ -142,15 +191,19 @@ class IncrementalDetokenizer:
         self._emitted += len(delta)
         return delta
 
-    def _pending_text(self) -> str:
-        """Text of the tokens not yet turned into text, decoded after the window's start."""
-        prefix = self._tokenizer.decode(self._ids[self._prefix_offset:self._read_offset])
-        window = self._tokenizer.decode(self._ids[self._prefix_offset:])
-        return window[len(prefix):]
+    def _flush(self) -> None:
+        """Appends the text of tokens DecodeStream still holds (it has no flush of its own):
+        once, at the end, from a decode of the whole output."""
+        if self._num_decoded == len(self._ids):
+            return
+        whole = self._tokenizer.decode(self._ids)
+        rest = (whole[len(self.text):] if whole.startswith(self.text)
+                else self._tokenizer.decode(self._ids[self._num_decoded:]))
+        self._append(rest)
 
     def _append(self, new_text: str) -> None:
         self.text += new_text
-        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self._num_decoded = len(self._ids)
 
     def _held_back_chars(self) -> int:
         longest = 0
@@ -162,22 +215,46 @@ class IncrementalDetokenizer:
         return longest
 
 
+@dataclasses.dataclass
+class _Sample:
+    """What a handle has gathered of one sample from its deltas."""
+
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    text: list[str] = dataclasses.field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None
+    last: StreamDelta | None = None          # its final delta, once finished
+
+    def output(self, index: int) -> CompletionOutput:
+        last = self.last
+        return CompletionOutput(
+            index=index, token_ids=tuple(self.token_ids), text="".join(self.text),
+            finish_reason=last.finish_reason,
+            logprobs=None if self.logprobs is None else tuple(self.logprobs),
+            error=last.error, metrics=last.metrics)
+
+
 class RequestHandle:
     """A submitted request: iterate it for StreamDeltas, or wait for `result()`, or `cancel()`.
 
+    With n samples the deltas of all n interleave (each names its `index`); iteration and
+    `result()` end when every sample has finished, and `cancel()` cancels them all.
     Deltas go to a thread-safe queue, or to an asyncio queue when the handle was created for
     an event loop (`Server.generate_async`); the loop thread never blocks on a slow reader.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
                  cancel: Callable[[str], bool], loop: asyncio.AbstractEventLoop | None = None,
-                 *, id: str | None = None):
+                 *, id: str | None = None, ids: Sequence[str] | None = None):
         """request_id: the caller's label, echoed in every delta and the output (not
-        necessarily unique); id: the server's identity of the request (unique), what
-        `cancel` names (default: request_id)."""
+        necessarily unique); ids: the server's identities of the request's n samples
+        (unique), what `cancel` names; id: sample 0's (default: request_id)."""
         self.request_id = request_id
         self.id = request_id if id is None else id
+        self.ids = (self.id,) if ids is None else tuple(ids)
+        if self.ids[0] != self.id:
+            raise ValueError(f"ids {self.ids} must start with sample 0's id {self.id!r}")
         self.prompt_token_ids = tuple(prompt_token_ids)
+        self.n = len(self.ids)
         self._cancel = cancel
         self._loop = loop
         self._deltas: queue.SimpleQueue[StreamDelta] = queue.SimpleQueue()
@@ -185,19 +262,25 @@ class RequestHandle:
             asyncio.Queue() if loop is not None else None)
         self._done = threading.Event()
         self._output: RequestOutput | None = None
-        self._token_ids: list[int] = []
-        self._text: list[str] = []
+        self._samples = [_Sample() for _ in range(self.n)]
+        self._num_finished = 0
+        self._prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
     # ---- producer side (the server's loop thread) ----
 
     def _push(self, delta: StreamDelta) -> None:
-        self._token_ids.extend(delta.token_ids)
-        self._text.append(delta.text)
+        sample = self._samples[delta.index]
+        sample.token_ids.extend(delta.token_ids)
+        sample.text.append(delta.text)
+        if delta.logprobs is not None:
+            sample.logprobs = (sample.logprobs or []) + list(delta.logprobs)
+        if delta.prompt_logprobs is not None:
+            self._prompt_logprobs = delta.prompt_logprobs
         if delta.finished:
-            self._output = RequestOutput(
-                request_id=self.request_id, prompt_token_ids=self.prompt_token_ids,
-                token_ids=tuple(self._token_ids), text="".join(self._text),
-                finish_reason=delta.finish_reason, metrics=delta.metrics, error=delta.error)
+            sample.last = delta
+            self._num_finished += 1
+            if self._num_finished == self.n:
+                self._output = self._final_output()
         if self._async_deltas is not None:
             try:
                 self._loop.call_soon_threadsafe(self._async_deltas.put_nowait, delta)
@@ -205,8 +288,17 @@ class RequestHandle:
                 pass                 # the caller's event loop is closed: nobody is listening
         else:
             self._deltas.put(delta)
-        if delta.finished:
+        if self._output is not None:
             self._done.set()
+
+    def _final_output(self) -> RequestOutput:
+        outputs = tuple(sample.output(i) for i, sample in enumerate(self._samples))
+        first = outputs[0]
+        return RequestOutput(
+            request_id=self.request_id, prompt_token_ids=self.prompt_token_ids,
+            token_ids=first.token_ids, text=first.text, finish_reason=first.finish_reason,
+            metrics=first.metrics, error=first.error, logprobs=first.logprobs,
+            prompt_logprobs=self._prompt_logprobs, outputs=outputs)
 
     # ---- consumer side (any thread) ----
 
@@ -215,8 +307,9 @@ class RequestHandle:
         return self._done.is_set()
 
     def cancel(self) -> bool:
-        """Asks the server to stop this request; its final delta says "cancelled"."""
-        return self._cancel(self.id)
+        """Asks the server to stop this request (all its samples); each final delta says
+        "cancelled". False when none was in flight."""
+        return any([self._cancel(i) for i in self.ids])     # a list: cancel every one
 
     def result(self, timeout: float | None = None) -> RequestOutput:
         """Blocks until the request finishes; raises TimeoutError after `timeout` seconds."""
@@ -227,53 +320,85 @@ class RequestHandle:
     def __iter__(self) -> Iterator[StreamDelta]:
         if self._async_deltas is not None:
             raise TypeError(f"request {self.request_id} streams to an event loop; use `async for`")
-        while True:
+        left = self.n
+        while left:
             delta = self._deltas.get()
             yield delta
-            if delta.finished:
-                return
+            left -= delta.finished
 
     async def __aiter__(self) -> AsyncIterator[StreamDelta]:
         if self._async_deltas is None:
             raise TypeError(f"request {self.request_id} was not submitted for asyncio")
-        while True:
+        left = self.n
+        while left:
             delta = await self._async_deltas.get()
             yield delta
-            if delta.finished:
-                return
+            left -= delta.finished
 
 
 class RequestStream:
-    """The loop thread's side of one in-flight request: tokens in, deltas out to its handle."""
+    """The loop thread's side of one in-flight sample: tokens in, deltas out to its handle.
+
+    Tokens (and their logprobs) given to `add_tokens` go out with the next `push` or
+    `finish`; prompt logprobs gathered from the steps go out with the first delta after
+    they are complete (the first token: the whole prompt has been computed by then)."""
 
     def __init__(self, request: Request, handle: RequestHandle,
-                 detokenizer: IncrementalDetokenizer):
+                 detokenizer: IncrementalDetokenizer, *, index: int = 0):
         self.request, self.handle, self.detokenizer = request, handle, detokenizer
+        self.index = index
+        sampling = request.sampling
+        self._wants_logprobs = sampling.logprobs is not None
+        self._new_token_ids: list[int] = []
+        self._new_logprobs: list[TokenLogprobs] = []
+        # Position p of the prompt -> its logprobs; position 0 has none. Recomputed
+        # positions (after a preemption) overwrite.
+        self._prompt_logprobs: list[TokenLogprobs | None] | None = (
+            [None] * request.prompt_len if sampling.prompt_logprobs is not None else None)
 
     @property
     def request_id(self) -> str:
         """The server's identity of the request (the loop's key); deltas carry the label."""
         return self.request.request_id
 
-    def add_tokens(self, new_token_ids: Sequence[int]) -> bool:
-        """Detokenizes new tokens; True when the text now ends at a stop string (the
-        request is done: the caller finishes it)."""
+    def add_prompt_logprobs(self, scored: dict[int, TokenLogprobs]) -> None:
+        """Records the prompt positions a step computed (StepResult.prompt_logprobs)."""
+        if self._prompt_logprobs is not None:
+            for position, logprobs in scored.items():
+                self._prompt_logprobs[position] = logprobs
+
+    def add_tokens(self, new_token_ids: Sequence[int],
+                   logprobs: TokenLogprobs | None = None) -> bool:
+        """Detokenizes new tokens (to go out with the next delta); True when the text now
+        ends at a stop string (the request is done: the caller finishes it)."""
+        self._new_token_ids.extend(new_token_ids)
+        if self._wants_logprobs and logprobs is not None:
+            self._new_logprobs.append(logprobs)
         self.detokenizer.add(new_token_ids)
         return self.detokenizer.stopped
 
-    def push(self, new_token_ids: Sequence[int]) -> None:
-        """Hands the tokens and the text that is safe to show so far to the caller."""
+    def push(self) -> None:
+        """Hands the new tokens and the text that is safe to show so far to the caller."""
         text = self.detokenizer.take_delta(final=False)
-        if new_token_ids or text:
-            self.handle._push(StreamDelta(self.handle.request_id, tuple(new_token_ids), text,
-                                          finished=False))
+        if self._new_token_ids or text:
+            self.handle._push(self._delta(text, finished=False))
 
-    def finish(self, reason: FinishReason, new_token_ids: Sequence[int] = (),
-               error: str | None = None) -> RequestMetrics:
-        """Pushes the final delta (the rest of the text) and returns the request's metrics."""
+    def finish(self, reason: FinishReason, error: str | None = None) -> RequestMetrics:
+        """Pushes the final delta (the rest of the text and tokens) and returns the
+        request's metrics."""
         metrics = RequestMetrics.from_request(self.request)
-        self.handle._push(StreamDelta(
-            self.handle.request_id, tuple(new_token_ids), self.detokenizer.take_delta(final=True),
-            finished=True, finish_reason=FinishReason(reason).value, metrics=metrics,
-            error=error))
+        self.handle._push(self._delta(
+            self.detokenizer.take_delta(final=True), finished=True,
+            finish_reason=FinishReason(reason).value, metrics=metrics, error=error))
         return metrics
+
+    def _delta(self, text: str, **final) -> StreamDelta:
+        prompt_logprobs = None
+        if self._prompt_logprobs is not None and (self._new_token_ids or final["finished"]):
+            prompt_logprobs, self._prompt_logprobs = tuple(self._prompt_logprobs), None
+        delta = StreamDelta(
+            self.handle.request_id, tuple(self._new_token_ids), text, index=self.index,
+            logprobs=tuple(self._new_logprobs) if self._wants_logprobs else None,
+            prompt_logprobs=prompt_logprobs, **final)
+        self._new_token_ids, self._new_logprobs = [], []
+        return delta

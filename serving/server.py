@@ -171,7 +171,15 @@ class Server:
         """Queues one prompt (a str, token ids, a TokensPrompt or a 1-D numpy array) and
         returns at once. Raises ValueError or TypeError naming a bad field.
         request_id: the caller's label for the request, echoed in its deltas and output;
-        labels may repeat. The server names the request itself (`RequestHandle.id`)."""
+        labels may repeat. The server names the request itself (`RequestHandle.id`).
+
+        With SamplingParams.n > 1 the prompt is sampled n times: n requests of the same
+        arrival, SLO and priority, each with its own id and random stream (seed + i when
+        the params are seeded). Sample 0 runs first; the others start once it has its first
+        token and take its prompt's full KV pages from the prefix cache, so the prompt is
+        prefilled once (only the tail after its last full page, at least its last token, is
+        computed again per sample). With prefix caching off (EngineConfig) each sample
+        prefills the whole prompt. Prompt logprobs come from sample 0."""
         params = SamplingParams() if sampling_params is None else sampling_params
         try:
             if request_id is not None:
@@ -180,21 +188,27 @@ class Server:
                 prompt, params, slo, priority, tokenizer=self.tokenizer,
                 vocab_size=self.config.vocab_size, model_name=self.config.name,
                 check_fits=self.controller.check_fits)
-            detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
+            detokenizers = [IncrementalDetokenizer(self.tokenizer, params.stop)
+                            for _ in range(params.n)]
         except (ValueError, TypeError):
             self.metrics.requests_rejected.inc()
             raise
         # The server names every request (unique, never reused); the caller's request_id
         # is only a label, so a reused label can never reach another request.
-        server_id = f"{self._id_prefix}-{next(self._ids)}"
+        server_ids = [f"{self._id_prefix}-{next(self._ids)}" for _ in range(params.n)]
         if request_id is None:
-            request_id = server_id
-        request = Request(request_id=server_id, prompt_len=len(prompt_ids),
-                          max_new_tokens=params.max_tokens, arrival_time=self._clock.now(),
-                          slo=slo or self.default_slo, priority=priority,
-                          prompt_token_ids=prompt_ids, sampling=params)
-        handle = RequestHandle(request_id, prompt_ids, self.cancel, loop=_loop, id=server_id)
-        self._loop.add(RequestStream(request, handle, detokenizer))
+            request_id = server_ids[0]
+        handle = RequestHandle(request_id, prompt_ids, self.cancel, loop=_loop,
+                               id=server_ids[0], ids=server_ids)
+        arrival = self._clock.now()
+        streams = []
+        for index, (server_id, detokenizer) in enumerate(zip(server_ids, detokenizers)):
+            request = Request(request_id=server_id, prompt_len=len(prompt_ids),
+                              max_new_tokens=params.max_tokens, arrival_time=arrival,
+                              slo=slo or self.default_slo, priority=priority,
+                              prompt_token_ids=prompt_ids, sampling=sample_params(params, index))
+            streams.append(RequestStream(request, handle, detokenizer, index=index))
+        self._loop.add(streams[0], held=streams[1:])
         return handle
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
@@ -283,7 +297,8 @@ class Server:
     def cancel(self, id: str) -> bool:
         """Cancels an in-flight request by the server's id (`RequestHandle.id`; a caller's
         request_id is only a label) and frees its pages; its final delta says "cancelled".
-        False when no such request is in flight (already finished, or never was)."""
+        False when no such request is in flight (already finished, or never was). With n
+        samples each has its own id (`RequestHandle.ids`): `handle.cancel()` cancels all."""
         return self._loop.cancel(id)
 
     def metrics_text(self) -> str:
@@ -300,6 +315,16 @@ class Server:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def sample_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The params of sample `index` of a request: its own seed (seed + index; unseeded
+    samples each draw a random one), and no prompt logprobs past sample 0, so that the
+    other samples may take the prompt's pages from the prefix cache."""
+    if index == 0:
+        return params
+    seed = None if params.seed is None else params.seed + index
+    return dataclasses.replace(params, seed=seed, prompt_logprobs=None)
 
 
 def scheduler_config_for_engine(config: SchedulerConfig, engine,

@@ -62,7 +62,9 @@ def test_unknown_model_is_named(capsys):
 
 @pytest.mark.slow
 def test_serve_answers_grpc_with_the_token_and_stops_on_sigterm(model_dir):
-    from serving.proto import health_pb2, health_pb2_grpc, medha_pb2, medha_pb2_grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from serving.proto import medha_pb2, medha_pb2_grpc
 
     proc = subprocess.Popen(
         [sys.executable, "-m", "serving.cli", "serve", "--model", model_dir, "--port", "0",

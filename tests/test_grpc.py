@@ -6,9 +6,10 @@ import time
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from serving.grpc_service import GrpcServer
-from serving.proto import health_pb2, health_pb2_grpc, medha_pb2, medha_pb2_grpc
+from serving.proto import medha_pb2, medha_pb2_grpc
 from tests.test_server import GREEDY, make_tiny_server, wait_until_idle
 
 
@@ -65,6 +66,32 @@ def test_request_id_is_echoed_and_stop_strings_work(server, stub):
     assert {r.request_id for r in responses} == {"mine"}
     assert responses[-1].finish_reason == "stop"
     assert "".join(r.text for r in responses) == expected[:expected.index(stop)]
+
+
+def test_logprobs_prompt_logprobs_and_n(server, stub):
+    from medha_jax import SamplingParams
+    from serving.server import TokensPrompt
+
+    prompt = [4, 5, 6, 7, 8]
+    want = server.generate(TokensPrompt(prompt), SamplingParams(
+        temperature=0.0, max_tokens=5, logprobs=2, prompt_logprobs=1))
+    msg = request(prompt, max_tokens=5)
+    msg.sampling.n, msg.sampling.logprobs, msg.sampling.prompt_logprobs = 2, 2, 1
+    responses = list(stub.Generate(msg))
+    assert sorted(r.index for r in responses if r.finished) == [0, 1]
+    for index in (0, 1):
+        mine = [r for r in responses if r.index == index]
+        assert tuple(t for r in mine for t in r.token_ids) == want.token_ids
+        entries = [e for r in mine for e in r.logprobs]
+        for got, entry in zip(entries, want.logprobs, strict=True):
+            assert got.token_id == entry.token_id and abs(got.logprob - entry.logprob) < 1e-4
+            assert [(t.token_id, round(t.logprob, 4)) for t in got.top] == \
+                [(t, round(lp, 4)) for t, lp in entry.top]
+    (with_prompt,) = [r for r in responses if r.prompt_logprobs]
+    assert with_prompt.index == 0
+    assert [e.token_id for e in with_prompt.prompt_logprobs] == prompt[1:]
+    for got, entry in zip(with_prompt.prompt_logprobs, want.prompt_logprobs[1:], strict=True):
+        assert abs(got.logprob - entry.logprob) < 1e-4
 
 
 @pytest.mark.parametrize("msg, code, field", [
@@ -133,7 +160,7 @@ def test_stop_reports_not_serving_to_watchers(server):
     with grpc.insecure_channel(g.address) as channel:
         watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
         assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
-        g.health.set_serving(False)
+        g.health.enter_graceful_shutdown()
         assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
         watch.cancel()
     g.stop(grace=0)
@@ -198,7 +225,7 @@ def test_stubs_are_generated_when_missing_or_stale(tmp_path):
 
     run()
     stubs = sorted(p.name for p in proto_dir.glob("*_pb2*.py"))
-    assert stubs == ["health_pb2.py", "health_pb2_grpc.py", "medha_pb2.py", "medha_pb2_grpc.py"]
+    assert stubs == ["medha_pb2.py", "medha_pb2_grpc.py"]
     grpc_stub = (proto_dir / "medha_pb2_grpc.py").read_text()
     assert "from serving.proto import medha_pb2" in grpc_stub and "class MedhaStub" in grpc_stub
     stub = proto_dir / "medha_pb2.py"

@@ -147,6 +147,95 @@ def test_openai_client_errors(server, client, http):
         bad.models.list()
 
 
+# --- logprobs and n -------------------------------------------------------------------------
+
+def close(a, b, tol=1e-4):
+    return a is None and b is None or abs(a - b) < tol
+
+
+def test_completion_logprobs_and_n_equal_the_python_api(server, client):
+    prompt = "Hello there"
+    want = server.generate(prompt, SamplingParams(temperature=0.0, max_tokens=5, logprobs=3,
+                                                  prompt_logprobs=3))
+    out = client.completions.create(model=server.config.name, prompt=prompt, max_tokens=5,
+                                    temperature=0, logprobs=3, n=2)
+    assert [c.index for c in out.choices] == [0, 1]
+    assert out.usage.completion_tokens == 10
+    texts = [server.tokenizer.token_bytes(t).decode("utf-8", "replace") for t in want.token_ids]
+    for choice in out.choices:
+        lp = choice.logprobs
+        assert choice.text == want.text and lp.tokens == texts
+        assert all(close(a, e.logprob) for a, e in zip(lp.token_logprobs, want.logprobs,
+                                                         strict=True))
+        for top, token in zip(lp.top_logprobs, lp.tokens, strict=True):
+            # The token and its top 3, keyed by text: bytes of partial characters share
+            # one text (U+FFFD), so keys may merge.
+            assert token in top and len(top) <= 4
+        assert lp.text_offset == [sum(map(len, texts[:i])) for i in range(5)]
+    # echo: the prompt's text and logprobs first, the first token's null.
+    echoed = client.completions.create(model=server.config.name, prompt=prompt, max_tokens=5,
+                                       temperature=0, logprobs=3, echo=True).choices[0]
+    assert echoed.text == prompt + want.text
+    n_prompt = len(want.prompt_token_ids)
+    assert len(echoed.logprobs.tokens) == n_prompt + 5
+    assert echoed.logprobs.token_logprobs[0] is None and echoed.logprobs.top_logprobs[0] is None
+    expected = [None] + [e.logprob for e in want.prompt_logprobs[1:]] + \
+        [e.logprob for e in want.logprobs]
+    assert all(close(a, b) for a, b in zip(echoed.logprobs.token_logprobs, expected, strict=True))
+
+
+def test_completion_stream_of_n_choices_with_logprobs(server, client):
+    want = server.generate("Stream me", SamplingParams(temperature=0.0, max_tokens=6,
+                                                       logprobs=1))
+    chunks = list(client.completions.create(
+        model=server.config.name, prompt="Stream me", max_tokens=6, temperature=0, n=3,
+        logprobs=1, stream=True, stream_options={"include_usage": True}))
+    text, logprobs, finished = {}, {}, []
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices                      # each chunk is one choice's
+        text[choice.index] = text.get(choice.index, "") + choice.text
+        logprobs.setdefault(choice.index, []).extend(choice.logprobs.token_logprobs)
+        if choice.finish_reason:
+            finished.append(choice.index)
+    assert sorted(finished) == [0, 1, 2] and chunks[-1].usage.completion_tokens == 18
+    for index in range(3):
+        assert text[index] == want.text
+        assert all(close(a, e.logprob) for a, e in zip(logprobs[index], want.logprobs,
+                                                        strict=True))
+
+
+def test_chat_logprobs_and_n_stream_and_not(server, client):
+    want = server.chat(MESSAGES, SamplingParams(temperature=0.0, max_tokens=6, logprobs=2))
+    kwargs = dict(model=server.config.name, messages=MESSAGES, max_tokens=6, temperature=0,
+                  n=2, logprobs=True, top_logprobs=2)
+    out = client.chat.completions.create(**kwargs)
+    assert [c.index for c in out.choices] == [0, 1] and out.usage.completion_tokens == 12
+    for choice in out.choices:
+        content = choice.logprobs.content
+        assert choice.message.content == want.text and len(content) == 6
+        for item, entry in zip(content, want.logprobs, strict=True):
+            assert item.token == server.tokenizer.decode([entry.token_id])
+            assert bytes(item.bytes) == server.tokenizer.token_bytes(entry.token_id)
+            assert close(item.logprob, entry.logprob)
+            assert [close(t.logprob, lp) for t, (_, lp) in zip(item.top_logprobs, entry.top,
+                                                                strict=True)] == [True] * 2
+    streamed = {}
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            if choice.logprobs is not None:
+                streamed.setdefault(choice.index, []).extend(choice.logprobs.content)
+    assert sorted(streamed) == [0, 1]
+    for index in (0, 1):
+        assert [(i.token, i.logprob) for i in streamed[index]] == \
+            [(i.token, i.logprob) for i in out.choices[index].logprobs.content]
+
+
+def test_random_choices_differ(server, client):
+    out = client.chat.completions.create(model=server.config.name, messages=MESSAGES,
+                                         max_tokens=8, temperature=1.0, n=3)
+    assert len({c.message.content for c in out.choices}) == 3
+
+
 # --- Raw HTTP bad inputs, while another request runs --------------------------------------
 
 @pytest.mark.parametrize("body, status, needle", [
@@ -158,8 +247,9 @@ def test_openai_client_errors(server, client, http):
     ({"prompt": "x", "stop": [1]}, 400, "'stop' must be a string"),
     ({"prompt": 7}, 400, "'prompt' must be"),
     ({"prompt": [1, 300]}, 400, "outside the vocabulary"),
-    ({"prompt": "x", "n": 3}, 400, "'n' must be 1"),
-    ({"prompt": "x", "logprobs": 2}, 400, "'logprobs' is not supported"),
+    ({"prompt": "x", "n": 0}, 400, "n must be an int in [1, 64]"),
+    ({"prompt": "x", "logprobs": 21}, 400, "logprobs must be None or an int in [0, 20]"),
+    ({"prompt": "x", "best_of": 2}, 400, "'best_of' is not supported"),
     ({"prompt": "x" * 300}, 413, "context"),
     ({"prompt": "x" * 200, "max_tokens": 100}, 413, "exceeds"),
 ])
@@ -186,6 +276,11 @@ def test_bad_chat_messages(http):
     for messages, needle in [("hi", "'messages' must be"), ([{"content": "x"}], "'role'"),
                              ([{"role": "user", "content": 3}], "content")]:
         status, got = raw(http, "POST", "/v1/chat/completions", {"messages": messages})
+        assert status == 400 and needle in got["error"]["message"], got
+    for extra, needle in [({"top_logprobs": 2}, "needs 'logprobs': true"),
+                          ({"logprobs": True, "top_logprobs": 21}, "must be in [0, 20]"),
+                          ({"logprobs": 3}, "'logprobs' must be a boolean")]:
+        status, got = raw(http, "POST", "/v1/chat/completions", {"messages": MESSAGES, **extra})
         assert status == 400 and needle in got["error"]["message"], got
 
 

@@ -105,3 +105,55 @@ def test_duplicate_ids_cancel_and_close(loop):
     assert engine.allocator.num_free_pages == engine.allocator.num_pages
     with pytest.raises(RuntimeError, match="the server is closed"):
         submit(loop, "late")
+
+
+def submit_group(loop, leader, n, max_tokens=3, leader_max_tokens=None):
+    """n samples of one prompt: `leader` runs first, `leader-i` are held until its first
+    token (Server.submit's layout)."""
+    ids = [leader] + [f"{leader}-{i}" for i in range(1, n)]
+    handle = RequestHandle(leader, list(range(1, 6)), loop.cancel, ids=ids)
+    lengths = [leader_max_tokens or max_tokens] + [max_tokens] * (n - 1)
+    streams = [RequestStream(Request(rid, 5, m, time.monotonic(),
+                                     prompt_token_ids=list(range(1, 6)),
+                                     sampling=SamplingParams(temperature=0.0, max_tokens=m)),
+                             handle, IncrementalDetokenizer(None), index=i)
+               for i, (rid, m) in enumerate(zip(ids, lengths))]
+    loop.add(streams[0], held=streams[1:])
+    return handle
+
+
+def test_held_samples_run_after_the_first_token_and_end_with_a_failed_one(loop):
+    out = submit_group(loop, "good", 3).result(timeout=30)
+    assert [(o.index, o.finish_reason, o.token_ids) for o in out.outputs] == \
+        [(i, "length", (TOKEN,) * 3) for i in range(3)]
+    # Sample 0 fails before its first token: the held samples end the same way, unrun.
+    bad = submit_group(loop, "bad", 3).result(timeout=30)
+    assert [o.finish_reason for o in bad.outputs] == ["error"] * 3
+    assert all("injected" in o.error and o.token_ids == () for o in bad.outputs)
+    assert not loop.controller.has_unfinished()
+    allocator = loop.engine.allocator
+    assert allocator.num_free_pages == allocator.num_pages
+    loop.engine.hold = threading.Event()
+    held = submit_group(loop, "held", 2, max_tokens=50)
+    with pytest.raises(ValueError, match="request_id 'held-1' is already in flight"):
+        submit(loop, "held-1")
+    assert held.cancel()                        # every sample, the held one too
+    loop.engine.hold.set()
+    assert [o.finish_reason for o in held.result(timeout=30).outputs] == ["cancelled"] * 2
+
+
+def test_cancelling_the_handle_after_sample_0_finished_cancels_the_others(loop):
+    handle = submit_group(loop, "g", 3, max_tokens=240, leader_max_tokens=1)
+    for delta in handle:
+        if delta.index == 0 and delta.finished:
+            break
+    loop.engine.hold = threading.Event()        # the others stall at their next step
+    assert handle.cancel()
+    loop.engine.hold.set()
+    out = handle.result(timeout=30)
+    assert [o.finish_reason for o in out.outputs] == ["length", "cancelled", "cancelled"]
+    allocator = loop.engine.allocator
+    deadline = time.monotonic() + 30
+    while allocator.num_free_pages != allocator.num_pages and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert allocator.num_free_pages == allocator.num_pages

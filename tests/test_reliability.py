@@ -7,6 +7,7 @@ error; every other request completes with exactly the tokens it gets alone; ever
 returns; the prefix cache forgets pages whose contents went with the old cache.
 """
 
+import dataclasses
 import functools
 import threading
 
@@ -54,12 +55,12 @@ def faulty_step(fault: DeviceFault):
                        donate_argnames=("kv_cache",))
     def step(graphdef, state, kv_cache, ints, floats, rng_keys, *, shape, num_kv_shards=1,
              cp_ranks=1):
-        tokens, kv_cache = real_step(graphdef, state, kv_cache, ints, floats, rng_keys,
-                                     shape=shape, num_kv_shards=num_kv_shards,
-                                     cp_ranks=cp_ranks)
+        outputs, kv_cache = real_step(graphdef, state, kv_cache, ints, floats, rng_keys,
+                                      shape=shape, num_kv_shards=num_kv_shards,
+                                      cp_ranks=cp_ranks)
         token_sum = jnp.sum(unpack_int32(ints, shape, num_kv_shards, cp_ranks)["token_ids"])
         zero = jax.pure_callback(fault, jax.ShapeDtypeStruct((), jnp.int32), token_sum)
-        return tokens + zero, kv_cache
+        return dataclasses.replace(outputs, tokens=outputs.tokens + zero), kv_cache
 
     return step
 

@@ -11,6 +11,11 @@ from medha_jax.sampling_params import SamplingParams
     (dict(max_tokens=0), "max_tokens must be an int >= 1"),
     (dict(seed=1.5), "seed must be an int"),
     (dict(stop=[""]), "stop must be non-empty strings"),
+    (dict(n=0), r"n must be an int in \[1, 64\]"),
+    (dict(n=True), "n must be an int"),
+    (dict(logprobs=21), r"logprobs must be None or an int in \[0, 20\]"),
+    (dict(logprobs=-1), "logprobs must be None or an int"),
+    (dict(prompt_logprobs=1.0), "prompt_logprobs must be None or an int"),
 ])
 def test_bad_sampling_values_name_the_field(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -38,7 +38,8 @@ def slow_step_inputs(batch, allocator, ladder, pad_slot):
     out = dict(token_ids=[0] * T, positions=[0] * T, slot_mapping=[pad_slot] * T,
                cu_q_lens=[0] * (S + 1), kv_lens=[0] * S, page_table=[[0] * W for _ in range(S)],
                logits_indices=[0] * S, sample_mask=[False] * S, temperature=[0.0] * S,
-               top_k=[0] * S, top_p=[1.0] * S, rng_keys=[[0, 0] for _ in range(S)])
+               top_k=[0] * S, top_p=[1.0] * S, rng_keys=[[0, 0] for _ in range(S)],
+               next_token_ids=[-1] * T, logprobs_flags=[0, 0])
     t = 0
     for s, chunk in enumerate(chunks):
         request = chunk.request
@@ -46,7 +47,11 @@ def slow_step_inputs(batch, allocator, ladder, pad_slot):
         table = allocator.page_table(request.request_id)
         for i in range(math.ceil(chunk.end / ps)):
             out["page_table"][s][i] = table[i]
+        params = request.sampling
         for pos in range(chunk.start, chunk.end):
+            if params.prompt_logprobs is not None and pos + 1 < request.prompt_len:
+                out["next_token_ids"][t] = all_tokens[pos + 1]     # scores the next prompt token
+                out["logprobs_flags"][1] = 1
             out["token_ids"][t] = all_tokens[pos]
             out["positions"][t] = pos
             out["slot_mapping"][t] = table[pos // ps] * ps + pos % ps
@@ -54,7 +59,8 @@ def slow_step_inputs(batch, allocator, ladder, pad_slot):
         out["kv_lens"][s] = chunk.end
         out["logits_indices"][s] = t - 1
         out["sample_mask"][s] = chunk.end == len(all_tokens)
-        params = request.sampling
+        if out["sample_mask"][s] and params.logprobs is not None:
+            out["logprobs_flags"][0] = 1
         out["temperature"][s], out["top_k"][s], out["top_p"][s] = (
             params.temperature, params.top_k, params.top_p)
         seed = request_seed(request)
@@ -97,7 +103,8 @@ def _sampling(rng):
     seed = None if rng.random() < 0.5 else int(rng.integers(-2**62, 2**62)) * 64
     return SamplingParams(temperature=float(rng.choice([0.0, 0.7, 1.0])),
                           top_k=int(rng.choice([0, 5])), top_p=float(rng.choice([1.0, 0.9])),
-                          seed=seed)
+                          seed=seed, logprobs=[None, 0, 3][int(rng.integers(3))],
+                          prompt_logprobs=[None, None, 2][int(rng.integers(3))])
 
 
 def random_batch(rng, allocator):

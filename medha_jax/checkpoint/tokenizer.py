@@ -13,6 +13,7 @@ same thing for both sources; its default is what the model's own tokenizer does.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import pathlib
 from collections.abc import Sequence
@@ -168,6 +169,19 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (what OpenAI's logprobs report as `bytes`).
+
+        A byte-level BPE token may hold part of a UTF-8 character, which decoding it alone
+        turns into U+FFFD; its bytes come from the vocabulary entry through GPT-2's byte
+        alphabet instead. Special tokens and other decoders: the token decoded alone."""
+        token = self.backend.id_to_token(int(token_id))
+        if token is not None and isinstance(self.backend.decoder, decoders.ByteLevel):
+            table = _unicode_to_bytes()
+            if all(c in table for c in token):
+                return bytes(table[c] for c in token)
+        return self.backend.decode([int(token_id)], skip_special_tokens=False).encode()
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **template_kwargs) -> str:
         """Renders `messages` ([{"role": ..., "content": ...}]) with the model's template."""
@@ -255,6 +269,11 @@ def _bytes_to_unicode() -> dict[int, str]:
             chars.append(256 + extra)
             extra += 1
     return {byte: chr(char) for byte, char in zip(printable, chars)}
+
+
+@functools.cache
+def _unicode_to_bytes() -> dict[str, int]:
+    return {char: byte for byte, char in _bytes_to_unicode().items()}
 
 
 def _read_json(path: pathlib.Path) -> dict:

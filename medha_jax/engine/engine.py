@@ -1,7 +1,8 @@
 """The JAX engine: turns a scheduler Batch into one jitted step on the mesh.
 
 The step is one pure function (model forward over the ragged paged layout, logits of
-each sequence's last token, sampling on device) compiled ahead of time for every bucket
+each sequence's last token, sampling on device, the logprobs requests asked for:
+medha_jax.engine.logprobs) compiled ahead of time for every bucket
 shape in the ladder, with the KV cache donated so XLA updates it in place. After
 `warmup()` no batch can reach the compiler: a shape outside the ladder is an error.
 
@@ -25,8 +26,8 @@ import numpy as np
 from flax import nnx
 
 from medha_jax.buckets import BucketLadder
+from medha_jax.engine.logprobs import StepOutputs, sample_with_logprobs
 from medha_jax.engine.pipeline import PipelinedStep, StageHook
-from medha_jax.engine.sampler import sample
 from medha_jax.engine.step_inputs import StepInputs, build_step_inputs, unpack_int32
 from medha_jax.kv_cache.allocator import BlockAllocator
 from medha_jax.model import AttentionMetadata, KVCache
@@ -34,7 +35,7 @@ from medha_jax.model.attention import num_cp_ranks, num_kv_shards
 from medha_jax.model.llama import numpy_dtype
 from medha_jax.model.loading import Model
 from medha_jax.model.stages import num_stages, split_stages
-from medha_jax.request import Batch, StepResult
+from medha_jax.request import Batch, StepResult, TokenLogprobs
 from medha_jax.scheduler.cp_cost import PASS_KV, PASS_Q, RingCost
 from medha_jax.scheduler.hardware import hardware_for_device_kind
 from medha_jax.scheduler.predictor import BatchFeatures, batch_features
@@ -96,29 +97,31 @@ class EngineConfig:
                    donate_argnames=("kv_cache",))
 def step(graphdef, state, kv_cache: KVCache, ints, floats, rng_keys, *,
          shape: tuple[int, int, int], num_kv_shards: int = 1, cp_ranks: int = 1):
-    """One engine step: forward, last-token logits per sequence, sampling. Pure.
+    """One engine step: forward, last-token logits per sequence, sampling, logprobs. Pure.
 
     ints: the packed int32 inputs of bucket `shape` = (T, S, W) (see StepInputs.pack);
     floats: float32 [2, S] temperature and top_p; rng_keys: uint32 [S, 2].
-    Returns (sampled token ids int32 [S], the updated cache). The cache is donated, so
-    XLA writes the new K/V in place. Engines over the same model share jit's cache.
+    Returns (StepOutputs: sampled token ids int32 [S] and the logprobs asked for, the
+    updated cache). The cache is donated, so XLA writes the new K/V in place. Engines over
+    the same model share jit's cache.
     """
     x = unpack_int32(ints, shape, num_kv_shards, cp_ranks)
     meta = AttentionMetadata.of(x)
     module = nnx.merge(graphdef, state)
     hidden, kv_cache = module(x["token_ids"], x["positions"], kv_cache, meta)
-    logits = module.logits(hidden[x["logits_indices"]])      # [S, vocab] float32
-    temperature, top_p = floats[0], floats[1]
-    return sample(logits, temperature, x["top_k"], top_p, rng_keys), kv_cache
+    return sample_with_logprobs(module.logits, hidden, x, floats, rng_keys,
+                                vocab_size=module.config.vocab_size), kv_cache
 
 
 @dataclasses.dataclass(frozen=True)
 class PendingStep:
-    """A dispatched step: its batch, its sampled ids (a device array, maybe not ready yet),
-    when its host work started and how long building and dispatching it took."""
+    """A dispatched step: its batch (in step order) and inputs, its outputs (device arrays,
+    maybe not ready yet), when its host work started and how long building and dispatching
+    it took."""
 
     batch: Batch
-    tokens: jax.Array
+    inputs: StepInputs
+    outputs: StepOutputs
     start: float
     dispatch_seconds: float
 
@@ -281,16 +284,16 @@ class Engine:
             self.cp_variant_counts[PASS_Q if inputs.cp_pass_q[0] else PASS_KV] += 1
         executable = self.executable(inputs.padded_shape)
         if self.pipeline is None:
-            tokens, self.kv_cache = executable(*self.step_args(inputs)[1:])
+            outputs, self.kv_cache = executable(*self.step_args(inputs)[1:])
         else:
-            tokens = self.pipeline.dispatch(inputs)
+            outputs = self.pipeline.dispatch(inputs)
         dispatched = time.perf_counter()
         if self._device_idle_since is not None:
             # Nothing of ours was queued on the device while the host built this step.
             self._idle_host_seconds += dispatched - max(self._device_idle_since, start)
             self._device_idle_since = None
         self._num_dispatched += 1
-        return PendingStep(batch, tokens, start, dispatched - start)
+        return PendingStep(batch, inputs, outputs, start, dispatched - start)
 
     def collect(self, pending: PendingStep) -> StepResult:
         """Waits for a dispatched step (oldest first) and returns its sampled tokens.
@@ -303,10 +306,11 @@ class Engine:
         batch = pending.batch
         # While the device runs, do this step's bookkeeping (asynchronous dispatch).
         features = batch_features(batch, self.ladder.token_buckets)
-        tokens = np.asarray(pending.tokens)               # waits for the device
+        tokens = np.asarray(pending.outputs.tokens)       # waits for the device
         returned = time.perf_counter()
         sampled = {chunk.request.request_id: int(tokens[i])
                    for i, chunk in enumerate(batch.chunks) if chunk.samples}
+        logprobs, prompt_logprobs = _read_logprobs(pending, tokens)
         end = time.perf_counter()
         self._num_dispatched -= 1
         seconds = end - max(pending.start, self._last_collect_end)
@@ -320,7 +324,8 @@ class Engine:
         if self._num_dispatched == 0:
             self._device_idle_since = end
         self.step_records.append((features, seconds))
-        return StepResult(sampled_token_ids=sampled, duration_s=seconds)
+        return StepResult(sampled_token_ids=sampled, duration_s=seconds, logprobs=logprobs,
+                          prompt_logprobs=prompt_logprobs)
 
     # -- recovery after a failed step ------------------------------------------------
 
@@ -367,6 +372,41 @@ class Engine:
             if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
                 raise
             raise MemoryError(kv_cache_oom_message(self.model, pages, page_size)) from e
+
+
+def _read_logprobs(pending: PendingStep, tokens: np.ndarray
+                   ) -> tuple[dict[str, TokenLogprobs], dict[str, dict[int, TokenLogprobs]]]:
+    """The logprobs a step's requests asked for, read back from the device only when one
+    did (StepInputs.logprobs_flags): a step without them moves nothing more than its tokens.
+    Keyed by request id (the step's sequence order is the engine's, decodes first)."""
+    want_sampled, want_prompt = pending.inputs.logprobs_flags.tolist()
+    sampled, prompt = {}, {}
+    if want_sampled:
+        out = jax.tree.map(np.asarray, pending.outputs.sampled)
+        for i, chunk in enumerate(pending.batch.chunks):
+            k = chunk.request.sampling.logprobs
+            if chunk.samples and k is not None:
+                sampled[chunk.request.request_id] = _token_logprobs(out, i, int(tokens[i]), k)
+    if want_prompt:
+        out = jax.tree.map(np.asarray, pending.outputs.prompt)
+        next_ids = pending.inputs.next_token_ids
+        for i, chunk in enumerate(pending.batch.chunks):
+            k = chunk.request.sampling.prompt_logprobs
+            if k is None:
+                continue
+            rows = pending.inputs.rows_of(i)
+            # Row j holds the token at position start + j, which scores position start + j + 1.
+            scored = {chunk.start + j + 1: _token_logprobs(out, row, int(next_ids[row]), k)
+                      for j, row in enumerate(rows.tolist()) if next_ids[row] >= 0}
+            if scored:
+                prompt[chunk.request.request_id] = scored
+    return sampled, prompt
+
+
+def _token_logprobs(out, row: int, token_id: int, k: int) -> TokenLogprobs:
+    """Row `row` of read-back TopLogprobs arrays, its first k alternatives."""
+    top = tuple(zip(out.top_ids[row, :k].tolist(), out.top_logprobs[row, :k].tolist()))
+    return TokenLogprobs(token_id, float(out.logprob[row]), top)
 
 
 def kv_cache_oom_message(model: Model, num_pages: int, page_size: int,

@@ -4,7 +4,8 @@ with `jax.device_put`, never waited on.
 `PipelinedStep.dispatch(inputs)` runs one batch of packed step inputs through the stages:
 
     stage 0 (embed + its layers) -> device_put -> stage 1 -> ... -> last (its layers,
-    final norm, LM head, sampler) -> tokens int32 [S], a device array on the last stage
+    final norm, LM head, sampler, logprobs) -> StepOutputs (tokens int32 [S], ...), device
+    arrays on the last stage
 
 and returns without blocking. JAX's asynchronous dispatch lets the caller dispatch the
 next batch's stage 0 while this one is still in stage 1 (research/parallel-axes.md
@@ -22,11 +23,11 @@ from collections.abc import Callable, Iterable, Sequence
 import jax
 import numpy as np
 
-from medha_jax.engine.sampler import sample
+from medha_jax.engine.logprobs import StepOutputs, sample_with_logprobs
 from medha_jax.engine.step_inputs import StepInputs, unpack_int32
 from medha_jax.model.attention import AttentionMetadata
 from medha_jax.model.llama import KVCache, numpy_dtype
-from medha_jax.model.stages import Stage, StageSpec, stage_forward
+from medha_jax.model.stages import Stage, StageSpec, stage_forward, stage_logits
 from meshes import replicated
 
 # A test hook, None in serving: (stage index, hidden [T, D]) -> hidden, traced into every
@@ -45,7 +46,8 @@ def stage_step(spec: StageSpec, params, kv_cache: KVCache, hidden, ints, floats,
     hidden: float [T, D] from the stage before (None on the first stage); ints: the packed
     int32 inputs of bucket `shape` = (T, S, W) (StepInputs.pack); floats: float32 [2, S]
     temperature and top_p, rng_keys: uint32 [S, 2] (both None except on the last stage).
-    Returns (hidden [T, D], cache), or on the last stage (sampled ids int32 [S], cache).
+    Returns (hidden [T, D], cache), or on the last stage (StepOutputs, cache): the same
+    tail as the one-program step (`sample_with_logprobs`).
     """
     x = unpack_int32(ints, shape, num_kv_shards)
     meta = AttentionMetadata.of(x)
@@ -55,9 +57,10 @@ def stage_step(spec: StageSpec, params, kv_cache: KVCache, hidden, ints, floats,
         return (out if hook is None else hook(spec.index, out)), kv_cache
     if hook is not None and not spec.is_first:
         stage_input = hook(spec.index, stage_input)
-    logits, kv_cache = stage_forward(spec, params, kv_cache, stage_input, x["positions"], meta,
-                                     x["logits_indices"])
-    return sample(logits, floats[0], x["top_k"], floats[1], rng_keys), kv_cache
+    hidden, kv_cache = stage_forward(spec, params, kv_cache, stage_input, x["positions"], meta)
+    head = functools.partial(stage_logits, spec, params)
+    return sample_with_logprobs(head, hidden, x, floats, rng_keys,
+                                vocab_size=spec.config.vocab_size), kv_cache
 
 
 class PipelinedStep:
@@ -135,9 +138,9 @@ class PipelinedStep:
 
     # -- execution -----------------------------------------------------------------
 
-    def dispatch(self, inputs: StepInputs) -> jax.Array:
-        """Dispatches one batch through every stage; returns its sampled token ids int32 [S]
-        as a device array on the last stage, without waiting for any of it."""
+    def dispatch(self, inputs: StepInputs) -> StepOutputs:
+        """Dispatches one batch through every stage; returns its outputs (sampled ids int32
+        [S], logprobs) as device arrays on the last stage, without waiting for any of it."""
         shape = inputs.padded_shape
         packed = inputs.pack()
         hidden = None

@@ -64,7 +64,8 @@ def request_seed(request) -> int:
 
 # The packed fields, in packing order.
 _PACKED_INT32 = ("token_ids", "positions", "slot_mapping", "cu_q_lens", "kv_lens", "page_table",
-                 "num_seqs", "num_decodes", "logits_indices", "top_k")
+                 "num_seqs", "num_decodes", "logits_indices", "top_k", "next_token_ids",
+                 "logprobs_flags")
 _PACKED_CP_INT32 = ("rank_cu_q_lens", "cp_pass_q")
 _PACKED_FLOAT32 = ("temperature", "top_p")
 
@@ -78,7 +79,8 @@ def _int32_shapes(shape: tuple[int, int, int], num_kv_shards: int, cp_ranks: int
     shapes = {"token_ids": (cp_ranks * num_tokens,), "positions": (cp_ranks * num_tokens,),
               "slot_mapping": (n, num_tokens), "cu_q_lens": (num_seqs + 1,),
               "kv_lens": (n, num_seqs), "page_table": (n, num_seqs, width), "num_seqs": (1,),
-              "num_decodes": (1,), "logits_indices": (num_seqs,), "top_k": (num_seqs,)}
+              "num_decodes": (1,), "logits_indices": (num_seqs,), "top_k": (num_seqs,),
+              "next_token_ids": (cp_ranks * num_tokens,), "logprobs_flags": (2,)}
     if cp_ranks > 1:
         shapes.update(rank_cu_q_lens=(cp_ranks, num_seqs + 1), cp_pass_q=(1,))
     return shapes
@@ -127,12 +129,20 @@ class StepInputs:
     top_k: np.ndarray           # int32 [S]: 0 = off
     top_p: np.ndarray           # float32 [S]: 1 = off
     rng_keys: np.ndarray        # uint32 [S, 2]: threefry key data for the token each seq samples
+    next_token_ids: np.ndarray  # int32 [T]: the prompt token after each token, whose logprob
+                                #   the step computes (prompt logprobs); -1: none asked, the
+                                #   last prompt token or later, padding
+    logprobs_flags: np.ndarray  # int32 [2]: 1 when some sequence wants its sampled token's
+                                #   logprobs, 1 when some token has a next_token_ids entry
     num_tokens: int             # real tokens, before padding to T
     request_ids: tuple[str, ...]  # request of each real sequence, in batch order
     # Context parallelism only (cp ranks R; T is then the tokens of one rank and the token
     # arrays are [R * T], rank r's run at r * T, see medha_jax.model.cp_layout):
     rank_cu_q_lens: np.ndarray | None = None  # int32 [R, S + 1]: each rank's run by sequence
     cp_pass_q: np.ndarray | None = None       # int32 [1]: 1 = ring pass-Q, 0 = pass-KV
+    # Host only: the row of each real token (batch order) in the token arrays [R * T]; None
+    # without cp, where token i is row i. Maps prompt logprobs back to their tokens.
+    token_rows: np.ndarray | None = None
 
     @property
     def cp_ranks(self) -> int:
@@ -151,7 +161,12 @@ class StepInputs:
     def arrays(self) -> dict[str, np.ndarray]:
         """The array fields by name (what goes to the device)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if isinstance(getattr(self, f.name), np.ndarray)}
+                if isinstance(getattr(self, f.name), np.ndarray) and f.name != "token_rows"}
+
+    def rows_of(self, seq: int) -> np.ndarray:
+        """Rows of sequence `seq`'s tokens in the token arrays, in position order."""
+        tokens = np.arange(self.cu_q_lens[seq], self.cu_q_lens[seq + 1])
+        return tokens if self.token_rows is None else self.token_rows[tokens]
 
     def pack(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(int32 [N], float32 [2, S], uint32 [S, 2]) for the device: the int32 fields
@@ -180,7 +195,8 @@ class StepInputs:
             logits_indices=zeros(num_seqs), sample_mask=np.zeros(num_seqs, bool),
             temperature=np.zeros(num_seqs, np.float32), top_k=zeros(num_seqs),
             top_p=np.ones(num_seqs, np.float32), rng_keys=np.zeros((num_seqs, 2), np.uint32),
-            num_tokens=0, request_ids=())
+            next_token_ids=np.full(cp_ranks * num_tokens, -1, np.int32),
+            logprobs_flags=zeros(2), num_tokens=0, request_ids=())
 
 
 def _mix64(x: np.ndarray) -> np.ndarray:
@@ -239,6 +255,9 @@ def build_step_inputs(batch: Batch, allocator: BlockAllocator, ladder: BucketLad
     starts, q_lens, samples, out_index = [], [], [], []
     temperature, top_k, top_p, seeds, request_ids = [], [], [], [], []
     flat_tokens: list[int] = []
+    # Prompt logprobs: (first token's index in the flat run, the prompt tokens they score).
+    next_runs: list[tuple[int, list[int]]] = []
+    wants_logprobs = False
     tables, pages_per_seq = [], []
     for chunk in chunks:
         request = chunk.request
@@ -260,6 +279,11 @@ def build_step_inputs(batch: Batch, allocator: BlockAllocator, ladder: BucketLad
             tables.append(_segments_to(allocator, request_id, end))
         prompt_len = request.prompt_len
         outputs = request.output_token_ids
+        params = request.sampling
+        if params.prompt_logprobs is not None and start + 1 < prompt_len:
+            # Token p scores prompt token p + 1; the last prompt token's next is sampled.
+            next_runs.append((len(flat_tokens),
+                              request.prompt_token_ids[start + 1:min(end + 1, prompt_len)]))
         if num_chunk_tokens == 1 and start >= prompt_len:  # decodes: one output token, no list
             flat_tokens.append(outputs[start - prompt_len])
         else:
@@ -267,8 +291,8 @@ def build_step_inputs(batch: Batch, allocator: BlockAllocator, ladder: BucketLad
         starts.append(start)
         q_lens.append(num_chunk_tokens)
         samples.append(end == prompt_len + len(outputs))
+        wants_logprobs |= samples[-1] and params.logprobs is not None
         out_index.append(len(outputs))
-        params = request.sampling
         temperature.append(params.temperature)
         top_k.append(params.top_k)
         top_p.append(params.top_p)
@@ -320,6 +344,9 @@ def build_step_inputs(batch: Batch, allocator: BlockAllocator, ladder: BucketLad
             page_table[owner, seq_of_token, local // page_size] * page_size + local % page_size)
     token_ids = np.zeros(padded_tokens, np.int32)
     token_ids[:num_tokens] = flat_tokens
+    next_token_ids = np.full(padded_tokens, -1, np.int32)
+    for offset, ids in next_runs:
+        next_token_ids[offset:offset + len(ids)] = ids
 
     logits_indices = np.zeros(padded_seqs, np.int32)
     logits_indices[:num_seqs] = cu_q_lens[1:num_seqs + 1] - 1
@@ -341,7 +368,9 @@ def build_step_inputs(batch: Batch, allocator: BlockAllocator, ladder: BucketLad
         num_seqs=np.array([num_seqs], np.int32),
         num_decodes=np.array([_leading_ones(q_lens)], np.int32), logits_indices=logits_indices,
         sample_mask=sample_mask, temperature=temperature_np, top_k=top_k_np, top_p=top_p_np,
-        rng_keys=rng_keys, num_tokens=num_tokens, request_ids=tuple(request_ids))
+        rng_keys=rng_keys, next_token_ids=next_token_ids,
+        logprobs_flags=np.array([wants_logprobs, bool(next_runs)], np.int32),
+        num_tokens=num_tokens, request_ids=tuple(request_ids))
 
 
 def _leading_ones(q_lens: list[int]) -> int:
@@ -414,6 +443,8 @@ def _cp_step_inputs(batch: Batch, allocator: BlockAllocator, ladder: BucketLadde
 
     token_ids = np.zeros(cp_ranks * rank_tokens, np.int32)
     token_ids[target] = flat.token_ids[:num_tokens]
+    next_token_ids = np.full(cp_ranks * rank_tokens, -1, np.int32)
+    next_token_ids[target] = flat.next_token_ids[:num_tokens]
     all_positions = np.zeros(cp_ranks * rank_tokens, np.int32)
     all_positions[target] = positions
     table = flat.page_table[0]
@@ -441,4 +472,5 @@ def _cp_step_inputs(batch: Batch, allocator: BlockAllocator, ladder: BucketLadde
         flat, token_ids=token_ids, positions=all_positions, slot_mapping=slot_mapping,
         kv_lens=kv_lens, page_table=np.broadcast_to(table, (cp_ranks,) + table.shape).copy(),
         logits_indices=logits_indices, rank_cu_q_lens=rank_cu_q_lens,
-        cp_pass_q=np.array([int(pass_q)], np.int32))
+        cp_pass_q=np.array([int(pass_q)], np.int32), next_token_ids=next_token_ids,
+        token_rows=target)

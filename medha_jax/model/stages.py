@@ -11,7 +11,9 @@ gathers another stage's weights, and stages may run different batches at once.
     stage_forward(spec, params, kv_cache, x, positions, meta, logits_indices)
         first stage:  x = token ids int32 [T]  -> hidden [T, D]
         middle stage: x = hidden [T, D]        -> hidden [T, D]
-        last stage:   x = hidden [T, D]        -> float32 logits [S, vocab] of rows logits_indices
+        last stage:   x = hidden [T, D]        -> float32 logits [S, vocab] of rows logits_indices,
+                                                  or without them final-normed hidden [T, D]
+    stage_logits(spec, params, hidden)            the last stage's LM head: [R, D] -> [R, vocab]
     (a lone stage, spp = 1, is first and last: token ids -> logits)
 """
 
@@ -214,8 +216,9 @@ def stage_forward(spec: StageSpec, params: dict[str, jax.Array], kv_cache: KVCac
     x: int32 token ids [T] on the first stage, else hidden [T, D] from the stage before;
     positions: int32 [T]; kv_cache: this stage's layers only; logits_indices: int32 [S],
     the rows whose logits the last stage returns.
-    Returns (hidden [T, D], kv_cache), or on the last stage (float32 logits [S, vocab_size],
-    kv_cache).
+    Returns (hidden [T, D], kv_cache); on the last stage (float32 logits [S, vocab_size],
+    kv_cache), or without logits_indices (final-normed hidden [T, D], kv_cache), for a step
+    that also scores other rows (prompt logprobs) through `stage_logits`.
     """
     config = spec.config
     if spec.is_first:
@@ -227,8 +230,15 @@ def stage_forward(spec: StageSpec, params: dict[str, jax.Array], kv_cache: KVCac
                                  inv_freq=jnp.asarray(layers.rope_inv_freq(config)))
     if not spec.is_last:
         return x, kv_cache
+    # The norm is per row, so norming all rows and taking some equals the other order.
+    hidden = layers.rms_norm(x, params["final_norm"], config.rms_norm_eps)
     if logits_indices is None:
-        raise ValueError(f"stage {spec.index} is the last: it needs logits_indices")
-    hidden = layers.rms_norm(x[logits_indices], params["final_norm"], config.rms_norm_eps)
-    return lm_logits(hidden, params.get("embed"), params.get("lm_head"),
-                     config.vocab_size), kv_cache
+        return hidden, kv_cache
+    return stage_logits(spec, params, hidden[logits_indices]), kv_cache
+
+
+def stage_logits(spec: StageSpec, params: dict[str, jax.Array], hidden):
+    """The last stage's LM head: final-normed hidden [R, D] -> float32 logits [R, vocab]."""
+    if not spec.is_last:
+        raise ValueError(f"stage {spec.index} is not the last: it holds no LM head")
+    return lm_logits(hidden, params.get("embed"), params.get("lm_head"), spec.config.vocab_size)

@@ -74,11 +74,17 @@ class KVReservations:
 
     def register(self, request: Request) -> int:
         """Gives a request without pages its page table; returns how many of its leading
-        tokens the prefix cache already holds (0 without token ids)."""
+        tokens the prefix cache already holds (0 without token ids).
+
+        A request that asks for prompt logprobs reuses nothing: a reused position is never
+        computed, so it would have no logprobs. Its pages are still committed to the prefix
+        cache (`commit`) for the requests after it."""
         rid = request.request_id
         if rid in self._reserved_tokens:
             raise ValueError(f"request {rid!r} already holds KV pages")
-        token_ids = TokenView(request) if request.prompt_token_ids is not None else None
+        reusable = (request.prompt_token_ids is not None
+                    and request.sampling.prompt_logprobs is None)
+        token_ids = TokenView(request) if reusable else None
         reused = self.allocator.allocate(rid, token_ids)
         self._reserved_tokens[rid] = reused
         return reused

@@ -17,7 +17,7 @@ import shutil
 import tempfile
 
 PROTO_DIR = pathlib.Path(__file__).resolve().parent
-PROTO_NAMES = ("medha", "health")
+PROTO_NAMES = ("medha",)
 
 
 def _stale(name: str) -> bool:
