@@ -21,6 +21,7 @@ import asyncio
 import dataclasses
 import itertools
 import secrets
+import threading
 import time
 from typing import AsyncIterator, Iterator, Sequence
 
@@ -141,6 +142,8 @@ class Server:
             pipeline_stages=self.engine.num_stages)
         self.metrics = ServerMetrics()
         self._ids = itertools.count()
+        self._groups: dict[str, RequestHandle] = {}    # handle.id -> handle, n > 1 in flight
+        self._groups_lock = threading.Lock()
         # Random per server, so no caller can name another's request by guessing.
         self._id_prefix = f"req-{secrets.token_hex(4)}"
         self._loop = ServingLoop(self.controller, self.engine, self.metrics)
@@ -198,8 +201,15 @@ class Server:
         server_ids = [f"{self._id_prefix}-{next(self._ids)}" for _ in range(params.n)]
         if request_id is None:
             request_id = server_ids[0]
-        handle = RequestHandle(request_id, prompt_ids, self.cancel, loop=_loop,
+        handle = RequestHandle(request_id, prompt_ids, self._loop.cancel, loop=_loop,
                                id=server_ids[0], ids=server_ids)
+        if params.n > 1:
+            # So that cancel(handle.id) reaches every sample, also after sample 0 finished.
+            # Only groups in flight are kept: finished ones are dropped here.
+            with self._groups_lock:
+                for group_id in [g for g, h in self._groups.items() if h.finished]:
+                    del self._groups[group_id]
+                self._groups[handle.id] = handle
         arrival = self._clock.now()
         streams = []
         for index, (server_id, detokenizer) in enumerate(zip(server_ids, detokenizers)):
@@ -298,8 +308,11 @@ class Server:
         """Cancels an in-flight request by the server's id (`RequestHandle.id`; a caller's
         request_id is only a label) and frees its pages; its final delta says "cancelled".
         False when no such request is in flight (already finished, or never was). With n
-        samples each has its own id (`RequestHandle.ids`): `handle.cancel()` cancels all."""
-        return self._loop.cancel(id)
+        samples, `handle.id` cancels every sample (as `handle.cancel()` does); each sample's
+        own id (`RequestHandle.ids`) cancels that sample alone."""
+        with self._groups_lock:
+            group = self._groups.get(id)
+        return group.cancel() if group is not None else self._loop.cancel(id)
 
     def metrics_text(self) -> str:
         return self.metrics.text()

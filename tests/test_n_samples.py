@@ -2,6 +2,8 @@
 prefix cache (counted), identical greedy samples, different random ones, seeded ones
 reproducible, streams naming their sample, and a cancelled group returning every page."""
 
+import dataclasses
+
 import pytest
 
 from medha_jax import SamplingParams
@@ -89,8 +91,9 @@ def test_stream_deltas_name_their_sample_and_concatenate_to_each_output(server):
         assert tuple(logprobs[o.index]) == o.logprobs
 
 
+@pytest.mark.parametrize("by", ["handle", "server id"])
 @pytest.mark.parametrize("when", ["before the first token", "while decoding"])
-def test_cancelling_a_group_cancels_every_sample_and_returns_every_page(server, when):
+def test_cancelling_a_group_cancels_every_sample_and_returns_every_page(server, when, by):
     start = server.num_free_pages
     handle = server.submit(TokensPrompt(list(range(1, 70))),
                            SamplingParams(temperature=1.0, max_tokens=150, n=4))
@@ -100,7 +103,7 @@ def test_cancelling_a_group_cancels_every_sample_and_returns_every_page(server, 
             seen.add(delta.index)
             if len(seen) == 4:
                 break
-    assert handle.cancel()
+    assert handle.cancel() if by == "handle" else server.cancel(handle.id)
     out = handle.result(timeout=60)
     assert [o.finish_reason for o in out.outputs] == ["cancelled"] * 4
     assert wait_until_idle(server) and server.num_free_pages == start == server.num_total_pages
@@ -118,3 +121,22 @@ def test_a_sample_that_stops_early_leaves_the_others_running(server):
     n0 = len(out.outputs[0].token_ids)
     assert out.outputs[0].token_ids == probe.outputs[0].token_ids[:n0]
     assert wait_until_idle(server)
+
+
+def test_the_group_id_cancels_the_samples_still_running_after_sample_0_finished(server):
+    prompt = TokensPrompt([5, 6, 7])
+    params = SamplingParams(temperature=1.0, max_tokens=240, n=2, seed=5, ignore_eos=True)
+    probe = server.generate(prompt, params)
+    # Sample 0 stops at the first of its tokens that sample 1 never draws.
+    stop_token = next(t for t in probe.outputs[0].token_ids
+                      if t not in probe.outputs[1].token_ids)
+    handle = server.submit(prompt, dataclasses.replace(params, stop_token_ids=[stop_token]))
+    for delta in handle:
+        if delta.index == 0 and delta.finished:
+            break
+    assert server.cancel(handle.id)
+    out = handle.result(timeout=60)
+    assert out.outputs[0].finish_reason == "stop"
+    assert out.outputs[1].finish_reason == "cancelled"
+    assert not server.cancel(handle.id)                  # nothing of it is left in flight
+    assert wait_until_idle(server) and server.num_free_pages == server.num_total_pages
