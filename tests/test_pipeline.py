@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from medha_jax import hlo
 from medha_jax.buckets import BucketLadder
@@ -134,13 +135,21 @@ def test_stage_programs_gather_no_weights():
 
 
 def callback_hook(callback):
-    """A StageHook that calls `callback(x) -> np.int32(0)` on the host in every stage program
-    (x: a float32 scalar of the activations). Its result is added to the activations, so
-    XLA can neither drop the call nor run it before the stage has its input."""
+    """A StageHook that calls `callback(x) -> np.int32(0)` on the host in every stage program,
+    once per device of the stage (x: a float32 scalar of the activations). Its result is
+    added to the activations, so XLA can neither drop the call nor run it before the stage
+    has its input.
+
+    Per device, under shard_map: a plain callback in a program over several devices runs
+    on one of them and sends its result to the others, so one that raises leaves them
+    waiting in that collective, and XLA:CPU aborts the process."""
+
+    def on_device(x):
+        return jax.pure_callback(callback, jax.ShapeDtypeStruct((), jnp.int32), x)
 
     def hook(stage_index, hidden):
-        zero = jax.pure_callback(callback, jax.ShapeDtypeStruct((), jnp.int32),
-                                 hidden[0, 0].astype(jnp.float32))
+        x = hidden[0, 0].astype(jnp.float32)
+        zero = jax.shard_map(on_device, in_specs=P(), out_specs=P(), check_vma=False)(x)
         return hidden + zero.astype(hidden.dtype)
 
     return hook
@@ -171,6 +180,21 @@ def _busy(x):
     return jax.lax.fori_loop(0, 200, lambda i, y: jnp.tanh(y @ w + x), jnp.ones((200, 200)))
 
 
+def occupy(device) -> jax.Array:
+    """Queues a few tens of milliseconds of work on `device`, so that the next program
+    there is queued too rather than run inline.
+
+    XLA:CPU runs a program that holds a host callback (a callback_hook) inline, on the
+    dispatching thread, when all its inputs are ready: PjRt-IFRT forces synchronous
+    execution of such programs on the CPU, against deadlocks with reentrant callbacks. A
+    program with an input still pending, or queued behind a pending program on its device,
+    goes to the client's worker threads instead, and so does every program that waits on
+    it (a stage's donated cache, the activations handed on): dispatch returns at once and
+    an error surfaces when the results are read, as on an accelerator, where nothing runs
+    inline."""
+    return _busy(jax.device_put(np.float32(0), device))
+
+
 @pytest.mark.parametrize("spp", [2, 4])
 def test_batches_in_flight_overlap_across_stages(spp):
     """n batches through s stages of known cost T finish in about (n + s - 1) T, not n s T."""
@@ -184,21 +208,13 @@ def test_batches_in_flight_overlap_across_stages(spp):
     padding = StepInputs.padding(shape, NUM_PAGES * PAGE_SIZE)
     pipeline.dispatch(padding).block_until_ready()
     first_device = pipeline.stages[0].mesh.devices.flat[0]
-    busy_input = jax.device_put(np.float32(0), first_device)
-    _busy(busy_input).block_until_ready()
+    occupy(first_device).block_until_ready()
 
     ratios = []
     for _ in range(2):                        # the better of two rounds: robust to a busy machine
         sleeping.calls.clear()
-        # XLA:CPU runs a program holding a host callback inline, on the dispatching thread,
-        # when all its inputs are ready (PjRt-IFRT forces synchronous execution of such
-        # programs on the CPU, against deadlocks with reentrant callbacks); a program with an
-        # input still pending, or queued behind a pending program on its device, goes to the
-        # client's worker threads. Work queued on stage 0's device first makes the first
-        # batch's stage 0 pending, and every program after it waits on one before it (its
-        # stage's donated cache, or the activations handed on), so the run is queued as on
-        # an accelerator, where nothing runs inline.
-        _busy(busy_input)
+        # Without it the sleeps would run inline, one after another, on this thread.
+        occupy(first_device)
         jax.block_until_ready([pipeline.dispatch(padding) for _ in range(num_batches)])
         assert len(sleeping.calls) == num_batches * spp
         ratios.append(sleeping.span() / ((num_batches + spp - 1) * stage_seconds))
