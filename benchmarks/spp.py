@@ -3,7 +3,7 @@
     python -m benchmarks.spp --quick                 # about a minute on a 2-core CPU
     python -m benchmarks.spp --json results/spp.json
 
-Three parts, one table last:
+Three parts, a markdown table each (benchmarks.report.table), the simulated one last:
 
 (a) simulated: the prefill time of one request of 128K to 1M tokens for spp = 1 .. 16 at
     tp = 8 (Llama-3.1 8B and 70B, the H100 preset), from `AnalyticalPredictor`. The prompt
@@ -15,16 +15,20 @@ Three parts, one table last:
     count (cp = spp, tp = 8) from the same predictor: in the same chunks, and one-shot (the
     whole prompt in one step, how ring CP is usually run). Positions past the models'
     128K window are priced as if the window were longer: a cost model, not a served run.
-(b) measured on this machine (virtual CPU devices): a long prefill of the tiny model through
-    medha_jax.engine.pipeline at spp = 1 and 2, every chunk dispatched before any is waited
-    on, side by side; the ratio is spp = 1 time over spp = 2 time. Two CPU cores bound what
-    two virtual devices can run at once.
+(b) measured on this machine (virtual CPU devices, or the accelerator): a long prefill of
+    the tiny model through medha_jax.engine.pipeline at spp = 1 and 2, every chunk
+    dispatched before any is waited on, side by side; the ratio is spp = 1 time over spp = 2
+    time. Two CPU cores bound what two virtual devices can run at once.
 (c) measured on this machine: host time on the critical path per step (the engine's
     `last_host_seconds`: host work while none of the engine's steps was queued on the
     device, plus reading tokens back) for a long prefill beside short chats, served by the
     real controller through `InFlightRunner`: spp = 1 with one batch in flight (no
     overlap), spp = 1 with two (the host forms and builds step n + 1 while step n runs),
-    and spp = 2 with two; side by side, median over steps.
+    and spp = 2 with two; side by side, median over steps. On a GPU this is the issue's
+    part (c).
+
+spp = 2 needs two devices: on one (a single GPU) its rows are left out, with a note, and
+the spp = 1 rows still run.
 """
 
 from __future__ import annotations
@@ -36,9 +40,18 @@ import statistics
 import time
 from collections.abc import Sequence
 
-from benchmarks.report import environment
+from benchmarks.report import environment, table
 
 K = 1024
+MEASURED_SPP = (1, 2)
+
+
+def measurable_spp(device_count: int) -> tuple[tuple[int, ...], list[str]]:
+    """The measured spp degrees this machine can run, and a note for each left out."""
+    run = tuple(spp for spp in MEASURED_SPP if spp <= device_count)
+    notes = [f"spp={spp} skipped: needs >= {spp} devices, this machine has {device_count}"
+             for spp in MEASURED_SPP if spp > device_count]
+    return run, notes
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -135,7 +148,7 @@ def prefill_inputs(prompt_tokens: int, chunk: int, page_size: int = 16):
     return steps, num_pages, page_size
 
 
-def run_measured(args) -> list[dict]:
+def run_measured(args, degrees: Sequence[int]) -> list[dict]:
     import jax
 
     from medha_jax.engine.pipeline import PipelinedStep
@@ -146,7 +159,7 @@ def run_measured(args) -> list[dict]:
     prompt = args.measured_tokens or (4096 if args.quick else 16384)
     steps, num_pages, page_size = prefill_inputs(prompt, args.measured_chunk)
     pipelines = {}
-    for spp in (1, 2):
+    for spp in degrees:
         model = load_model("tiny", parallel=ParallelConfig(spp=spp), verbose=False)
         pipeline = PipelinedStep(split_stages(model), num_pages=num_pages, page_size=page_size)
         pipeline.warmup({inputs.padded_shape for inputs in steps})
@@ -176,7 +189,7 @@ def run_measured(args) -> list[dict]:
     return rows
 
 
-def run_host_overlap(args) -> list[dict]:
+def run_host_overlap(args, degrees: Sequence[int]) -> list[dict]:
     """Host time on the critical path per step, with and without batches in flight."""
     from medha_jax.config import model_preset
     from medha_jax.engine import Engine, EngineConfig
@@ -192,6 +205,7 @@ def run_host_overlap(args) -> list[dict]:
     long_tokens = 1024 if args.quick else 4096
     variants = [("spp=1, 1 in flight", 1, 1), ("spp=1, 2 in flight", 1, 2),
                 ("spp=2, 2 in flight", 2, None)]
+    variants = [v for v in variants if v[1] in degrees]
     engines = {}
     for name, spp, in_flight in variants:
         engine = Engine(load_model("tiny", parallel=ParallelConfig(spp=spp), verbose=False),
@@ -247,30 +261,28 @@ def run_host_overlap(args) -> list[dict]:
 
 # --------------------------------------------------------------------------------- report
 
-def print_table(simulated: list[dict], measured: list[dict], overlap: list[dict], args) -> None:
-    print(f"\nmeasured (tiny model, float32, {measured[0]['prompt_tokens']} tokens in chunks "
-          f"of {args.measured_chunk}, virtual CPU devices, median of {args.repeats}):")
-    for row in measured:
-        print(f"  spp={row['spp']}: prefill_s {row['prefill_s']:.3f} (min "
-              f"{row['prefill_min_s']:.3f}, max {row['prefill_max_s']:.3f}), tok_per_s "
-              f"{row['tok_per_s']:.0f}, speedup_vs_spp1 {row['speedup_vs_spp1']:.2f}")
-    print(f"\nhost time on the critical path (tiny model, a {overlap[0]['long_prompt_tokens']}"
-          f"-token prefill beside 6 chats, real controller, median over steps of "
-          f"{args.repeats} runs):")
-    for row in overlap:
-        print(f"  {row['variant']:>20}: host_critical_ms_per_step "
-              f"{row['host_critical_ms_per_step']:.3f} (p90 {row['host_critical_p90_ms']:.3f}), "
-              f"vs no overlap {row['host_critical_vs_no_overlap']:.2f}, steps {row['steps']}, "
-              f"wall_s {row['wall_s']:.2f}")
-    print(f"\nsimulated: AnalyticalPredictor, hardware preset {args.hardware}, tp={args.tp}, "
-          f"chunks of {args.chunk} tokens")
-    header = ("model", "prompt_tokens", "devices", "spp_prefill_s", "spp_efficiency",
-              "cp_prefill_s", "cp_efficiency", "cp_one_shot_s", "cp_one_shot_efficiency")
-    print("  ".join(f"{h:>14}" for h in header))
-    for row in simulated:
-        cells = [row["model"], row["prompt_tokens"], row["devices"]] + [
-            f"{row[h]:.3f}" for h in header[3:]]
-        print("  ".join(f"{c:>14}" for c in cells))
+def print_tables(simulated: list[dict], measured: list[dict], overlap: list[dict],
+                 notes: list[str], args) -> None:
+    """The measured parts, then the simulated one last."""
+    import jax
+
+    backend, skipped = jax.default_backend(), "".join(f"; {note}" for note in notes)
+    table(f"(b) measured: one {measured[0]['prompt_tokens']}-token prefill in chunks of "
+          f"{args.measured_chunk}, tiny model, float32, {backend}, median of {args.repeats}"
+          f"{skipped}",
+          [{k: row[k] for k in ("spp", "devices", "prefill_s", "prefill_min_s", "prefill_max_s",
+                                "tok_per_s", "speedup_vs_spp1")} for row in measured])
+    table(f"(c) measured: host time on the critical path per step, a "
+          f"{overlap[0]['long_prompt_tokens']}-token prefill beside 6 chats, real controller, "
+          f"tiny model, {backend}, median over the steps of {args.repeats} runs{skipped}",
+          [{k: row[k] for k in ("variant", "steps", "host_critical_ms_per_step",
+                                "host_critical_p90_ms", "host_critical_vs_no_overlap", "wall_s")}
+           for row in overlap])
+    table(f"(a) simulated: one prefill, AnalyticalPredictor, hardware preset {args.hardware}, "
+          f"tp={args.tp}, chunks of {args.chunk} tokens",
+          [{k: row[k] for k in ("model", "prompt_tokens", "devices", "spp_prefill_s",
+                                "spp_efficiency", "cp_prefill_s", "cp_efficiency",
+                                "cp_one_shot_s", "cp_one_shot_efficiency")} for row in simulated])
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -279,19 +291,23 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                    + " --xla_force_host_platform_device_count=2").strip()
-    measured = run_measured(args)
-    overlap = run_host_overlap(args)
+    import jax
+
+    degrees, notes = measurable_spp(jax.device_count())
+    measured = run_measured(args, degrees)
+    overlap = run_host_overlap(args, degrees)
     simulated = run_simulated(args)
     report = {"context": {**environment(), "dtype": "float32 (measured); bfloat16 (simulated)",
                           "mesh": "spp x tp; replica = spp slices of tp devices",
                           "predictor": f"AnalyticalPredictor ({args.hardware}), simulated",
                           "args": vars(args)},
-              "measured": measured, "host_overlap": overlap, "simulated": simulated}
+              "measured": measured, "host_overlap": overlap, "simulated": simulated,
+              "skipped": notes}
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
-    print_table(simulated, measured, overlap, args)
+    print_tables(simulated, measured, overlap, notes, args)
     return report
 
 

@@ -1,5 +1,6 @@
 """The engine: nothing compiles after warm-up; outputs don't depend on batching or chunking."""
 
+import contextlib
 import dataclasses
 
 import jax
@@ -83,6 +84,23 @@ def count_compiles(engine):
     return shapes
 
 
+@contextlib.contextmanager
+def backend_compiles():
+    """Collects every compile JAX's back-end runs while open (any program, not only the
+    engine's steps: a stray jnp op on the host path compiles too)."""
+    compiles = []
+
+    def listener(event, duration, **kwargs):
+        if event == COMPILE_EVENT:
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield compiles
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
 def one_chunk_batch(engine, request_id, num_tokens):
     request = make_request(request_id, list(range(num_tokens)), 1)
     engine.allocator.allocate(request_id, request.prompt_token_ids)
@@ -100,10 +118,7 @@ def test_mixed_workload_never_compiles_after_warmup(model):
     assert engine.num_executables == len(engine.ladder.all_shapes())
     engine_compiles = count_compiles(engine)
 
-    compiles = []
-    listener = lambda event, duration, **kw: compiles.append(event) if event == COMPILE_EVENT else None
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with backend_compiles() as compiles:
         rng = np.random.default_rng(0)
         arrivals = []
         for i in range(60):
@@ -113,8 +128,6 @@ def test_mixed_workload_never_compiles_after_warmup(model):
                              make_request(f"r{i}", prompt, int(rng.integers(1, 24)),
                                           temperature=float(rng.choice([0.0, 0.9])), seed=i)))
         done = drive(engine, arrivals, rng=rng, max_chunk=2048)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert len(done) == 60
     assert len(engine.step_records) >= 200
     assert compiles == [] and engine_compiles == []

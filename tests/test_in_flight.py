@@ -42,8 +42,9 @@ class FakePipeline:
 
     def collect(self, batch):
         for c in batch.chunks:
-            if c.samples:
-                self.dispatched_to.pop(c.request.request_id, None)
+            rid = c.request.request_id
+            if self.dispatched_to.get(rid) == c.end:   # none of its chunks is left in flight
+                del self.dispatched_to[rid]
         return StepResult({c.request.request_id: token_at(c.end) for c in batch.chunks
                            if c.samples}, PREDICTOR.predict(batch))
 
@@ -127,6 +128,27 @@ def test_in_flight_tokens_equal_one_at_a_time_with_preemption():
         outputs, preemptions = run(stages)
         assert outputs == one
         assert preemptions > 0
+
+
+@pytest.mark.parametrize("stages", [1, 4])
+def test_requests_that_fit_one_at_a_time_do_not_evict_each_other_forever(stages):
+    # Three prompts of 80 tokens (the same predicted prefill work), 4 new tokens each: 83
+    # tokens of KV, all 6 pages. Ranked by their current keys, a fresh request outranked one
+    # part-way through its prefill, evicted it, and was evicted back once it had progressed
+    # (no end); eviction ranks requests as if restarted (ReplicaController._rank).
+    controller, allocator, executor, runner = _setup(
+        stages, num_pages=6, token_buckets=(16, 32), target_batch_time_s=1.05e-3,
+        max_seqs_per_batch=4)
+    for i in range(3):
+        request = _request(f"r{i}", 80)
+        request.prompt_token_ids = [(100 * i + t) % 256 for t in range(80)]
+        controller.add_request(request)
+    for _ in range(100):
+        if not controller.has_unfinished():
+            break
+        runner.step()
+    assert not controller.has_unfinished(), f"{controller.num_preemptions} preemptions"
+    assert allocator.num_free_pages == allocator.num_pages
 
 
 def test_a_failed_dispatch_names_its_batch_and_the_rest_completes():

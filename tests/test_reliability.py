@@ -2,11 +2,15 @@
 
 The engine's step is swapped for one that runs the real step plus a host callback inside
 the same compiled program; the callback raises when armed, so XLA's execution fails
-after dispatch, with the KV cache already donated to it. That batch's requests get the
-error; every other request completes with exactly the tokens it gets alone; every page
-returns; the prefix cache forgets pages whose contents went with the old cache.
+with the KV cache already donated to it. On an spp = 2 mesh (alone and with kvp = 2) the
+callback is a stage hook, run on every device of every stage, with two batches in flight,
+and the failing step may wait behind other work, as on an accelerator. That batch's
+requests get the error; every other request completes with exactly the tokens it gets
+alone; every page returns; the rebuilt caches keep their shapes and shardings; the prefix
+cache forgets pages whose contents went with the old cache.
 """
 
+import contextlib
 import dataclasses
 import functools
 import threading
@@ -20,8 +24,12 @@ from medha_jax import SamplingParams, load_model
 from medha_jax.engine import Engine, EngineConfig
 from medha_jax.engine import engine as engine_module
 from medha_jax.engine.step_inputs import unpack_int32
+from medha_jax.scheduler.predictor import AnalyticalPredictor
+from meshes import ParallelConfig
 from serving.server import Server, TokensPrompt
+from tests.test_pipeline import callback_hook, occupy
 from tests.test_server import GREEDY, TINY_ENGINE, byte_level_tokenizer, wait_until_idle
+from tests.test_stages import tiny_model
 
 FAULT = "injected device fault"
 PROMPTS = [tuple(range(1 + i, 20 + 3 * i)) for i in range(4)]
@@ -31,17 +39,25 @@ SEEDED = SamplingParams(temperature=1.0, top_k=20, max_tokens=12, seed=7)
 
 class DeviceFault:
     """A callback run inside the compiled step: raises (on the device's host thread, in
-    the middle of XLA's execution) when armed, once."""
+    the middle of XLA's execution) in the next `calls` calls after arm(calls): one per
+    device of the program that fails, which calls it on each (tests.test_pipeline.
+    callback_hook), so that no device waits for another that failed."""
 
     def __init__(self):
-        self.armed = threading.Event()
-        self.fired = 0
+        self._lock = threading.Lock()
+        self._calls_to_fail = 0
+        self.fired = 0                  # steps failed
+
+    def arm(self, calls: int = 1) -> None:
+        with self._lock:
+            self._calls_to_fail = calls
 
     def __call__(self, token_sum):
-        if self.armed.is_set():
-            self.armed.clear()
-            self.fired += 1
-            raise RuntimeError(FAULT)
+        with self._lock:
+            if self._calls_to_fail:
+                self._calls_to_fail -= 1
+                self.fired += self._calls_to_fail == 0
+                raise RuntimeError(FAULT)
         return np.int32(0)
 
 
@@ -80,6 +96,43 @@ def faulty_server():
         yield server, fault
 
 
+@contextlib.contextmanager
+def faulty_staged_server(parallel: ParallelConfig):
+    """A server on an spp > 1 mesh (batches in flight) whose every stage runs the fault."""
+    fault = DeviceFault()
+    engine = Engine(tiny_model(2, parallel), TINY_ENGINE, stage_hook=callback_hook(fault))
+    predictor = AnalyticalPredictor(engine.model.config, ParallelConfig(), "h100",
+                                    token_buckets=engine.ladder.token_buckets)
+    with Server(engine, predictor=predictor) as server:
+        assert engine.max_in_flight == parallel.spp
+        yield server, fault
+
+
+@pytest.fixture(scope="module")
+def faulty_spp_server():
+    with faulty_staged_server(ParallelConfig(spp=2)) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def faulty_spp_kvp_server():
+    with faulty_staged_server(ParallelConfig(spp=2, kvp=2)) as served:
+        yield served
+
+
+SERVERS = ["faulty_server", "faulty_spp_server", "faulty_spp_kvp_server"]
+
+
+def kv_caches(engine) -> list:
+    """The KV caches the engine holds: its one, or one per stage."""
+    return [engine.kv_cache] if engine.pipeline is None else list(engine.pipeline.kv_caches)
+
+
+def kv_cache_layout(engine) -> list[tuple]:
+    """(shape, sharding) of every KV cache array the engine holds."""
+    return [(leaf.shape, leaf.sharding) for leaf in jax.tree.leaves(kv_caches(engine))]
+
+
 def alone(server, prompt, params=GREEDY):
     out = server.generate(TokensPrompt(prompt), params)
     assert out.finish_reason == "length"
@@ -87,8 +140,17 @@ def alone(server, prompt, params=GREEDY):
 
 
 @pytest.mark.slow
-def test_a_step_failing_on_the_device_fails_only_its_batch(faulty_server):
-    server, fault = faulty_server
+@pytest.mark.parametrize("served,queued", [("faulty_server", False),
+                                           ("faulty_spp_server", False),
+                                           ("faulty_spp_server", True),
+                                           ("faulty_spp_kvp_server", True)])
+def test_a_step_failing_on_the_device_fails_only_its_batch(served, queued, request):
+    """queued: the failing step waits behind other work on its device (tests.test_pipeline.
+    occupy), so its error surfaces when its tokens are read, and the batch behind it in
+    flight reads the poisoned cache, as on an accelerator; else XLA:CPU runs its
+    single-device programs inline and the error surfaces in dispatch, with the cache
+    donated. (A program over several devices, kvp here, is never run inline.)"""
+    server, fault = request.getfixturevalue(served)
     reference = {p: alone(server, p) for p in PROMPTS + [LONG]}
     seeded_reference = alone(server, PROMPTS[0], SEEDED)
     assert wait_until_idle(server)
@@ -98,22 +160,32 @@ def test_a_step_failing_on_the_device_fails_only_its_batch(faulty_server):
     assert server.engine.allocator.num_cached_pages > 0
 
     engine, controller = server.engine, server.controller
+    layout, fired = kv_cache_layout(engine), fault.fired      # the server may have served before
+    first_stage_devices = (1 if engine.pipeline is None
+                           else engine.pipeline.stages[0].mesh.devices.size)
     real_dispatch = engine.dispatch
-    long_started, seen = threading.Event(), {}
+    long_started, seen, dispatched = threading.Event(), {}, []
 
     def dispatch(batch):
         # Arms the fault for the first step that leaves out a request holding pages (the
         # long prompt, half prefilled, overtaken by more urgent ones); the fault itself
-        # fires on the device.
+        # fires on the device. The steps still in flight finish first, so the first
+        # callback after arming is this step's (at spp = 2, its first stage's).
         in_batch = {c.request.request_id for c in batch.chunks}
         holding = {r.request_id for r in controller.unfinished()
                    if controller.kv.has(r.request_id)}
-        if not seen and holding - in_batch:
-            fault.armed.set()
-            seen.update(batch=in_batch, holding=holding)
-        pending = real_dispatch(batch)
+        arm = not seen and holding - in_batch
+        if arm:
+            jax.block_until_ready([pending.outputs.tokens for pending in dispatched])
+            fault.arm(calls=first_stage_devices)
+            seen.update(batch=in_batch, holding=holding, raised_in_dispatch=True)
+            if queued:
+                occupy(engine.model.mesh.devices.flat[0])
+        dispatched.append(real_dispatch(batch))
+        if arm:
+            seen["raised_in_dispatch"] = False
         long_started.set()
-        return pending
+        return dispatched[-1]
 
     engine.dispatch = dispatch
     try:
@@ -127,7 +199,8 @@ def test_a_step_failing_on_the_device_fails_only_its_batch(faulty_server):
         seeded_out = seeded.result(timeout=120)
     finally:
         del engine.dispatch
-    assert fault.fired == 1
+    assert fault.fired == fired + 1
+    assert seen["raised_in_dispatch"] is not queued
     failing = seen["batch"]
     survivors_holding_pages = seen["holding"] - failing
     assert survivors_holding_pages
@@ -142,6 +215,7 @@ def test_a_step_failing_on_the_device_fails_only_its_batch(faulty_server):
             assert (out.finish_reason, out.token_ids) == ("length", expected), rid
     assert all(everyone[rid][1].metrics.num_preemptions == 1 for rid in survivors_holding_pages)
     assert wait_until_idle(server)
+    assert kv_cache_layout(engine) == layout
     # The old cache's prefixes are gone: a prompt computed before the fault is computed
     # again (reusing its zeroed pages would change its tokens), and the server serves on.
     for prompt in PROMPTS[:2]:
@@ -149,11 +223,12 @@ def test_a_step_failing_on_the_device_fails_only_its_batch(faulty_server):
     assert wait_until_idle(server)
 
 
-def test_recovery_is_a_no_op_when_the_cache_is_intact(faulty_server):
-    server, _ = faulty_server
-    cache = server.engine.kv_cache
-    assert server.engine.recover_kv_cache() is False
-    assert server.engine.kv_cache is cache
+@pytest.mark.parametrize("served", SERVERS)
+def test_recovery_is_a_no_op_when_the_cache_is_intact(served, request):
+    engine = request.getfixturevalue(served)[0].engine
+    caches = kv_caches(engine)
+    assert engine.recover_kv_cache() is False
+    assert all(now is before for now, before in zip(kv_caches(engine), caches))
 
 
 @pytest.fixture(scope="module")

@@ -71,7 +71,9 @@ class EngineConfig:
     # Batches dispatched and not yet collected. None: the number of SPP stages. One program
     # (spp = 1) may take 2, so that the host forms and builds step n + 1 while the device
     # runs step n; a decode still waits for its previous token, so this helps batches with
-    # prefill chunks, not decode-only ones.
+    # prefill chunks, not decode-only ones. Not the default at spp = 1: a batch formed while
+    # the decodes' tokens are in flight holds only prefill chunks, so whenever one is queued
+    # ahead of them the decodes run a step later.
     max_batches_in_flight: int | None = None
 
     def __post_init__(self):

@@ -123,8 +123,9 @@ def attention(q, k, v, k_cache, v_cache, layer_id, meta: AttentionMetadata, *,
     spec = layout.rules.spec
     q_spec = spec(("tokens", "heads", "head_dim"))
     kv_spec = spec(("tokens", "kv_heads", "head_dim"))
-    # The cache's layers stay whole on every device until the spp axis runs one program per
-    # stage (issue 13); the layer scan indexes them by global id.
+    # The layers axis stays whole inside the shard_map: a program's cache holds exactly the
+    # layers it runs (all of them; with spp > 1, its pipeline stage's, model/stages.py), and
+    # the layer scan indexes them by position in that cache.
     cache_spec = spec((None,) + KV_CACHE_AXES[1:])
     cp_only = lambda field, s: None if field is None else s  # noqa: E731
     meta_spec = AttentionMetadata(
