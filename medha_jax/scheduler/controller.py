@@ -425,7 +425,12 @@ class _KVGate:
         while not self.kv.reserve(rid, chunk.end):
             victim = self._pick_victim(request, self.in_batch, self.now)
             if victim is None:
-                return False              # nothing less urgent to evict: this chunk waits
+                # Nothing less urgent to evict: this chunk waits. A waiting request gives
+                # back at once the cached prefix pages it took when prepared: held until
+                # the end of packing, they could starve the very request that may not
+                # evict it (the cache would then deadlock with pages free in name only).
+                self._give_back(request)
+                return False
             self._preempt(victim)
             self.preempted.add(victim.request_id)
         self.in_batch.add(rid)
@@ -435,8 +440,13 @@ class _KVGate:
     def release_unscheduled(self) -> None:
         """Waiting requests registered for a chunk that missed the batch give their pages back."""
         for request in self.registered:
-            if request.state is RequestState.WAITING and self.kv.has(request.request_id):
-                self.kv.release(request.request_id)
-                if request.num_computed_tokens:
-                    request.num_computed_tokens = request.num_cached_tokens = 0
-                    self._requeue(request)
+            self._give_back(request)
+
+    def _give_back(self, request: Request) -> None:
+        """Releases the pages of a waiting request registered during packing (no-op for a
+        running one); it starts from its cached prefix again next time."""
+        if request.state is RequestState.WAITING and self.kv.has(request.request_id):
+            self.kv.release(request.request_id)
+            if request.num_computed_tokens:
+                request.num_computed_tokens = request.num_cached_tokens = 0
+                self._requeue(request)
