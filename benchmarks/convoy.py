@@ -8,7 +8,7 @@ throughput, side by side on the same trace.
 
     python -m benchmarks.convoy --simulate --model llama3-8b --hardware a100 --gpus 16 \\
         --parallel tp=8,spp=2 --qps 0.75 --out results/convoy --json results/convoy.json
-    python -m benchmarks.convoy --server --policies lars,fcfs-np       # live, on the CPU
+    python -m benchmarks.convoy --server        # live on the CPU: lars-mp, lars, fcfs-np
     python -m benchmarks.convoy --validate-simulator                   # simulator vs engine
     python -m benchmarks.convoy --simulate --figure13 --out results/figure13
 
@@ -100,7 +100,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "ShareGPT4's")
     p.add_argument("--policies", default=None,
                    help=f"comma list of {','.join(ALL_POLICIES)} "
-                        "(default all simulated, lars,fcfs-np on the server)")
+                        "(default all simulated, lars-mp,lars,fcfs-np live)")
     p.add_argument("--short-ttft", type=float, default=SLOPolicy().short_ttft_s,
                    help="TTFT deadline of short requests, s")
     p.add_argument("--long-ttft-factor", type=float, default=SLOPolicy().long_ttft_factor,
