@@ -305,7 +305,8 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny",
                         help="preset, checkpoint dir or .gguf (default: tiny random weights)")
-    parser.add_argument("--policy", default="lars")
+    parser.add_argument("--policy", default="lars-mp",
+                        help="scheduling policy (default: the Server's, lars-mp)")
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32],
                         help="concurrent clients, one row per value")
     parser.add_argument("--requests", type=int, default=128, help="calls per configuration")
