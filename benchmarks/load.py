@@ -232,8 +232,9 @@ def wait_until_idle(server, timeout_s: float = 60.0) -> None:
 def healthy(endpoint, server, token: str | None) -> bool:
     """The health check says SERVING and a fresh request runs to the end."""
     import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from serving.proto import health_pb2, health_pb2_grpc, medha_pb2, medha_pb2_grpc
+    from serving.proto import medha_pb2, medha_pb2_grpc
 
     metadata = (("authorization", f"Bearer {token}"),) if token else None
     with grpc.insecure_channel(endpoint.address) as channel:
