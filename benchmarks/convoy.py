@@ -508,8 +508,7 @@ def check_simulator(server, predictor, trace: Sequence[TraceRequest], *,
     engine = server.engine
     cache = server.controller.prefill_time_cache
     run_fitted = ProfiledPredictor.fit([(f, iteration) for f, _, iteration in steps],
-                                       token_buckets=engine.ladder.token_buckets,
-                                       seq_buckets=engine.ladder.seq_buckets)
+                                       token_buckets=engine.ladder.token_buckets)
     simulated, check = {}, {}
     for name, device in (("as calibrated", predictor), ("as run", run_fitted)):
         twin = server_twin(server, predictor)

@@ -25,7 +25,6 @@ def test_fit_predictor_times_a_sweep_and_returns_every_page(model):
     assert len(engine.step_records) == 0      # calibration steps are not traffic
     assert predictor.num_records == len(sweep_chunks(engine, np.random.default_rng(0))) >= 10
     assert predictor.token_buckets == engine.ladder.token_buckets
-    assert predictor.seq_buckets == engine.ladder.seq_buckets
     assert np.isfinite(predictor.median_rel_error)
     # More work never predicts less time (the packer's binary search relies on it).
     buckets = engine.ladder.token_buckets

@@ -62,7 +62,7 @@ def test_budget_comes_from_the_strictest_tpot_slo():
 
 def test_last_chunk_grows_to_fill_its_bucket():
     # Cost depends on the padded size only: filling the bucket is free, so the packer does.
-    flat = ProfiledPredictor([1e-3, 1e-5, 0.0, 0.0, 0.0, 0.0, 0.0])
+    flat = ProfiledPredictor([1e-3, 1e-5, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
     limits = EngineLimits(token_buckets=(64, 128, 256, 512))
     packer = AdaptivePacker(flat, limits, remaining_work=lambda r: 1.0,
                             target_batch_time_s=1e-3 + 300e-5)

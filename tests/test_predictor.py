@@ -125,17 +125,18 @@ def test_features_split_prefill_chunks_from_decodes():
 @pytest.mark.parametrize("noise", [0.0, 0.02])
 def test_profiled_fit_recovers_known_coefficients(noise):
     rng = random.Random(0)
-    buckets, seq_buckets = (128, 256, 512, 1024, 2048, 4096), (8, 32)
-    true = (2e-3, 3e-6, 4e-10, 5e-9, 1e-3, 2e-8, 3e-9)
+    buckets = (128, 256, 512, 1024, 2048, 4096)
+    true = (2e-3, 3e-6, 4e-10, 5e-9, 1e-3, 2e-8, 6e-9, 3e-8)
     records = []
     for _ in range(400):
         f = _random_features(rng, buckets)
-        padded_seqs = 8 if f.seqs <= 8 else 32
         exact = (true[0] + true[1] * f.padded_tokens + true[2] * f.sum_chunk_x_context
                  + true[3] * f.sum_chunk_sq + true[4] * f.prefill_chunks
-                 + true[5] * f.sum_prefill_context + true[6] * padded_seqs * f.max_decode_context)
+                 + true[5] * f.sum_prefill_context
+                 + true[6] * (f.sum_context - f.sum_prefill_context)
+                 + true[7] * f.max_decode_context)
         records.append((f, exact * (1 + rng.gauss(0, noise))))
-    fitted = ProfiledPredictor.fit(records, token_buckets=buckets, seq_buckets=seq_buckets)
+    fitted = ProfiledPredictor.fit(records, token_buckets=buckets)
     assert np.allclose(fitted.coefficients, true, rtol=1e-6 if noise == 0 else 0.25)
     assert fitted.median_rel_error <= noise + 1e-9
     assert fitted.p90_rel_error <= 2 * noise + 1e-9
@@ -148,20 +149,20 @@ def test_profiled_predictor_json_round_trip(tmp_path):
     rng = random.Random(1)
     records = [(f, 1e-3 + 2e-6 * f.padded_tokens + 1e-9 * f.sum_chunk_sq)
                for f in (_random_features(rng, None) for _ in range(50))]
-    fitted = ProfiledPredictor.fit(records, seq_buckets=(8, 16))
+    fitted = ProfiledPredictor.fit(records, token_buckets=(64, 128))
     path = tmp_path / "predictor.json"
     fitted.save(path)
     loaded = ProfiledPredictor.load(path)
     assert loaded.coefficients == fitted.coefficients
-    assert loaded.seq_buckets == fitted.seq_buckets == (8, 16)
+    assert loaded.token_buckets == fitted.token_buckets == (64, 128)
     assert loaded.median_rel_error == fitted.median_rel_error
     batch = Batch([_chunk(100, 50)])
     assert loaded.predict(batch) == fitted.predict(batch) > 0
-    with pytest.raises(ValueError, match="at least 7 records"):
+    with pytest.raises(ValueError, match="at least 8 records"):
         ProfiledPredictor.fit(records[:6])
     with pytest.raises(ValueError, match=">= 0"):
-        ProfiledPredictor([1.0, -1.0, 0.0, 0.0, 0.0, 0.0, 0.0])
-    with pytest.raises(ValueError, match="need 7 coefficients"):
+        ProfiledPredictor([1.0, -1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+    with pytest.raises(ValueError, match="need 8 coefficients"):
         ProfiledPredictor([1.0, 1.0, 0.0, 0.0])
 
 

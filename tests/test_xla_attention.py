@@ -1,12 +1,13 @@
 """The XLA path with the tiles the CPU engine runs, under GSPMD, and its decode tile cap."""
 
 import jax
+import numpy as np
 from hypothesis import given, settings
 
 from pallas_kernels import BlockSizes, ragged_paged_attention
 from pallas_kernels.dispatch import block_sizes_for
-from pallas_kernels.xla_attention import (DECODE_TILE_BYTES, decode_pages_per_tile,
-                                          ragged_paged_attention_xla)
+from pallas_kernels.xla_attention import (DECODE_TILE_BYTES, decode_group_size,
+                                          decode_pages_per_tile, ragged_paged_attention_xla)
 from tests.attention_checks import Shapes, assert_matches_oracle, make_batch, ragged_batches
 
 SERVING_SHAPES = Shapes(q_heads=9, kv_heads=3, head_dim=64, page_size=16, num_tokens=160,
@@ -60,3 +61,24 @@ def test_decode_tiles_shrink_to_stay_in_cache():
     page_bytes = 64 * 16 * 3 * 64 * 4
     assert decode_pages_per_tile(tiles, seqs=64, **small) == DECODE_TILE_BYTES // page_bytes == 5
     assert decode_pages_per_tile(tiles, seqs=4096, **small) == 1
+
+
+def test_decodes_in_groups_sorted_by_context():
+    """Many decodes (several groups of `decode_group_size`), one long context among short
+    ones, zeros and unused padding slots, mixed with chunks: every row is the oracle's,
+    in its own place after the sort by context and back."""
+    shapes = Shapes(q_heads=9, kv_heads=3, head_dim=64, page_size=16, num_tokens=96,
+                    max_seqs=72, pages_per_seq=12)
+    rng = np.random.default_rng(7)
+    contexts = [int(c) for c in rng.integers(0, 60, 66)]
+    contexts[rng.integers(66)] = 180                       # one long decode among chats
+    q_lens = [1] * 66
+    q_lens[3], q_lens[40] = 9, 14                          # two chunks between the decodes
+    assert decode_group_size(shapes.max_seqs) == 3
+    batch = make_batch(5, shapes, q_lens, contexts)
+    out, lse = ragged_paged_attention(**batch, sm_scale=0.125, impl="xla")
+    assert_matches_oracle(out, lse, batch, 0.125)
+
+
+def test_decode_groups():
+    assert [decode_group_size(s) for s in (1, 16, 64, 65, 256, 1024)] == [2, 2, 2, 3, 8, 32]

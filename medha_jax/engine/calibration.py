@@ -94,8 +94,7 @@ def fit_predictor(engine: Engine, *, repeats: int = 2, seed: int = 0) -> Profile
                 # The predictor prices one pipeline stage (the executors keep spp batches
                 # in flight); a lone batch here crossed all of them, in about spp stage times.
                 records.append((features, seconds / engine.num_stages))
-    return ProfiledPredictor.fit(records, token_buckets=engine.ladder.token_buckets,
-                                 seq_buckets=engine.ladder.seq_buckets)
+    return ProfiledPredictor.fit(records, token_buckets=engine.ladder.token_buckets)
 
 
 def borrow_batch(engine: Engine, chunks: list[tuple[int, int]],

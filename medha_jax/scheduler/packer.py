@@ -193,7 +193,8 @@ class BatchPacker:
                 sum_ctx += end
                 max_ctx = max(max_ctx, end)
         return BatchFeatures(tokens, padded_size(tokens, self.limits.token_buckets), tokens,
-                             sum_ctx, tokens, sum_ctx, tokens, max_decode_context=max_ctx)
+                             sum_ctx, tokens, sum_ctx, tokens, max_decode_context=max_ctx,
+                             max_context=max_ctx)
 
     def _room(self, features: BatchFeatures) -> int | float:
         if features.seqs >= self.limits.max_seqs_per_batch:

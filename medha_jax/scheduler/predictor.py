@@ -54,8 +54,8 @@ class BatchFeatures(NamedTuple):
     sum_prefill_context: sum of context lengths after the chunk over those chunks.
     max_context:         the longest context after its chunk (KVP prices the busiest shard).
     max_decode_context:  the longest context of a single-token chunk. A batched decode
-                         that cannot skip ragged ends (the CPU attention path) streams
-                         every sequence slot up to it.
+                         that cannot skip ragged ends (the XLA attention path) streams
+                         a group of sequences up to it.
     """
 
     tokens: int = 0
@@ -69,6 +69,11 @@ class BatchFeatures(NamedTuple):
     sum_prefill_context: int = 0
     max_decode_context: int = 0
     max_context: int = 0
+
+    @property
+    def sum_decode_context(self) -> int:
+        """Sum of context lengths after the chunk over single-token chunks (decodes)."""
+        return self.sum_context - self.sum_prefill_context
 
     def plus_chunk(self, num_tokens: int, start: int, samples: bool,
                    token_buckets: Sequence[int] | None = None) -> BatchFeatures:
@@ -299,18 +304,19 @@ class AnalyticalPredictor:
 # ------------------------------------------------------------------------------ profiled
 
 PROFILED_FEATURES = ("1", "padded_tokens", "sum_chunk_x_context", "sum_chunk_sq",
-                     "prefill_chunks", "sum_prefill_context", "padded_seqs_x_max_decode_context")
+                     "prefill_chunks", "sum_prefill_context", "sum_decode_context",
+                     "max_decode_context")
 
 
-def _feature_row(f: BatchFeatures, seq_buckets: Sequence[int] | None) -> tuple[float, ...]:
+def _feature_row(f: BatchFeatures) -> tuple[float, ...]:
     return (1.0, f.padded_tokens, f.sum_chunk_x_context, f.sum_chunk_sq, f.prefill_chunks,
-            f.sum_prefill_context, padded_size(f.seqs, seq_buckets) * f.max_decode_context)
+            f.sum_prefill_context, f.sum_decode_context, f.max_decode_context)
 
 
 def _nonnegative_least_squares(a: np.ndarray, y: np.ndarray) -> np.ndarray:
     """argmin ||a x - y|| subject to x >= 0, exactly, for a handful of columns.
 
-    Tries every subset of free columns (2^7 = 128 small solves) and keeps the best
+    Tries every subset of free columns (2^8 = 256 small solves) and keeps the best
     feasible one: with few features this is exact and simpler than an active-set loop.
     """
     n = a.shape[1]
@@ -333,24 +339,25 @@ class ProfiledPredictor:
 
         t = c0 + c1 * padded_tokens + c2 * sum(chunk x context) + c3 * sum(chunk^2)
                + c4 * prefill_chunks + c5 * sum(prefill chunk context)
-               + c6 * padded_seqs x max_decode_context
+               + c6 * sum(decode context) + c7 * max_decode_context
 
     The first four terms are Tetris Eq. 1 (seed 001: constant, fully connected layers,
-    attention with the history, attention within the chunk). We add three, because
+    attention with the history, attention within the chunk). We add four, because
     Eq. 1 assumes attention work proportional to (query, key) pairs and the kernels we
     run are not: a prefill chunk pays per query block, so a 20-token chunk costs nearly
-    what a full block does (c4), and reads its context at least once (c5); the CPU's
-    batched decode streams every padded sequence slot up to the longest decode context
-    (c6; a ragged GPU kernel has c6 = 0 and its decodes fall to c2). Without them the
-    fit over-predicted decode-only steps by ~20% and under-predicted steps holding a
-    small chunk by as much (benchmarks/convoy.py --validate-simulator). Coefficients
+    what a full block does (c4), and reads its context at least once (c5); a decode
+    reads its context at a per-key cost of its own (c6), and the XLA path's decode
+    streams groups of sequences sorted by context, each up to its longest, which costs
+    at most the sum of the contexts plus a group's worth of the longest (c7; a ragged
+    GPU kernel has c7 = 0). Without c4-c7 the fit over-predicted decode-only steps by
+    ~20% and under-predicted steps holding a small chunk by as much
+    (benchmarks/convoy.py --validate-simulator). Coefficients
     are non-negative; a term that does not apply to a back-end fits to 0.
 
-    token_buckets, seq_buckets: the engine's padded token and sequence counts.
+    token_buckets: the engine's padded token counts.
     """
 
     def __init__(self, coefficients: Sequence[float], *, token_buckets: Sequence[int] | None = None,
-                 seq_buckets: Sequence[int] | None = None,
                  median_rel_error: float | None = None, p90_rel_error: float | None = None,
                  num_records: int = 0):
         coefficients = tuple(float(c) for c in coefficients)
@@ -362,15 +369,13 @@ class ProfiledPredictor:
                              f"got {coefficients}")
         self.coefficients = coefficients
         self.token_buckets = tuple(token_buckets) if token_buckets is not None else None
-        self.seq_buckets = tuple(seq_buckets) if seq_buckets is not None else None
         self.median_rel_error = median_rel_error
         self.p90_rel_error = p90_rel_error
         self.num_records = num_records
 
     @classmethod
     def fit(cls, records: Iterable[tuple[BatchFeatures, float]], *,
-            token_buckets: Sequence[int] | None = None,
-            seq_buckets: Sequence[int] | None = None) -> ProfiledPredictor:
+            token_buckets: Sequence[int] | None = None) -> ProfiledPredictor:
         """Least squares on (features, measured seconds) pairs.
 
         Rows are divided by the measured time, so the fit minimises relative error:
@@ -385,12 +390,12 @@ class ProfiledPredictor:
         seconds = np.array([s for _, s in records], dtype=np.float64)
         if np.any(~np.isfinite(seconds)) or np.any(seconds <= 0):
             raise ValueError("measured seconds must be finite and > 0")
-        a = np.array([_feature_row(f, seq_buckets) for f, _ in records], dtype=np.float64)
+        a = np.array([_feature_row(f) for f, _ in records], dtype=np.float64)
         # Scale columns to unit size so the solve is well conditioned (features reach 1e12).
         scale = np.maximum(np.abs(a).max(axis=0), 1e-30)
         x = _nonnegative_least_squares(a / scale / seconds[:, None], np.ones_like(seconds)) / scale
         rel = np.abs(a @ x - seconds) / seconds
-        return cls(x, token_buckets=token_buckets, seq_buckets=seq_buckets,
+        return cls(x, token_buckets=token_buckets,
                    median_rel_error=float(np.median(rel)),
                    p90_rel_error=float(np.percentile(rel, 90)), num_records=len(records))
 
@@ -398,10 +403,10 @@ class ProfiledPredictor:
         if f.seqs == 0:
             return 0.0
         # Plain arithmetic: the packer calls this hundreds of times per iteration.
-        c0, c1, c2, c3, c4, c5, c6 = self.coefficients
+        c0, c1, c2, c3, c4, c5, c6, c7 = self.coefficients
         return (c0 + c1 * f.padded_tokens + c2 * f.sum_chunk_x_context + c3 * f.sum_chunk_sq
                 + c4 * f.prefill_chunks + c5 * f.sum_prefill_context
-                + c6 * padded_size(f.seqs, self.seq_buckets) * f.max_decode_context)
+                + c6 * (f.sum_context - f.sum_prefill_context) + c7 * f.max_decode_context)
 
     def predict(self, batch: Batch) -> float:
         return self.predict_features(batch_features(batch, self.token_buckets))
@@ -411,7 +416,6 @@ class ProfiledPredictor:
             "kind": "profiled", "features": list(PROFILED_FEATURES),
             "coefficients": list(self.coefficients),
             "token_buckets": list(self.token_buckets) if self.token_buckets is not None else None,
-            "seq_buckets": list(self.seq_buckets) if self.seq_buckets is not None else None,
             "median_rel_error": self.median_rel_error, "p90_rel_error": self.p90_rel_error,
             "num_records": self.num_records}, indent=2)
 
@@ -422,7 +426,6 @@ class ProfiledPredictor:
             raise ValueError(f"not a profiled predictor with features {PROFILED_FEATURES}: "
                              f"kind={data.get('kind')!r} features={data.get('features')!r}")
         return cls(data["coefficients"], token_buckets=data["token_buckets"],
-                   seq_buckets=data.get("seq_buckets"),
                    median_rel_error=data["median_rel_error"], p90_rel_error=data["p90_rel_error"],
                    num_records=data["num_records"])
 
