@@ -12,9 +12,10 @@ Three measurements, each on one layer's attention (one sequence's chunk, or a de
   chunk, full over the earlier context), for n in 4K..1M and c in 32..2048. Useful FLOPs are
   4 * head_dim * q_heads * (keys each query attends, summed); MFU divides by the device's
   peak FLOP/s.
-- decode: a batch of b sequences, one query each, over n cached tokens. Bytes that must
-  move are the K/V of every sequence plus q and out; MBU divides by the device's HBM
-  bandwidth.
+- decode: a batch of b sequences, one query each, over n cached tokens; and, ragged, one
+  sequence over n among b - 1 over n / 16 (a long request decoding among chats). Bytes
+  that must move are the K/V each sequence attends plus q and out; MBU divides by the
+  device's HBM bandwidth.
 - chunking overhead: the time to prefill a whole n-token prompt in 32-token chunks over the
   time in 2048-token chunks. Estimated, not run in full: chunk steps are timed at a few
   positions spread over the prompt, fitted with t(p) = a + b * p by least squares (a chunk
@@ -65,6 +66,8 @@ from pallas_kernels.dispatch import IMPLS, block_sizes_for, resolve_impl
 
 K = 1024
 PAGE_SIZE = 16
+# A ragged decode batch: one sequence at the row's context, the others at 1/16 of it.
+RAGGED_SHORT_FRACTION = 16
 # Device kind substrings -> medha_jax.scheduler.hardware presets.
 DEVICE_KIND_PRESETS = (("H200", "h200"), ("H100", "h100"), ("A100", "a100"),
                        ("v5 lite", "tpu-v5e"), ("v5e", "tpu-v5e"), ("v5p", "tpu-v5p"))
@@ -298,20 +301,34 @@ def run_decode(heads, dtype, grid: Grid, impls, repeats, key, rng, log,
             k_pages, v_pages = paged_cache(key, heads, batch * context, dtype)
             q = jax.random.normal(jax.random.fold_in(key, 2),
                                   (batch, heads.q_heads, heads.head_dim), dtype)
-            decode_args = (q, k_pages, v_pages, shuffled_page_table(rng, batch, context),
-                           jnp.full((batch,), context, jnp.int32))
-            row = {"kind": "decode", "context": context, "chunk": 1, "batch": batch,
-                   "flops": 4.0 * heads.head_dim * heads.q_heads * context * batch,
-                   "bytes": cache_bytes + 2 * batch * heads.q_heads * heads.head_dim * itemsize}
-            for impl in impls:
-                fn, args = decode_step(heads, impl, decode_args)
-                row[impl] = time_call(fn, args, repeats)
-            time_baselines(row, baselines or {}, decode_args, repeats, log)
+            page_table = shuffled_page_table(rng, batch, context)
+            # Uniform, then (batch > 1) ragged: one long request decoding among chats.
+            shapes = [[context] * batch]
+            if batch > 1:
+                shapes.append([context] + [context // RAGGED_SHORT_FRACTION] * (batch - 1))
+            for kv_lens in shapes:
+                ragged = len(set(kv_lens)) > 1
+                decode_args = (q, k_pages, v_pages, page_table, jnp.asarray(kv_lens, jnp.int32))
+                keys = sum(kv_lens)
+                row = {"kind": "decode", "context": context, "chunk": 1, "batch": batch,
+                       "ragged": ragged,
+                       "flops": 4.0 * heads.head_dim * heads.q_heads * keys,
+                       "bytes": kv_bytes(heads, keys, itemsize)
+                       + 2 * batch * heads.q_heads * heads.head_dim * itemsize}
+                for impl in impls:
+                    fn, args = decode_step(heads, impl, decode_args)
+                    row[impl] = time_call(fn, args, repeats)
+                if not ragged:          # JAX's kernels: the uniform batches only
+                    time_baselines(row, baselines or {}, decode_args, repeats, log)
+                rows.append(row)
+                log(f"{decode_name(row)}: {row[impls[0]]['time_s'] * 1e3:.3f} ms")
             del k_pages, v_pages, decode_args, args
-            rows.append(row)
-            log(f"decode context={context} batch={batch}: "
-                f"{row[impls[0]]['time_s'] * 1e3:.3f} ms")
     return rows
+
+
+def decode_name(row: dict) -> str:
+    ragged = f" ragged (others ctx/{RAGGED_SHORT_FRACTION})" if row.get("ragged") else ""
+    return f"decode ctx={row['context']} batch={row['batch']}{ragged}"
 
 
 def run_chunking_overhead(heads, dtype, grid: Grid, impl, repeats, key, rng, log) -> dict:
@@ -376,7 +393,7 @@ def summarize(rows: list[dict], impl: str, hardware, compare: str | None,
         if row["kind"] == "prefill":
             name = f"prefill ctx={row['context']} chunk={row['chunk']}"
         else:
-            name = f"decode ctx={row['context']} batch={row['batch']}"
+            name = decode_name(row)
         entry = {"time_ms": t * 1e3, "tflop_per_s": row["flops"] / t / 1e12,
                  "gb_per_s": row["bytes"] / t / 1e9,
                  "mfu": (row["flops"] / t / hardware.peak_flops

@@ -50,17 +50,23 @@ def test_quick_run_prints_its_table_and_writes_json(monkeypatch, tmp_path, capsy
     assert lines[header + 2].startswith("prefill ctx=512 chunk=32")
     assert lines[header + 3].split()[:3] == ["decode", "ctx=256", "batch=2"]
     assert lines[header + 3].split()[-1] == "stand-in"     # the JAX kernel it compared with
+    # One long decode among short ones (256 and 256 / 16 keys): no JAX kernel compared.
+    assert lines[header + 4].startswith("decode ctx=256 batch=2 ragged (others ctx/16)")
 
     report = json.loads(path.read_text())
     assert report["context"]["impl"] == "xla" and report["context"]["hardware_preset"] == "h100"
     table = report["table"]
-    assert len(table) == 2 and all(set(COLUMNS) <= set(entry) for entry in table.values())
+    assert len(table) == 3 and all(set(COLUMNS) <= set(entry) for entry in table.values())
     for name, entry in table.items():
         kind = name.split()[0]
         assert all(entry[c] > 0 for c in ("time_ms", "tflop_per_s", "gb_per_s"))
         assert (entry["mfu"] is None) == (kind == "decode")      # MFU for prefill,
         assert (entry["mbu"] is None) == (kind == "prefill")     # MBU for decodes
-        assert (entry["speedup_vs_jax"] is None) == (kind == "prefill")
+        assert (entry["speedup_vs_jax"] is None) == (kind == "prefill" or "ragged" in name)
+    heads = kernels.Heads(**report["context"]["heads"])
+    ragged = next(row for row in report["rows"] if row.get("ragged"))   # the keys it reads
+    assert ragged["bytes"] == (kernels.kv_bytes(heads, 256 + 256 // 16, 4)
+                               + 2 * 2 * heads.q_heads * heads.head_dim * 4)
     overhead = report["chunking_overhead"]
     assert overhead["context"] == 512 and overhead["ratio"] > 0
     assert overhead["chunk_32"]["steps"] == 16 and overhead["chunk_64"]["steps"] == 8
