@@ -349,7 +349,7 @@ class ProfiledPredictor:
     reads its context at a per-key cost of its own (c6), and the XLA path's decode
     streams groups of sequences sorted by context, each up to its longest, which costs
     at most the sum of the contexts plus a group's worth of the longest (c7; a ragged
-    GPU kernel has c7 = 0). Without c4-c7 the fit over-predicted decode-only steps by
+    GPU kernel has c7 = 0). Without terms past Eq. 1 the fit over-predicted decode-only steps by
     ~20% and under-predicted steps holding a small chunk by as much
     (benchmarks/convoy.py --validate-simulator). Coefficients
     are non-negative; a term that does not apply to a back-end fits to 0.
