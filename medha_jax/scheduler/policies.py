@@ -77,7 +77,7 @@ class EDF(Policy):
         return request.deadline, 0.0
 
 
-class _SlackPolicy(Policy):
+class _WorkPolicy(Policy):
     """A policy that needs the remaining prefill work w(t) of a request."""
 
     def __init__(self, remaining_work: Callable[[Request], float]):
@@ -94,7 +94,7 @@ class _SlackPolicy(Policy):
         raise NotImplementedError
 
 
-class LRS(_SlackPolicy):
+class LRS(_WorkPolicy):
     """Least remaining slack: a + d - t - w(t), smallest first."""
 
     name = "lrs"
@@ -103,7 +103,7 @@ class LRS(_SlackPolicy):
         return request.deadline - work, 1.0
 
 
-class LARS(_SlackPolicy):
+class LARS(_WorkPolicy):
     """Length-aware relative slack: rho = (a + d - t - w(t)) / w_total, smallest first."""
 
     name = "lars"
@@ -116,7 +116,7 @@ class LARS(_SlackPolicy):
         return (request.deadline - work) / w_total, 1.0 / w_total
 
 
-class SRPT(_SlackPolicy):
+class SRPT(_WorkPolicy):
     """Shortest remaining prefill work w(t) first. Not a scheduling policy of its own: the
     controller's second order, where it looks for short requests to run beside a long one."""
 
