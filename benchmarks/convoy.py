@@ -15,8 +15,9 @@ throughput, side by side on the same trace.
 --simulate runs the discrete-event simulator (medha_jax.simulator) over the analytical
 predictor of a hardware preset; every figure it prints is simulated (--quick: 300
 requests, 3 policies, well under a minute). --server replays the trace (lengths scaled
-down to fit a CPU) against a live Server per policy, all over one engine compiled and
-calibrated once (that start-up takes minutes on 2 cores, --quick or not).
+down to fit a CPU: SERVER_SCALES, --long-scale, --max-model-len) against a live Server
+per policy, all over one engine compiled and calibrated once (that start-up takes about
+5 minutes on 2 cores, --quick or not; the default run about 20 in all).
 --validate-simulator runs each policy live and simulates the same trace with the server's
 scheduler and predictor, comparing TTFT/TPOT percentiles (within 25% passes): once with
 the simulated device as fast as calibration.fit_predictor(engine) predicts, and once as fast as the
@@ -50,14 +51,18 @@ FIGURE13_POLICIES = ("fcfs", "edf", "lrs", "lars", "lars-mp")
 FIGURE13_LOADS = (0.5, 0.9, 1.3)
 
 # Scaled lengths for the live CPU server: short prompts of tens to hundreds of tokens
-# (p50 86), long ones of a few thousand (p50 ~2K), outputs of tens (ShareGPT4 and
-# Medha-SWE shapes kept), within the engine below.
-SERVER_SCALES = dict(short_scale=0.05, long_scale=0.005, output_scale=0.04,
+# (p50 86), long ones of thousands (p50 ~3.9K, p90 at the 8K context), outputs of tens
+# (ShareGPT4 and Medha-SWE shapes kept), within the engine below. Long prompts are
+# scaled 5x less than short ones: a long prefill must take many times a burst of short
+# ones for the convoy to show (the paper's ratio of p50s is 227, here 45); at half this
+# long_scale, prompts of at most 4K tokens, a long prefill took ~6 s on 2 cores, no more
+# than a few short requests arriving together, and fcfs-np's p99 stayed ~3x lars-mp's.
+SERVER_SCALES = dict(short_scale=0.05, long_scale=0.01, output_scale=0.04,
                      max_output_tokens=64)
-# A CPU-sized engine: a short context and few buckets keep warm-up and calibration to
-# minutes on 2 cores. Prefix caching off: every policy replays the same prompts, and a
-# later one must not find an earlier one's pages in the cache.
-SERVER_ENGINE = dict(page_size=16, max_kv_tokens=16_384, max_model_len=4096,
+# A CPU-sized engine: few buckets keep warm-up and calibration to minutes on 2 cores; the
+# cache holds four prompts of the whole context. Prefix caching off: every policy replays
+# the same prompts, and a later one must not find an earlier one's pages in the cache.
+SERVER_ENGINE = dict(page_size=16, max_kv_tokens=32_768, max_model_len=8192,
                      max_tokens_per_step=256, min_token_bucket=32, max_seqs=16,
                      enable_prefix_caching=False)
 
@@ -101,6 +106,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--policies", default=None,
                    help=f"comma list of {','.join(ALL_POLICIES)} "
                         "(default all simulated, lars-mp,lars,fcfs-np live)")
+    p.add_argument("--long-scale", type=float, default=SERVER_SCALES["long_scale"],
+                   help="live: Medha-SWE long prompt lengths x this (then capped by the "
+                        "context)")
+    p.add_argument("--max-model-len", type=int, default=SERVER_ENGINE["max_model_len"],
+                   help="live: the engine's context; its KV cache holds at least 4x this")
     p.add_argument("--short-ttft", type=float, default=SLOPolicy().short_ttft_s,
                    help="TTFT deadline of short requests, s")
     p.add_argument("--long-ttft-factor", type=float, default=SLOPolicy().long_ttft_factor,
@@ -134,6 +144,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         # hinge on which few short requests overlapped a long prefill.
         args.requests = (20 if args.quick else 80 if args.mode == "validate" else 40
                          ) if live else (300 if args.quick else 1000)
+    if not args.long_scale > 0 or args.max_model_len < 128:
+        p.error(f"--long-scale must be > 0 and --max-model-len >= 128, got "
+                f"{args.long_scale} and {args.max_model_len}")
     if not 0 <= args.long_fraction <= 1:
         p.error(f"--long-fraction must be in [0, 1], got {args.long_fraction}")
     return args
@@ -149,7 +162,13 @@ def workload(args: argparse.Namespace, qps: float, *, max_prompt_tokens: int | N
     return generate_workload(WorkloadSpec(
         num_requests=args.requests, qps=qps, long_fraction=args.long_fraction, seed=args.seed,
         arrival=args.arrival, max_prompt_tokens=max_prompt_tokens,
-        **shapes, **(SERVER_SCALES if live else {})))
+        **shapes, **(dict(SERVER_SCALES, long_scale=args.long_scale) if live else {})))
+
+
+def server_engine_config(args: argparse.Namespace) -> dict:
+    """SERVER_ENGINE at the context asked for, its cache growing with it."""
+    return dict(SERVER_ENGINE, max_model_len=args.max_model_len, max_kv_tokens=max(
+        SERVER_ENGINE["max_kv_tokens"], 4 * args.max_model_len))
 
 
 def slo_policy(args: argparse.Namespace) -> SLOPolicy:
@@ -340,7 +359,8 @@ def run_live(args: argparse.Namespace) -> tuple[dict, dict, dict | None]:
     from serving.replay import replay_trace
     from serving.server import Server
 
-    engine = Engine(load_model(args.model), EngineConfig(**SERVER_ENGINE))
+    engine_config = server_engine_config(args)
+    engine = Engine(load_model(args.model), EngineConfig(**engine_config))
     engine.warmup(progress=not args.no_progress)
     print("fitting the runtime predictor to this machine ...", flush=True)
     predictor = fit_predictor(engine)
@@ -384,7 +404,7 @@ def run_live(args: argparse.Namespace) -> tuple[dict, dict, dict | None]:
                         by_policy[f"{policy} (simulated, {name})"] = records
     context = {"mode": "live server" if args.mode == "server" else "live server + simulator",
                "model": engine.model.config.name, "dtype": engine.model.config.dtype,
-               "engine": SERVER_ENGINE, "tpot_slo_s": tpot_s,
+               "engine": engine_config, "long_scale": args.long_scale, "tpot_slo_s": tpot_s,
                "predictor": repr(predictor)}
     return runs, context, validation
 

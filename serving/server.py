@@ -343,7 +343,8 @@ def sample_params(params: SamplingParams, index: int) -> SamplingParams:
 def scheduler_config_for_engine(config: SchedulerConfig, engine,
                                 default_slo: SLO | None) -> SchedulerConfig:
     """The config with what the engine fixes: its token buckets (the compiled shapes), at
-    most its sequences per step, and the default SLO (SLO() when none is given)."""
+    most its sequences per step, its attention's query block, and the default SLO (SLO()
+    when none is given)."""
     buckets = tuple(engine.ladder.token_buckets)
     if config.token_buckets is not None and config.token_buckets != buckets:
         raise ValueError(f"SchedulerConfig.token_buckets={config.token_buckets} differ from the "
@@ -355,6 +356,7 @@ def scheduler_config_for_engine(config: SchedulerConfig, engine,
     return dataclasses.replace(
         config, token_buckets=buckets,
         max_seqs_per_batch=min(config.max_seqs_per_batch, engine.max_seqs),
+        query_block_tokens=engine.query_block_tokens,
         default_slo=config.default_slo or default_slo or SLO())
 
 

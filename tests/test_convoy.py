@@ -44,6 +44,13 @@ def test_arguments_validate_and_default_by_mode():
     args = convoy.parse_args(["--server", "--qps", "0.5,1"])
     assert args.mode == "server" and args.model == "smollm2-135m" and args.qps == (0.5, 1.0)
     assert args.policies == ("lars-mp", "lars", "fcfs-np") and args.requests == 40
+    assert convoy.server_engine_config(args)["max_model_len"] == args.max_model_len == 8192
+    args = convoy.parse_args(["--server", "--long-scale", "0.005", "--max-model-len", "4096"])
+    assert convoy.workload(args, 0.5, max_prompt_tokens=4032) != convoy.workload(
+        convoy.parse_args(["--server"]), 0.5, max_prompt_tokens=4032)
+    assert convoy.server_engine_config(args)["max_kv_tokens"] >= 4 * 4096
+    with pytest.raises(SystemExit):
+        convoy.parse_args(["--server", "--long-scale", "0"])
     args = convoy.parse_args(["--validate-simulator"])
     assert args.mode == "validate" and args.policies == ("lars-mp", "lars", "fcfs-np")
     assert args.requests == 80

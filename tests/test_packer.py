@@ -6,7 +6,8 @@ from hypothesis import strategies as st
 
 from medha_jax.config import ParallelConfig, model_preset
 from medha_jax.request import SLO, Batch, Request, RequestState, ScheduledChunk
-from medha_jax.scheduler.packer import AdaptivePacker, EngineLimits, OpenGate, TokenBudgetPacker
+from medha_jax.scheduler.packer import (AdaptivePacker, EngineLimits, OpenGate, TokenBudgetPacker,
+                                       lone_prefill_chunk, whole_query_block)
 from medha_jax.scheduler.predictor import AnalyticalPredictor, ProfiledPredictor, batch_features
 
 PREDICTOR = AnalyticalPredictor(model_preset("llama3-8b"), ParallelConfig(tp=8), "h100")
@@ -141,6 +142,45 @@ def test_progress_guarantee_when_decodes_fill_the_budget():
     assert decode_only > 0.005
     batch = packer.pack(decodes, [_prefill("p", 1000)], now=0.0)
     assert [c.num_tokens for c in batch.chunks] == [1, 1, 1, 1, 16]
+
+
+def test_a_chunk_is_at_least_one_query_block_of_the_engines_attention():
+    # A long context leaves room for a few tokens only; the attention pays a whole block
+    # for them, so the chunk takes the block (the batch is over budget by the dense
+    # layers of the block's other tokens only).
+    request = _prefill("long", 600_000, computed=500_000)
+    few = _predict([ScheduledChunk(request, 500_000, 4)], None)
+    packer = _adaptive(target_batch_time_s=few * 1.0001)
+    (unblocked,) = packer.pack([], [request], now=0.0).chunks
+    assert 2 <= unblocked.num_tokens < 64
+    blocks = _adaptive(EngineLimits(query_block_tokens=64), target_batch_time_s=few * 1.0001)
+    (chunk,) = blocks.pack([], [request], now=0.0).chunks
+    assert chunk.num_tokens == 64
+    # Algorithm 3's lone-prefill chunk makes the same choices.
+    for limits, want in ((EngineLimits(), unblocked.num_tokens),
+                         (EngineLimits(query_block_tokens=64), 64)):
+        assert lone_prefill_chunk(PREDICTOR, limits, context_len=500_000, remaining=100_000,
+                                  t_target=few * 1.0001, min_chunk_tokens=16) == want
+    # The progress guarantee gives a block, not min_chunk_tokens, and never past the prompt.
+    decodes = [_decode(f"d{i}", 500_000) for i in range(4)]
+    blocks = _adaptive(EngineLimits(query_block_tokens=64), target_batch_time_s=0.005,
+                       min_chunk_tokens=16)
+    batch = blocks.pack(decodes, [_prefill("p", 1000), _prefill("q", 40)], now=0.0)
+    assert [c.num_tokens for c in batch.chunks] == [1, 1, 1, 1, 64]
+    batch = blocks.pack(decodes, [_prefill("q", 40)], now=0.0)
+    assert [c.num_tokens for c in batch.chunks] == [1, 1, 1, 1, 40]
+
+
+def test_whole_query_block_widens_only_prefill_chunks_within_the_cap():
+    limits = EngineLimits(query_block_tokens=64)
+    assert whole_query_block(0, 100, limits) == 0        # nothing fit: stays nothing
+    assert whole_query_block(1, 100, limits) == 1        # one token: the decode path
+    assert whole_query_block(2, 100, limits) == 64
+    assert whole_query_block(5, 30, limits) == 30        # the request or the step ends first
+    assert whole_query_block(100, 200, limits) == 100    # past a block: the search's own
+    assert whole_query_block(5, 100, EngineLimits()) == 5
+    with pytest.raises(ValueError, match="query_block_tokens"):
+        EngineLimits(query_block_tokens=0)
 
 
 def test_adaptive_chunking_shrinks_chunks_as_the_context_grows():

@@ -218,6 +218,15 @@ def test_abandoned_stream_is_cancelled(server):
     assert wait_until_idle(server)
 
 
+def test_the_scheduler_chunks_in_the_engines_query_blocks(server):
+    # The XLA path on the CPU: its tile table's query block, which the packer rounds a
+    # prefill chunk up to (packer.whole_query_block).
+    from pallas_kernels.block_sizes import TILE_TABLE
+    assert server.engine.query_block_tokens == TILE_TABLE["cpu"].block_q
+    assert server.scheduler_config.query_block_tokens == server.engine.query_block_tokens
+    assert server.scheduler_config.limits.query_block_tokens == TILE_TABLE["cpu"].block_q
+
+
 def test_metrics_count_requests_and_are_served_over_http(server):
     server.generate(TokensPrompt([1, 2]), SamplingParams(temperature=0.0, max_tokens=3))
     text = server.metrics_text()

@@ -42,6 +42,7 @@ from medha_jax.scheduler.predictor import BatchFeatures, batch_features
 from meshes import replicated
 from pallas_kernels import order_decodes_first
 from pallas_kernels.block_sizes import device_kind_of
+from pallas_kernels.dispatch import choose_attention
 
 
 STEP_RECORDS_KEPT = 10_000
@@ -264,6 +265,16 @@ class Engine:
     @property
     def num_executables(self) -> int:
         return len(self.executables)
+
+    @property
+    def query_block_tokens(self) -> int:
+        """Query tokens per block of the attention's prefill path (its smallest block): a
+        prefill chunk's attention costs whole blocks, each one pass over the chunk's
+        context, however few of the block's tokens are real."""
+        _, tiles = choose_attention(self.model.layout.attention_impl, None,
+                                    head_dim=self.model.config.head_dim,
+                                    page_size=self.config.page_size)
+        return tiles.block_q
 
     # -- execution ---------------------------------------------------------------
 

@@ -53,6 +53,7 @@ class SchedulerConfig:
     token_buckets:          the engine's padded token counts (None: no padding).
     max_tokens_per_batch:   tokens per step (None: the largest bucket, or no limit).
     max_seqs_per_batch:     sequences per step.
+    query_block_tokens:     the engine's attention query block (`EngineLimits`); 1 = none.
     default_slo:            the SLO of requests that name none; its TPOT also caps the batch
                             time budget while no decode is running, so a request that starts
                             decoding next iteration is not held up by a longer batch.
@@ -70,6 +71,7 @@ class SchedulerConfig:
     token_buckets: tuple[int, ...] | None = None
     max_tokens_per_batch: int | None = None
     max_seqs_per_batch: int = 256
+    query_block_tokens: int = 1
     default_slo: SLO | None = None
 
     def __post_init__(self):
@@ -98,7 +100,8 @@ class SchedulerConfig:
         """What one engine step holds, as the packers see it."""
         return EngineLimits(token_buckets=self.token_buckets,
                             max_tokens_per_batch=self.max_tokens_per_batch,
-                            max_seqs_per_batch=self.max_seqs_per_batch)
+                            max_seqs_per_batch=self.max_seqs_per_batch,
+                            query_block_tokens=self.query_block_tokens)
 
     @classmethod
     def of(cls, scheduler: str | SchedulerConfig) -> SchedulerConfig:
