@@ -240,8 +240,10 @@ class AdaptivePacker(BatchPacker):
                          default 8192 is the short/long boundary of seed 000, sec. 6.5.
     min_chunk_tokens:    progress guarantee: when no prefill fits the budget (decodes
                          alone fill it, or one token of a huge context exceeds it), the
-                         most urgent prefill still gets this many tokens. So a batch
-                         exceeds max(t_target, decode time) by at most one such chunk.
+                         most urgent prefill still gets this many tokens (a whole query
+                         block where that is more: `whole_query_block`). So a batch exceeds
+                         max(t_target, decode time) by at most one such chunk, and a chunk
+                         the search found by the dense layers of its block's other tokens.
     chunk_hint:          context length -> a likely chunk size (the lone-prefill chunk of
                          the PrefillTimeCache), where each chunk search starts.
     pipeline_stages:     spp of the executor. The predictor prices one stage and a batch is
