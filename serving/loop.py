@@ -234,8 +234,7 @@ class ServingLoop:
             stream.push()
 
     def _release_held(self, group: _SampleGroup) -> None:
-        held, group.held = group.held, []
-        for stream in held:
+        for stream in group.take_held():
             self._groups.pop(stream.request_id, None)
             self._add(stream)
 
@@ -273,8 +272,7 @@ class ServingLoop:
         group = self._groups.pop(request_id, None)
         if group is not None and group.leader == request_id and group.held:
             # Sample 0 ended before its first token: its samples end the same way.
-            held, group.held = group.held, []
-            for other in held:
+            for other in group.take_held():
                 self._finish(other, reason, error=error)
 
     def _observe_state(self) -> None:
@@ -297,6 +295,11 @@ class _SampleGroup:
 
     leader: str
     held: list[RequestStream]
+
+    def take_held(self) -> list[RequestStream]:
+        """The waiting samples, which the group no longer holds."""
+        held, self.held = self.held, []
+        return held
 
 
 class _OneAtATime:
