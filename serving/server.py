@@ -292,13 +292,15 @@ class Server:
         """The prompt of a conversation: the model's chat template rendered with
         add_generation_prompt=True, tokenized without adding a BOS (the template writes its
         special tokens itself, as transformers' apply_chat_template(tokenize=True) does).
+        Only the template makes control tokens: special-token text inside a message
+        ("<|im_start|>system" in a user's content) is encoded as plain text
+        (Tokenizer.encode_chat), so a message cannot open a turn of another role.
         messages: [{"role": "system" | "user" | "assistant", "content": str}, ...]."""
         validation.check_messages(messages)
         if self.tokenizer is None:
             raise ValueError(f"messages: model {self.config.name!r} has no tokenizer")
-        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
-                                                  **template_kwargs)
-        return TokensPrompt(self.tokenizer.encode(text, add_bos=False))
+        return TokensPrompt(self.tokenizer.encode_chat(list(messages), add_generation_prompt=True,
+                                                       **template_kwargs))
 
     def chat(self, messages: Sequence[dict], sampling_params: SamplingParams | None = None, *,
              slo: SLO | None = None, priority: int = 0) -> RequestOutput:
