@@ -299,6 +299,9 @@ class FakeContext:
     def abort(self, code, details):
         raise AssertionError(f"aborted: {code} {details}")
 
+    def invocation_metadata(self):
+        return ()
+
 
 def servicer_call(server, prompt, context, max_tokens=200, request_id=""):
     from serving.grpc_service import MedhaServicer
