@@ -43,6 +43,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 ENGINE_FLAGS = ("max_kv_tokens", "max_model_len", "max_tokens_per_step", "max_seqs")
+LIMIT_FLAGS = ("min_ttft_s", "max_ttft_s", "min_tpot_s", "max_tpot_s", "min_priority",
+               "max_priority")
 
 
 def _make_server(args, *, warmup: bool, calibrate: bool):
@@ -54,12 +56,15 @@ def _make_server(args, *, warmup: bool, calibrate: bool):
     from medha_jax.scheduler.config import SchedulerConfig
     from medha_jax.scheduler.predictor import AnalyticalPredictor
     from serving.server import Server
+    from serving.validation import RequestLimits
 
     scheduler = SchedulerConfig(args.policy)     # a bad name fails before the model loads
     parallel = ParallelConfig.parse(args.parallel)
     model = load_model(args.model, parallel=parallel, dtype=args.dtype)
     sizes = {f: getattr(args, f) for f in ENGINE_FLAGS if getattr(args, f) is not None}
+    limits = {f: getattr(args, f) for f in LIMIT_FLAGS if getattr(args, f, None) is not None}
     return Server(model, scheduler=scheduler, engine_config=EngineConfig(**sizes),
+                  limits=RequestLimits(**limits),
                   metrics_port=getattr(args, "metrics_port", None), warmup=warmup,
                   cache_dir=False if args.no_cache else args.cache_dir,
                   predictor=None if calibrate else AnalyticalPredictor(model.config, parallel))
@@ -102,13 +107,16 @@ def _serve(args) -> int:
             limits = ({"max_message_bytes": args.max_message_bytes}
                       if args.max_message_bytes is not None else {})
             grpc_server = GrpcServer(server, host=args.host, port=args.port, token=token,
-                                     max_concurrent_rpcs=args.max_concurrent_rpcs, **limits)
+                                     max_concurrent_rpcs=args.max_concurrent_rpcs,
+                                     priority_tokens=tuple(args.priority_token), **limits)
             frontends.append(lambda: grpc_server.stop(grace=args.grace))
             addresses.append(grpc_server.address)
         if args.http_port is not None:
             http_server = HttpServer(server, host=args.host, port=args.http_port, token=token,
                                      max_concurrent_requests=args.max_concurrent_requests,
-                                     model_name=args.served_model_name or args.model)
+                                     model_name=args.served_model_name or args.model,
+                                     priority_tokens=tuple(args.priority_token),
+                                     max_connections=args.max_connections)
             frontends.append(lambda: http_server.stop(timeout=args.grace + 5))
             addresses.append(f"{http_server.url} (OpenAI API: {http_server.url}/v1)")
         print(f"serving {server.config.name} ({server.policy}) on {' and '.join(addresses)}"
@@ -152,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser(
         "serve", help="serve the gRPC API (medha.v1.Medha + health) and/or the OpenAI HTTP API")
     serve.add_argument("--host", default="127.0.0.1",
-                       help="bind address (default 127.0.0.1; 0.0.0.0 exposes it to the network)")
+                       help="bind address (default 127.0.0.1; 0.0.0.0 exposes it to the network "
+                            "in clear text, tokens included: put a TLS proxy in front)")
     serve.add_argument("--port", type=int, default=DEFAULT_PORT, help="gRPC port (0: any free)")
     serve.add_argument("--http-port", type=int, default=None,
                        help="also serve the OpenAI-compatible HTTP API (/v1/completions, "
@@ -165,12 +174,31 @@ def build_parser() -> argparse.ArgumentParser:
                        help="open HTTP requests at most; more get 429")
     serve.add_argument("--token", default=None,
                        help="require 'authorization: Bearer TOKEN' (default: $MEDHA_TOKEN if set)")
+    serve.add_argument("--priority-token", action="append", default=[],
+                       help="a bearer token whose clients may ask for a priority more "
+                            "important than the default (lower than 0); it also admits them "
+                            "(repeatable). Without one no client may raise its priority")
+    limits = serve.add_argument_group(
+        "request limits (requests outside them are refused: INVALID_ARGUMENT / 400)")
+    for flag, default, help in [
+            ("--min-ttft-s", 0.1, "shortest time-to-first-token SLO a request may ask"),
+            ("--max-ttft-s", 3600.0, "longest time-to-first-token SLO"),
+            ("--min-tpot-s", 0.02, "shortest time-per-output-token SLO (one such decode "
+                                   "would bound the time of every batch it rides in)"),
+            ("--max-tpot-s", 60.0, "longest time-per-output-token SLO")]:
+        limits.add_argument(flag, type=float, default=None, help=f"{help} (default {default})")
+    limits.add_argument("--min-priority", type=int, default=None,
+                        help="most important priority class (default -100)")
+    limits.add_argument("--max-priority", type=int, default=None,
+                        help="least important priority class (default 100)")
+    serve.add_argument("--max-connections", type=int, default=1024,
+                       help="open HTTP connections at most; past it new requests get 503")
     serve.add_argument("--metrics-port", type=int, default=None,
                        help="serve Prometheus metrics over HTTP on this port")
     serve.add_argument("--max-concurrent-rpcs", type=int, default=64,
                        help="open calls at most; more are refused with RESOURCE_EXHAUSTED")
     serve.add_argument("--max-message-bytes", type=int, default=None,
-                       help="largest request or response message (default 64 MiB)")
+                       help="largest request or response message (default 4 MiB)")
     serve.add_argument("--grace", type=float, default=5.0,
                        help="seconds open calls get to finish on shutdown")
     _add_model_args(serve)

@@ -13,13 +13,15 @@ connection drops, the server stops) cancels the request, so its KV pages return 
 The client's request_id is a label echoed in the responses; the server names each request
 itself, so labels may repeat and cancelling one call never reaches another.
 
-Bad input (bytes that do not parse included) fails the call with INVALID_ARGUMENT, and a prompt that can never fit the KV
-cache with RESOURCE_EXHAUSTED, each with the server's message naming the field.
+Bad input (bytes that do not parse included, an SLO or priority outside the server's
+RequestLimits) fails the call with INVALID_ARGUMENT, a prompt that can never fit the KV
+cache with RESOURCE_EXHAUSTED, a priority more important than the default without a
+priority token (serving.auth) with PERMISSION_DENIED, each with a message naming the field.
+Messages over `max_message_bytes` (default 4 MiB) are refused by grpc: RESOURCE_EXHAUSTED.
 """
 
 from __future__ import annotations
 
-import hmac
 from concurrent import futures
 
 import grpc
@@ -29,12 +31,16 @@ from medha_jax.request import SLO, TokenLogprobs
 from medha_jax.sampling_params import SamplingParams
 from medha_jax.scheduler.controller import CapacityError
 from serving.outputs import StreamDelta
+from serving.auth import Access
 from serving.proto import medha_pb2, medha_pb2_grpc
 from serving.server import Server
+from serving.validation import PriorityNotAllowed
 
 SERVICE_NAME = "medha.v1.Medha"
 HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
-DEFAULT_MAX_MESSAGE_BYTES = 64 << 20     # a million-token prompt is ~4 MiB of varints
+# A 128k-token prompt is ~400 KiB of varints; grpc's own default. More only costs the
+# server memory a client chooses.
+DEFAULT_MAX_MESSAGE_BYTES = 4 << 20
 
 
 def request_from_proto(msg: medha_pb2.GenerateRequest
@@ -96,18 +102,24 @@ def parse_generate_request(data: bytes) -> medha_pb2.GenerateRequest | Malformed
 
 
 class MedhaServicer(medha_pb2_grpc.MedhaServicer):
-    def __init__(self, server: Server):
+    def __init__(self, server: Server, access: Access = Access()):
         self._server = server
+        self._access = access
 
     def Generate(self, request, context):
         if isinstance(request, MalformedRequest):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
         try:
+            authorization = dict(context.invocation_metadata()).get("authorization", "")
+            self._server.limits.check_priority(
+                request.priority, may_raise=self._access.may_raise_priority(authorization))
             prompt, params, slo = request_from_proto(request)
             handle = self._server.submit(prompt, params, slo=slo, priority=request.priority,
                                          request_id=request.request_id or None)
         except CapacityError as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except PriorityNotAllowed as e:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
         except (ValueError, TypeError) as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except RuntimeError as e:                  # the server is closing
@@ -132,10 +144,11 @@ class MedhaServicer(medha_pb2_grpc.MedhaServicer):
 
 
 class _BearerToken(grpc.ServerInterceptor):
-    """Refuses calls without metadata "authorization: Bearer <token>" (health probes exempt)."""
+    """Refuses calls without metadata "authorization: Bearer <token>" (or a priority token;
+    health probes exempt)."""
 
-    def __init__(self, token: str):
-        self._expected = f"Bearer {token}".encode()
+    def __init__(self, access: Access):
+        self._access = access
 
         def deny(request, context):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
@@ -146,7 +159,7 @@ class _BearerToken(grpc.ServerInterceptor):
         if handler_call_details.method.startswith(HEALTH_METHOD_PREFIX):
             return continuation(handler_call_details)
         given = dict(handler_call_details.invocation_metadata).get("authorization", "")
-        if hmac.compare_digest(given.encode(), self._expected):
+        if self._access.admits(given):
             return continuation(handler_call_details)
         return self._deny
 
@@ -156,11 +169,15 @@ class GrpcServer:
 
     def __init__(self, server: Server, *, host: str = "127.0.0.1", port: int = 0,
                  token: str | None = None, max_concurrent_rpcs: int = 64,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 priority_tokens: tuple[str, ...] = ()):
+        """priority_tokens: bearer tokens whose clients may ask for a priority more
+        important than the default (see serving.auth); they also admit a client."""
         if max_concurrent_rpcs < 1:
             raise ValueError(f"max_concurrent_rpcs must be >= 1, got {max_concurrent_rpcs}")
         if token is not None and not token:
             raise ValueError("token must be a non-empty string or None")
+        access = Access.of(token, priority_tokens)
         self.server = server
         # The standard health protocol: "" (the whole server) and "medha.v1.Medha".
         self.health = health.HealthServicer()
@@ -168,12 +185,12 @@ class GrpcServer:
         self._grpc = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_concurrent_rpcs,
                                        thread_name_prefix="medha-grpc"),
-            interceptors=[_BearerToken(token)] if token else [],
+            interceptors=[_BearerToken(access)] if token else [],
             maximum_concurrent_rpcs=max_concurrent_rpcs,
             options=[("grpc.max_receive_message_length", max_message_bytes),
                      ("grpc.max_send_message_length", max_message_bytes),
                      ("grpc.so_reuseport", 0)])
-        servicer = MedhaServicer(server)
+        servicer = MedhaServicer(server, access)
         self._grpc.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, {
             "Generate": grpc.unary_stream_rpc_method_handler(
                 servicer.Generate, request_deserializer=parse_generate_request,

@@ -9,11 +9,22 @@ Both take `n` (n choices, sampled from one prefill; streamed chunks name their c
 index) and logprobs (completions: `logprobs: k`, with `echo: true` the prompt's too; chat:
 `logprobs: true` and `top_logprobs: k`), k <= 20 (serving.openai_logprobs).
 
+Beyond OpenAI's fields, `priority` (an int, lower = more important, default 0; vLLM's
+extension): a client may ask for a class more important than the default only with a
+priority token (serving.auth). SLOs are the server's default.
+
 Errors are OpenAI error objects, `{"error": {"message", "type", "param", "code"}}`:
-400 a bad field or malformed JSON, 401 a missing or wrong bearer token, 404 an unknown model,
-413 a body or a prompt + max_tokens too long for the server, 429 more requests open than
-`max_concurrent_requests`, 503 the server is closing. A request is checked on the event loop
-before it is queued, so a bad one never reaches the loop thread, and the others carry on.
+400 a bad field, malformed JSON, JSON nested deeper than MAX_JSON_DEPTH or a priority
+outside the server's RequestLimits, 401 a missing or wrong bearer token (/metrics needs it
+too; /health does not), 403 a priority above the default without a priority token,
+404 an unknown model, 408 a body not received within `body_timeout_s`, 413 a body or a
+prompt + max_tokens too long for the server, 429 more requests open than
+`max_concurrent_requests`, 503 the server is closing or more than `max_connections`
+connections are open. Parsing, tokenization, chat rendering and validation run on a worker
+thread, never on the event loop, so a large or slow request does not stall the streams of
+others; a bad request never reaches the loop thread. A client has `header_timeout_s` to
+send each request's headers (uvicorn itself has no such deadline: a half-open connection
+would hold a connection slot forever).
 
 A client that goes away (closes the stream or the connection) cancels its request, which
 frees its KV pages; the same path as gRPC's call callbacks.
@@ -24,13 +35,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import secrets
 import socket
 import threading
 import time
 from typing import Any, AsyncIterator, Callable
 
+import h11
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -38,10 +50,17 @@ from starlette.routing import Route
 from medha_jax.sampling_params import MAX_LOGPROBS, SamplingParams
 from medha_jax.scheduler.controller import CapacityError
 from serving import validation
+from serving.auth import Access
 from serving.openai_logprobs import TokenText, chat_logprobs, completion_logprobs
 from serving.outputs import RequestHandle, StreamDelta
 
 MAX_BODY_BYTES = 4 << 20        # a 128k-token prompt as JSON token ids fits
+# The deepest request OpenAI's API needs is ~6 (messages -> message -> content parts ->
+# part); json.loads recurses per level and fails past ~1,000 with RecursionError.
+MAX_JSON_DEPTH = 32
+BODY_TIMEOUT_S = 30.0           # the whole body, from its first byte read
+HEADER_TIMEOUT_S = 10.0         # each request's headers, from the connection or last response
+MAX_CONNECTIONS = 1024
 DEFAULT_COMPLETION_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
 
 
@@ -201,15 +220,26 @@ def _finish_reason(reason: str | None) -> str | None:
     return reason
 
 
+@dataclasses.dataclass
+class _Call:
+    """What one HTTP request's worker-thread part needs from the event loop, and the handle
+    it made (so the loop side can cancel it if the request is abandoned meanwhile)."""
+
+    loop: asyncio.AbstractEventLoop
+    may_raise_priority: bool
+    handle: RequestHandle | None = None
+
+
 class _Api:
     """The route handlers, bound to one Server."""
 
-    def __init__(self, server, *, token: str | None, max_concurrent_requests: int,
-                 max_body_bytes: int, model_name: str | None):
+    def __init__(self, server, *, access: Access, max_concurrent_requests: int,
+                 max_body_bytes: int, model_name: str | None, body_timeout_s: float):
         self.server = server
-        self.token = token
+        self.access = access
         self.max_concurrent = max_concurrent_requests
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
         self.model_name = model_name or server.config.name
         self.open_requests = 0
         self.created = int(time.time())
@@ -218,28 +248,42 @@ class _Api:
     # ---- plumbing ----
 
     def check_auth(self, request) -> None:
-        if self.token is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
+        if not self.access.admits(request.headers.get("authorization", "")):
             raise ApiError(401, "missing or wrong bearer token (Authorization: Bearer ...)",
                            type="authentication_error", code="invalid_api_key")
 
-    async def read_json(self, request) -> dict:
+    async def read_body(self, request) -> bytes:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             raise ApiError(413, f"request body of {declared} bytes is over the server's limit "
                                 f"of {self.max_body_bytes}", code="request_too_large")
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > self.max_body_bytes:
-                raise ApiError(413, f"request body is over the server's limit of "
-                                    f"{self.max_body_bytes} bytes", code="request_too_large")
+
+        async def read() -> bytes:
+            body = bytearray()
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > self.max_body_bytes:
+                    raise ApiError(413, f"request body is over the server's limit of "
+                                        f"{self.max_body_bytes} bytes", code="request_too_large")
+            return bytes(body)
+
         try:
-            parsed = json.loads(body)
+            return await asyncio.wait_for(read(), self.body_timeout_s)
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {self.body_timeout_s} s",
+                           code="request_timeout") from None
+
+    def parse_json(self, data: bytes) -> dict:
+        """The body as a JSON object (worker thread: a 4 MiB body takes a while)."""
+        try:
+            parsed = json.loads(data)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ApiError(400, f"malformed JSON body: {e}") from None
+        except RecursionError:
+            raise ApiError(400, f"the JSON body is nested deeper than {MAX_JSON_DEPTH} "
+                                "levels") from None
+        if json_depth(parsed, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+            raise ApiError(400, f"the JSON body is nested deeper than {MAX_JSON_DEPTH} levels")
         if not isinstance(parsed, dict):
             raise ApiError(400, "the JSON body must be an object")
         model = parsed.get("model")
@@ -250,6 +294,17 @@ class _Api:
                                 f"{self.model_name!r}", param="model", code="model_not_found")
         return parsed
 
+    def priority(self, body: dict, call: _Call) -> int:
+        priority = _int(body, "priority", validation.DEFAULT_PRIORITY)
+        try:
+            self.server.limits.check_priority(priority, may_raise=call.may_raise_priority)
+        except validation.PriorityNotAllowed as e:
+            raise ApiError(403, str(e), type="permission_error", param="priority",
+                           code="priority_not_allowed") from None
+        except ValueError as e:
+            raise ApiError(400, str(e), param="priority") from None
+        return priority
+
     def prompt_ids(self, prompt) -> list[int]:
         try:
             return validation.prompt_token_ids(
@@ -258,8 +313,8 @@ class _Api:
         except (ValueError, TypeError) as e:
             raise ApiError(400, str(e), param="prompt") from None
 
-    def submit(self, ids: list[int], params: SamplingParams, fill_room: bool = False
-               ) -> RequestHandle:
+    def submit(self, call: _Call, ids: list[int], params: SamplingParams, fill_room: bool,
+               priority: int) -> RequestHandle:
         """Queues the request. fill_room: max_tokens is all the room the context leaves
         (chat's default, as vLLM's)."""
         room = self.server.max_model_len - len(ids)
@@ -274,12 +329,10 @@ class _Api:
             raise ApiError(413, f"prompt of {len(ids)} tokens + max_tokens={params.max_tokens} "
                                 f"exceeds this server's context of {self.server.max_model_len} "
                                 "tokens", param="max_tokens", code="context_length_exceeded")
-        if self.open_requests >= self.max_concurrent:
-            raise ApiError(429, f"the server has {self.open_requests} requests open, its limit; "
-                                "retry later", type="rate_limit_error", code="overloaded")
         try:
-            return self.server.submit(validation.TokensPrompt(ids), params,
-                                      _loop=asyncio.get_running_loop())
+            call.handle = self.server.submit(validation.TokensPrompt(ids), params,
+                                             priority=priority, _loop=call.loop)
+            return call.handle
         except CapacityError as e:
             raise ApiError(413, str(e), param="max_tokens",
                            code="context_length_exceeded") from None
@@ -289,16 +342,34 @@ class _Api:
             raise ApiError(503, str(e), type="server_error", code="unavailable") from None
 
     async def run(self, request, build) -> Any:
-        """Auth, body, `build(body) -> (handle, stream, include_usage, render)`, then a JSON
-        or an SSE response; any ApiError on the way becomes its error object."""
-
+        """Auth, body, then on a worker thread `build(body, call) -> (handle, stream,
+        include_usage, render)`, then a JSON or an SSE response; any ApiError on the way
+        becomes its error object."""
         try:
             self.check_auth(request)
-            body = await self.read_json(request)
-            handle, stream, include_usage, render = build(body)
+            data = await self.read_body(request)
+            if self.open_requests >= self.max_concurrent:
+                raise ApiError(429, f"the server has {self.open_requests} requests open, its "
+                                    "limit; retry later", type="rate_limit_error",
+                               code="overloaded")
         except ApiError as e:
             return JSONResponse(e.body(), status_code=e.status)
+        # The slot is taken here, on the loop, so worker threads never race for the last one.
         self.open_requests += 1
+        call = _Call(asyncio.get_running_loop(), self.access.may_raise_priority(
+            request.headers.get("authorization", "")))
+        try:
+            handle, stream, include_usage, render = await run_in_threadpool(
+                lambda: build(self.parse_json(data), call))
+        except ApiError as e:
+            self.open_requests -= 1
+            return JSONResponse(e.body(), status_code=e.status)
+        except BaseException:
+            # Cancelled while the thread ran (the server stopping): nobody will read it.
+            self.open_requests -= 1
+            if call.handle is not None:
+                call.handle.cancel()
+            raise
         if stream:
             return _EventStream(self._sse(handle, render, include_usage),
                                 on_close=lambda: self._close_stream(handle))
@@ -348,13 +419,14 @@ class _Api:
     # ---- routes ----
 
     async def completions(self, request):
-        def build(body):
+        def build(body, call):
+            priority = self.priority(body, call)
             fields, echo = completion_logprob_fields(body)
             params, stream, usage, fill_room = sampling_params_from(
                 body, default_max_tokens=DEFAULT_COMPLETION_MAX_TOKENS, **fields)
             prompt = completion_prompt(body)
             ids = self.prompt_ids(prompt)
-            handle = self.submit(ids, params, fill_room)
+            handle = self.submit(call, ids, params, fill_room, priority)
             echoed = None
             if echo:
                 echoed = prompt if isinstance(prompt, str) else \
@@ -364,7 +436,8 @@ class _Api:
         return await self.run(request, build)
 
     async def chat_completions(self, request):
-        def build(body):
+        def build(body, call):
+            priority = self.priority(body, call)
             params, stream, usage, fill_room = sampling_params_from(
                 body, default_max_tokens=None, **chat_logprob_fields(body))
             messages = chat_messages(body)
@@ -378,7 +451,7 @@ class _Api:
             if not ids:
                 raise ApiError(400, "the chat template rendered an empty prompt",
                                param="messages")
-            handle = self.submit(ids, params, fill_room)
+            handle = self.submit(call, ids, params, fill_room, priority)
             return handle, stream, usage, _ChatRender(self.model_name, handle, self.texts)
         return await self.run(request, build)
 
@@ -397,6 +470,11 @@ class _Api:
         return JSONResponse({"status": "ok"})
 
     async def metrics(self, request):
+        # Request counts and latencies say how busy the server is and what its clients do.
+        try:
+            self.check_auth(request)
+        except ApiError as e:
+            return JSONResponse(e.body(), status_code=e.status)
         return PlainTextResponse(self.server.metrics_text(),
                                  media_type="text/plain; version=0.0.4")
 
@@ -556,11 +634,16 @@ class _ChatRender:
 
 
 def make_app(server, *, token: str | None = None, max_concurrent_requests: int = 256,
-             max_body_bytes: int = MAX_BODY_BYTES, model_name: str | None = None):
+             max_body_bytes: int = MAX_BODY_BYTES, model_name: str | None = None,
+             priority_tokens: tuple[str, ...] = (), body_timeout_s: float = BODY_TIMEOUT_S):
     """The Starlette app serving `server` (mount it in your own ASGI server, or use
-    HttpServer)."""
-    api = _Api(server, token=token, max_concurrent_requests=max_concurrent_requests,
-               max_body_bytes=max_body_bytes, model_name=model_name)
+    HttpServer). priority_tokens: see serving.auth."""
+    if not body_timeout_s > 0:
+        raise ValueError(f"body_timeout_s must be > 0, got {body_timeout_s!r}")
+    api = _Api(server, access=Access.of(token, priority_tokens),
+               max_concurrent_requests=max_concurrent_requests, max_body_bytes=max_body_bytes,
+               model_name=model_name, body_timeout_s=body_timeout_s)
+
     async def http_error(request, exc: HTTPException):
         # Unknown routes and methods answer in the same shape as every other error.
         return JSONResponse(ApiError(exc.status_code, f"{request.method} {request.url.path}: "
@@ -577,19 +660,90 @@ def make_app(server, *, token: str | None = None, max_concurrent_requests: int =
     return app
 
 
+def json_depth(value, limit: int) -> int:
+    """How deeply `value`'s lists and objects nest (a scalar: 0), counted up to limit + 1."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node
+        if not isinstance(node, (dict, list)):
+            continue
+        deepest = max(deepest, depth)
+        if depth > limit:
+            return depth
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return deepest
+
+
+def _header_deadline_protocol(header_timeout_s: float):
+    """uvicorn's h11 protocol with a deadline on each request's headers, counted from the
+    connection (or the previous response): uvicorn has none, so a client that connects and
+    sends nothing, or a header a byte at a time, would hold a connection slot (and, at
+    `limit_concurrency`, lock every other client out) forever."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderDeadlineH11(H11Protocol):
+        _deadline: asyncio.TimerHandle | None = None
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._deadline = self.loop.call_later(header_timeout_s, self._late)
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _late(self) -> None:
+            self._deadline = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.conn.their_state is not h11.IDLE:     # a request's headers are in
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
+                self._arm()
+
+    return HeaderDeadlineH11
+
+
 class HttpServer:
     """uvicorn serving `make_app(server)` on its own thread and event loop.
 
     host defaults to loopback: 0.0.0.0 exposes the API (and, without a token, the model) to
-    the network. port=0 picks a free port (see `port`)."""
+    the network, in clear text: put a TLS-terminating proxy in front. port=0 picks a free
+    port (see `port`). max_connections: open connections at most (uvicorn's
+    limit_concurrency; past it new requests get 503); header_timeout_s and body_timeout_s:
+    how long a client may take to send a request's headers and its body."""
 
     def __init__(self, server, *, host: str = "127.0.0.1", port: int = 0,
                  token: str | None = None, max_concurrent_requests: int = 256,
-                 max_body_bytes: int = MAX_BODY_BYTES, model_name: str | None = None):
+                 max_body_bytes: int = MAX_BODY_BYTES, model_name: str | None = None,
+                 priority_tokens: tuple[str, ...] = (), max_connections: int = MAX_CONNECTIONS,
+                 header_timeout_s: float = HEADER_TIMEOUT_S,
+                 body_timeout_s: float = BODY_TIMEOUT_S):
         import uvicorn
 
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {max_connections}")
+        if not header_timeout_s > 0:
+            raise ValueError(f"header_timeout_s must be > 0, got {header_timeout_s!r}")
         self.app = make_app(server, token=token, max_concurrent_requests=max_concurrent_requests,
-                            max_body_bytes=max_body_bytes, model_name=model_name)
+                            max_body_bytes=max_body_bytes, model_name=model_name,
+                            priority_tokens=priority_tokens, body_timeout_s=body_timeout_s)
         # Bound here, so the port is known (and a taken one fails) before serving starts.
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._socket = socket.socket(family, socket.SOCK_STREAM)
@@ -598,7 +752,10 @@ class HttpServer:
         self.host, self.port = host, self._socket.getsockname()[1]
         self._uvicorn = uvicorn.Server(uvicorn.Config(
             self.app, log_level="warning", access_log=False, lifespan="off",
-            timeout_graceful_shutdown=5))
+            timeout_graceful_shutdown=5,
+            # uvicorn counts the asking connection too: N + 1 serves N connections.
+            limit_concurrency=max_connections + 1,
+            http=_header_deadline_protocol(header_timeout_s)))
         self._thread = threading.Thread(
             target=lambda: self._uvicorn.run(sockets=[self._socket]),
             name="medha-http", daemon=True)

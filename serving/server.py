@@ -71,7 +71,7 @@ class Server:
                  scheduler: str | SchedulerConfig = "lars-mp", engine_config=None,
                  default_slo: SLO | None = None, dtype: str | None = None,
                  metrics_port: int | None = None, warmup: bool = True, predictor=None,
-                 cache_dir=None):
+                 cache_dir=None, limits: validation.RequestLimits | None = None):
         """model: a preset name, a Hugging Face directory, a .gguf file, a loaded Model, or
         an Engine to reuse (already compiled; then parallel, dtype and engine_config must
         be None). One engine serves one Server at a time.
@@ -81,6 +81,11 @@ class Server:
           takes longer than the default target of 50 ms. Its token buckets and sequences
           per step come from the engine (the shapes it compiled).
         default_slo: the SLO of requests that name none (also settable in the config).
+        limits: the SLOs and priorities a request may ask for (validation.RequestLimits;
+          default: ttft_s in [0.1, 3600] s, tpot_s in [0.02, 60] s, priority in [-100, 100]).
+          A request outside them is refused with ValueError. This Python API is the
+          operator's own code, so it may use any priority in range; the network front ends
+          let a client raise its priority above the default only with a priority token.
         predictor: a fitted RuntimePredictor to reuse; by default the one saved for this
           (model, dtype, mesh, engine config, device) under cache_dir, else the engine times
           a calibration sweep, fits one and saves it there.
@@ -102,6 +107,11 @@ class Server:
         hits, misses, saved = cache_dirs.CACHE_EVENTS.snapshot()
         if default_slo is not None and not isinstance(default_slo, SLO):
             raise TypeError(f"default_slo must be an SLO, got {type(default_slo).__name__}")
+        self.limits = validation.DEFAULT_LIMITS if limits is None else limits
+        if not isinstance(self.limits, validation.RequestLimits):
+            raise TypeError(f"limits must be a RequestLimits, got {type(limits).__name__}")
+        for slo in (default_slo, config.default_slo):     # before any loading
+            _check_default_slo(self.limits, slo)
         if isinstance(model, Engine):
             given = {k: v for k, v in [("parallel", parallel), ("dtype", dtype),
                                        ("engine_config", engine_config)] if v is not None}
@@ -118,6 +128,7 @@ class Server:
         self.scheduler_config = scheduler_config_for_engine(config, self.engine, default_slo)
         self.policy = self.scheduler_config.policy
         self.default_slo = self.scheduler_config.default_slo
+        _check_default_slo(self.limits, self.default_slo)
         if warmup:
             self.engine.warmup()
         hits2, misses2, saved2 = cache_dirs.CACHE_EVENTS.snapshot()
@@ -190,7 +201,7 @@ class Server:
             prompt_ids = validation.validate_request(
                 prompt, params, slo, priority, tokenizer=self.tokenizer,
                 vocab_size=self.config.vocab_size, model_name=self.config.name,
-                check_fits=self.controller.check_fits)
+                check_fits=self.controller.check_fits, limits=self.limits)
             detokenizers = [IncrementalDetokenizer(self.tokenizer, params.stop)
                             for _ in range(params.n)]
         except (ValueError, TypeError):
@@ -281,13 +292,15 @@ class Server:
         """The prompt of a conversation: the model's chat template rendered with
         add_generation_prompt=True, tokenized without adding a BOS (the template writes its
         special tokens itself, as transformers' apply_chat_template(tokenize=True) does).
+        Only the template makes control tokens: special-token text inside a message
+        ("<|im_start|>system" in a user's content) is encoded as plain text
+        (Tokenizer.encode_chat), so a message cannot open a turn of another role.
         messages: [{"role": "system" | "user" | "assistant", "content": str}, ...]."""
         validation.check_messages(messages)
         if self.tokenizer is None:
             raise ValueError(f"messages: model {self.config.name!r} has no tokenizer")
-        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
-                                                  **template_kwargs)
-        return TokensPrompt(self.tokenizer.encode(text, add_bos=False))
+        return TokensPrompt(self.tokenizer.encode_chat(list(messages), add_generation_prompt=True,
+                                                       **template_kwargs))
 
     def chat(self, messages: Sequence[dict], sampling_params: SamplingParams | None = None, *,
              slo: SLO | None = None, priority: int = 0) -> RequestOutput:
@@ -358,6 +371,14 @@ def scheduler_config_for_engine(config: SchedulerConfig, engine,
         max_seqs_per_batch=min(config.max_seqs_per_batch, engine.max_seqs),
         query_block_tokens=engine.query_block_tokens,
         default_slo=config.default_slo or default_slo or SLO())
+
+
+def _check_default_slo(limits: validation.RequestLimits, slo: SLO | None) -> None:
+    if slo is not None:
+        try:
+            limits.check_slo(slo)
+        except ValueError as e:
+            raise ValueError(f"default_slo: {e} (Server limits=)") from None
 
 
 def _cancel_when_abandoned(deltas: Iterator[StreamDelta], handle: RequestHandle

@@ -71,7 +71,67 @@ MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 4096
 
 
-def check_request_args(params, slo, priority) -> None:
+@dataclasses.dataclass(frozen=True)
+class RequestLimits:
+    """The SLOs and priority classes a server admits (Server(limits=...), the CLI's
+    --min-ttft / --max-ttft / --min-tpot / --max-tpot / --min-priority / --max-priority).
+
+    An SLO is a promise the scheduler spends the batch on: a decode's tpot_s bounds the time
+    of every batch it rides in, so one request asking tpot_s=1e-9 would shrink every prefill
+    beside it to the minimum chunk. The floors are about one step of a GPU (10-30 ms); the
+    ceilings keep an "infinite" SLO from meaning "never schedule" under EDF-like keys.
+    Priority: lower is more important (Request.priority); clients of the network front ends
+    may ask only for DEFAULT_PRIORITY or less important classes unless the operator grants
+    them more (a priority token), as vLLM and SGLang gate priority scheduling."""
+
+    min_ttft_s: float = 0.1
+    max_ttft_s: float = 3600.0
+    min_tpot_s: float = 0.02
+    max_tpot_s: float = 60.0
+    min_priority: int = -100
+    max_priority: int = 100
+
+    def __post_init__(self):
+        for low, high in [("min_ttft_s", "max_ttft_s"), ("min_tpot_s", "max_tpot_s")]:
+            lo, hi = getattr(self, low), getattr(self, high)
+            if not (math.isfinite(lo) and math.isfinite(hi) and 0 < lo <= hi):
+                raise ValueError(f"RequestLimits needs 0 < {low} <= {high}, finite; got "
+                                 f"{low}={lo!r}, {high}={hi!r}")
+        if not -INT32_MAX - 1 <= self.min_priority <= DEFAULT_PRIORITY <= self.max_priority \
+                <= INT32_MAX:
+            raise ValueError(f"RequestLimits needs min_priority <= {DEFAULT_PRIORITY} <= "
+                             f"max_priority within int32; got min_priority={self.min_priority}, "
+                             f"max_priority={self.max_priority}")
+
+    def check_slo(self, slo: SLO) -> None:
+        for name, lo, hi in [("ttft_s", self.min_ttft_s, self.max_ttft_s),
+                             ("tpot_s", self.min_tpot_s, self.max_tpot_s)]:
+            value = getattr(slo, name)
+            if not lo <= value <= hi:
+                raise ValueError(f"slo.{name}={value:.3g} is outside this server's range "
+                                 f"[{lo}, {hi}] s")
+
+    def check_priority(self, priority: int, *, may_raise: bool = True) -> None:
+        """may_raise: the caller may ask for a class more important than the default."""
+        if not self.min_priority <= priority <= self.max_priority:
+            raise ValueError(f"priority={priority} is outside this server's range "
+                             f"[{self.min_priority}, {self.max_priority}]")
+        if priority < DEFAULT_PRIORITY and not may_raise:
+            raise PriorityNotAllowed(
+                f"priority={priority} is more important than the default "
+                f"({DEFAULT_PRIORITY}; lower is more important): this client may not raise "
+                f"its priority (the operator grants it with a priority token)")
+
+
+DEFAULT_PRIORITY = 0
+DEFAULT_LIMITS = RequestLimits()
+
+
+class PriorityNotAllowed(ValueError):
+    """A client asked for a priority class the operator has not granted it."""
+
+
+def check_request_args(params, slo, priority, limits: RequestLimits = DEFAULT_LIMITS) -> None:
     """The non-prompt arguments of one request."""
     if not isinstance(params, SamplingParams):
         raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
@@ -79,10 +139,9 @@ def check_request_args(params, slo, priority) -> None:
         raise TypeError(f"slo must be an SLO, got {type(slo).__name__}")
     if not isinstance(priority, int) or isinstance(priority, bool):
         raise TypeError(f"priority must be an int, got {priority!r}")
-    if not -INT32_MAX - 1 <= priority <= INT32_MAX:
-        raise ValueError(f"priority must fit in int32, got {priority}")
-    if slo is not None and not (math.isfinite(slo.ttft_s) and math.isfinite(slo.tpot_s)):
-        raise ValueError(f"slo must be finite, got {slo}")
+    limits.check_priority(priority)
+    if slo is not None:
+        limits.check_slo(slo)
     check_sampling_limits(params)
 
 
@@ -136,12 +195,13 @@ def prompt_token_ids(prompt: Prompt, *, tokenizer, vocab_size: int, model_name: 
 
 
 def validate_request(prompt: Prompt, params, slo, priority, *, tokenizer, vocab_size: int,
-                     model_name: str, check_fits: Callable[[int, int], None]) -> list[int]:
+                     model_name: str, check_fits: Callable[[int, int], None],
+                     limits: RequestLimits = DEFAULT_LIMITS) -> list[int]:
     """The prompt's token ids, once every argument is known to be servable.
 
     check_fits(prompt_len, max_tokens): the controller's size check (max_model_len, KV
     capacity); it reads only fixed sizes, so it is safe on the caller's thread."""
-    check_request_args(params, slo, priority)
+    check_request_args(params, slo, priority, limits)
     ids = prompt_token_ids(prompt, tokenizer=tokenizer, vocab_size=vocab_size,
                            model_name=model_name)
     check_fits(len(ids), params.max_tokens)

@@ -103,6 +103,16 @@ def test_logprobs_prompt_logprobs_and_n(server, stub):
     (request([1] * 300), grpc.StatusCode.INVALID_ARGUMENT, "max_model_len"),
     (request([1, 2], slo=medha_pb2.SLO(ttft_s=0, tpot_s=1)), grpc.StatusCode.INVALID_ARGUMENT,
      "ttft_s"),
+    # An SLO that would make every batch it rides in ~0 s long (or one never due).
+    (request([1, 2], slo=medha_pb2.SLO(ttft_s=1, tpot_s=1e-9)), grpc.StatusCode.INVALID_ARGUMENT,
+     r"slo.tpot_s=1e-09 is outside this server's range \[0.02, 60.0\]"),
+    (request([1, 2], slo=medha_pb2.SLO(ttft_s=1e9, tpot_s=1)), grpc.StatusCode.INVALID_ARGUMENT,
+     r"slo.ttft_s=1e\+09 is outside"),
+    (request([1, 2], priority=-2**31), grpc.StatusCode.INVALID_ARGUMENT,
+     r"priority=-2147483648 is outside this server's range \[-100, 100\]"),
+    # No priority token: a client may not put itself ahead of the default class.
+    (request([1, 2], priority=-1), grpc.StatusCode.PERMISSION_DENIED,
+     r"priority=-1 is more important than the default"),
 ])
 def test_bad_requests_get_a_status_naming_the_field(stub, msg, code, field):
     with pytest.raises(grpc.RpcError) as e:
@@ -187,6 +197,34 @@ def test_bearer_token(server):
             health_pb2.HealthCheckResponse.SERVING
 
 
+def test_only_a_priority_token_raises_priority(server):
+    with GrpcServer(server, port=0, token="s3cret", priority_tokens=("vip",)) as g, \
+            grpc.insecure_channel(g.address) as channel:
+        stub = medha_pb2_grpc.MedhaStub(channel)
+        user, vip = (("authorization", "Bearer s3cret"),), (("authorization", "Bearer vip"),)
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(request([1, 2], max_tokens=2, priority=-5), metadata=user))
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "priority token" in e.value.details()
+        # A less important class is anyone's to take; a priority token admits and raises.
+        for metadata, priority in [(user, 7), (vip, -5), (vip, 0)]:
+            out = list(stub.Generate(request([1, 2], max_tokens=2, priority=priority),
+                                     metadata=metadata))
+            assert out[-1].finish_reason == "length", (metadata, priority)
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(request([1, 2], max_tokens=2, priority=-101), metadata=vip))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_default_message_limit_is_a_few_mib(server):
+    with GrpcServer(server, port=0) as g, grpc.insecure_channel(g.address) as channel:
+        stub = medha_pb2_grpc.MedhaStub(channel)
+        with pytest.raises(grpc.RpcError) as e:      # ~6 MiB: grpc refuses it before parsing
+            list(stub.Generate(request("a" * (6 << 20), max_tokens=2)))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "larger than max" in e.value.details(), e.value.details()
+
+
 def test_message_size_and_concurrency_limits(server):
     with GrpcServer(server, port=0, max_message_bytes=1024, max_concurrent_rpcs=1) as g, \
             grpc.insecure_channel(g.address) as channel:
@@ -260,6 +298,9 @@ class FakeContext:
 
     def abort(self, code, details):
         raise AssertionError(f"aborted: {code} {details}")
+
+    def invocation_metadata(self):
+        return ()
 
 
 def servicer_call(server, prompt, context, max_tokens=200, request_id=""):

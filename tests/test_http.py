@@ -133,7 +133,10 @@ def test_chat_without_max_tokens_fills_the_context(server, client):
 def test_models_health_metrics(server, client, http):
     assert [m.id for m in client.models.list().data] == [server.config.name]
     assert raw(http, "GET", "/health", token=None) == (200, {"status": "ok"})
-    status, text = raw(http, "GET", "/metrics", token=None)
+    # /metrics says how busy the server is and what its clients do: the token guards it.
+    status, got = raw(http, "GET", "/metrics", token=None)
+    assert status == 401 and got["error"]["type"] == "authentication_error"
+    status, text = raw(http, "GET", "/metrics")
     assert status == 200 and "medha_requests_finished" in text
 
 
@@ -270,6 +273,99 @@ def test_bad_inputs_get_error_objects_while_others_complete(server, http, body, 
     assert set(got["error"]) == {"message", "type", "param", "code"}
     ok_status, ok = result["out"]
     assert ok_status == 200 and ok["choices"][0]["text"] == want.text
+
+
+def test_deeply_nested_json_is_400_not_500(http):
+    for body in [b"[" * 100_000 + b"]" * 100_000,                  # RecursionError in json
+                 json.dumps({"prompt": "x", "stop": [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[
+                     []]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]})]:    # past MAX_JSON_DEPTH
+        status, got = raw(http, "POST", "/v1/completions", body)
+        assert status == 400 and "nested deeper than 32 levels" in got["error"]["message"], got
+
+
+def test_parsing_tokenizing_and_chat_rendering_run_off_the_event_loop(server, http):
+    """The event loop (thread "medha-http") serves every open stream: a 4 MiB prompt's
+    tokenization or a chat template's rendering there would stall them all."""
+    seen = []
+    tokenizer = server.tokenizer
+    encode, render = tokenizer.encode, tokenizer.apply_chat_template
+
+    def spy(fn):
+        def wrapped(*args, **kwargs):
+            seen.append((fn.__name__, threading.current_thread().name))
+            return fn(*args, **kwargs)
+        return wrapped
+
+    tokenizer.encode, tokenizer.apply_chat_template = spy(encode), spy(render)
+    try:
+        assert raw(http, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2})[0] == 200
+        assert raw(http, "POST", "/v1/chat/completions",
+                   {"messages": MESSAGES, "max_tokens": 2})[0] == 200
+    finally:
+        del tokenizer.encode, tokenizer.apply_chat_template
+    assert {name for name, _ in seen} >= {"encode", "apply_chat_template"}
+    assert [thread for _, thread in seen if thread == "medha-http"] == [], seen
+
+
+def test_priority_above_the_default_needs_a_priority_token(server):
+    with HttpServer(server, token=TOKEN, priority_tokens=("vip",)) as h:
+        body = {"prompt": "x", "max_tokens": 2, "temperature": 0}
+        status, got = raw(h, "POST", "/v1/completions", {**body, "priority": -3})
+        assert status == 403 and got["error"]["param"] == "priority", got
+        assert "priority token" in got["error"]["message"]
+        for priority, token in [(3, TOKEN), (-3, "vip"), (0, "vip")]:
+            status, got = raw(h, "POST", "/v1/completions", {**body, "priority": priority},
+                              token=token)
+            assert status == 200, (priority, token, got)
+        for priority, needle in [(-2**31, "outside this server's range [-100, 100]"),
+                                 ("high", "'priority' must be an integer")]:
+            status, got = raw(h, "POST", "/v1/chat/completions",
+                              {"messages": MESSAGES, "priority": priority}, token="vip")
+            assert status == 400 and needle in got["error"]["message"], got
+
+
+def _send_raw(h, data: bytes) -> socket.socket:
+    sock = socket.create_connection((h.host, h.port), timeout=30)
+    sock.sendall(data)
+    return sock
+
+
+def _closed_within(sock, seconds) -> bytes | None:
+    """What the server sent before closing the connection, or None if it is still open."""
+    sock.settimeout(seconds)
+    got = b""
+    try:
+        while chunk := sock.recv(4096):
+            got += chunk
+    except socket.timeout:
+        return None
+    return got
+
+
+def test_slow_headers_slow_bodies_and_connection_cap(server):
+    """Half-open connections are closed after header_timeout_s, a body that stalls gets 408
+    after body_timeout_s, and neither locks a well-formed client out for longer."""
+    with HttpServer(server, max_connections=3, header_timeout_s=0.5, body_timeout_s=0.5) as h:
+        half_open = [_send_raw(h, b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n")
+                     for _ in range(2)]
+        stalled = _send_raw(h, b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n"
+                               b"content-type: application/json\r\ncontent-length: 100\r\n"
+                               b"\r\n{\"prompt\":")
+        # Three connections are open: the cap. A fourth client is refused while they hold.
+        status, _ = raw(h, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 1},
+                        token=None)
+        assert status == 503
+        for sock in half_open:
+            assert _closed_within(sock, 10) == b""
+        answer = _closed_within(stalled, 10)
+        assert answer is not None and answer.startswith(b"HTTP/1.1 408"), answer
+        assert b"did not arrive within 0.5 s" in answer
+        for sock in half_open + [stalled]:
+            sock.close()
+        status, got = raw(h, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 1},
+                          token=None)
+        assert status == 200 and got["choices"][0]["finish_reason"] == "length"
+    assert wait_until_idle(server)
 
 
 def test_bad_chat_messages(http):

@@ -84,10 +84,17 @@ def test_other_bad_arguments(server):
     with pytest.raises(TypeError, match="slo must be an SLO"):
         server.submit([1], GREEDY, slo=5.0)
     # Found by the fuzzer: a priority past int64 once left the controller half-updated.
-    with pytest.raises(ValueError, match="priority must fit in int32"):
+    with pytest.raises(ValueError, match=r"priority=\d+ is outside this server's range"):
         server.submit([1], GREEDY, priority=2**100)
-    with pytest.raises(ValueError, match="slo must be finite"):
+    with pytest.raises(ValueError, match="slo.ttft_s=inf is outside this server's range"):
         server.submit([1], GREEDY, slo=SLO(ttft_s=float("inf")))
+    # SLOs and priorities are bounded (Server(limits=...)); a hostile tpot_s would set the
+    # budget of every batch the request rides in.
+    with pytest.raises(ValueError, match=r"slo.tpot_s=1e-09 is outside .*\[0.02, 60.0\]"):
+        server.submit([1], GREEDY, slo=SLO(tpot_s=1e-9))
+    with pytest.raises(ValueError, match=r"priority=-2147483648 is outside .*\[-100, 100\]"):
+        server.submit([1], GREEDY, priority=-2**31)
+    assert server.submit([1], GREEDY, priority=-100).result().finish_reason == "length"
     with pytest.raises(ValueError, match="got 1 sampling_params for 2 prompts"):
         server.generate([[1], [2]], [GREEDY])
     with pytest.raises(ValueError, match="prompts is empty"):
@@ -121,6 +128,10 @@ def test_unknown_model_and_policy_are_named():
         Server("tiny", scheduler="fifo", warmup=False)
     with pytest.raises(TypeError, match="scheduler must be a policy name or a SchedulerConfig"):
         Server("tiny", scheduler={"policy": "lars"}, warmup=False)
+    with pytest.raises(ValueError, match=r"default_slo: slo.tpot_s=0.001 is outside"):
+        Server("tiny", default_slo=SLO(tpot_s=1e-3), warmup=False)
+    with pytest.raises(TypeError, match="limits must be a RequestLimits, got dict"):
+        Server("tiny", limits={"min_tpot_s": 0.1}, warmup=False)
 
 
 def test_a_failing_step_fails_its_requests_and_the_server_keeps_serving(server, reference,

@@ -4,8 +4,10 @@ import numpy as np
 import pytest
 
 from medha_jax import SLO, SamplingParams
-from serving.validation import (TokensPrompt, check_batch_prompt, is_single_prompt,
-                                prompt_token_ids, validate_request)
+from serving.auth import Access
+from serving.validation import (PriorityNotAllowed, RequestLimits, TokensPrompt,
+                                check_batch_prompt, is_single_prompt, prompt_token_ids,
+                                validate_request)
 
 
 class _Chars:
@@ -74,3 +76,44 @@ def test_request_arguments_and_the_size_check():
     with pytest.raises(TypeError, match="priority must be an int, got True"):
         validate([1], priority=True)
     assert validate([1], slo=SLO(ttft_s=1.0), priority=2) == [1]
+
+
+def test_slo_and_priority_are_bounded_to_the_servers_range():
+    def validate(slo=None, priority=0, limits=RequestLimits()):
+        return validate_request([1], SamplingParams(max_tokens=1), slo, priority,
+                                tokenizer=None, vocab_size=256, model_name="tiny",
+                                check_fits=lambda *_: None, limits=limits)
+
+    # One decode asking tpot_s=1e-9 would budget every batch it rides in at ~0 s.
+    with pytest.raises(ValueError, match=r"slo.tpot_s=1e-09 is outside this server's range "
+                                         r"\[0.02, 60.0\] s"):
+        validate(SLO(tpot_s=1e-9))
+    with pytest.raises(ValueError, match=r"slo.ttft_s=1e\+30 is outside"):
+        validate(SLO(ttft_s=1e30))
+    with pytest.raises(ValueError, match=r"priority=-2147483648 is outside this server's range "
+                                         r"\[-100, 100\]"):
+        validate(priority=-2**31)
+    # The Python API is the operator's own code: any priority in range, raised ones included.
+    assert validate(SLO(ttft_s=0.1, tpot_s=0.02), priority=-100) == [1]
+    wide = RequestLimits(min_tpot_s=1e-3, min_priority=-2**31)
+    assert validate(SLO(tpot_s=1e-3), priority=-2**31, limits=wide) == [1]
+    # Network clients ask with may_raise=False unless the operator granted them more.
+    RequestLimits().check_priority(5, may_raise=False)
+    with pytest.raises(PriorityNotAllowed, match="priority=-1 is more important than the "
+                                                 "default"):
+        RequestLimits().check_priority(-1, may_raise=False)
+    with pytest.raises(ValueError, match="0 < min_tpot_s <= max_tpot_s"):
+        RequestLimits(min_tpot_s=0.0)
+    with pytest.raises(ValueError, match="min_priority <= 0 <= max_priority"):
+        RequestLimits(min_priority=1)
+
+
+def test_access_roles():
+    open_server, closed = Access(), Access.of("s3cret", ["vip"])
+    assert open_server.admits("") and not open_server.may_raise_priority("Bearer x")
+    assert closed.admits("Bearer s3cret") and closed.admits("Bearer vip")
+    assert not closed.admits("Bearer nope") and not closed.admits("s3cret")
+    assert closed.may_raise_priority("Bearer vip") and not closed.may_raise_priority(
+        "Bearer s3cret")
+    with pytest.raises(ValueError, match=r"priority_tokens\[0\] must be a non-empty string"):
+        Access.of(None, [""])

@@ -16,6 +16,7 @@ import datetime
 import functools
 import json
 import pathlib
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,6 +24,11 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
 from medha_jax.checkpoint.tensors import CheckpointError
+
+# encode_chat's placeholders for special-token text found in messages: private-use
+# characters, which no template writes.
+_PLACEHOLDER_OPEN, _PLACEHOLDER_CLOSE = "\ue000", "\ue001"
+_PLACEHOLDER = re.compile(f"{_PLACEHOLDER_OPEN}(\\d+){_PLACEHOLDER_CLOSE}")
 
 # llama.cpp's GGUF token types (tokenizer.ggml.token_type).
 _CONTROL, _USER_DEFINED = 3, 4
@@ -81,6 +87,8 @@ class Tokenizer:
         self.eos_token_ids = tuple(dict.fromkeys(int(i) for i in eos_token_ids))
         self.add_bos_by_default = add_bos_by_default
         self.chat_template = chat_template
+        self._special_pattern = None   # built on first use (encode_chat)
+        self._plain = None
 
     # --- Construction ---------------------------------------------------------------------
 
@@ -213,6 +221,64 @@ class Tokenizer:
             bos_token=self._token_text(self.bos_token_id),
             eos_token=self._token_text(self.eos_token_ids[0] if self.eos_token_ids else None),
             **template_kwargs)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    **template_kwargs) -> list[int]:
+        """The conversation's prompt ids (no BOS added: the template writes its own), where
+        only the template makes control tokens.
+
+        Special-token text inside the messages (a user writing "<|im_start|>system" in its
+        content, or in a role) is encoded as the plain text it is, as Hugging Face
+        tokenizers' `split_special_tokens` does, so no message can open a turn of another
+        role. How: each such text is swapped for a placeholder before rendering, the
+        rendered text is encoded between placeholders with special tokens matched (they can
+        only be the template's), and each placeholder as plain text. A conversation without
+        special-token text gets exactly `encode(apply_chat_template(...), add_bos=False)`.
+        """
+        literals: list[str] = []
+        pattern = self._special_text_pattern()
+
+        def escape(value):
+            if isinstance(value, str):
+                def placeholder(match):
+                    literals.append(match.group(0))
+                    return f"{_PLACEHOLDER_OPEN}{len(literals) - 1}{_PLACEHOLDER_CLOSE}"
+                return pattern.sub(placeholder, value)
+            if isinstance(value, dict):
+                return {k: escape(v) for k, v in value.items()}
+            if isinstance(value, (list, tuple)):
+                return [escape(v) for v in value]
+            return value
+
+        text = self.apply_chat_template([escape(m) for m in messages], add_generation_prompt,
+                                        **template_kwargs)
+        parts = _PLACEHOLDER.split(text)      # text, index, text, index, ..., text
+        ids: list[int] = []
+        for i, part in enumerate(parts):
+            if i % 2 == 0:
+                ids += self.backend.encode(part, add_special_tokens=False).ids if part else []
+            else:
+                ids += self._plain_backend().encode(literals[int(part)],
+                                                    add_special_tokens=False).ids
+        return ids
+
+    def _special_text_pattern(self) -> "re.Pattern":
+        if self._special_pattern is None:
+            texts = {t.content for t in self.backend.get_added_tokens_decoder().values()
+                     if t.special and t.content}
+            # The placeholder's own opening character is escaped too, so no message can
+            # forge a placeholder.
+            alternatives = sorted(texts | {_PLACEHOLDER_OPEN}, key=len, reverse=True)
+            self._special_pattern = re.compile("|".join(map(re.escape, alternatives)))
+        return self._special_pattern
+
+    def _plain_backend(self) -> tokenizers.Tokenizer:
+        """A copy of the backend that encodes special-token text as ordinary text."""
+        if self._plain is None:
+            plain = tokenizers.Tokenizer.from_str(self.backend.to_str())
+            plain.encode_special_tokens = True
+            self._plain = plain
+        return self._plain
 
     def _token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else self.backend.id_to_token(token_id)
