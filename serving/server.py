@@ -382,8 +382,11 @@ def _starting_refit(engine, cache_dir):
     start = time.perf_counter()
     analytical, peaks = starting_predictor(engine)
     refit = OnlineRefit.fitted_to_prior(engine, analytical.predict_features)
-    return refit, (f"derived from the roofline ({peaks}; {time.perf_counter() - start:.1f} s), "
-                   f"refined online from served steps ({how})")
+    how = f"derived from the roofline ({peaks}; {time.perf_counter() - start:.1f} s)"
+    if cache_dir is not None:          # the next start loads it (refined, once steps ran)
+        path = cache_dirs.save_predictor(engine, cache_dir, refit.predictor, derived=how)
+        how += f", saved to {path}"
+    return refit, how + ", refined online from served steps"
 
 
 def sample_params(params: SamplingParams, index: int) -> SamplingParams:

@@ -41,6 +41,11 @@ REFIT_AT = (16, 64, 256)
 REFIT_EVERY = 1024
 # Measured steps a refit weighs (the newest): enough to cover every shape served lately.
 MEASURED_KEPT = 2048
+# The prior's weight in a refit, in measured steps: spread over its records, so it decides
+# the shapes no step has measured and gives way wherever steps were measured. Small: the fit
+# minimises relative error, where a prior k times too fast weighs like k^2 measured steps
+# (with 2, a prior 3x off still pulls the fit 25% its way after 64 steps, 4% after 256).
+PRIOR_WEIGHT = 2.0
 # On a CPU the roofline's inputs are measured; the kernels' fractions of them are then 1,
 # except attention (the XLA path gathers pages) and a fixed cost per step (30 layers of
 # small ops for SmolLM2).
@@ -114,8 +119,8 @@ class OnlineRefit:
 
     In place: the scheduler's packer holds `predictor` and sees the new coefficients at
     its next batch (its precomputed tables are the caller's to refresh: `observe` says
-    when). Every prior record counts once, like a measured one, so after a few hundred
-    measured steps the measurements dominate wherever they cover a shape."""
+    when). The prior's records weigh PRIOR_WEIGHT measured steps in all, so measured
+    steps dominate wherever they cover a shape."""
 
     def __init__(self, predictor: ProfiledPredictor, prior: Iterable[Record]):
         self.predictor = predictor
@@ -144,8 +149,10 @@ class OnlineRefit:
         self.num_observed += 1
         if not self.due():
             return False
-        fitted = ProfiledPredictor.fit([*self.prior, *self.measured],
-                                       token_buckets=self.predictor.token_buckets)
+        prior_weight = PRIOR_WEIGHT / max(len(self.prior), 1)
+        fitted = ProfiledPredictor.fit(
+            [*self.prior, *self.measured], token_buckets=self.predictor.token_buckets,
+            weights=[prior_weight] * len(self.prior) + [1.0] * len(self.measured))
         p = self.predictor
         p.coefficients = fitted.coefficients
         p.median_rel_error, p.p90_rel_error = fitted.median_rel_error, fitted.p90_rel_error
