@@ -52,10 +52,13 @@ class ServingLoop:
     """Owns the loop thread, its inbox and the streams of the requests in flight."""
 
     def __init__(self, controller: ReplicaController, engine, metrics: ServerMetrics,
-                 *, name: str = "medha-server-loop"):
+                 *, name: str = "medha-server-loop", on_step=None):
         """engine: a PipelinedExecutor (`dispatch`, `collect`, `max_in_flight`) or anything
-        with `execute(batch) -> StepResult`, and an `allocator`."""
+        with `execute(batch) -> StepResult`, and an `allocator`.
+        on_step: called on the loop thread after each collected step (the server refines
+        its runtime predictor there); what it raises is logged, never fails a request."""
         self.controller, self.engine, self.metrics = controller, engine, metrics
+        self.on_step = on_step
         self.runner = InFlightRunner(controller, engine if hasattr(engine, "dispatch")
                                      else _OneAtATime(engine))
         self._lock = threading.Condition()          # guards everything up to _streams
@@ -186,6 +189,11 @@ class ServingLoop:
             return False
         result = collected.result
         self.metrics.observe_step(collected.batch.num_tokens, result.duration_s)
+        if self.on_step is not None:
+            try:
+                self.on_step(collected)
+            except Exception:
+                logger.exception("the server's on_step hook failed; serving goes on")
         for request_id, scored in result.prompt_logprobs.items():
             stream = self._streams.get(request_id)
             if stream is not None:

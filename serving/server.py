@@ -70,8 +70,9 @@ class Server:
     def __init__(self, model="smollm2-135m", *, parallel=None,
                  scheduler: str | SchedulerConfig = "lars-mp", engine_config=None,
                  default_slo: SLO | None = None, dtype: str | None = None,
-                 metrics_port: int | None = None, warmup: bool = True, predictor=None,
-                 cache_dir=None, limits: validation.RequestLimits | None = None):
+                 metrics_port: int | None = None, warmup: bool | str = "background",
+                 predictor=None, cache_dir=None,
+                 limits: validation.RequestLimits | None = None):
         """model: a preset name, a Hugging Face directory, a .gguf file, a loaded Model, or
         an Engine to reuse (already compiled; then parallel, dtype and engine_config must
         be None). One engine serves one Server at a time.
@@ -86,9 +87,16 @@ class Server:
           A request outside them is refused with ValueError. This Python API is the
           operator's own code, so it may use any priority in range; the network front ends
           let a client raise its priority above the default only with a priority token.
-        predictor: a fitted RuntimePredictor to reuse; by default the one saved for this
-          (model, dtype, mesh, engine config, device) under cache_dir, else the engine times
-          a calibration sweep, fits one and saves it there.
+        warmup: "background" (default): the server is ready once the smallest step shape
+          is compiled; the others compile on a background thread, smallest first, and a
+          step that needs one before then compiles it (Engine.warmup(first=...)). True:
+          every shape before the constructor returns, so no request ever waits for a
+          compile. False: none (an Engine given already warmed up).
+        predictor: a fitted RuntimePredictor to use as is; by default the one saved for
+          this (model, dtype, mesh, engine config, device) under cache_dir, else one derived
+          from the analytical roofline at this device's peaks (medha_jax.engine.online_fit;
+          no calibration sweep), and either is refined online from the steps served and
+          saved there.
         cache_dir: where compiled executables (JAX's persistent compilation cache) and fitted
           predictors are kept between runs, so a second start is fast: a path, False for
           none, or None for $MEDHA_CACHE_DIR (MEDHA_CACHE_DIR=off: none), else
@@ -129,12 +137,18 @@ class Server:
         self.policy = self.scheduler_config.policy
         self.default_slo = self.scheduler_config.default_slo
         _check_default_slo(self.limits, self.default_slo)
-        if warmup:
+        if warmup == "background":
+            shapes = self.engine.ladder.all_shapes()
+            self.engine.warmup(first=[min(shapes, key=lambda s: (s[0] * s[1] * s[2], s))])
+        elif warmup is True:
             self.engine.warmup()
+        elif warmup is not False:
+            raise ValueError(f"warmup must be 'background', True or False, got {warmup!r}")
         hits2, misses2, saved2 = cache_dirs.CACHE_EVENTS.snapshot()
+        self._refit = None
         if predictor is None:
-            predictor, predictor_how = cache_dirs.load_or_fit_predictor(self.engine,
-                                                                        self.cache_dir)
+            self._refit, predictor_how = _starting_refit(self.engine, self.cache_dir)
+            predictor = self._refit.predictor
         else:
             predictor_how = "given"
         self.startup = StartupReport(
@@ -157,7 +171,9 @@ class Server:
         self._groups_lock = threading.Lock()
         # Random per server, so no caller can name another's request by guessing.
         self._id_prefix = f"req-{secrets.token_hex(4)}"
-        self._loop = ServingLoop(self.controller, self.engine, self.metrics)
+        self._waits_seen = 0
+        self._loop = ServingLoop(self.controller, self.engine, self.metrics,
+                                 on_step=self._refine_predictor if self._refit else None)
         self.metrics_port = (self.metrics.serve_http(metrics_port)
                              if metrics_port is not None else None)
 
@@ -335,12 +351,55 @@ class Server:
         finish), joins the loop thread and frees every KV page. Idempotent."""
         self._loop.close(drain=drain, timeout=timeout)
         self.metrics.close()
+        self.engine.stop_warmup()
+
+    def _refine_predictor(self, collected) -> None:
+        """On the loop thread after each step: feeds its measured time to the online refit
+        and, when that refitted, refreshes what the scheduler precomputed from the
+        predictor (its prefill-time table, the default batch budget) and saves it. Steps
+        timed while shapes still compile in the background (the CPU is shared with the
+        compiler), or that waited for a compile, would teach it compile times: skipped."""
+        from medha_jax.engine import cache_dirs
+        from medha_jax.scheduler.factory import target_batch_time
+
+        engine = self.engine
+        waited, self._waits_seen = self._waits_seen, engine.compiles_waited_for
+        if engine.warming_up or waited != engine.compiles_waited_for:
+            return
+        if not self._refit.observe(*engine.step_records[-1]):
+            return
+        t_target = target_batch_time(self.scheduler_config, self._refit.predictor)
+        self.controller.prefill_time_cache.refresh(t_target)
+        if hasattr(self.controller.packer, "target_batch_time_s"):
+            self.controller.packer.target_batch_time_s = t_target
+        if self.cache_dir is not None:
+            cache_dirs.save_predictor(engine, self.cache_dir, self._refit.predictor,
+                                      refined_from_steps=self._refit.num_observed)
 
     def __enter__(self) -> "Server":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _starting_refit(engine, cache_dir):
+    """(OnlineRefit, how) of the predictor a server starts from: the one saved for this
+    engine under cache_dir, else the analytical roofline's (no calibration sweep)."""
+    from medha_jax.engine import cache_dirs
+    from medha_jax.engine.online_fit import OnlineRefit, prior_records, starting_predictor
+
+    loaded, how = cache_dirs.load_predictor(engine, cache_dir)
+    if loaded is not None:
+        return OnlineRefit(loaded, prior_records(engine, loaded.predict_features)), how
+    start = time.perf_counter()
+    analytical, peaks = starting_predictor(engine)
+    refit = OnlineRefit.fitted_to_prior(engine, analytical.predict_features)
+    how = f"derived from the roofline ({peaks}; {time.perf_counter() - start:.1f} s)"
+    if cache_dir is not None:          # the next start loads it (refined, once steps ran)
+        path = cache_dirs.save_predictor(engine, cache_dir, refit.predictor, derived=how)
+        how += f", saved to {path}"
+    return refit, how + ", refined online from served steps"
 
 
 def sample_params(params: SamplingParams, index: int) -> SamplingParams:

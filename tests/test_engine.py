@@ -2,6 +2,7 @@
 
 import contextlib
 import dataclasses
+import threading
 
 import jax
 import numpy as np
@@ -198,6 +199,39 @@ def test_after_warmup_an_unwarmed_shape_is_an_error_that_names_it(model):
     engine.warmup(progress=False, shapes=[(32, 8, 16)])        # warming it up is allowed
     engine.execute(one_chunk_batch(engine, "out2", 17))
     assert compiled == [(32, 8, 16)]
+
+
+def test_background_warmup_compiles_the_rest_and_a_step_never_waits_in_vain(model):
+    """warmup(first=...) returns once those shapes are compiled; a background thread
+    compiles the rest; a step whose shape the thread has not reached compiles it then,
+    each shape is compiled once, the tokens are those of a full warm-up, and a shape
+    outside the ladder is still an error."""
+    engine = Engine(model, SMALL)        # 4 token x 1 seq x 2 width buckets: 8 shapes
+    compiled = count_compiles(engine)
+    gate = threading.Event()
+    compile_shape = engine._compile
+
+    def held(shape):                     # the background thread waits until the step ran
+        if threading.current_thread().name == "medha-warmup":
+            gate.wait(600)
+        return compile_shape(shape)
+
+    engine._compile = held
+    engine.warmup(progress=False, first=[(16, 8, 16)])
+    assert engine.warmed_up and engine.warming_up
+    assert list(engine.executables) == [(16, 8, 16)]
+    # 40 tokens: bucket (64, 8, 16), still queued behind the held thread: compiled now.
+    tokens = engine.execute(one_chunk_batch(engine, "a", 40)).sampled_token_ids
+    assert (64, 8, 16) in engine.executables and engine.compiles_waited_for == 1
+    gate.set()
+    assert engine.wait_for_warmup(600)
+    assert sorted(compiled) == sorted(engine.ladder.all_shapes())      # each once
+    assert engine.warmup_seconds is not None
+    with pytest.raises(RuntimeError, match=r"\(256, 8, 16\) was not compiled at warm-up"):
+        engine.executable((256, 8, 16))
+    full = Engine(model, SMALL)
+    full.warmup(progress=False)
+    assert full.execute(one_chunk_batch(full, "a", 40)).sampled_token_ids == tokens
 
 
 @pytest.mark.parametrize("parallel", [ParallelConfig(kvp=2, tp=2), ParallelConfig(spp=2, tp=4)],

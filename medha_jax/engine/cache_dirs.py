@@ -152,31 +152,51 @@ def predictor_path(root: pathlib.Path, engine) -> pathlib.Path:
     return root / "predictors" / f"{name}-{digest}.json"
 
 
-def load_or_fit_predictor(engine, root: pathlib.Path | None):
-    """(predictor, how): the predictor saved for this engine's key under root, else one
-    fitted now (and saved). how says which, for the start-up log."""
-    from medha_jax.engine.calibration import fit_predictor
+def load_predictor(engine, root: pathlib.Path | None):
+    """(predictor or None, how): the predictor saved for this engine's key under root."""
     from medha_jax.scheduler.predictor import ProfiledPredictor
 
     if root is None:
-        return fit_predictor(engine), "fitted (predictor cache off)"
+        return None, "predictor cache off"
     path = predictor_path(root, engine)
-    how = f"fitted and saved to {path}"
-    if path.is_file():
-        try:
-            saved = json.loads(path.read_text())
-            return (ProfiledPredictor.from_json(json.dumps(saved["predictor"])),
-                    f"loaded from {path}")
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            how = f"refitted into {path}, which was unreadable ({type(e).__name__}: {e})"
-    start = time.perf_counter()
-    predictor = fit_predictor(engine)
-    seconds = time.perf_counter() - start
-    record = {"key": predictor_key(engine), "fit_seconds": seconds,
+    if not path.is_file():
+        return None, f"none saved at {path}"
+    try:
+        saved = json.loads(path.read_text())
+        return (ProfiledPredictor.from_json(json.dumps(saved["predictor"])),
+                f"loaded from {path}")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return None, f"{path} was unreadable ({type(e).__name__}: {e})"
+
+
+def save_predictor(engine, root: pathlib.Path, predictor, **details) -> pathlib.Path:
+    """Writes the predictor under its engine key (with `details`, e.g. how it was fitted)."""
+    path = predictor_path(root, engine)
+    record = {"key": predictor_key(engine), **details,
               "predictor": json.loads(predictor.to_json())}
     path.parent.mkdir(parents=True, exist_ok=True)
     # Written whole, then renamed: a concurrent start reads the old file or the new one.
     tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
     tmp.write_text(json.dumps(record, indent=2))
     os.replace(tmp, path)
+    return path
+
+
+def load_or_fit_predictor(engine, root: pathlib.Path | None):
+    """(predictor, how): the predictor saved for this engine's key under root, else one
+    fitted now by a calibration sweep (and saved). how says which, for the start-up log."""
+    from medha_jax.engine.calibration import fit_predictor
+
+    if root is None:
+        return fit_predictor(engine), "fitted (predictor cache off)"
+    predictor, how = load_predictor(engine, root)
+    if predictor is not None:
+        return predictor, how
+    path = predictor_path(root, engine)
+    how = (f"refitted into {path}, which was unreadable{how.split('unreadable', 1)[1]}"
+           if "unreadable" in how else f"fitted and saved to {path}")
+    start = time.perf_counter()
+    predictor = fit_predictor(engine)
+    seconds = time.perf_counter() - start
+    save_predictor(engine, root, predictor, fit_seconds=seconds)
     return predictor, f"{how} (calibration took {seconds:.1f} s)"

@@ -19,6 +19,7 @@ import collections
 import dataclasses
 import functools
 import math
+import threading
 import time
 
 import jax
@@ -180,6 +181,10 @@ class Engine:
         if self.num_stages == 1:
             self.pipeline = None
             self.kv_cache = self._new_kv_cache()
+            # Its shapes and shardings, what compiles lower from (recovery keeps them).
+            self._kv_cache_spec = jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                self.kv_cache)
         else:
             # Each stage owns its layers' weights and cache; the engine holds no whole cache.
             self.pipeline = PipelinedStep(split_stages(model),
@@ -196,8 +201,17 @@ class Engine:
         self.step_records: collections.deque[tuple[BatchFeatures, float]] = collections.deque(
             maxlen=STEP_RECORDS_KEPT)
         self.warmup_seconds: float | None = None
-        # Set by warmup(): from then on a shape missing from `executables` is an error.
+        # Set by warmup(): from then on a shape missing from `executables` is an error
+        # (unless a background warm-up has it still to compile: see `warmup`).
         self.warmed_up = False
+        # Background warm-up (spp = 1): shapes still to compile, shapes being compiled
+        # (-> set when done), the thread, and steps that waited for a compile of theirs.
+        self._compile_lock = threading.Lock()
+        self._backlog: list[tuple[int, int, int]] = []
+        self._compiling: dict[tuple[int, int, int], threading.Event] = {}
+        self._warmup_thread: threading.Thread | None = None
+        self._stop_warmup = threading.Event()
+        self.compiles_waited_for = 0
         # Host seconds on the critical path of the last collected step: while no step of
         # this engine was queued on the device (see dispatch and collect).
         self.last_host_seconds: float | None = None
@@ -208,50 +222,134 @@ class Engine:
 
     # -- compilation -------------------------------------------------------------
 
-    def step_args(self, inputs: StepInputs) -> tuple:
+    def step_args(self, inputs: StepInputs, kv_cache: KVCache | None = None) -> tuple:
         """Positional arguments of `step` (graphdef first) with the inputs on the device."""
         packed = jax.device_put(inputs.pack(), self._replicated)
-        return (self.model.graphdef, self.model.state, self.kv_cache, *packed)
+        kv_cache = self.kv_cache if kv_cache is None else kv_cache
+        return (self.model.graphdef, self.model.state, kv_cache, *packed)
 
     def _compile(self, shape: tuple[int, int, int]) -> jax.stages.Compiled | tuple:
-        """The one way a step shape is compiled: ahead of time, into `executables`."""
+        """The one way a step shape is compiled: ahead of time, into `executables`.
+
+        Lowered from abstract arguments (shapes and shardings), never the live KV cache,
+        so a background warm-up may compile while steps donate and rebind that cache."""
         if self.pipeline is not None:
             executable = self.executables[shape] = self.pipeline.compile(shape)
             return executable
         inputs = StepInputs.padding(shape, self.pad_slot, self.num_kv_shards, self.cp_ranks)
+        args = self.step_args(inputs, kv_cache=self._kv_cache_spec)
         with jax.set_mesh(self.model.mesh):
-            executable = step.lower(*self.step_args(inputs), shape=shape,
-                                    num_kv_shards=self.num_kv_shards,
+            executable = step.lower(*args, shape=shape, num_kv_shards=self.num_kv_shards,
                                     cp_ranks=self.cp_ranks).compile()
         self.executables[shape] = executable
         return executable
 
-    def warmup(self, progress: bool = True, shapes=None) -> None:
+    def warmup(self, progress: bool = True, shapes=None, *, first=None) -> None:
         """Compiles every bucket shape (or just `shapes`) ahead of time. From then on a
         step of any other shape is an error: no request compiles later. Further calls
-        may add shapes."""
+        may add shapes.
+
+        first: a background warm-up (one program, spp = 1). Only these shapes are compiled
+        before this returns; the rest compile on a background thread, smallest first. A
+        step that needs one of those before the thread got to it compiles it then (or
+        waits for the thread's compile of it): it is late, never wrong. Shapes outside
+        the warm-up stay an error. `wait_for_warmup()` blocks until all are compiled;
+        `warmup_seconds` is then the whole warm-up's time."""
         from tqdm.auto import tqdm
 
         shapes = [s for s in (shapes or self.ladder.all_shapes()) if s not in self.executables]
+        if first is not None and self.pipeline is None:
+            first = [s for s in first if s in shapes]
+            self._backlog = sorted((s for s in shapes if s not in first),
+                                   key=lambda s: (s[0] * s[1] * s[2], s))
+            shapes = first
         start = time.perf_counter()
         for shape in tqdm(shapes, desc="compiling step buckets", unit="exe", disable=not progress):
             self._compile(shape)
-        self.warmup_seconds = time.perf_counter() - start
         self.warmed_up = True
+        if self._backlog:
+            self._stop_warmup.clear()
+            self._warmup_thread = threading.Thread(
+                target=self._compile_backlog, args=(start, progress),
+                name="medha-warmup", daemon=True)
+            self._warmup_thread.start()
+            return
+        self.warmup_seconds = time.perf_counter() - start
         if progress:
             print(f"warm-up: {len(self.executables)} executables compiled in "
                   f"{self.warmup_seconds:.1f} s")
+
+    def _compile_backlog(self, start: float, progress: bool) -> None:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(self._backlog), desc="compiling step buckets (background)",
+                   unit="exe", disable=not progress)
+        while not self._stop_warmup.is_set():
+            with self._compile_lock:
+                if not self._backlog:
+                    break
+                shape = self._backlog.pop(0)
+                done = self._compiling[shape] = threading.Event()
+            try:
+                self._compile(shape)
+            finally:
+                with self._compile_lock:
+                    del self._compiling[shape]
+                done.set()
+            bar.update()
+        bar.close()
+        self.warmup_seconds = time.perf_counter() - start
+
+    @property
+    def warming_up(self) -> bool:
+        """True while a background warm-up has shapes left to compile."""
+        thread = self._warmup_thread
+        return thread is not None and thread.is_alive()
+
+    def wait_for_warmup(self, timeout: float | None = None) -> bool:
+        """Blocks until a background warm-up is done; True when it is."""
+        if self._warmup_thread is not None:
+            self._warmup_thread.join(timeout)
+        return not self.warming_up
+
+    def stop_warmup(self) -> None:
+        """Stops a background warm-up after its current compile (the engine is going away).
+        Shapes it had not compiled are then compiled when a step first needs them."""
+        self._stop_warmup.set()
+        self.wait_for_warmup()
 
     def executable(self, shape: tuple[int, int, int]) -> jax.stages.Compiled:
         """The compiled step of bucket `shape` = (T, S, W).
 
         Before `warmup()` (tests, notebooks) a missing shape is compiled now, the same way
         warm-up would; after it, a missing shape is an error rather than a compile stall
-        in the middle of serving.
+        in the middle of serving, except one a background warm-up has yet to compile.
         """
         executable = self.executables.get(shape)
         if executable is not None:
             return executable
+        with self._compile_lock:
+            executable = self.executables.get(shape)
+            compiling = self._compiling.get(shape)
+            queued = shape in self._backlog
+            if queued:                        # take it from the thread: compiled below
+                self._backlog.remove(shape)
+                compiling = None
+                done = self._compiling[shape] = threading.Event()
+        if executable is not None:
+            return executable
+        if compiling is not None:             # the background thread is compiling it
+            self.compiles_waited_for += 1
+            compiling.wait()
+            return self.executables[shape]
+        if queued:
+            self.compiles_waited_for += 1
+            try:
+                return self._compile(shape)
+            finally:
+                with self._compile_lock:
+                    del self._compiling[shape]
+                done.set()
         if self.warmed_up:
             ladder = self.ladder
             raise RuntimeError(

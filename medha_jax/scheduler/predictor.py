@@ -375,8 +375,10 @@ class ProfiledPredictor:
 
     @classmethod
     def fit(cls, records: Iterable[tuple[BatchFeatures, float]], *,
-            token_buckets: Sequence[int] | None = None) -> ProfiledPredictor:
-        """Least squares on (features, measured seconds) pairs.
+            token_buckets: Sequence[int] | None = None,
+            weights: Sequence[float] | None = None) -> ProfiledPredictor:
+        """Least squares on (features, measured seconds) pairs, each of weight 1 unless
+        `weights` (one >= 0 per record) says otherwise.
 
         Rows are divided by the measured time, so the fit minimises relative error:
         step times span milliseconds (decodes) to seconds (long chunks) and plain least
@@ -391,9 +393,14 @@ class ProfiledPredictor:
         if np.any(~np.isfinite(seconds)) or np.any(seconds <= 0):
             raise ValueError("measured seconds must be finite and > 0")
         a = np.array([_feature_row(f) for f, _ in records], dtype=np.float64)
+        w = np.ones_like(seconds) if weights is None else np.asarray(weights, np.float64)
+        if w.shape != seconds.shape or np.any(~np.isfinite(w)) or np.any(w < 0):
+            raise ValueError(f"weights must be {len(records)} finite values >= 0")
         # Scale columns to unit size so the solve is well conditioned (features reach 1e12).
         scale = np.maximum(np.abs(a).max(axis=0), 1e-30)
-        x = _nonnegative_least_squares(a / scale / seconds[:, None], np.ones_like(seconds)) / scale
+        root_w = np.sqrt(w)
+        x = _nonnegative_least_squares(a / scale / seconds[:, None] * root_w[:, None],
+                                       root_w) / scale
         rel = np.abs(a @ x - seconds) / seconds
         return cls(x, token_buckets=token_buckets,
                    median_rel_error=float(np.median(rel)),

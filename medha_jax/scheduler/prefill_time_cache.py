@@ -33,10 +33,17 @@ class PrefillTimeCache:
                  t_target: float, min_chunk_tokens: int = 16, step: int = 1024):
         if max_len < 1 or step < 1:
             raise ValueError(f"{max_len=} and {step=} must be >= 1")
+        self.predictor, self.limits = predictor, limits
+        self.max_len, self.step, self.min_chunk_tokens = max_len, step, min_chunk_tokens
+        self.refresh(t_target)
+
+    def refresh(self, t_target: float) -> None:
+        """Recomputes the table from the predictor as it is now (an online refit changed
+        it) at this t_target."""
         if not t_target > 0:
             raise ValueError(f"t_target must be > 0, got {t_target!r}")
-        self.predictor, self.limits = predictor, limits
-        self.max_len, self.t_target, self.step = max_len, t_target, step
+        predictor, limits, max_len, step = self.predictor, self.limits, self.max_len, self.step
+        self.t_target = t_target
 
         # One lone prefill of max_len tokens: chunk starts and the time before each.
         starts, elapsed = [0], [0.0]
@@ -44,7 +51,8 @@ class PrefillTimeCache:
         n = None
         while done < max_len:
             n = lone_prefill_chunk(predictor, limits, context_len=done, remaining=max_len - done,
-                                   t_target=t_target, min_chunk_tokens=min_chunk_tokens, guess=n)
+                                   t_target=t_target, min_chunk_tokens=self.min_chunk_tokens,
+                                   guess=n)
             elapsed.append(elapsed[-1] + self._chunk_time(done, n, samples=done + n == max_len))
             done += n
             starts.append(done)
