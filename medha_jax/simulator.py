@@ -83,6 +83,14 @@ class CountingAllocator:
         self._used += extra
         return True
 
+    def shards_short(self, request_id: str, num_tokens: int) -> frozenset[int]:
+        """One pool, shard 0: short when the reservation would fail."""
+        extra = self.pages_needed(num_tokens) - self._pages[request_id]
+        return frozenset((0,)) if extra > self.num_pages - self._used else frozenset()
+
+    def shards_of(self, request_id: str) -> tuple[int, ...]:
+        return (0,) if self._pages[request_id] else ()
+
     def commit(self, request_id: str, token_ids: Sequence[int], num_computed: int) -> None:
         pass   # no prefix cache to register pages in
 

@@ -36,8 +36,8 @@ class FakeEngine:
     def execute(self, batch):
         for c in batch.chunks:
             assert c.start == c.request.num_computed_tokens
-            pages = self.allocator.page_table(c.request.request_id)
-            assert len(pages) * self.allocator.page_size >= c.end
+            pages = sum(len(s.table) for s in self.allocator.segments(c.request.request_id))
+            assert pages * self.allocator.page_size >= c.end
         self.batches.append(batch)
         seconds = PREDICTOR.predict(batch)
         self.clock.advance(seconds)
@@ -283,3 +283,77 @@ def test_more_prefills_than_the_cache_holds_all_finish(policy):
     assert not controller.has_unfinished()
     assert all(len(r.output_token_ids) == 4 for r in requests)
     assert controller.num_preemptions <= len(requests)
+
+
+# --- KV-parallel shards: a page is needed on one shard ------------------------------------------
+
+def _kvp_setup(policy="lars-mp", pages_per_shard=4, max_tokens_per_shard=None, **knobs):
+    clock = VirtualClock()
+    allocator = BlockAllocator(pages_per_shard, 16, num_shards=2,
+                               max_tokens_per_shard=max_tokens_per_shard)
+    knobs = {"max_seqs_per_batch": 8, "token_buckets": (16, 32, 64, 128, 256),
+             "target_batch_time_s": 0.002, **knobs}
+    controller = make_controller(SchedulerConfig(policy, **knobs), allocator=allocator,
+                                 clock=clock, predictor=PREDICTOR, model_config=MODEL,
+                                 max_model_len=allocator.max_tokens_per_request)
+    return controller, allocator, FakeEngine(clock, allocator)
+
+
+def _shards(allocator, request):
+    return [s.shard for s in allocator.segments(request.request_id)]
+
+
+def test_kvp_preemption_evicts_only_requests_holding_pages_on_the_full_shard():
+    """Three requests on two 4-page shards: `urgent` and `mid` fill shard 0, `low` (the least
+    urgent) holds shard 1. When urgent's decode needs a page on shard 0, evicting low frees
+    nothing it can use: only mid, the least urgent request on shard 0, is evicted."""
+    controller, allocator, engine = _kvp_setup()
+
+    def req(rid, prompt_len, max_new, priority):
+        return Request(rid, prompt_len, max_new, 0.0, priority=priority,
+                       prompt_token_ids=[random.Random(rid).randrange(3, 200)
+                                         for _ in range(prompt_len)],
+                       sampling=SamplingParams(temperature=0.0))
+
+    urgent, low, mid = req("urgent", 10, 20, 0), req("low", 40, 8, 2), req("mid", 40, 8, 1)
+    controller.add_request(urgent)
+    run_one_step(controller, engine)
+    controller.add_request(low)                   # shard 1 is the less loaded: low goes there
+    run_one_step(controller, engine)
+    controller.add_request(mid)                   # 1 page used on shard 0, 3 on shard 1
+    run_one_step(controller, engine)
+    assert (_shards(allocator, urgent), _shards(allocator, low), _shards(allocator, mid)) == \
+        ([0], [1], [0])
+    assert [allocator.num_free_pages_on(s) for s in (0, 1)] == [0, 1]
+    assert controller.num_preemptions == 0 and urgent.num_tokens < 17
+    while urgent.num_tokens < 17:                 # its next decode needs a second page
+        run_one_step(controller, engine)
+        assert controller.num_preemptions == 0
+    batch = controller.schedule()
+    assert controller.num_preemptions == 1
+    assert mid.num_preemptions == 1 and low.num_preemptions == 0
+    assert _shards(allocator, low) == [1] and low in [c.request for c in batch.chunks]
+    assert _shards(allocator, urgent) == [0] and len(allocator.segments("urgent")[0].table) == 2
+    controller.update(batch, engine.execute(batch))
+    _run(controller, engine)
+    for r in (urgent, low, mid):
+        assert r.output_token_ids == [token_at(r.prompt_len + k) for k in range(r.max_new_tokens)]
+    assert [allocator.num_free_pages_on(s) for s in (0, 1)] == [4, 4]
+
+
+@pytest.mark.parametrize("policy", ["fcfs-np", "lars", "lars-mp"])
+def test_kvp_preemption_under_pressure_finishes_every_request(policy):
+    """Many requests spread over two small shards (96-token segments): victims are chosen by
+    shard, and still every request finishes with its tokens and every page comes back."""
+    controller, allocator, engine = _kvp_setup(policy, pages_per_shard=12,
+                                               max_tokens_per_shard=96, max_seqs_per_batch=16)
+    rng = random.Random(policy)
+    requests = [_request(f"r{i}", prompt_len=rng.randint(20, 150), max_new=rng.randint(10, 40))
+                for i in range(14)]
+    for r in requests:
+        controller.add_request(r)
+    _run(controller, engine, limit=3000)
+    assert 0 < controller.num_preemptions <= 10 * len(requests)
+    for r in requests:
+        assert r.output_token_ids == [token_at(r.prompt_len + k) for k in range(r.max_new_tokens)]
+    assert [allocator.num_free_pages_on(s) for s in (0, 1)] == [12, 12]

@@ -169,3 +169,57 @@ def test_compiled_step_moves_no_kv_cache_between_devices(parallel):
     per_layer = [(op, shape) for op, shape, count in small if count == 2]
     assert per_layer and all(op == "all-reduce" for op, _ in per_layer), per_layer
     assert any("[16,4,16]" in shape or "[16,8,16]" in shape for _, shape in per_layer)
+
+
+def test_default_segment_is_the_longest_request_spread_over_the_shards():
+    """EngineConfig's progressive-scaling default: ceil(max_model_len / kvp) rounded up to a
+    page, max_model_len capped by the whole cache; the field, when set, wins."""
+    from medha_jax.engine import EngineConfig
+
+    config = EngineConfig(page_size=16, num_pages=64)           # a 1024-token pool a shard
+    assert config.tokens_per_kvp_group(2048, kvp=1) == 1024     # one shard: its pool
+    assert config.tokens_per_kvp_group(256, kvp=1) == 256
+    assert config.tokens_per_kvp_group(256, kvp=2) == 128
+    assert config.tokens_per_kvp_group(250, kvp=4) == 64        # 62.5 -> a whole page
+    assert config.tokens_per_kvp_group(1000, kvp=3) == 336
+    assert config.tokens_per_kvp_group(8192, kvp=2) == 1024     # cache-bound: the pool
+    assert config.tokens_per_kvp_group(2048, kvp=2, cp=2) == 1024   # 32-token pages, 2048 a pool
+    assert EngineConfig(page_size=16, num_pages=64, max_tokens_per_kvp_group=48) \
+        .tokens_per_kvp_group(256, kvp=2) == 48
+    with pytest.raises(ValueError, match="EngineConfig.max_tokens_per_kvp_group must be >= 1"):
+        EngineConfig(max_tokens_per_kvp_group=0)
+
+
+def test_default_config_spreads_a_long_request_over_both_shards_at_kvp2():
+    """With max_tokens_per_kvp_group left at its default, a kvp = 2 engine keeps a short
+    request on one shard and spreads a long one over both (before, a request filled a
+    shard's whole 512-token pool first, so both stayed on one shard), with the tokens of one
+    device; the widest page table of the bucket ladder is one segment's."""
+    from medha_jax.engine import Engine, EngineConfig
+    from medha_jax.scheduler.controller import run_one_step
+    from tests.test_engine import make_request
+
+    engine = Engine(load_model("tiny", parallel=ParallelConfig(kvp=2), verbose=False),
+                    EngineConfig(page_size=16, num_pages=32, max_model_len=256,
+                                 max_tokens_per_step=64, min_token_bucket=64, max_seqs=4))
+    allocator = engine.allocator
+    assert allocator.max_tokens_per_shard == 128 and engine.max_model_len == 256
+    assert engine.ladder.max_pages_per_seq == 128 // 16
+    rng = np.random.default_rng(9)
+    prompts = {"long": rng.integers(0, 256, 200).tolist(),
+               "short": rng.integers(0, 256, 40).tolist()}
+    one_device = load_model("tiny", verbose=False)
+    want = {rid: greedy_with_logits(one_device, p, 2) for rid, p in prompts.items()}
+    controller = controller_over(engine)
+    requests = {rid: make_request(rid, p, 2) for rid, p in prompts.items()}
+    for request in requests.values():
+        controller.add_request(request)
+    shards = {rid: set() for rid in prompts}
+    while controller.has_unfinished():
+        run_one_step(controller, engine)
+        for rid in prompts:
+            if allocator.has(rid):
+                shards[rid].update(allocator.shards_of(rid))
+    assert shards["long"] == {0, 1} and len(shards["short"]) == 1
+    assert {rid: r.output_token_ids for rid, r in requests.items()} == want
+    assert [allocator.num_free_pages_on(s) for s in (0, 1)] == [32, 32]

@@ -167,6 +167,47 @@ def test_reserve_across_shards_is_all_or_nothing():
     assert [(s.shard, len(s.table)) for s in alloc.segments("a")] == [(0, 2), (1, 1)]
 
 
+def test_shards_short_names_where_a_failed_reserve_lacks_pages():
+    """Where freeing pages can make a failed reserve succeed: the last segment's own shard
+    to grow it; for a new segment, the shards the request does not use yet that lack room
+    for it. Freeing pages anywhere else changes nothing."""
+    # Growing the last segment: only its shard counts, however empty the others are.
+    alloc = BlockAllocator(2, 4, num_shards=2)
+    for rid in "xyz":
+        alloc.allocate(rid)
+        assert alloc.reserve(rid, 4)
+    assert [alloc.shards_of(r) for r in "xyz"] == [(0,), (1,), (0,)]
+    assert alloc.shards_short("x", 4) == frozenset()            # holds it already
+    assert alloc.shards_short("x", 8) == frozenset({0})
+    alloc.free("y")                                             # shard 1 empties: no help
+    assert alloc.shards_short("x", 8) == frozenset({0}) and not alloc.reserve("x", 8)
+    alloc.free("z")
+    assert alloc.shards_short("x", 8) == frozenset() and alloc.reserve("x", 8)
+    assert alloc.shards_short("x", 100) == frozenset()          # can never fit: reserve raises
+    with pytest.raises(ValueError, match="unknown request 'nobody'"):
+        alloc.shards_short("nobody", 4)
+
+    # A new segment: the unused shards without room for it.
+    alloc = BlockAllocator(4, 4, num_shards=3, max_tokens_per_shard=8)   # 2-page segments
+    for rid, n in (("e", 8), ("g", 16), ("h", 8), ("i", 4), ("j", 4)):
+        alloc.allocate(rid)
+        assert alloc.reserve(rid, n)
+    assert [alloc.shards_of(r) for r in "eghij"] == [(0,), (1, 2), (0,), (1,), (2,)]
+    assert [alloc.num_free_pages_on(s) for s in range(3)] == [0, 1, 1]
+    assert alloc.shards_short("e", 12) == frozenset()           # a 1-page segment fits
+    assert alloc.shards_short("e", 16) == frozenset({1, 2})     # a 2-page one does not
+    alloc.free("h")                                             # e's own full shard: no help
+    assert alloc.shards_short("e", 16) == frozenset({1, 2}) and not alloc.reserve("e", 16)
+    alloc.free("i")
+    assert alloc.shards_short("e", 16) == frozenset() and alloc.reserve("e", 16)
+    assert alloc.shards_of("e") == (0, 1)
+    # A request without pages: any shard, except those with room for a whole segment.
+    assert [alloc.num_free_pages_on(s) for s in range(3)] == [2, 0, 1]
+    alloc.allocate("f")
+    assert alloc.shards_of("f") == () and alloc.shards_short("f", 8) == frozenset()
+    assert alloc.shards_short("f", 16) == frozenset({1, 2})
+
+
 def test_slot_of_agrees_with_segments():
     alloc = BlockAllocator(6, 4, num_shards=3, max_tokens_per_shard=12)
     alloc.allocate("other")
@@ -305,12 +346,16 @@ class ShardedWorkload(RuleBasedStateMachine):
         free = [alloc.num_free_pages_on(s) for s in range(self.NUM_SHARDS)]
         old_shards = [seg.shard for seg in alloc.segments(rid)]
         before = (self._pages(rid), free)
+        short = alloc.shards_short(rid, end)
         if not alloc.reserve(rid, end):
+            assert short and short <= set(range(self.NUM_SHARDS)) - set(old_shards[:-1])
             assert (self._pages(rid), [alloc.num_free_pages_on(s)
                                        for s in range(self.NUM_SHARDS)]) == before
             return
+        assert short == frozenset()
         new_shards = [seg.shard for seg in alloc.segments(rid)]
         assert new_shards[:len(old_shards)] == old_shards
+        assert alloc.shards_of(rid) == tuple(new_shards)
         used = set(old_shards)
         for shard in new_shards[len(old_shards):]:     # least loaded among the unused ones
             candidates = [s for s in range(self.NUM_SHARDS) if s not in used]

@@ -55,10 +55,10 @@ class EngineConfig:
 
     The cache holds `num_pages` pages of `page_size` tokens (by default enough for
     `max_kv_tokens`) on every KV shard (kvp of the model's mesh); a request's context fills
-    a shard up to `max_tokens_per_kvp_group` tokens (default: the shard's whole pool), then
-    the next (Medha's progressive KVP scaling). A step holds at most `max_tokens_per_step` tokens from at most
-    `max_seqs` sequences; both are padded up to power-of-two buckets starting at
-    `min_token_bucket`.
+    a shard up to `max_tokens_per_kvp_group` tokens, then the next (Medha's progressive KVP
+    scaling: see `tokens_per_kvp_group` for the default). A step holds at most
+    `max_tokens_per_step` tokens from at most `max_seqs` sequences; both are padded up to
+    power-of-two buckets starting at `min_token_bucket`.
     """
 
     page_size: int = 16
@@ -91,10 +91,38 @@ class EngineConfig:
         if self.max_batches_in_flight is not None and self.max_batches_in_flight < 1:
             raise ValueError(f"EngineConfig.max_batches_in_flight must be >= 1, got "
                              f"{self.max_batches_in_flight}")
+        if self.max_tokens_per_kvp_group is not None and self.max_tokens_per_kvp_group < 1:
+            raise ValueError(f"EngineConfig.max_tokens_per_kvp_group must be >= 1 or None, got "
+                             f"{self.max_tokens_per_kvp_group}")
 
     @property
     def total_pages(self) -> int:
         return self.num_pages or -(-self.max_kv_tokens // self.page_size)
+
+    def tokens_per_kvp_group(self, max_model_len: int, kvp: int, cp: int = 1) -> int:
+        """The tokens of one request a KV shard holds before the request spreads to the
+        next: `max_tokens_per_kvp_group`, or by default the longest request spread evenly,
+        ceil(L / kvp) rounded up to a page, where L is `max_model_len` (the model's and
+        this config's) capped by the whole cache (kvp pools of `total_pages` pages).
+
+        Why this default (seed 000 section 3.3 adds KVP groups "as the context grows";
+        Figure 6 runs a 2M-token request at kvp = 4 from one group up to all four, 512K
+        tokens each, i.e. L / kvp): kvp segments of it hold L, so no length the cache can
+        serve is refused; it bounds the context one shard reads for one request at L / kvp,
+        the bound on decode time progressive scaling exists for; and a request shorter than
+        that stays on one shard, so the shards share short requests by load rather than
+        each holding a sliver of every one. The whole pool (the default before) spread a
+        request only after it filled one shard, so at kvp = 2 a request up to a shard's
+        pool read all of it on one device while the other idled. When the cache, not the
+        model, bounds L this is again one shard's pool: set max_model_len (or this field)
+        lower to spread sooner. cp: an allocator page is cp pages of page_size tokens.
+        """
+        if self.max_tokens_per_kvp_group is not None:
+            return self.max_tokens_per_kvp_group
+        page = self.page_size * cp
+        pool = self.total_pages * page
+        longest = min(max_model_len, kvp * pool)
+        return min(pool, -(-longest // (kvp * page)) * page)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "shape", "num_kv_shards", "cp_ranks"),
@@ -156,10 +184,13 @@ class Engine:
         self.cp_variant = cp_variant
         # Steps run with each ring variant (cp only), counted at dispatch.
         self.cp_variant_counts: collections.Counter[str] = collections.Counter()
-        self.allocator = BlockAllocator(config.total_pages, config.page_size * self.cp_ranks,
-                                        num_shards=self.num_kv_shards // self.cp_ranks,
-                                        max_tokens_per_shard=config.max_tokens_per_kvp_group,
-                                        enable_prefix_caching=config.enable_prefix_caching)
+        kv_groups = self.num_kv_shards // self.cp_ranks
+        model_len = min(config.max_model_len or model.config.max_position_embeddings,
+                        model.config.max_position_embeddings)
+        self.allocator = BlockAllocator(
+            config.total_pages, config.page_size * self.cp_ranks, num_shards=kv_groups,
+            max_tokens_per_shard=config.tokens_per_kvp_group(model_len, kv_groups, self.cp_ranks),
+            enable_prefix_caching=config.enable_prefix_caching)
         self.max_model_len = min(config.max_model_len or model.config.max_position_embeddings,
                                  model.config.max_position_embeddings,
                                  self.allocator.max_tokens_per_request)

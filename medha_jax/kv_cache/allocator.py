@@ -347,26 +347,7 @@ class BlockAllocator:
                 f"{self.max_tokens_per_shard} per shard")
         if needed <= req.num_pages:
             return True
-        # Plan: which shard gives how many pages to table[req.num_pages:needed].
-        per_segment = self._pages_per_segment
-        plan: list[tuple[int, int]] = []       # (shard, pages), in token order
-        start = req.num_pages
-        if req.shards:
-            last_end = min(len(req.shards) * per_segment, needed)
-            if last_end > start:
-                plan.append((req.shards[-1], last_end - start))
-                start = last_end
-        used_shards = set(req.shards)
-        while start < needed:
-            # Least loaded also means most free pages, so if this shard cannot take the
-            # segment no other unused one can; segments before the last are full, so the
-            # biggest demands go to the emptiest shards.
-            shard = min((s for s in range(self.num_shards) if s not in used_shards),
-                        key=self._placement_key)
-            used_shards.add(shard)
-            end = min(start + per_segment, needed)
-            plan.append((shard, end - start))
-            start = end
+        plan = self._plan(req, needed)
         if any(count > self.num_free_pages_on(shard) for shard, count in plan):
             return False
         if needed > len(req.table):
@@ -390,6 +371,39 @@ class BlockAllocator:
                 i += 1
         req.num_pages = needed
         return True
+
+    def shards_short(self, request_id: str, num_tokens: int) -> frozenset[int]:
+        """The shards whose missing pages make reserve(request_id, num_tokens) fail: empty
+        when it would succeed.
+
+        Freeing pages on other shards cannot make it succeed (a preemption there frees
+        nothing the request can use); freeing enough on these can. Growing the last
+        segment needs pages on that segment's shard. A new segment may go to any shard the
+        request does not use yet, so those count, except the ones that already have room
+        for the largest new segment (more room there changes nothing).
+        """
+        req = self._get(request_id)
+        needed = self.pages_needed(num_tokens)
+        if needed <= req.num_pages or not self.can_ever_fit(num_tokens):
+            return frozenset()
+        plan = self._plan(req, needed)
+        if all(count <= self.num_free_pages_on(shard) for shard, count in plan):
+            return frozenset()
+        short = set()
+        if req.shards and plan[0][0] == req.shards[-1]:
+            shard, count = plan.pop(0)
+            if count > self.num_free_pages_on(shard):
+                short.add(shard)
+        if any(count > self.num_free_pages_on(shard) for shard, count in plan):
+            largest = max(count for _, count in plan)    # the first new segment's
+            short.update(s for s in range(self.num_shards)
+                         if s not in req.shards and self.num_free_pages_on(s) < largest)
+        return frozenset(short)
+
+    def shards_of(self, request_id: str) -> tuple[int, ...]:
+        """The shards the request holds pages on, in token order (empty before its first
+        page)."""
+        return tuple(self._get(request_id).shards)
 
     def commit(self, request_id: str, token_ids: Sequence[int], num_computed: int) -> None:
         """Registers the prefix hashes of the pages fully covered by the first num_computed tokens.
@@ -468,6 +482,30 @@ class BlockAllocator:
         if req is None:
             raise ValueError(f"unknown request {request_id!r}: allocate it first")
         return req
+
+    def _plan(self, req: _RequestPages, needed: int) -> list[tuple[int, int]]:
+        """Which shard gives how many pages to table[req.num_pages:needed], in token order:
+        first the last segment's own shard (growing it), then one new segment per entry."""
+        per_segment = self._pages_per_segment
+        plan: list[tuple[int, int]] = []
+        start = req.num_pages
+        if req.shards:
+            last_end = min(len(req.shards) * per_segment, needed)
+            if last_end > start:
+                plan.append((req.shards[-1], last_end - start))
+                start = last_end
+        used_shards = set(req.shards)
+        while start < needed:
+            # Least loaded also means most free pages, so if this shard cannot take the
+            # segment no other unused one can; segments before the last are full, so the
+            # biggest demands go to the emptiest shards.
+            shard = min((s for s in range(self.num_shards) if s not in used_shards),
+                        key=self._placement_key)
+            used_shards.add(shard)
+            end = min(start + per_segment, needed)
+            plan.append((shard, end - start))
+            start = end
+        return plan
 
     def _placement_key(self, shard: int) -> tuple[int, int, int]:
         """Order of preference for a new segment: fewest used pages, then (among equally

@@ -2,9 +2,10 @@
 
 Two public steps, as vLLM v1's scheduler (`schedule()` / `update_from_output()`):
   schedule() orders the prefill queue with the policy and asks the packer for a batch;
-      while packing, the KV gate books pages for each chunk, preempting the lowest-priority
-      running request when the cache is full (recompute preemption: the victim's pages are
-      freed, it keeps its output and goes back to the queue; it is never dropped).
+      while packing, the KV gate books pages for each chunk; when the cache is full it
+      preempts the lowest-priority running request holding pages where they are missing
+      (on that KV shard, under kvp) (recompute preemption: the victim's pages are freed,
+      it keeps its output and goes back to the queue; it is never dropped).
   update(batch, result) applies what an executor returned for that batch: progress,
       prefix-cache commits, sampled tokens, finishes.
 Execution is owned outside (the server loop, the simulator, tests, a pipelined engine).
@@ -373,12 +374,20 @@ class ReplicaController:
         return (*self.policy.sort_key_from_start(request, now),
                 self._admission[request.request_id])
 
-    def _pick_victim(self, requester: Request, exclude: set[str], now: float) -> Request | None:
-        """The lowest-priority running request outside the batch and outside every batch
-        in flight, if below the requester."""
+    def _pick_victim(self, requester: Request, exclude: set[str], now: float,
+                     shards: frozenset[int]) -> Request | None:
+        """The lowest-priority running request holding pages on one of `shards` (where the
+        requester lacks pages), outside the batch and outside every batch in flight, if
+        below the requester.
+
+        Under kvp a request's pages are on some shards only: evicting one with no page
+        where the requester needs them frees nothing it can use (and with the next
+        victim, the useful one, the batch would lose two requests for one's pages)."""
         victim, victim_rank = None, self._rank(requester, now)
+        holds_pages_on = self.kv.holds_pages_on
         for rid, r in self._running.items():
-            if rid in exclude or rid in self._in_flight or r is requester:
+            if rid in exclude or rid in self._in_flight or r is requester or \
+                    not holds_pages_on(rid, shards):
                 continue
             rank = self._rank(r, now)
             if rank > victim_rank:
@@ -394,7 +403,8 @@ class _KVGate:
     controller's callbacks, so the controller's queues stay the controller's own."""
 
     def __init__(self, kv: KVReservations, now: float, *,
-                 pick_victim: Callable[[Request, set[str], float], Request | None],
+                 pick_victim: Callable[[Request, set[str], float, frozenset[int]],
+                                       Request | None],
                  preempt: Callable[[Request], None],
                  start_running: Callable[[Request, float], None],
                  requeue: Callable[[Request], None]):
@@ -423,7 +433,8 @@ class _KVGate:
         if rid in self.preempted:
             return False
         while not self.kv.reserve(rid, chunk.end):
-            victim = self._pick_victim(request, self.in_batch, self.now)
+            victim = self._pick_victim(request, self.in_batch, self.now,
+                                       self.kv.shards_short(rid, chunk.end))
             if victim is None:
                 # Nothing less urgent to evict: this chunk waits. A waiting request gives
                 # back at once the cached prefix pages it took when prepared: held until

@@ -33,6 +33,10 @@ class KVAllocator(Protocol):
 
     def reserve(self, request_id: str, num_tokens: int) -> bool: ...
 
+    def shards_short(self, request_id: str, num_tokens: int) -> frozenset[int]: ...
+
+    def shards_of(self, request_id: str) -> tuple[int, ...]: ...
+
     def commit(self, request_id: str, token_ids: Sequence[int], num_computed: int) -> None: ...
 
     def free(self, request_id: str) -> None: ...
@@ -99,6 +103,16 @@ class KVReservations:
             return False
         self._reserved_tokens[request_id] = allocator.pages_needed(num_tokens) * allocator.page_size
         return True
+
+    def shards_short(self, request_id: str, num_tokens: int) -> frozenset[int]:
+        """The KV shards (Medha's KVP groups) where a failed reserve lacks pages: only a
+        request holding pages on one of them is worth evicting for it."""
+        return self.allocator.shards_short(request_id, num_tokens)
+
+    def holds_pages_on(self, request_id: str, shards: frozenset[int]) -> bool:
+        """Whether the request holds pages on any of `shards`."""
+        return self.has(request_id) and not shards.isdisjoint(
+            self.allocator.shards_of(request_id))
 
     def commit(self, request: Request, num_computed: int) -> None:
         """Tells the prefix cache the request's first `num_computed` tokens are in its pages."""
