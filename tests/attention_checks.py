@@ -2,6 +2,10 @@
 and the one comparison of results against the dense oracle."""
 
 import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -20,6 +24,26 @@ def assert_attention_close(out, lse, want_out, want_lse, atol=2e-5):
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
     finite = np.isfinite(want_lse)
     np.testing.assert_allclose(lse[finite], want_lse[finite], atol=atol, rtol=1e-5)
+
+
+def run_on_devices(script: str, num_devices: int, timeout: int = 900) -> str:
+    """Runs the Python `script` in a child process with `num_devices` virtual CPU devices
+    and returns its stdout; fails with the child's output.
+
+    For the TPU interpreter on a mesh: it hangs with the 8 devices this suite's conftest
+    sets up, and the device count is fixed once JAX starts. The child imports this checkout
+    (PYTHONPATH); XLA's backend optimisations are off, as in test_tpu_paged_kernel.py (the
+    interpreter's programs are compiled far more than they run).
+    """
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices} "
+                         "--xla_backend_optimization_level=0",
+               PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", script], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return done.stdout
 
 
 @dataclasses.dataclass(frozen=True)

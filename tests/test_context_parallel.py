@@ -423,6 +423,31 @@ def test_the_ring_runs_around_the_pallas_kernel_in_interpret_mode():
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
+_TPU_KERNEL_CP = """
+import numpy as np
+from medha_jax import ParallelConfig, load_model
+ids = np.random.default_rng(5).integers(0, 256, size=32).tolist()
+want = load_model("tiny", verbose=False).logits(ids)
+model = load_model("tiny", parallel=ParallelConfig(cp=2), attention_impl="interpret-tpu",
+                   verbose=False)
+for variant in ("kv", "q"):   # one compiled program: the variant is data
+    got = model.logits(ids, chunk_sizes=[12, 12, 7, 1], cp_variant=variant)
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0, err_msg=variant)
+    assert (got.argmax(-1) == want.argmax(-1)).all(), variant
+print("ok")
+"""
+
+
+@pytest.mark.slow
+def test_the_ring_runs_on_the_tpu_kernel_with_the_one_device_tokens():
+    """Both ring variants with the Mosaic-TPU kernel in the TPU interpreter, which needs
+    pages of whole 8-row tiles: the ring's paged parts read the cache's pages, its new
+    tokens go through `masked_attention` (jnp), so no one-token pages reach the kernel."""
+    from tests.attention_checks import run_on_devices
+
+    assert run_on_devices(_TPU_KERNEL_CP, 2).split()[-1] == "ok"
+
+
 @pytest.mark.slow
 def test_a_server_on_a_cp_mesh_serves_the_one_device_tokens():
     from medha_jax import SamplingParams, TokensPrompt

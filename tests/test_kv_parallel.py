@@ -34,6 +34,56 @@ def test_logits_equal_one_device_for_contexts_over_one_two_and_all_shards(prompt
         assert (got.argmax(-1) == expected.argmax(-1)).all(), what
 
 
+_TPU_KERNEL_KVP = """
+import functools
+import numpy as np
+from medha_jax import ParallelConfig, load_model
+from medha_jax.model.attention import AttentionMetadata, _attend_own_tokens
+from pallas_kernels import ragged_paged_attention
+from pallas_kernels.dense_reference import dense_attention_oracle
+from tests.attention_checks import assert_attention_close
+
+ids = np.random.default_rng(5).integers(0, 256, size=32).tolist()
+want = load_model("tiny", verbose=False).logits(ids)
+model = load_model("tiny", parallel=ParallelConfig(kvp=2), attention_impl="interpret-tpu",
+                   verbose=False)
+# 16 tokens a shard: the second chunk crosses into shard 1, the third chunk and the decode
+# read a prefix on both; every chunk pads to 16 tokens (one compile).
+got = model.logits(ids, chunk_sizes=[12, 12, 7, 1], kv_tokens_per_shard=16)
+np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+assert (got.argmax(-1) == want.argmax(-1)).all()
+
+# The own tokens of several sequences on the kernel: a chunk over three 8-token pages, a
+# decode, a chunk starting mid-page in the step; padding tokens and sequence slots after.
+rng = np.random.default_rng(7)
+num_tokens, max_seqs, q_lens = 40, 6, [19, 1, 9]
+cu = np.full(max_seqs + 1, sum(q_lens), np.int32)
+cu[1:len(q_lens) + 1] = np.cumsum(q_lens)
+num_seqs = np.array([len(q_lens)], np.int32)
+q = rng.standard_normal((num_tokens, 4, 8)).astype(np.float32)
+k, v = (rng.standard_normal((num_tokens, 2, 8)).astype(np.float32) for _ in "kv")
+meta = AttentionMetadata(slot_mapping=None, page_table=None, cu_q_lens=cu, kv_lens=None,
+                         num_seqs=num_seqs)
+attend = functools.partial(ragged_paged_attention, sm_scale=0.3, impl="interpret-tpu")
+out, lse = _attend_own_tokens(q, k, v, meta, attend, 8)
+# The definition: every token a one-token page, sequence s's pages its own tokens.
+own = np.minimum(cu[:-1, None] + np.arange(num_tokens), num_tokens - 1)
+assert_attention_close(out, lse, *dense_attention_oracle(
+    q, k[:, None], v[:, None], own, cu, np.diff(cu), num_seqs, sm_scale=0.3))
+print("ok")
+"""
+
+
+@pytest.mark.slow
+def test_kvp_runs_on_the_tpu_kernel_with_the_one_device_tokens():
+    """The Mosaic-TPU kernel needs pages of whole 8-row tiles, so the step's own tokens go
+    to it in pages of the cache's size, not one token each (model/attention.py). In the
+    TPU interpreter, on 2 devices (tests.attention_checks.run_on_devices)."""
+    from tests.attention_checks import run_on_devices
+
+    assert run_on_devices(_TPU_KERNEL_KVP, 2).split()[-1] == "ok"
+
+
 # ------------------------------------------------------------------------ through the engine
 
 def kvp_engine(parallel, *, pages_per_shard=16, tokens_per_shard=48, prefix_caching=True):

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 from medha_jax.model.params import KV_CACHE_AXES, MeshLayout
 from medha_jax.model.ring_attention import ring_attention
 from pallas_kernels import merge_attention, ragged_paged_attention
+from pallas_kernels.query_blocks import cdiv, max_query_blocks, segment_of
 
 
 @jax.tree_util.register_dataclass
@@ -168,7 +169,7 @@ def _attend_on_device(q, k, v, positions, k_cache, v_cache, layer_id, meta: Atte
     prefix_out, prefix_lse = attend(q, k_all, v_all, layer_pages, meta.cu_q_lens, kv_lens,
                                     meta.num_seqs, causal=False, num_decodes=meta.num_decodes)
     prefix_out, prefix_lse = _merge_over_shards(prefix_out, prefix_lse, kv_shard_axis)
-    own_out, own_lse = _attend_own_tokens(q, k, v, meta, attend)
+    own_out, own_lse = _attend_own_tokens(q, k, v, meta, attend, k_cache.shape[2])
     out, _ = merge_attention(jnp.stack([prefix_out.astype(jnp.float32),
                                         own_out.astype(jnp.float32)]),
                              jnp.stack([prefix_lse, own_lse]))
@@ -191,18 +192,56 @@ def _merge_over_shards(out, lse, axis: str):
     return merged, jnp.where(seen, lse_max + jnp.log(safe_total), -jnp.inf)
 
 
-def _attend_own_tokens(q, k, v, meta: AttentionMetadata, attend):
+def _attend_own_tokens(q, k, v, meta: AttentionMetadata, attend, page_size: int):
     """Causal attention of each chunk over its own fresh K/V (not the cache).
 
-    The step's K/V act as a cache of one-token pages, [T, 1, K, hd], and sequence s's pages
-    are its own tokens cu_q_lens[s] ... cu_q_lens[s + 1] - 1, so the same paged kernel runs it.
+    q: [T, H, hd]; k, v: [T, K, hd]. The step's K/V are laid out as a small paged cache of
+    their own, [P, page_size, K, hd], each sequence's tokens from the first row of a fresh
+    page (`_own_token_pages`), so the same paged kernel runs it: with kv_len = q_len, query
+    i of a chunk sits at position i and the kernel's causal mask is exactly the chunk's
+    (a chunk that starts mid-page in the cache still starts a page here).
+
+    Pages of the cache's page_size, not one-token pages: the Mosaic-TPU kernel needs pages
+    of whole 8-row tiles (`check_tpu_tiles`), and a page size the cache's attention already
+    runs with is one every kernel accepts, with the same default tiles. (Attending through
+    the XLA path instead would be exact too, but on a GPU or TPU it is the slow path.)
+    Cost: one scatter of the step's K/V into at most T + S * (page_size - 1) rows, small
+    beside the cache; the page table is [S, ceil(T / page_size)] instead of [S, T].
     """
-    num_tokens = q.shape[0]
-    starts = meta.cu_q_lens[:-1]
-    q_lens = meta.cu_q_lens[1:] - starts                                   # [S]
-    own_pages = jnp.minimum(starts[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)[None, :],
-                            num_tokens - 1)                                # [S, T]
-    return attend(q, k[:, None], v[:, None], own_pages, meta.cu_q_lens, q_lens, meta.num_seqs)
+    own_pages, page_table, q_lens = _own_token_pages(meta.cu_q_lens, meta.num_seqs,
+                                                     q.shape[0], page_size)
+    k_own, v_own = own_pages(k), own_pages(v)
+    return attend(q, k_own, v_own, page_table, meta.cu_q_lens, q_lens, meta.num_seqs)
+
+
+def _own_token_pages(cu_q_lens, num_seqs, num_tokens: int, page_size: int):
+    """The layout of `_attend_own_tokens`: (pages_of, page_table int32 [S, W], q_lens [S]).
+
+    pages_of maps [T, K, hd] to [P, page_size, K, hd]. Sequence s takes ceil(q_len_s /
+    page_size) pages, its tokens in order from its first page's first row; the rest of its
+    last page, the spare pages and padding tokens stay 0 and are never read (keys past
+    kv_len). P bounds the sum of the sequences' pages as `max_query_blocks` bounds query
+    blocks of page_size tokens; W = ceil(T / page_size) bounds the pages of one.
+    """
+    num_pages = max_query_blocks(num_tokens, cu_q_lens.shape[0] - 1, page_size)
+    width = cdiv(num_tokens, page_size)
+    starts = cu_q_lens[:-1]
+    q_lens = cu_q_lens[1:] - starts                                        # [S]
+    seq_pages = cdiv(q_lens, page_size)
+    first_page = jnp.cumsum(seq_pages) - seq_pages                         # [S]
+    page_table = jnp.minimum(first_page[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :],
+                             num_pages - 1).astype(jnp.int32)              # [S, W]
+    tokens = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq = segment_of(tokens, cu_q_lens[1:])                                # [T]
+    slot = first_page[seq] * page_size + tokens - starts[seq]
+    slot = jnp.where(tokens < cu_q_lens[num_seqs[0]], slot, num_pages * page_size)
+
+    def pages_of(x):
+        rows = jnp.zeros((num_pages * page_size, *x.shape[1:]), x.dtype)
+        rows = rows.at[slot].set(x, mode="drop")                          # padding: dropped
+        return rows.reshape(num_pages, page_size, *x.shape[1:])
+
+    return pages_of, page_table, q_lens
 
 
 def _write(cache, layer_id, new, slot_mapping):
