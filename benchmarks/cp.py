@@ -241,7 +241,7 @@ def mixed_batch_row(ranks: int) -> dict:
     from medha_jax.scheduler.cp_cost import PASS_KV, RingCost
 
     model = cpu_model(ranks)
-    engine = Engine(model, EngineConfig(page_size=16, num_pages=64, max_tokens_per_step=256,
+    engine = Engine(model, EngineConfig(page_size=16, num_pages=128, max_tokens_per_step=512,
                                         max_seqs=8))
     batch = mixed_batch(engine.allocator)
     got = engine_ring_step_bytes(engine, batch)
