@@ -19,9 +19,12 @@ Four parts, four tables, the GPU's last:
     one ring step of one layer for each variant, read from the optimized HLO of a ring step
     (the collective-permutes of each branch), and pass-Q's All2All (its HLO result, which
     includes the rank's own slot: N / (N - 1) of what it sends); next to RingCost's formula
-    for the same step. The pass-KV message carries the rank's cached pages of the
-    step's sequences padded to the page-table width (the equal-size messages of seed 002
-    section 3.5.2) and the new tokens' sequence ids and positions. The script asks XLA for
+    for the same step. The pass-KV message carries the rank's cached pages of the step's
+    sequences, packed (each page once, padded to the step's cp page rung: the equal-size
+    messages of seed 002 section 3.5.2), and the new tokens' sequence ids and positions.
+    A second table measures a mixed engine step (decodes beside one long chunk), where
+    the ring used to send S x W padded page tables, against RingCost with the engine's
+    token and cp page rungs. The script asks XLA for
     8 virtual CPU devices before JAX starts (as benchmarks/spp.py does); this part runs on
     them on a GPU host too.
 (d) measured on the GPUs when this machine has at least 2 (a ring needs 2 ranks): one cp
@@ -184,6 +187,81 @@ def ring_step_bytes(ranks: int, rank_tokens: int, pages: int, cached: int) -> di
             for v in (PASS_KV, PASS_Q)}
 
 
+# A mixed step (part c): decodes of these context lengths beside one long prefill chunk of
+# MIXED_CHUNK new tokens after MIXED_CACHED cached ones.
+MIXED_DECODES = (150, 180, 210, 240, 170, 200, 230)
+MIXED_CHUNK, MIXED_CACHED = 256, 1536
+
+
+def mixed_batch(allocator, decode_contexts=MIXED_DECODES, chunk=MIXED_CHUNK,
+                cached=MIXED_CACHED):
+    """A Batch of decodes at `decode_contexts` and one chunk of `chunk` tokens after
+    `cached`, with their pages reserved in `allocator` (token ids 0: only shapes matter)."""
+    from medha_jax.request import Batch, Request, SamplingParams, ScheduledChunk
+
+    chunks = []
+    for i, (prompt, start, n) in enumerate([*((c, c - 1, 1) for c in decode_contexts),
+                                            (cached + chunk, cached, chunk)]):
+        request = Request(f"r{i}", prompt, 1, 0.0, prompt_token_ids=[0] * prompt,
+                          sampling=SamplingParams(max_tokens=1, temperature=0.0))
+        allocator.allocate(request.request_id, request.prompt_token_ids)
+        if not allocator.reserve(request.request_id, prompt):
+            raise ValueError(f"the pool cannot hold the mixed batch ({allocator.num_pages} pages)")
+        chunks.append(ScheduledChunk(request, start, n))
+    return Batch(chunks)
+
+
+def engine_ring_step_bytes(engine, batch) -> dict:
+    """Bytes one rank sends per ring step and layer in the engine's compiled step for
+    `batch`, by variant, read from the optimized HLO (the collective-permutes of ring step
+    1 in each branch), and the step's shape."""
+    from medha_jax import hlo
+    from medha_jax.engine.step_inputs import build_step_inputs
+    from medha_jax.model.ring_attention import RING_SEND
+    from medha_jax.scheduler.cp_cost import PASS_KV, PASS_Q
+
+    inputs = build_step_inputs(batch, engine.allocator, engine.ladder, pad_slot=engine.pad_slot,
+                               cp_ranks=engine.cp_ranks)
+    text = engine.executable(inputs.padded_shape).as_text()
+    sent = {}
+    for instrs in hlo.scheduled_instructions(text).values():
+        sends = [i for i in instrs if i.op.startswith("collective-permute")
+                 and f"{RING_SEND}1" in i.scope]
+        if sends:
+            variant = PASS_Q if any(i.op.startswith("all-to-all") for i in instrs) else PASS_KV
+            sent[variant] = sum(i.bytes for i in sends)
+    return {"shape": inputs.padded_shape, **sent}
+
+
+def mixed_batch_row(ranks: int) -> dict:
+    """(c), mixed: the tiny model's engine at cp = `ranks`, one mixed step (`mixed_batch`):
+    the pass-KV bytes per ring step from the HLO next to RingCost with the engine's rungs,
+    and what the padded page tables of that step would have been (the ring before packing)."""
+    from medha_jax.engine import Engine, EngineConfig
+    from medha_jax.scheduler.cp_cost import PASS_KV, RingCost
+
+    model = cpu_model(ranks)
+    engine = Engine(model, EngineConfig(page_size=16, num_pages=128, max_tokens_per_step=512,
+                                        max_seqs=8))
+    batch = mixed_batch(engine.allocator)
+    got = engine_ring_step_bytes(engine, batch)
+    new = sum(c.num_tokens for c in batch.chunks)
+    cached = sum(c.start for c in batch.chunks)
+    cost = RingCost.create(model.config, num_ranks=ranks, page_size=16,
+                           token_buckets=engine.ladder.token_buckets,
+                           page_buckets=engine.ladder.cp_page_buckets)
+    rank_tokens, seqs, width, _ = got["shape"]
+    token_bytes = 2 * model.config.num_kv_heads * model.config.head_dim * 4
+    padded_tables = (rank_tokens + seqs * width * 16) * token_bytes + 8 * rank_tokens
+    return {"ranks": ranks, "variant": PASS_KV, "new_tokens": new,
+            "cached_tokens": cached, "ring_step_bytes": got[PASS_KV],
+            "formula_step_bytes": int(cost.step_bytes(PASS_KV, new, cached,
+                                                      seqs=len(batch.chunks))),
+            "measured_over_formula": got[PASS_KV] / cost.step_bytes(
+                PASS_KV, new, cached, seqs=len(batch.chunks)),
+            "padded_tables_bytes": padded_tables, "step_shape_TSWC": str(got["shape"])}
+
+
 def measured(args) -> list[dict]:
     from medha_jax.scheduler.cp_cost import PASS_KV, PASS_Q
 
@@ -279,6 +357,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     moved = measured(args)
     table("(c) measured: bytes one rank sends per ring step and layer, from the optimized HLO "
           "(cpu, tiny model, float32), next to cp_cost.RingCost", moved)
+    mixed = [mixed_batch_row(ranks) for ranks in ((2, 4) if args.quick else (2, 4, 8))]
+    table(f"(c, mixed) measured: pass-KV bytes per ring step and layer of one engine step of "
+          f"{len(MIXED_DECODES)} decodes ({min(MIXED_DECODES)}-{max(MIXED_DECODES)} tokens of "
+          f"context) and a {MIXED_CHUNK}-token chunk after {MIXED_CACHED} cached, from the "
+          "optimized HLO, next to RingCost with the engine's rungs; padded_tables_bytes: the "
+          "message of the ring before packing (S x W pages) for the same step", mixed)
     on_gpu = gpu_ring_step(args)
     table(f"(d) measured: one cp prefill step on the accelerators ({jax.default_backend()}), "
           f"pass-KV and pass-Q side by side, median of {args.repeats}", on_gpu)
@@ -292,7 +376,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                    "hardware": args.hardware, "cp_link_gbs": args.cp_link_gbs}
         with open(args.json, "w") as f:
             json.dump({"context": context, "table4": t4, "crossover_miss_rate_pct": crossover,
-                       "cp_vs_spp_1m": vs_spp, "ring_bytes": moved,
+                       "cp_vs_spp_1m": vs_spp, "ring_bytes": moved, "ring_bytes_mixed": mixed,
                        "gpu_ring_step": on_gpu}, f, indent=2)
 
 

@@ -58,15 +58,20 @@ class BucketLadder:
     token_buckets: allowed padded token counts T (the packer prices a batch at its bucket).
     seq_buckets:   allowed padded sequence counts S.
     width_buckets: allowed page-table widths W, in pages.
+    cp_page_buckets: context parallelism only (else empty): allowed counts C of the cached
+                   pages one rank sends in a pass-KV ring step (`cp_layout.pack_cached_pages`),
+                   a fourth dimension of the step's shape (T, S, W, C).
     Each is a strictly increasing tuple of positive ints; the last is the hard limit.
     """
 
     token_buckets: tuple[int, ...]
     seq_buckets: tuple[int, ...]
     width_buckets: tuple[int, ...]
+    cp_page_buckets: tuple[int, ...] = ()
 
     def __post_init__(self):
-        for name in ("token_buckets", "seq_buckets", "width_buckets"):
+        names = ("token_buckets", "seq_buckets", "width_buckets")
+        for name in names + (("cp_page_buckets",) if self.cp_page_buckets else ()):
             buckets = tuple(getattr(self, name))
             object.__setattr__(self, name, buckets)
             if not buckets:
@@ -83,7 +88,8 @@ class BucketLadder:
     @classmethod
     def from_limits(cls, *, max_tokens: int, max_seqs: int, max_pages_per_seq: int,
                     min_tokens: int = 16, min_seqs: int = 8, min_pages_per_seq: int = 16,
-                    seq_factor: int = 4, width_factor: int = 4) -> BucketLadder:
+                    seq_factor: int = 4, width_factor: int = 4,
+                    cp_pages: int | None = None) -> BucketLadder:
         """Geometric ladders up to the engine's limits.
 
         Tokens double: the padded token count is what a step costs, so padding wastes at
@@ -93,12 +99,21 @@ class BucketLadder:
         the number of executables. For max_tokens=2048, max_seqs=256, max_pages_per_seq=512
         that is 8 x 4 x 4 rungs and 104 reachable shapes; for a CPU-sized engine
         (256, 16, 128) it is 5 x 2 x 3 rungs and 30 shapes.
+
+        cp_pages: with context parallelism, the pages of one rank's pool. A rank's pass-KV
+        message holds its cached pages of the step's sequences, each page once, so it never
+        holds more than the pool: that is the static bound, the top rung. The rungs grow 4x
+        from min_pages_per_seq like widths: a message at most 4x its real pages (what
+        `cp_cost.RingCost` prices with the same rungs), against one more executable per
+        rung and (S, W) whose S x W pages can reach it.
         """
         return cls(
             token_buckets=geometric_buckets(min(min_tokens, max_tokens), max_tokens),
             seq_buckets=geometric_buckets(min(min_seqs, max_seqs), max_seqs, seq_factor),
             width_buckets=geometric_buckets(min(min_pages_per_seq, max_pages_per_seq),
-                                            max_pages_per_seq, width_factor))
+                                            max_pages_per_seq, width_factor),
+            cp_page_buckets=() if cp_pages is None else geometric_buckets(
+                min(min_pages_per_seq, cp_pages), cp_pages, width_factor))
 
     @property
     def max_tokens(self) -> int:
@@ -121,17 +136,31 @@ class BucketLadder:
     def width_bucket(self, num_pages: int) -> int:
         return bucket_for(num_pages, self.width_buckets, "page-table width")
 
-    def all_shapes(self) -> list[tuple[int, int, int]]:
-        """Every (tokens, seqs, width) a real batch can be padded to, the executables to compile.
+    def cp_page_bucket(self, num_pages: int) -> int:
+        if not self.cp_page_buckets:
+            raise ValueError("this BucketLadder has no cp_page_buckets: a cp step needs them "
+                             "(BucketLadder.from_limits(..., cp_pages=pages of a rank's pool))")
+        return bucket_for(max(num_pages, 1), self.cp_page_buckets, "cp pages a rank sends")
+
+    def all_shapes(self) -> list[tuple[int, ...]]:
+        """Every (tokens, seqs, width) a real batch can be padded to, the executables to compile
+        (with cp_page_buckets, every (tokens, seqs, width, cp pages)).
 
         A seq bucket S is reachable with token bucket T only if some batch with more
         sequences than the rung below S still has at most T tokens: each sequence brings at
         least one token. Width is independent of both (one decode can have a long context).
+        A cp page bucket C is reachable with (S, W) only if S sequences of W pages each can
+        hold more distinct pages than the rung below C.
         """
         shapes = []
         for t, (j, s) in itertools.product(self.token_buckets, enumerate(self.seq_buckets)):
             fewest_seqs = self.seq_buckets[j - 1] + 1 if j else 1
             if fewest_seqs > t:
                 continue
-            shapes.extend((t, s, w) for w in self.width_buckets)
+            for w in self.width_buckets:
+                if not self.cp_page_buckets:
+                    shapes.append((t, s, w))
+                    continue
+                shapes.extend((t, s, w, c) for i, c in enumerate(self.cp_page_buckets)
+                              if (self.cp_page_buckets[i - 1] + 1 if i else 1) <= s * w)
         return shapes

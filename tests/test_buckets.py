@@ -98,3 +98,19 @@ def test_module_imports_no_jax():
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'numpy')))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_cp_page_rungs_reach_the_rank_pool_and_only_what_s_x_w_pages_can_fill():
+    ladder = BucketLadder.from_limits(max_tokens=64, max_seqs=8, max_pages_per_seq=64,
+                                      cp_pages=300)
+    # A rank's pass-KV message holds each of its pages once: at most its pool of 300.
+    assert ladder.cp_page_buckets == (16, 64, 256, 300)
+    assert ladder.cp_page_bucket(0) == 16 and ladder.cp_page_bucket(65) == 256
+    shapes = ladder.all_shapes()
+    assert all(len(s) == 4 for s in shapes)
+    # 8 sequences of 16 pages hold at most 128 distinct pages: rungs 16, 64, 256 reachable.
+    assert {c for t, s, w, c in shapes if (s, w) == (8, 16)} == {16, 64, 256}
+    assert {c for t, s, w, c in shapes if (s, w) == (8, 64)} == {16, 64, 256, 300}
+    with pytest.raises(ValueError, match="no cp_page_buckets"):
+        BucketLadder.from_limits(max_tokens=64, max_seqs=8,
+                                 max_pages_per_seq=64).cp_page_bucket(3)

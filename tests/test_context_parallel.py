@@ -183,6 +183,100 @@ def test_the_ring_sends_each_block_without_waiting_for_its_attention():
             assert jax.default_backend() == "cpu"
 
 
+@pytest.mark.slow
+def test_a_mixed_steps_ring_sends_its_real_kv_as_ring_cost_prices_it():
+    # Seven decodes of 150-240 tokens of context beside a 256-token chunk after 1536 cached,
+    # through the engine at cp = 4: the pass-KV message is each rank's cached pages of the
+    # step's sequences, packed, not the S x W page tables (8 x 64 pages of 16 tokens here).
+    from benchmarks.cp import mixed_batch_row
+
+    row = mixed_batch_row(4)
+    assert 0.75 <= row["measured_over_formula"] <= 1.25, row
+    assert row["padded_tables_bytes"] > 4 * row["ring_step_bytes"], row
+
+
+def test_packed_cached_pages_hold_each_ranks_cached_pages_once():
+    # Rank 0: seq 0 caches 40 tokens (3 pages), seq 1 shares its first 2 pages and caches
+    # 20 (2 pages), seq 2 caches none; rank 1: seq 0 caches 16 tokens (1 page).
+    table = np.array([[[7, 3, 9, 0], [7, 3, 5, 0], [4, 0, 0, 0]],
+                      [[2, 8, 0, 0], [6, 0, 0, 0], [1, 0, 0, 0]]])
+    kv_lens = np.array([[40, 20, 0], [16, 0, 0]])
+    pages, index = cp_layout.pack_cached_pages(table, kv_lens, 16, capacity=lambda n: 4)
+    assert pages.tolist() == [[3, 7, 9, 0], [2, 0, 0, 0]]
+    for r in range(2):
+        for s in range(3):
+            used = -(-kv_lens[r, s] // 16)
+            assert (pages[r][index[r, s, :used]] == table[r, s, :used]).all()
+    with pytest.raises(ValueError, match="3 cached pages > the step's capacity 2"):
+        cp_layout.pack_cached_pages(table, kv_lens, 16, capacity=lambda n: 2)
+
+
+def _dense_masked(q, q_seq, q_pos, k, v, k_seq, k_pos, sm_scale):
+    """masked_attention's contract, densely in numpy (the test's reference)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    scores = np.einsum("thd,uhd->htu", q, k) * sm_scale
+    visible = ((q_seq[:, None] == k_seq[None]) & (q_seq[:, None] >= 0)
+               & (k_pos[None] <= q_pos[:, None]))
+    scores = np.where(visible[None], scores, -np.inf)
+    top = scores.max(-1, keepdims=True)
+    weights = np.exp(scores - np.where(np.isfinite(top), top, 0))
+    total = weights.sum(-1)
+    safe = np.where(total > 0, total, 1)
+    out = np.einsum("htu,uhd->thd", weights, v) / safe.T[..., None]
+    return out, np.where(total > 0, np.where(np.isfinite(top), top, 0)[..., 0] + np.log(safe),
+                         -np.inf).T
+
+
+def test_masked_attention_in_tiles_equals_the_dense_block():
+    from medha_jax.model.ring_attention import masked_attention
+
+    rng = np.random.default_rng(19)
+
+    def run(lengths, padding):
+        """A rank's run: sequences in order, positions ascending, then padding (seq -1)."""
+        seq = np.concatenate([np.full(n, s) for s, n in enumerate(lengths)] + [[-1] * padding])
+        pos = np.concatenate([np.sort(rng.choice(300, n, replace=False)) for n in lengths]
+                             + [[0] * padding])
+        return seq.astype(np.int32), pos.astype(np.int32)
+
+    for _ in range(4):
+        q_seq, q_pos = run(rng.integers(0, 40, 4), int(rng.integers(0, 9)))
+        k_seq, k_pos = run(rng.integers(0, 40, 4), int(rng.integers(0, 9)))
+        q = rng.standard_normal((len(q_seq), 8, 16)).astype(np.float32)
+        k, v = rng.standard_normal((2, len(k_seq), 2, 16)).astype(np.float32)
+        want = _dense_masked(q, q_seq, q_pos, k, v, k_seq, k_pos, 0.25)
+        for block in (8, 16, 256):                    # many tiles, a few, one
+            got = jax.jit(functools.partial(masked_attention, sm_scale=0.25, block=block))(
+                q, q_seq, q_pos, k, v, k_seq, k_pos)
+            for g, w in zip(got, want):
+                np.testing.assert_allclose(np.asarray(g), w, atol=1e-5, err_msg=f"{block=}")
+
+
+@pytest.mark.slow
+def test_a_32k_token_chunk_at_cp4_needs_no_tokens_by_tokens_block():
+    # 8192 tokens a rank: the untiled new-token block was [K, g, 8192, 8192] float32 (2 GiB
+    # for tiny's 8 heads) per ring step. Tiled, the compiled step's temporaries are its
+    # activations, logits and tiles; read from XLA's memory analysis of the compiled
+    # step (running it would take minutes on 2 cores).
+    rank_tokens, pages = 8192, 512
+    untiled_bytes = 2 * 4 * rank_tokens * rank_tokens * 4
+    model = tiny(ParallelConfig(cp=4))
+    chunk = cp_layout.CpChunk(start=0, offsets=cp_layout.balanced_offsets(4 * rank_tokens, 4),
+                              cached=np.zeros(4, int),
+                              pages=np.broadcast_to(np.arange(pages), (4, pages)))
+    step = cp_layout.build_cp_step([chunk], num_ranks=4, rank_tokens=rank_tokens,
+                                   padded_seqs=1, width=pages, page_size=16,
+                                   pad_slot=pages * 16)
+    with jax.set_mesh(model.mesh):
+        compiled = model._chunk_logits.lower(
+            model.state, model.new_kv_cache(4 * pages, 16),
+            np.zeros(4 * rank_tokens, np.int32), step.positions,
+            cp_layout.step_metadata(step, 1, False)).compile()
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp < untiled_bytes / 16, temp
+
+
 def test_async_pairs_find_what_runs_while_a_permute_is_in_flight():
     text = """HloModule m, is_scheduled=true
 
@@ -208,9 +302,12 @@ def test_bytes_per_ring_step_are_the_blocks_of_each_variant():
     found = hlo.collectives(text)
     permutes = sorted(c.bytes for c in found if c.op == "collective-permute")
     kv_block = 16 * 2 * 16 * 4                    # new K or V of one rank
-    cached_block = 4 * 16 * 2 * 16 * 4            # one rank's pages of the sequence (W=4)
+    # A full prefill caches nothing yet: the packed cached pages are the one-page minimum,
+    # not the page table's W = 4 pages.
+    cached_block = 1 * 16 * 2 * 16 * 4
     q_block = 16 * 8 * 16 * 4
     assert kv_block in permutes and cached_block in permutes and q_block in permutes
+    assert 4 * 16 * 2 * 16 * 4 not in permutes
     # Linear layers run on each rank's own 16 tokens: the MLP's [tokens, 128] activations
     # are [16, 128] on a device, never the step's [32, 128].
     shapes = {i.shape.split("{")[0] for instrs in hlo.scheduled_instructions(text).values()
@@ -369,7 +466,8 @@ def test_decodes_spread_over_every_rank_by_position_within_a_bound():
     rng = np.random.default_rng(18)
     allocator = BlockAllocator(seqs * pages_per_seq, 16 * ranks)
     ladder = BucketLadder.from_limits(max_tokens=64, max_seqs=seqs,
-                                      max_pages_per_seq=pages_per_seq)
+                                      max_pages_per_seq=pages_per_seq,
+                                      cp_pages=seqs * pages_per_seq)
     requests = [make_request(f"r{i}", rng.integers(0, 256, n).tolist(), steps)
                 for i, n in enumerate(rng.integers(10, 1000, seqs))]
     for request in requests:

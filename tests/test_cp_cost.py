@@ -46,10 +46,12 @@ def test_full_prefill_passes_kv_decode_and_high_hit_partial_prefill_pass_q():
 
 def test_messages_are_the_blocks_each_variant_sends():
     cost = ring()
-    # Per device, bf16: pass-KV sends K and V of (T + P) / N tokens of 1 head of 128.
-    assert cost.step_bytes(PASS_KV, 1000, 3000) == 2 * 1000 * 128 * 2
-    # pass-Q sends Q of T / N tokens of 16 heads, and All2All's (N - 1) f32 partials + LSE.
-    assert cost.step_bytes(PASS_Q, 1000, 3000) == 250 * 16 * 128 * 2
+    # Per device, bf16: pass-KV sends K and V of (T + P) / N tokens of 1 head of 128, and
+    # the new tokens' int32 sequence ids and positions.
+    assert cost.step_bytes(PASS_KV, 1000, 3000) == 2 * 1000 * 128 * 2 + 250 * 8
+    # pass-Q sends Q of T / N tokens of 16 heads with their positions and its rank, and
+    # All2All's (N - 1) f32 partials + LSE.
+    assert cost.step_bytes(PASS_Q, 1000, 3000) == 250 * (16 * 128 * 2 + 4) + 4
     assert cost.all2all_bytes(PASS_Q, 1000) == 3 * 250 * 16 * 129 * 4
     assert cost.all2all_bytes(PASS_KV, 1000) == 0
     # A long enough block hides its transfer: nothing exposed.
@@ -75,3 +77,18 @@ def test_choose_pass_q_for_a_model_preset():
     assert not choose_pass_q(tiny, new_tokens=100, cached_tokens=0, num_ranks=2)
     with pytest.raises(ValueError, match="new_tokens"):
         RingCost.create(tiny, num_ranks=2).choose(0, 10)
+
+
+def test_messages_are_priced_as_the_padded_buffers_the_ring_sends():
+    buckets = dict(page_size=16, token_buckets=(16, 32, 64, 128), page_buckets=(16, 64, 256))
+    cost = ring(**buckets)
+    kv = 2 * 1 * 128 * 2                                        # K and V bytes of a token
+    # 263 new tokens over 4 ranks: 66 a rank, padded to 128; 2936 cached over 4 ranks in
+    # 16-token pages, 8 sequences' last pages half full: ceil(45.9 + 3.5) = 50 -> 64 pages.
+    assert cost.step_bytes(PASS_KV, 263, 2936, seqs=8) == (128 + 64 * 16) * kv + 128 * 8
+    assert cost.step_bytes(PASS_Q, 263, 2936, seqs=8) == 128 * (16 * 128 * 2 + 4) + 4
+    # A full prefill has no cached page but sends the smallest page rung (a static shape).
+    assert cost.step_bytes(PASS_KV, 512, 0) == (128 + 16 * 16) * kv + 128 * 8
+    unpadded = ring()
+    assert unpadded.step_bytes(PASS_KV, 263, 2936, seqs=8) == pytest.approx(
+        (66 + 2936 / 4) * kv + 66 * 8)

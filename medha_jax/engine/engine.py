@@ -128,7 +128,7 @@ class EngineConfig:
 @functools.partial(jax.jit, static_argnames=("graphdef", "shape", "num_kv_shards", "cp_ranks"),
                    donate_argnames=("kv_cache",))
 def step(graphdef, state, kv_cache: KVCache, ints, floats, rng_keys, *,
-         shape: tuple[int, int, int], num_kv_shards: int = 1, cp_ranks: int = 1):
+         shape: tuple[int, ...], num_kv_shards: int = 1, cp_ranks: int = 1):
     """One engine step: forward, last-token logits per sequence, sampling, logprobs. Pure.
 
     ints: the packed int32 inputs of bucket `shape` = (T, S, W) (see StepInputs.pack);
@@ -199,7 +199,8 @@ class Engine:
         self.ladder = BucketLadder.from_limits(
             max_tokens=config.max_tokens_per_step, min_tokens=config.min_token_bucket,
             max_seqs=config.max_seqs,
-            max_pages_per_seq=-(-tokens_per_table // config.page_size))
+            max_pages_per_seq=-(-tokens_per_table // config.page_size),
+            cp_pages=config.total_pages if self.cp_ranks > 1 else None)
         self.max_seqs = config.max_seqs
         self.pad_slot = config.total_pages * config.page_size          # one past a shard's slots
         self.num_stages = num_stages(model.mesh)

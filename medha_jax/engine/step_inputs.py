@@ -6,7 +6,8 @@ step and the ragged paged attention kernel read; every size is padded to a bucke
 the BucketLadder so that the step never recompiles:
 
     T = ladder.token_bucket(real tokens), S = ladder.seq_bucket(real seqs),
-    W = ladder.width_bucket(pages of the longest context in the batch).
+    W = ladder.width_bucket(pages of the longest context in the batch),
+    and with cp ranks C = ladder.cp_page_bucket(cached pages the busiest rank sends).
 
 Attention-kernel contract (pallas_kernels.ragged_paged_attention): the queries of
 sequence s are tokens cu_q_lens[s]:cu_q_lens[s + 1]; query i of sequence s sits at
@@ -66,15 +67,16 @@ def request_seed(request) -> int:
 _PACKED_INT32 = ("token_ids", "positions", "slot_mapping", "cu_q_lens", "kv_lens", "page_table",
                  "num_seqs", "num_decodes", "logits_indices", "top_k", "next_token_ids",
                  "logprobs_flags")
-_PACKED_CP_INT32 = ("rank_cu_q_lens", "cp_pass_q")
+_PACKED_CP_INT32 = ("rank_cu_q_lens", "cp_pass_q", "cp_kv_pages", "cp_kv_index")
 _PACKED_FLOAT32 = ("temperature", "top_p")
 
 
-def _int32_shapes(shape: tuple[int, int, int], num_kv_shards: int, cp_ranks: int = 1
+def _int32_shapes(shape: tuple[int, ...], num_kv_shards: int, cp_ranks: int = 1
                   ) -> dict[str, tuple[int, ...]]:
     """The shape of every packed int32 field in bucket (T, S, W) with N KV shards, in order.
-    With cp ranks T is the tokens of one rank and the token arrays hold cp * T."""
-    num_tokens, num_seqs, width = shape
+    With cp ranks the bucket is (T, S, W, C), T is the tokens of one rank and the token
+    arrays hold cp * T."""
+    num_tokens, num_seqs, width = shape[:3]
     n = num_kv_shards
     shapes = {"token_ids": (cp_ranks * num_tokens,), "positions": (cp_ranks * num_tokens,),
               "slot_mapping": (n, num_tokens), "cu_q_lens": (num_seqs + 1,),
@@ -82,11 +84,12 @@ def _int32_shapes(shape: tuple[int, int, int], num_kv_shards: int, cp_ranks: int
               "num_decodes": (1,), "logits_indices": (num_seqs,), "top_k": (num_seqs,),
               "next_token_ids": (cp_ranks * num_tokens,), "logprobs_flags": (2,)}
     if cp_ranks > 1:
-        shapes.update(rank_cu_q_lens=(cp_ranks, num_seqs + 1), cp_pass_q=(1,))
+        shapes.update(rank_cu_q_lens=(cp_ranks, num_seqs + 1), cp_pass_q=(1,),
+                      cp_kv_pages=(cp_ranks, shape[3]), cp_kv_index=(cp_ranks, num_seqs, width))
     return shapes
 
 
-def unpack_int32(ints, shape: tuple[int, int, int], num_kv_shards: int = 1,
+def unpack_int32(ints, shape: tuple[int, ...], num_kv_shards: int = 1,
                  cp_ranks: int = 1) -> dict:
     """The int32 fields of bucket `shape` = (T, S, W) out of `StepInputs.pack`'s vector.
 
@@ -140,6 +143,9 @@ class StepInputs:
     # arrays are [R * T], rank r's run at r * T, see medha_jax.model.cp_layout):
     rank_cu_q_lens: np.ndarray | None = None  # int32 [R, S + 1]: each rank's run by sequence
     cp_pass_q: np.ndarray | None = None       # int32 [1]: 1 = ring pass-Q, 0 = pass-KV
+    cp_kv_pages: np.ndarray | None = None     # int32 [R, C]: each rank's packed cached pages
+    cp_kv_index: np.ndarray | None = None     # int32 [R, S, W]: page-table entries among them
+                                              #   (cp_layout.pack_cached_pages)
     # Host only: the row of each real token (batch order) in the token arrays [R * T]; None
     # without cp, where token i is row i. Maps prompt logprobs back to their tokens.
     token_rows: np.ndarray | None = None
@@ -149,10 +155,12 @@ class StepInputs:
         return 1 if self.rank_cu_q_lens is None else self.rank_cu_q_lens.shape[0]
 
     @property
-    def padded_shape(self) -> tuple[int, int, int]:
-        """(T, S, W): the bucket, i.e. which compiled executable runs this step."""
+    def padded_shape(self) -> tuple[int, ...]:
+        """(T, S, W), with cp (T, S, W, C): the bucket, i.e. which compiled executable runs
+        this step."""
         _, num_padded_seqs, width = self.page_table.shape
-        return self.token_ids.shape[0] // self.cp_ranks, num_padded_seqs, width
+        shape = (self.token_ids.shape[0] // self.cp_ranks, num_padded_seqs, width)
+        return shape if self.cp_kv_pages is None else shape + (self.cp_kv_pages.shape[1],)
 
     @property
     def num_kv_shards(self) -> int:
@@ -177,16 +185,19 @@ class StepInputs:
         return ints, floats, self.rng_keys
 
     @classmethod
-    def padding(cls, shape: tuple[int, int, int], pad_slot: int,
+    def padding(cls, shape: tuple[int, ...], pad_slot: int,
                 num_kv_shards: int = 1, cp_ranks: int = 1) -> StepInputs:
-        """All-padding inputs of bucket `shape` = (T, S, W), what warm-up compiles with:
-        no real sequence, every token writes to `pad_slot`, so a step on them writes nothing."""
-        num_tokens, num_seqs, width = shape
+        """All-padding inputs of bucket `shape` = (T, S, W) (with cp: (T, S, W, C)), what
+        warm-up compiles with: no real sequence, every token writes to `pad_slot`, so a step
+        on them writes nothing."""
+        num_tokens, num_seqs, width = shape[:3]
         zeros = functools.partial(np.zeros, dtype=np.int32)
         cp = cp_ranks > 1
         return cls(
             rank_cu_q_lens=zeros((cp_ranks, num_seqs + 1)) if cp else None,
             cp_pass_q=zeros(1) if cp else None,
+            cp_kv_pages=zeros((cp_ranks, shape[3])) if cp else None,
+            cp_kv_index=zeros((cp_ranks, num_seqs, width)) if cp else None,
             token_ids=zeros(cp_ranks * num_tokens), positions=zeros(cp_ranks * num_tokens),
             slot_mapping=np.full((num_kv_shards, num_tokens), pad_slot, np.int32),
             cu_q_lens=zeros(num_seqs + 1), kv_lens=zeros((num_kv_shards, num_seqs)),
@@ -461,6 +472,9 @@ def _cp_step_inputs(batch: Batch, allocator: BlockAllocator, ladder: BucketLadde
         kv_lens[:, s] = cp_layout.cached_on_rank(start, cp_ranks, page_size)
     logits_indices = np.zeros(padded_seqs, np.int32)
     logits_indices[:num_seqs] = target[flat.cu_q_lens[1:num_seqs + 1] - 1]
+    page_table = np.broadcast_to(table, (cp_ranks,) + table.shape)
+    kv_pages, kv_index = cp_layout.pack_cached_pages(page_table, kv_lens, page_size,
+                                                     capacity=ladder.cp_page_bucket)
     new, cached = num_tokens, sum(starts)
     if cp_variant is not None:
         pass_q = cp_variant == PASS_Q
@@ -470,7 +484,7 @@ def _cp_step_inputs(batch: Batch, allocator: BlockAllocator, ladder: BucketLadde
                                   and ring_cost.choose(new, cached) == PASS_Q)
     return dataclasses.replace(
         flat, token_ids=token_ids, positions=all_positions, slot_mapping=slot_mapping,
-        kv_lens=kv_lens, page_table=np.broadcast_to(table, (cp_ranks,) + table.shape).copy(),
+        kv_lens=kv_lens, page_table=page_table.copy(), cp_kv_pages=kv_pages, cp_kv_index=kv_index,
         logits_indices=logits_indices, rank_cu_q_lens=rank_cu_q_lens,
         cp_pass_q=np.array([int(pass_q)], np.int32), next_token_ids=next_token_ids,
         token_rows=target)

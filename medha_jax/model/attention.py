@@ -63,6 +63,10 @@ class AttentionMetadata:
     rank_cu_q_lens: int32 [cp, S + 1] cp only: each rank's run of new tokens by sequence
                                    (cu_q_lens is then unused)
     cp_pass_q:    int32 [1]        cp only: 1 = ring pass-Q, 0 = ring pass-KV
+    cp_kv_pages:  int32 [cp, C]    cp only: each rank's pages holding its cached tokens of the
+                                   step's sequences, each once (what pass-KV sends)
+    cp_kv_index:  int32 [cp, S, W] cp only: where each page-table entry sits in cp_kv_pages
+                                   (`cp_layout.pack_cached_pages`)
     num_decodes:  int32 [1]        the leading sequences that have one query token each
                                    (the engine orders decodes first): the Pallas kernels
                                    serve them with the decode kernel, the rest with query
@@ -77,6 +81,8 @@ class AttentionMetadata:
     rank_cu_q_lens: jax.Array | None = None
     cp_pass_q: jax.Array | None = None
     num_decodes: jax.Array | None = None
+    cp_kv_pages: jax.Array | None = None
+    cp_kv_index: jax.Array | None = None
 
     @classmethod
     def of(cls, fields) -> AttentionMetadata:
@@ -107,8 +113,10 @@ def attention(q, k, v, k_cache, v_cache, layer_id, meta: AttentionMetadata, *,
     if cp > 1 and num_kv_shards(layout) != cp:
         raise ValueError(f"cp={cp} with {num_kv_shards(layout)} KV shards: cp and kvp do not "
                          "combine (see this module's docstring)")
-    if cp > 1 and (meta.rank_cu_q_lens is None or meta.cp_pass_q is None or positions is None):
-        raise ValueError(f"cp={cp} needs the step's rank_cu_q_lens, cp_pass_q and positions: "
+    if cp > 1 and (meta.rank_cu_q_lens is None or meta.cp_pass_q is None or positions is None
+                   or meta.cp_kv_pages is None or meta.cp_kv_index is None):
+        raise ValueError(f"cp={cp} needs the step's rank_cu_q_lens, cp_pass_q, cp_kv_pages, "
+                         "cp_kv_index and positions: "
                          "the engine's build_step_inputs(..., cp_ranks=cp) and "
                          "medha_jax.model.cp_layout.build_cp_step make them")
     body = functools.partial(_attend_on_device, sm_scale=sm_scale,
@@ -134,6 +142,8 @@ def attention(q, k, v, k_cache, v_cache, layer_id, meta: AttentionMetadata, *,
         cu_q_lens=spec((None,)), kv_lens=spec(("pages", "seqs")), num_seqs=spec((None,)),
         rank_cu_q_lens=cp_only(meta.rank_cu_q_lens, spec((None, None))),
         cp_pass_q=cp_only(meta.cp_pass_q, spec((None,))),
+        cp_kv_pages=cp_only(meta.cp_kv_pages, spec(("pages", None))),
+        cp_kv_index=cp_only(meta.cp_kv_index, spec(("pages", "seqs", None))),
         num_decodes=None if meta.num_decodes is None else spec((None,)))
     sharded = jax.shard_map(
         body, mesh=layout.mesh, in_specs=(q_spec, kv_spec, kv_spec, spec(("tokens",)),
@@ -159,6 +169,7 @@ def _attend_on_device(q, k, v, positions, k_cache, v_cache, layer_id, meta: Atte
     if cp > 1:
         out = ring_attention(q, k, v, positions, k_all, v_all, layer_pages, kv_lens,
                              meta.rank_cu_q_lens, meta.num_seqs, meta.cp_pass_q,
+                             meta.cp_kv_pages[0] + layer_id * num_pages, meta.cp_kv_index[0],
                              axis=cp_axis, num_ranks=cp, sm_scale=sm_scale, impl=impl)
         return out, k_cache, v_cache
     if num_shards == 1:

@@ -12,6 +12,12 @@ over cp); within a rank's run the sequences keep their batch order and each sequ
 tokens are in position order. The K/V of a token stay on its rank: rank r's pages of a
 sequence fill in the order its tokens arrive there, which is all the non-causal cached
 attention needs (`medha_jax.model.ring_attention`).
+
+What a rank sends in a pass-KV ring step is its real cached K/V of the step's sequences,
+packed (`pack_cached_pages`): the distinct pages that hold them, C of them, and an index
+from each sequence's page-table row into that list. C is a static size of the compiled
+step, a bucket of the busiest rank's page count (`BucketLadder.cp_page_buckets`), so the
+message follows the batch's total context over N, not sequences x the widest page table.
 """
 
 from __future__ import annotations
@@ -64,6 +70,8 @@ class CpStep:
     page_table: int32 [N, S, W]; kv_lens: int32 [N, S] (tokens cached before the step)
     rank_cu_q_lens: int32 [N, S + 1] each rank's run by sequence
     last_token: int32 [S] flat index of each sequence's last new token (its logits row)
+    kv_pages: int32 [N, C]; kv_index: int32 [N, S, W]  the cached pages packed
+                                 (`pack_cached_pages`)
     """
 
     source: np.ndarray
@@ -73,6 +81,8 @@ class CpStep:
     kv_lens: np.ndarray
     rank_cu_q_lens: np.ndarray
     last_token: np.ndarray
+    kv_pages: np.ndarray
+    kv_index: np.ndarray
 
 
 SOURCE_STRIDE = 1 << 20
@@ -84,8 +94,10 @@ def tokens_per_rank(chunks: list[CpChunk]) -> int:
 
 
 def build_cp_step(chunks: list[CpChunk], *, num_ranks: int, rank_tokens: int,
-                  padded_seqs: int, width: int, page_size: int, pad_slot: int) -> CpStep:
-    """Lays out one step's chunks over the ranks (see the module docstring)."""
+                  padded_seqs: int, width: int, page_size: int, pad_slot: int,
+                  kv_capacity: int | None = None) -> CpStep:
+    """Lays out one step's chunks over the ranks (see the module docstring). kv_capacity:
+    C, the packed cached pages a rank sends (None: the busiest rank's count, at least 1)."""
     if tokens_per_rank(chunks) > rank_tokens:
         raise ValueError(f"a rank gets {tokens_per_rank(chunks)} tokens > {rank_tokens=}")
     n, t = num_ranks, rank_tokens
@@ -115,9 +127,42 @@ def build_cp_step(chunks: list[CpChunk], *, num_ranks: int, rank_tokens: int,
             at += len(offsets)
             cu[r, s + 1] = at
         cu[r, len(chunks) + 1:] = at
+    kv_pages, kv_index = pack_cached_pages(
+        page_table, kv_lens, page_size,
+        capacity=lambda most: max(1, most) if kv_capacity is None else kv_capacity)
     return CpStep(source=source.astype(np.int32), positions=positions,
                   slot_mapping=slot_mapping, page_table=page_table, kv_lens=kv_lens,
-                  rank_cu_q_lens=cu, last_token=last_token)
+                  rank_cu_q_lens=cu, last_token=last_token, kv_pages=kv_pages,
+                  kv_index=kv_index)
+
+
+def pack_cached_pages(page_table: np.ndarray, kv_lens: np.ndarray, page_size: int, *,
+                      capacity) -> tuple[np.ndarray, np.ndarray]:
+    """What each rank sends of its cache in a pass-KV ring step: its real cached K/V, packed.
+
+    page_table: int [N, S, W] each rank's local pages of each sequence, in token order;
+    kv_lens: int [N, S] tokens of each sequence cached on each rank; capacity: the busiest
+    rank's page count -> C (the step's bucket; an error if it returns less).
+    Returns (pages int32 [N, C]: rank r's distinct pages holding cached tokens, then
+    padding page 0, never read; index int32 [N, S, W]: where page j of sequence s sits in
+    rank r's list, 0 past its cached pages). A page two sequences share (a cached
+    prefix) is sent once, so a rank never sends more than its pool holds.
+    """
+    num_ranks, num_seqs, width = page_table.shape
+    used = np.arange(width) < -(-np.asarray(kv_lens) // page_size)[..., None]   # [N, S, W]
+    index = np.zeros(page_table.shape, np.int32)
+    distinct = []
+    for r in range(num_ranks):
+        pages, index[r][used[r]] = np.unique(page_table[r][used[r]], return_inverse=True)
+        distinct.append(pages)
+    most = max(len(p) for p in distinct)
+    size = capacity(most)
+    if size < most:
+        raise ValueError(f"a rank sends {most} cached pages > the step's capacity {size}")
+    packed = np.zeros((num_ranks, size), np.int32)
+    for r, pages in enumerate(distinct):
+        packed[r, :len(pages)] = pages
+    return packed, index
 
 
 def plan_sequence(chunk_sizes: list[int], num_ranks: int
@@ -142,7 +187,8 @@ def step_metadata(step: CpStep, num_seqs: int, pass_q: bool):
         slot_mapping=step.slot_mapping, page_table=step.page_table,
         cu_q_lens=np.zeros(step.page_table.shape[1] + 1, np.int32), kv_lens=step.kv_lens,
         num_seqs=np.array([num_seqs], np.int32), rank_cu_q_lens=step.rank_cu_q_lens,
-        cp_pass_q=np.array([int(pass_q)], np.int32))
+        cp_pass_q=np.array([int(pass_q)], np.int32), cp_kv_pages=step.kv_pages,
+        cp_kv_index=step.kv_index)
 
 
 # ------------------------------------------------------------------ the engine's placement

@@ -11,18 +11,19 @@ query is split into two exact parts and merged by log-sum-exp (appendix B):
   (b) the step's new tokens: a position-aware causal mask (same sequence, key position <=
       query position), because a rank's new tokens are two chunks of a sequence (head and
       tail), not one contiguous run the kernel's causal mode could describe. This part is
-      a dense masked [T_rank, T_rank] block per ring step in jnp (`masked_attention`), the
-      work of one block pair of flash attention without its skipping of fully masked
-      tiles; a paged-kernel mode taking per-token positions would take it over (the
-      kernels are another module's).
+      a flash-style loop in jnp (`masked_attention`): query blocks streaming over key
+      tiles with an online softmax, memory O(block^2 x heads) whatever T_rank, visiting
+      only the tiles a block can see.
 
 Both parts of rank j's keys are visited by every rank's queries around a ring of N steps:
 
 - pass-KV (Algorithm 2): the K/V travel. Rank j's message is its new K/V with their
-  sequence ids and positions, and its cached pages of the step's sequences gathered into a
-  [seqs, width] block (its size is the static page-table width: messages are equal-sized
-  by construction, section 3.5.2) with their key counts. Partial results stay on the rank
-  of the query and merge as they arrive.
+  sequence ids and positions, and its real cached K/V of the step's sequences: the C
+  distinct pages holding them (`cp_layout.pack_cached_pages`), with the index from each
+  sequence's page-table row into them and the key counts. C is a static bucket of the
+  busiest rank's pages, so messages are equal-sized (section 3.5.2) and about the rank's
+  share of the batch's context, (T + P) / N, not S x the widest page table. Partial
+  results stay on the rank of the query and merge as they arrive.
 - pass-Q (Algorithm 3): the queries travel (with their positions and source rank); each
   rank attends a visiting block over its own pages and new K/V, keeps the partial result
   in the slot of the query's source, and one All2All returns all partials to their owners,
@@ -45,10 +46,13 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import merge_attention, ragged_paged_attention
+from pallas_kernels.merge import (attention_scores, online_softmax_finish, online_softmax_init,
+                                   online_softmax_update)
 
 
 def ring_attention(q, k, v, positions, k_all, v_all, layer_pages, kv_lens, rank_cu_q_lens,
-                   num_seqs, pass_q, *, axis: str, num_ranks: int, sm_scale: float, impl: str):
+                   num_seqs, pass_q, kv_pages, kv_index, *, axis: str, num_ranks: int,
+                   sm_scale: float, impl: str):
     """Attention of this rank's queries over all ranks' cached and new K/V.
 
     q: [T, H, hd]; k, v: [T, K, hd] (this rank's new tokens, T = step tokens / N);
@@ -56,12 +60,14 @@ def ring_attention(q, k, v, positions, k_all, v_all, layer_pages, kv_lens, rank_
     layers); layer_pages: int32 [S, W] (this layer's page ids of each sequence on this rank);
     kv_lens: int32 [S] (tokens of each sequence cached on this rank before the step);
     rank_cu_q_lens: int32 [N, S + 1] (each rank's run of new tokens by sequence); num_seqs:
-    int32 [1]; pass_q: int32 [1] (nonzero: pass-Q). Returns out [T, H, hd].
+    int32 [1]; pass_q: int32 [1] (nonzero: pass-Q); kv_pages: int32 [C] (this layer's ids
+    of this rank's packed cached pages); kv_index: int32 [S, W] (each page-table entry's
+    place among them). Returns out [T, H, hd].
     """
     rank = jax.lax.axis_index(axis)
     local = _Local(q=q, k=k, v=v, positions=positions, k_all=k_all, v_all=v_all,
                    layer_pages=layer_pages, kv_lens=kv_lens, cu=rank_cu_q_lens,
-                   num_seqs=num_seqs, rank=rank)
+                   num_seqs=num_seqs, rank=rank, kv_pages=kv_pages, kv_index=kv_index)
     kw = dict(axis=axis, num_ranks=num_ranks, sm_scale=sm_scale, impl=impl)
     out = jax.lax.cond(pass_q[0] != 0, functools.partial(_pass_q, **kw),
                        functools.partial(_pass_kv, **kw), local)
@@ -84,6 +90,8 @@ class _Local:
     cu: jax.Array
     num_seqs: jax.Array
     rank: jax.Array
+    kv_pages: jax.Array
+    kv_index: jax.Array
 
 
 # Name scopes of a ring step's transfer and attention, so that a test can find them in the
@@ -106,16 +114,11 @@ def _ring_perm(num_ranks: int):
 
 def _pass_kv(x: _Local, *, axis: str, num_ranks: int, sm_scale: float, impl: str):
     """Algorithm 2: this rank's queries stay; every rank's K/V visit them."""
-    num_seqs_pad, width = x.layer_pages.shape
-    page_size = x.k_all.shape[1]
-    # This rank's cached K/V of the step's sequences as one equal-sized block:
-    # [S * W, page_size, K, hd], sequence s in pages s * W ... (s + 1) * W - 1.
-    block_table = jnp.arange(num_seqs_pad * width, dtype=jnp.int32).reshape(num_seqs_pad, width)
+    # This rank's real cached K/V of the step's sequences, [C, page_size, K, hd], and where
+    # each sequence's pages sit in it: what travels, not [S x W] padded page tables.
     seq_ids = _token_seqs(x.cu[x.rank], x.num_seqs, x.q.shape[0])
-    message = dict(k=x.k, v=x.v, seq=seq_ids, pos=x.positions,
-                   k_cached=x.k_all[x.layer_pages].reshape(-1, page_size, *x.k_all.shape[2:]),
-                   v_cached=x.v_all[x.layer_pages].reshape(-1, page_size, *x.v_all.shape[2:]),
-                   kv_lens=x.kv_lens)
+    message = dict(k=x.k, v=x.v, seq=seq_ids, pos=x.positions, k_cached=x.k_all[x.kv_pages],
+                   v_cached=x.v_all[x.kv_pages], kv_index=x.kv_index, kv_lens=x.kv_lens)
     q_seq = seq_ids
     outs, lses = [], []
     for step in range(num_ranks):
@@ -123,7 +126,7 @@ def _pass_kv(x: _Local, *, axis: str, num_ranks: int, sm_scale: float, impl: str
         following = _send_next(message, step, axis=axis, num_ranks=num_ranks)
         with jax.named_scope(f"{RING_ATTEND}{step}"):
             cached = ragged_paged_attention(
-                x.q, message["k_cached"], message["v_cached"], block_table, x.cu[x.rank],
+                x.q, message["k_cached"], message["v_cached"], message["kv_index"], x.cu[x.rank],
                 message["kv_lens"], x.num_seqs, sm_scale=sm_scale, impl=impl, causal=False)
             fresh = masked_attention(x.q, q_seq, x.positions, message["k"], message["v"],
                                      message["seq"], message["pos"], sm_scale=sm_scale)
@@ -166,32 +169,93 @@ def _pass_q(x: _Local, *, axis: str, num_ranks: int, sm_scale: float, impl: str)
     return out
 
 
-def masked_attention(q, q_seq, q_pos, k, v, k_seq, k_pos, *, sm_scale: float):
-    """Attention of new tokens over new tokens by sequence id and position.
+# Query and key tokens per tile of `masked_attention`: a tile's scores are
+# [heads, NEW_TOKEN_BLOCK, NEW_TOKEN_BLOCK] f32 (32 heads: 8 MiB), whatever T_rank.
+NEW_TOKEN_BLOCK = 256
+
+
+def masked_attention(q, q_seq, q_pos, k, v, k_seq, k_pos, *, sm_scale: float,
+                     block: int = NEW_TOKEN_BLOCK):
+    """Attention of new tokens over new tokens by sequence id and position, tiled.
 
     q: [Tq, H, hd]; q_seq, q_pos: int32 [Tq]; k, v: [Tk, K, hd]; k_seq, k_pos: int32 [Tk].
     Query t sees key u iff q_seq[t] == k_seq[u] >= 0 and k_pos[u] <= q_pos[t]; padding
     carries seq -1. Returns (out [Tq, H, hd] f32, lse [Tq, H] f32; 0 and -inf for a query
     that sees no key).
+
+    Flash-style: query blocks of up to `block` tokens, each streaming over key tiles of
+    `block` with an online softmax, so memory is O(block^2 x heads), not [H, Tq, Tk]. A
+    rank's run (queries and keys alike) is ordered by sequence, then position, padding
+    last (`cp_layout`), so the keys a query block can see are one contiguous range: from
+    the first key of its first sequence to the last key of its last sequence at or before
+    its latest position there. Only the tiles of that range are visited (causal skipping:
+    about half the tiles of one long chunk).
     """
     num_q, num_heads, head_dim = q.shape
-    kv_heads = k.shape[1]
+    num_k, kv_heads, _ = k.shape
     group = num_heads // kv_heads
-    qg = q.reshape(num_q, kv_heads, group, head_dim)
-    scores = jnp.einsum("tkgd,ukd->kgtu", qg, k, preferred_element_type=jnp.float32) * sm_scale
-    visible = ((q_seq[:, None] == k_seq[None, :]) & (q_seq[:, None] >= 0)
-               & (k_pos[None, :] <= q_pos[:, None]))                      # [Tq, Tk]
-    scores = jnp.where(visible, scores, -jnp.inf)
-    top = jnp.max(scores, axis=-1)
-    top = jnp.where(jnp.isfinite(top), top, 0.0)
-    weights = jnp.where(visible, jnp.exp(scores - top[..., None]), 0.0)
-    total = jnp.sum(weights, axis=-1)                                     # [K, g, Tq]
-    out = jnp.einsum("kgtu,ukd->tkgd", weights, v.astype(jnp.float32))
-    safe = jnp.where(total > 0, total, 1.0)
-    out = out / jnp.moveaxis(safe, -1, 0)[..., None]
-    lse = jnp.where(total > 0, top + jnp.log(safe), -jnp.inf)
-    return (out.reshape(num_q, num_heads, head_dim),
-            jnp.moveaxis(lse, -1, 0).reshape(num_q, num_heads))
+    bq = min(block, _pow2_at_least(num_q))
+    bk = min(block, _pow2_at_least(num_k))
+    q_blocks, k_tiles = -(-num_q // bq), -(-num_k // bk)
+    pad_q, pad_k = q_blocks * bq - num_q, k_tiles * bk - num_k
+    q = jnp.pad(q, ((0, pad_q), (0, 0), (0, 0)))
+    q_seq = jnp.pad(q_seq, (0, pad_q), constant_values=-1)
+    q_pos = jnp.pad(q_pos, (0, pad_q))
+    k = jnp.pad(k, ((0, pad_k), (0, 0), (0, 0)))
+    v = jnp.pad(v, ((0, pad_k), (0, 0), (0, 0)))
+    k_seq = jnp.pad(k_seq, (0, pad_k), constant_values=-1)
+    k_pos = jnp.pad(k_pos, (0, pad_k))
+    # Padding keys sort last: seq -1 counted as past every real sequence.
+    key_order = jnp.where(k_seq >= 0, k_seq, jnp.iinfo(jnp.int32).max)
+    row_token = jnp.arange(bq * group, dtype=jnp.int32) // group   # row r: token r // group
+
+    def block_step(b, carry):
+        out, lse = carry
+        first = b * bq
+        qb = jax.lax.dynamic_slice_in_dim(q, first, bq)
+        qs = jax.lax.dynamic_slice_in_dim(q_seq, first, bq)
+        qp = jax.lax.dynamic_slice_in_dim(q_pos, first, bq)
+        real = qs >= 0
+        lo_seq = jnp.min(jnp.where(real, qs, jnp.iinfo(jnp.int32).max))
+        hi_seq = jnp.max(qs)
+        hi_pos = jnp.max(jnp.where(qs == hi_seq, qp, -1))
+        lo = jnp.sum(key_order < lo_seq, dtype=jnp.int32)
+        hi = jnp.sum((key_order < hi_seq) | ((key_order == hi_seq) & (k_pos <= hi_pos)),
+                     dtype=jnp.int32)
+        hi = jnp.where(jnp.any(real), hi, lo)
+        q_rows = (qb.reshape(bq, kv_heads, group, head_dim).transpose(1, 0, 2, 3)
+                  .reshape(kv_heads, bq * group, head_dim))
+        row_seq, row_pos = qs[row_token], qp[row_token]
+
+        def tile_step(tile, state):
+            start = tile * bk
+            kt = jax.lax.dynamic_slice_in_dim(k, start, bk).transpose(1, 0, 2)   # [K, bk, hd]
+            vt = jax.lax.dynamic_slice_in_dim(v, start, bk).transpose(1, 0, 2)
+            ks = jax.lax.dynamic_slice_in_dim(k_seq, start, bk)
+            kp = jax.lax.dynamic_slice_in_dim(k_pos, start, bk)
+            visible = ((row_seq[:, None] == ks[None, :]) & (row_seq[:, None] >= 0)
+                       & (kp[None, :] <= row_pos[:, None]))                  # [rows, bk]
+            scores = attention_scores(q_rows, kt, sm_scale)                  # [K, rows, bk]
+            scores = jnp.where(visible[None], scores, -jnp.inf)
+            return online_softmax_update(state, scores, vt)
+
+        state = online_softmax_init((kv_heads, bq * group), head_dim)
+        state = jax.lax.fori_loop(lo // bk, -(-hi // bk), tile_step, state)
+        o, l = online_softmax_finish(state)
+        o = (o.reshape(kv_heads, bq, group, head_dim).transpose(1, 0, 2, 3)
+             .reshape(bq, num_heads, head_dim))
+        l = l.reshape(kv_heads, bq, group).transpose(1, 0, 2).reshape(bq, num_heads)
+        return (jax.lax.dynamic_update_slice_in_dim(out, o, first, 0),
+                jax.lax.dynamic_update_slice_in_dim(lse, l, first, 0))
+
+    out = jnp.zeros((q_blocks * bq, num_heads, head_dim), jnp.float32)
+    lse = jnp.full((q_blocks * bq, num_heads), -jnp.inf, jnp.float32)
+    out, lse = jax.lax.fori_loop(0, q_blocks, block_step, (out, lse))
+    return out[:num_q], lse[:num_q]
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
 
 
 def _token_seqs(cu_q_lens, num_seqs, num_tokens: int):

@@ -13,6 +13,14 @@ C = peak FLOP/s x attention efficiency and BW = link bytes/s x interconnect effi
   pass-Q  All2All        N - 1 partial outputs and LSEs of T / N tokens: (N - 1) T / N x
                          N_H (hd + 1) x 4 bytes (float32, what `ring_attention` sends)
 
+Those are the paper's terms. `step_bytes` prices what `ring_attention` really sends, which
+they approach: the new tokens of a rank padded to the step's token bucket (with their
+int32 sequence ids and positions: 8 bytes a token for pass-KV, positions only for pass-Q),
+and for pass-KV the rank's cached tokens in whole pages of page_size (each sequence's last
+page half full on average) padded to the step's cp page bucket (`cp_layout.
+pack_cached_pages`). Without page_size and buckets (the simulator) it is the terms above
+plus the int32 indexes.
+
 A ring of N steps overlaps each step's transfer with the attention of the block in hand, so
 a variant exposes (N - 1) x max(0, transfer - attention / N), plus the All2All for pass-Q.
 
@@ -31,6 +39,7 @@ Full prefill (P = 0) is the case T / (T + P) = 1 (pass-KV for GQA with N_H > 2 N
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from medha_jax.config import ModelConfig
 from medha_jax.scheduler.hardware import HardwareSpec, hardware_preset
@@ -45,7 +54,9 @@ class RingCost:
     num_ranks: N; num_heads, num_kv_heads: the heads ONE device holds (after tp);
     head_dim; layers: layers one device runs; bytes_per_value: e; flops_per_s: C (peak x
     attention efficiency); link_bytes_per_s: BW (link x interconnect efficiency);
-    latency_s: fixed cost of one transfer.
+    latency_s: fixed cost of one transfer; page_size: tokens of a page on one rank (None:
+    cached tokens priced one by one); token_buckets: the step's tokens-per-rank rungs;
+    page_buckets: its cp page rungs (`BucketLadder.cp_page_buckets`). Empty: no padding.
     """
 
     num_ranks: int
@@ -57,6 +68,9 @@ class RingCost:
     flops_per_s: float
     link_bytes_per_s: float
     latency_s: float = 10e-6
+    page_size: int | None = None
+    token_buckets: tuple[int, ...] = ()
+    page_buckets: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.num_ranks < 1 or self.num_heads < 1 or self.num_kv_heads < 1:
@@ -65,7 +79,8 @@ class RingCost:
     @classmethod
     def create(cls, model: ModelConfig, hardware: HardwareSpec | str = "h100", *,
                num_ranks: int, tp: int = 1, spp: int = 1, attention_efficiency: float = 0.6,
-               interconnect_efficiency: float = 0.75, latency_s: float = 10e-6) -> RingCost:
+               interconnect_efficiency: float = 0.75, latency_s: float = 10e-6,
+               page_size: int | None = None, token_buckets=(), page_buckets=()) -> RingCost:
         if isinstance(hardware, str):
             hardware = hardware_preset(hardware)
         return cls(num_ranks=num_ranks, num_heads=max(1, model.num_heads // tp),
@@ -74,7 +89,8 @@ class RingCost:
                    bytes_per_value=4 if model.dtype == "float32" else 2,
                    flops_per_s=hardware.peak_flops * attention_efficiency,
                    link_bytes_per_s=hardware.interconnect_bandwidth * interconnect_efficiency,
-                   latency_s=latency_s)
+                   latency_s=latency_s, page_size=page_size,
+                   token_buckets=tuple(token_buckets), page_buckets=tuple(page_buckets))
 
     # -------------------------------------------------------------------- the heuristic
 
@@ -110,14 +126,21 @@ class RingCost:
         return (self.layers * 4 * d * new_tokens * (cached_tokens + new_tokens / 2)
                 / self.num_ranks / self.flops_per_s)
 
-    def step_bytes(self, variant: str, new_tokens: float, cached_tokens: float) -> float:
-        """Bytes one rank sends in one ring step of one layer."""
+    def step_bytes(self, variant: str, new_tokens: float, cached_tokens: float, *,
+                   seqs: int = 1) -> float:
+        """Bytes one rank sends in one ring step of one layer, for a step of `seqs` sequences
+        (see the module docstring: the padded buffers `ring_attention` sends)."""
         n = self.num_ranks
+        tokens = _padded(math.ceil(new_tokens / n), self.token_buckets)
         if variant == PASS_KV:
-            return 2 * (new_tokens + cached_tokens) / n * self.num_kv_heads * self.head_dim \
-                * self.bytes_per_value
+            cached = cached_tokens / n
+            if self.page_size is not None:
+                pages = math.ceil(cached / self.page_size + (seqs - 1) / 2) if cached else 0
+                cached = _padded(pages, self.page_buckets) * self.page_size
+            return (2 * (tokens + cached) * self.num_kv_heads * self.head_dim
+                    * self.bytes_per_value + 8 * tokens)
         if variant == PASS_Q:
-            return new_tokens / n * self.num_heads * self.head_dim * self.bytes_per_value
+            return tokens * (self.num_heads * self.head_dim * self.bytes_per_value + 4) + 4
         raise ValueError(f"unknown ring variant {variant!r}; want {PASS_KV!r} or {PASS_Q!r}")
 
     def all2all_bytes(self, variant: str, new_tokens: float) -> float:
@@ -140,6 +163,13 @@ class RingCost:
             exposed += self.all2all_bytes(variant, new_tokens) / self.link_bytes_per_s \
                 + self.latency_s
         return self.layers * exposed
+
+
+def _padded(n: int, buckets: tuple[int, ...]) -> int:
+    """n padded up to its rung (the top rung past the ladder; n without rungs)."""
+    if not buckets:
+        return n
+    return next((b for b in buckets if b >= max(n, 1)), buckets[-1])
 
 
 def choose_pass_q(model: ModelConfig, *, new_tokens: int, cached_tokens: int, num_ranks: int,
