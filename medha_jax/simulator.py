@@ -192,6 +192,7 @@ class SimulationResult:
     replica_of: dict[str, int]      # request_id -> the replica the router chose
     busy_s: list[float] = dataclasses.field(default_factory=list)  # per replica: stage seconds
     routing: str = ""               # the router's policy
+    decision_s: list[float] = dataclasses.field(default_factory=list)  # router wall seconds
 
     @property
     def finished(self) -> list[Request]:
@@ -382,7 +383,8 @@ def simulate(requests: list[Request], *, scheduler: str | SchedulerConfig, model
         policy=config.policy, hardware=hardware.name, predictor=type(predictor).__name__,
         num_replicas=len(controllers), kv_capacity_tokens=capacity,
         wall_s=time.perf_counter() - wall_start, replica_of=replica_of,
-        busy_s=[runner.executor.busy_s for runner in runners], routing=routing.policy)
+        busy_s=[runner.executor.busy_s for runner in runners], routing=routing.policy,
+        decision_s=router.decision_seconds)
 
 
 def _route_request(request: Request, page_size: int) -> RouteRequest:

@@ -56,10 +56,12 @@ class PrefixIndex:
         self._clock = clock
         self._holders: dict[bytes, int] = {}                  # hash -> replica bitmask
         self._next_seq = [0] * num_replicas
-        # Speculative marks: hash -> {replica: expiry}; expired ones are swept in order.
-        self._speculative: dict[bytes, dict[int, float]] = {}
-        self._expiries: collections.deque[tuple[float, int, tuple[bytes, ...]]] = (
-            collections.deque())
+        # Speculative marks: hash -> replica bitmask, held until the page's latest mark
+        # expires (a page marked again for any replica keeps all its marks a while longer:
+        # a bounded over-estimate that keeps a lookup to two dict reads per page).
+        self._speculative: dict[bytes, int] = {}
+        self._marked_until: dict[bytes, float] = {}
+        self._expiries: collections.deque[tuple[float, tuple[bytes, ...]]] = collections.deque()
         self.num_gaps = 0                                     # events lost and recovered from
 
     # ----------------------------------------------------------------- events
@@ -100,24 +102,27 @@ class PrefixIndex:
 
     def forget_replica(self, replica: int) -> None:
         """Drops everything the index knows of a replica (it died, restarted or lost events)."""
-        r = self._check_replica(replica)
-        self._drop_bit(1 << r)
-        for marks in self._speculative.values():
-            marks.pop(r, None)
+        bit = 1 << self._check_replica(replica)
+        self._drop_bit(bit)
+        speculative = self._speculative
+        for h in [h for h, mask in speculative.items() if mask & bit]:
+            speculative[h] &= ~bit
 
     # ----------------------------------------------------------------- routing
 
     def mark_routed(self, replica: int, hashes: Sequence[bytes]) -> None:
         """The prompt with these page hashes was just sent to `replica`: count its pages as
         held there until the replica's events confirm them or the mark expires."""
-        r = self._check_replica(replica)
+        bit = 1 << self._check_replica(replica)
         if not hashes or self.speculative_ttl_s == 0:
             return
         expiry = self._clock() + self.speculative_ttl_s
         hashes = tuple(hashes)
+        speculative, marked_until = self._speculative, self._marked_until
         for h in hashes:
-            self._speculative.setdefault(h, {})[r] = expiry
-        self._expiries.append((expiry, r, hashes))
+            speculative[h] = speculative.get(h, 0) | bit
+            marked_until[h] = expiry
+        self._expiries.append((expiry, hashes))
 
     def cached_pages(self, hashes: Sequence[bytes]) -> list[int]:
         """For each replica, how many leading pages of a prompt with these page hashes it
@@ -130,11 +135,7 @@ class PrefixIndex:
         holders, speculative = self._holders, self._speculative
         depth = 0
         for depth, h in enumerate(hashes):
-            mask = holders.get(h, 0)
-            marks = speculative.get(h)
-            if marks:
-                for r in marks:
-                    mask |= 1 << r
+            mask = holders.get(h, 0) | speculative.get(h, 0)
             dropped = alive & ~mask
             while dropped:
                 low = dropped & -dropped
@@ -160,16 +161,13 @@ class PrefixIndex:
 
     def _sweep(self) -> None:
         now = self._clock()
-        expiries, speculative = self._expiries, self._speculative
+        expiries, speculative, marked_until = self._expiries, self._speculative, self._marked_until
         while expiries and expiries[0][0] <= now:
-            expiry, r, hashes = expiries.popleft()
+            _, hashes = expiries.popleft()
             for h in hashes:
-                marks = speculative.get(h)
-                # A later mark of the same page on the same replica keeps it.
-                if marks is not None and marks.get(r, now + 1) <= now:
-                    del marks[r]
-                    if not marks:
-                        del speculative[h]
+                # A later mark of the same page keeps it.
+                if marked_until.get(h, now + 1) <= now:
+                    del marked_until[h], speculative[h]
 
     def _drop_bit(self, bit: int) -> None:
         holders = self._holders
