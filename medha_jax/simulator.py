@@ -43,7 +43,8 @@ from medha_jax.scheduler.factory import make_controller
 from medha_jax.scheduler.in_flight import InFlightRunner
 from medha_jax.scheduler.prefill_time_cache import PrefillTimeCache
 from medha_jax.scheduler.hardware import HardwareSpec, hardware_preset
-from medha_jax.scheduler.predictor import AnalyticalPredictor, BatchFeatures, RuntimePredictor
+from medha_jax.scheduler.predictor import (AnalyticalPredictor, RuntimePredictor,
+                                           decode_token_seconds)
 
 DUMMY_TOKEN_ID = 0
 
@@ -316,9 +317,7 @@ def simulate(requests: list[Request], *, scheduler: str | SchedulerConfig, model
         prefill_time_cache = controllers[0].prefill_time_cache
     # The router prices a decode token as a full decode batch's step time per sequence.
     seats = controllers[0].packer.limits.max_seqs_per_batch
-    full_decode = BatchFeatures(seats, seats, seats, seats, seats, seats, seats,
-                                max_decode_context=1)
-    decode_token_s = predictor.predict_features(full_decode) / seats
+    decode_token_s = decode_token_seconds(predictor, seats)
 
     def statuses() -> list[ReplicaStatus]:
         return [_replica_status(c, page_size, decode_token_s) for c in controllers]

@@ -24,9 +24,10 @@ Policies (`ROUTING_POLICIES`):
   runtime predictor (its PrefillTimeCache, Medha Algorithm 3). The minimum wins. The
   session's previous replica is kept unless another is predicted faster by more than
   `affinity_margin` (relative) + `affinity_margin_s`; a session's first turn goes, among
-  the replicas within that margin of the fastest, to the one with the least load placed on
-  it lately (seed 003 H7: imbalance is decided at turn-1 placement, and a snapshot of the
-  queues does not see the turns that sessions placed there will bring).
+  the replicas within that margin of the fastest, to the one with the most of its prompt
+  cached, then the least load placed on it lately (seed 003 H7: imbalance is decided at
+  turn-1 placement, and a snapshot of the queues does not see the turns that sessions
+  placed there will bring).
 """
 
 from __future__ import annotations
@@ -186,9 +187,12 @@ def _predicted_time(request: RouteRequest, snapshot: RouterSnapshot, healthy: li
     if session is not None and session in ttft and ttft[session] <= within:
         return session
     if session is None:
-        # A session's first turn: among the near-fastest, the least load placed lately.
+        # A session's first turn: among the near-fastest, the one that has most of its
+        # prompt cached (the work it saves is real even where the predictor cannot tell
+        # the prefills apart), then the least load placed lately.
         near = [i for i in healthy if ttft[i] <= within]
-        return min(near, key=lambda i: (snapshot.recent_load_s[i], ttft[i], i))
+        return min(near, key=lambda i: (-snapshot.cached_tokens[i], snapshot.recent_load_s[i],
+                                        ttft[i], i))
     return min(healthy, key=lambda i: (ttft[i], i))
 
 
