@@ -7,14 +7,17 @@ the model, parallel layout and hardware) as the time of one pipeline stage, runs
 through the spp stages in order (a stage takes the next batch as soon as it is free, so
 up to spp batches are in flight) and moves that replica's virtual clock to when the
 batch leaves the last stage. Requests enter at their arrival times; an idle replica's
-clock jumps to its next arrival. A
-router places each request on the replica with the least outstanding work, or on the
-replica that served its session before (prefix-cache affinity).
+clock jumps to its next arrival. The server's router (`medha_jax.cluster.router`, any
+policy; by default predicted-time) places each request, reading each replica's queued
+predicted work and its PrefillTimeCache.
 
 KV capacity per replica: device memory x utilisation minus the weights (replicated over
 kvp and cp), divided by the KV bytes of one token (KV heads replicated when tp exceeds
 them). Sampled tokens are dummies and end-of-sequence is off, so every request emits
-exactly max_new_tokens tokens; prefix caching is not simulated.
+exactly max_new_tokens tokens. With `prefix_caching=True` (requests carrying prompt token
+ids, e.g. `workloads.to_requests(..., vocab_size=...)`), each replica runs the real
+`BlockAllocator`, whose cache events feed the router's exact prefix index, so routing
+policies are compared on the cache hits they earn; otherwise pages are only counted.
 
     result = simulate(requests, scheduler="lars-mp", model=model_preset("llama3-8b"),
                       parallel=ParallelConfig(tp=8, spp=2), hardware="a100")
@@ -29,7 +32,9 @@ import math
 import time
 from collections.abc import Sequence
 
+from medha_jax.cluster.router import ReplicaStatus, RouteRequest, Router, RoutingConfig
 from medha_jax.config import ModelConfig, ParallelConfig
+from medha_jax.kv_cache.allocator import BlockAllocator, prefix_page_hashes
 from medha_jax.request import (Batch, FinishReason, Request, RequestState, StepResult,
                                VirtualClock)
 from medha_jax.scheduler.config import SchedulerConfig
@@ -38,7 +43,8 @@ from medha_jax.scheduler.factory import make_controller
 from medha_jax.scheduler.in_flight import InFlightRunner
 from medha_jax.scheduler.prefill_time_cache import PrefillTimeCache
 from medha_jax.scheduler.hardware import HardwareSpec, hardware_preset
-from medha_jax.scheduler.predictor import AnalyticalPredictor, BatchFeatures, RuntimePredictor
+from medha_jax.scheduler.predictor import (AnalyticalPredictor, RuntimePredictor,
+                                           decode_token_seconds)
 
 DUMMY_TOKEN_ID = 0
 
@@ -125,6 +131,8 @@ class SimulatedExecutor:
         self.predictor, self.clock = predictor, clock
         self.max_in_flight = num_stages
         self._stage_free = [clock.now()] * num_stages
+        self.busy_s = 0.0                 # stage seconds of every batch dispatched
+
 
     @property
     def next_dispatch_time(self) -> float:
@@ -133,6 +141,7 @@ class SimulatedExecutor:
 
     def dispatch(self, batch: Batch) -> SimulatedStep:
         stage_s = self.predictor.predict(batch)
+        self.busy_s += stage_s
         t = self.clock.now()
         for s, free in enumerate(self._stage_free):
             t = (t if t > free else free) + stage_s
@@ -182,40 +191,37 @@ class SimulationResult:
     kv_capacity_tokens: int         # per replica
     wall_s: float                   # host seconds the simulation took
     replica_of: dict[str, int]      # request_id -> the replica the router chose
+    busy_s: list[float] = dataclasses.field(default_factory=list)  # per replica: stage seconds
+    routing: str = ""               # the router's policy
+    decision_s: list[float] = dataclasses.field(default_factory=list)  # router wall seconds
 
     @property
     def finished(self) -> list[Request]:
         return [r for r in self.requests if r.state is RequestState.FINISHED]
 
 
-def _fresh_copy(r: Request) -> Request:
-    """The request as it arrives: no progress, lengths only, eos off."""
+def _fresh_copy(r: Request, keep_token_ids: bool) -> Request:
+    """The request as it arrives: no progress, eos off; lengths only unless the prompt's
+    token ids are kept (prefix caching)."""
+    if keep_token_ids and r.prompt_token_ids is None:
+        raise ValueError(f"prefix_caching needs prompt token ids; request {r.request_id!r} "
+                         "has lengths only (workloads.to_requests(..., vocab_size=...))")
     return Request(
         request_id=r.request_id, prompt_len=r.prompt_len, max_new_tokens=r.max_new_tokens,
         arrival_time=r.arrival_time, slo=r.slo, priority=r.priority, session_id=r.session_id,
+        prompt_token_ids=list(r.prompt_token_ids) if keep_token_ids else None,
         sampling=dataclasses.replace(r.sampling, stop_token_ids=(), ignore_eos=True))
 
 
-class _Router:
-    """Least outstanding work, with session affinity."""
-
-    def __init__(self, controllers: list[ReplicaController], decode_token_s: float):
-        self.controllers = controllers
-        self.decode_token_s = decode_token_s
-        self._session_replica: dict[str, int] = {}
-
-    def route(self, request: Request) -> int:
-        if len(self.controllers) == 1:
-            return 0
-        sid = request.session_id
-        if sid is not None and sid in self._session_replica:
-            return self._session_replica[sid]
-        loads = [(c.outstanding_work_s(self.decode_token_s), c.num_running + c.num_waiting, i)
-                 for i, c in enumerate(self.controllers)]
-        replica = min(loads)[2]
-        if sid is not None:
-            self._session_replica[sid] = replica
-        return replica
+def _replica_status(controller: ReplicaController, page_size: int,
+                    decode_token_s: float) -> ReplicaStatus:
+    """What the router reads of a simulated replica: its queue, its queued predicted work
+    and its Algorithm-3 prefill times."""
+    prefill_time = controller.prefill_time_cache.prefill_time
+    return ReplicaStatus(
+        prefill_s=lambda n, cached: prefill_time(n) - prefill_time(cached), page_size=page_size,
+        num_waiting=controller.num_waiting, num_running=controller.num_running,
+        queued_work_s=controller.outstanding_work_s(decode_token_s), decode_token_s=decode_token_s)
 
 
 def _advance_replica(runner: InFlightRunner, policy: str, index: int) -> float | None:
@@ -249,7 +255,9 @@ def simulate(requests: list[Request], *, scheduler: str | SchedulerConfig, model
              device_predictor: RuntimePredictor | None = None, progress: bool = False,
              time_limit_s: float | None = None, page_size: int = 16,
              memory_utilization: float = 0.9, max_model_len: int | None = None,
-             prefill_time_cache: PrefillTimeCache | None = None) -> SimulationResult:
+             prefill_time_cache: PrefillTimeCache | None = None,
+             routing: RoutingConfig | str = RoutingConfig(),
+             prefix_caching: bool = False) -> SimulationResult:
     """Serves `requests` (lengths, arrivals, SLOs) on simulated hardware.
 
     scheduler: a policy name or a SchedulerConfig (token buckets, batch limits, t_target,
@@ -266,6 +274,9 @@ def simulate(requests: list[Request], *, scheduler: str | SchedulerConfig, model
     max_model_len: longest prompt + output admitted (default: the longest request).
     prefill_time_cache: Algorithm 3's table to reuse (same predictor and limits); by
       default built once and shared by the replicas.
+    routing: the router's policy name or RoutingConfig (medha_jax.cluster.router).
+    prefix_caching: each replica caches prefixes in a real BlockAllocator (requests must
+      carry prompt token ids); the router reads them through its prefix index.
     """
     config = SchedulerConfig.of(scheduler)
     if isinstance(hardware, str):
@@ -278,17 +289,26 @@ def simulate(requests: list[Request], *, scheduler: str | SchedulerConfig, model
     replica_parallel = dataclasses.replace(parallel, dp=1)
     predictor = predictor or AnalyticalPredictor(
         model, replica_parallel, hardware, token_buckets=config.token_buckets)
-    copies = [_fresh_copy(r) for r in requests]
+    routing = RoutingConfig(routing) if isinstance(routing, str) else routing
+    copies = [_fresh_copy(r, prefix_caching) for r in requests]
     arrivals = sorted(copies, key=lambda r: r.arrival_time)
     max_model_len = max_model_len or max(r.prompt_len + r.max_new_tokens for r in copies)
 
     capacity = kv_capacity_tokens(model, replica_parallel, hardware, memory_utilization)
     controllers: list[ReplicaController] = []
     runners: list[InFlightRunner] = []
-    for _ in range(num_replicas * parallel.dp):
+    total_replicas = num_replicas * parallel.dp
+    # The router is made before the replicas (their allocators feed its prefix index) and
+    # reads their statuses (defined below, once the decode price is known) when it routes.
+    router_clock = VirtualClock(arrivals[0].arrival_time)
+    router = Router(total_replicas, lambda: statuses(), routing, clock=router_clock.now)
+    for i in range(total_replicas):
         clock = VirtualClock(arrivals[0].arrival_time)
+        allocator = (BlockAllocator(capacity // page_size, page_size,
+                                    on_cache_change=router.index.listener(i))
+                     if prefix_caching else CountingAllocator(capacity // page_size, page_size))
         controllers.append(make_controller(
-            config, allocator=CountingAllocator(capacity // page_size, page_size), clock=clock,
+            config, allocator=allocator, clock=clock,
             predictor=predictor, model_config=model, max_model_len=max_model_len,
             prefill_time_cache=prefill_time_cache, pipeline_stages=parallel.spp))
         executor = SimulatedExecutor(device_predictor or predictor, clock, parallel.spp)
@@ -297,9 +317,10 @@ def simulate(requests: list[Request], *, scheduler: str | SchedulerConfig, model
         prefill_time_cache = controllers[0].prefill_time_cache
     # The router prices a decode token as a full decode batch's step time per sequence.
     seats = controllers[0].packer.limits.max_seqs_per_batch
-    full_decode = BatchFeatures(seats, seats, seats, seats, seats, seats, seats,
-                                max_decode_context=1)
-    router = _Router(controllers, predictor.predict_features(full_decode) / seats)
+    decode_token_s = decode_token_seconds(predictor, seats)
+
+    def statuses() -> list[ReplicaStatus]:
+        return [_replica_status(c, page_size, decode_token_s) for c in controllers]
 
     bar = None
     if progress:
@@ -321,7 +342,9 @@ def simulate(requests: list[Request], *, scheduler: str | SchedulerConfig, model
         if t_arrival <= t_step:
             request = arrivals[next_arrival]
             next_arrival += 1
-            i = replica_of[request.request_id] = router.route(request)
+            router_clock.advance_to(request.arrival_time)
+            i = replica_of[request.request_id] = (0 if total_replicas == 1 else router.route(
+                _route_request(request, page_size)).replica)
             controller = controllers[i]
             was_idle = not controller.has_unfinished()
             controller.clock.advance_to(request.arrival_time)
@@ -358,4 +381,12 @@ def simulate(requests: list[Request], *, scheduler: str | SchedulerConfig, model
         num_preemptions=sum(c.num_preemptions for c in controllers), num_rejected=num_rejected,
         policy=config.policy, hardware=hardware.name, predictor=type(predictor).__name__,
         num_replicas=len(controllers), kv_capacity_tokens=capacity,
-        wall_s=time.perf_counter() - wall_start, replica_of=replica_of)
+        wall_s=time.perf_counter() - wall_start, replica_of=replica_of,
+        busy_s=[runner.executor.busy_s for runner in runners], routing=routing.policy,
+        decision_s=router.decision_seconds)
+
+
+def _route_request(request: Request, page_size: int) -> RouteRequest:
+    hashes = (tuple(prefix_page_hashes(request.prompt_token_ids, page_size))
+              if request.prompt_token_ids is not None else ())
+    return RouteRequest(request.prompt_len, hashes, request.session_id, request.max_new_tokens)

@@ -125,6 +125,10 @@ class TraceRequest:
     output_tokens: int
     session_id: str | None = None    # requests of one session share a prompt prefix
     is_long: bool = False            # the long-context class of the convoy experiment
+    # The prompt as blocks of `block_tokens` tokens (Mooncake's hash_ids): equal ids are
+    # equal tokens, so requests share exactly the prefixes the trace says they share.
+    prefix_blocks: tuple[int, ...] = ()
+    block_tokens: int = 0
 
     def __post_init__(self):
         if not self.arrival_s >= 0:
@@ -132,6 +136,9 @@ class TraceRequest:
         if self.prompt_tokens < 1 or self.output_tokens < 1:
             raise ValueError(f"TraceRequest needs prompt_tokens >= 1 and output_tokens >= 1, "
                              f"got {self.prompt_tokens=} {self.output_tokens=}")
+        if self.prefix_blocks and self.block_tokens < 1:
+            raise ValueError(f"TraceRequest with prefix_blocks needs block_tokens >= 1, "
+                             f"got {self.block_tokens!r}")
 
 
 ARRIVAL_PROCESSES = ("poisson", "bursty")
@@ -245,12 +252,14 @@ def scale_lengths(trace: Sequence[TraceRequest], *, short_prompt_scale: float = 
         value = max(1, int(round(tokens * scale)))
         return min(value, cap) if cap is not None else value
 
+    def prompt_scale(r: TraceRequest) -> float:
+        return long_prompt_scale if r.is_long else short_prompt_scale
+
     return [dataclasses.replace(
         r,
-        prompt_tokens=scaled(r.prompt_tokens,
-                             long_prompt_scale if r.is_long else short_prompt_scale,
-                             max_prompt_tokens),
-        output_tokens=scaled(r.output_tokens, output_scale, max_output_tokens))
+        prompt_tokens=scaled(r.prompt_tokens, prompt_scale(r), max_prompt_tokens),
+        output_tokens=scaled(r.output_tokens, output_scale, max_output_tokens),
+        block_tokens=scaled(r.block_tokens, prompt_scale(r), None) if r.prefix_blocks else 0)
         for r in trace]
 
 
@@ -258,7 +267,8 @@ def scale_lengths(trace: Sequence[TraceRequest], *, short_prompt_scale: float = 
 # Saving and loading
 # ---------------------------------------------------------------------------------------
 
-TRACE_FIELDS = ("arrival_s", "prompt_tokens", "output_tokens", "session_id", "is_long")
+TRACE_FIELDS = ("arrival_s", "prompt_tokens", "output_tokens", "session_id", "is_long",
+                "prefix_blocks", "block_tokens")
 
 
 def save_trace(trace: Iterable[TraceRequest], path: str | os.PathLike) -> None:
@@ -273,7 +283,8 @@ def save_trace(trace: Iterable[TraceRequest], path: str | os.PathLike) -> None:
                 # repr keeps every bit of the float, so a round trip is exact.
                 writer.writerow({**row, "arrival_s": repr(row["arrival_s"]),
                                  "session_id": row["session_id"] or "",
-                                 "is_long": int(row["is_long"])})
+                                 "is_long": int(row["is_long"]),
+                                 "prefix_blocks": " ".join(map(str, row["prefix_blocks"]))})
     elif path.endswith(".jsonl"):
         with open(path, "w") as f:
             for row in rows:
@@ -288,18 +299,22 @@ def load_trace(path: str | os.PathLike) -> list[TraceRequest]:
     if path.endswith(".csv"):
         with open(path, newline="") as f:
             rows = list(csv.DictReader(f))
-        missing = set(TRACE_FIELDS) - set(rows[0] if rows else TRACE_FIELDS)
+        required = TRACE_FIELDS[:5]           # the block columns are optional
+        missing = set(required) - set(rows[0] if rows else required)
         if missing:
             raise ValueError(f"{path}: missing columns {sorted(missing)}; expected {TRACE_FIELDS}")
         trace = [TraceRequest(float(r["arrival_s"]), int(r["prompt_tokens"]),
                               int(r["output_tokens"]), r["session_id"] or None,
-                              r["is_long"].strip().lower() in ("1", "true"))
+                              r["is_long"].strip().lower() in ("1", "true"),
+                              tuple(map(int, (r.get("prefix_blocks") or "").split())),
+                              int(r.get("block_tokens") or 0))
                  for r in rows]
     elif path.endswith(".jsonl"):
         with open(path) as f:
             trace = [TraceRequest(float(r["arrival_s"]), int(r["prompt_tokens"]),
                                   int(r["output_tokens"]), r.get("session_id"),
-                                  bool(r.get("is_long", False)))
+                                  bool(r.get("is_long", False)),
+                                  tuple(r.get("prefix_blocks", ())), int(r.get("block_tokens", 0)))
                      for r in map(json.loads, filter(str.strip, f))]
     else:
         raise ValueError(f"trace path {path!r} must end in .csv or .jsonl")
@@ -335,10 +350,13 @@ def load_azure_trace(path: str | os.PathLike, *, limit: int | None = None
                   key=lambda r: r.arrival_s)
 
 
+MOONCAKE_BLOCK_TOKENS = 512
+
+
 def load_mooncake_trace(path: str | os.PathLike, *, limit: int | None = None
                         ) -> list[TraceRequest]:
     """A Mooncake (FAST'25) trace: JSONL of timestamp (ms), input_length, output_length,
-    hash_ids (ids of 512-token prefix blocks).
+    hash_ids (ids of 512-token prefix blocks, kept as `prefix_blocks`).
 
     Session: blocks shared by every request (a global system prompt) say nothing about
     who is talking, so they are skipped; the first block after them names the session.
@@ -361,7 +379,8 @@ def load_mooncake_trace(path: str | os.PathLike, *, limit: int | None = None
         ids = r["hash_ids"]
         session = f"mc{ids[len(common)]}" if len(ids) > len(common) else None
         trace.append(TraceRequest((r["timestamp"] - start) / 1000.0, int(r["input_length"]),
-                                  int(r["output_length"]), session))
+                                  int(r["output_length"]), session,
+                                  prefix_blocks=tuple(ids), block_tokens=MOONCAKE_BLOCK_TOKENS))
     return sorted(trace, key=lambda r: r.arrival_s)
 
 
@@ -415,7 +434,9 @@ def synthetic_prompt_ids(trace: Sequence[TraceRequest], *, vocab_size: int, seed
 
     Requests of one session read the same token stream from its start, so a later turn's
     prompt extends an earlier one's (a multi-turn chat) and the prefix cache can reuse it.
-    Requests without a session get their own stream.
+    Requests without a session get their own stream. A request with `prefix_blocks` is
+    built block by block instead (each block id always the same tokens; past its blocks,
+    its session's stream), so it shares exactly the prefixes its trace names.
     """
     if not 0 <= first_token_id < vocab_size:
         raise ValueError(f"need 0 <= {first_token_id=} < {vocab_size=}")
@@ -428,10 +449,19 @@ def synthetic_prompt_ids(trace: Sequence[TraceRequest], *, vocab_size: int, seed
         # crc32 is stable across processes (unlike hash()), so ids are reproducible.
         rng = np.random.default_rng([seed, zlib.crc32(key.encode())])
         streams[key] = rng.integers(first_token_id, vocab_size, size=length)
+    blocks: dict[tuple[int, int], list[int]] = {}
+
+    def block(block_id: int, size: int) -> list[int]:
+        if (block_id, size) not in blocks:
+            rng = np.random.default_rng([seed, 0xB10C, block_id])
+            blocks[block_id, size] = rng.integers(first_token_id, vocab_size, size=size).tolist()
+        return blocks[block_id, size]
+
     out = []
     for i, r in enumerate(trace):
         key = r.session_id if r.session_id is not None else f"\0{i}"
-        out.append(streams[key][:r.prompt_tokens].tolist())
+        ids = [t for b in r.prefix_blocks for t in block(b, r.block_tokens)][:r.prompt_tokens]
+        out.append(ids + streams[key][len(ids):r.prompt_tokens].tolist())
     return out
 
 

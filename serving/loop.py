@@ -52,13 +52,23 @@ class ServingLoop:
     """Owns the loop thread, its inbox and the streams of the requests in flight."""
 
     def __init__(self, controller: ReplicaController, engine, metrics: ServerMetrics,
-                 *, name: str = "medha-server-loop", on_step=None):
+                 *, name: str = "medha-server-loop", on_step=None, replica: int = 0,
+                 decode_token_s: float | None = None):
         """engine: a PipelinedExecutor (`dispatch`, `collect`, `max_in_flight`) or anything
         with `execute(batch) -> StepResult`, and an `allocator`.
         on_step: called on the loop thread after each collected step (the server refines
-        its runtime predictor there); what it raises is logged, never fails a request."""
+        its runtime predictor there); what it raises is logged, never fails a request.
+        replica: this loop's replica in the server (its metrics' label).
+        decode_token_s: with several replicas, what a decode token costs: the loop then
+        publishes its queued predicted work in `load` for the router (only the loop
+        thread may walk the controller's requests)."""
         self.controller, self.engine, self.metrics = controller, engine, metrics
         self.on_step = on_step
+        self.replica = replica
+        self._decode_token_s = decode_token_s
+        # (waiting, running, queued predicted seconds) after the last iteration: what the
+        # router reads from other threads (one tuple, replaced whole).
+        self.load: tuple[int, int, float] = (0, 0, 0.0)
         self.runner = InFlightRunner(controller, engine if hasattr(engine, "dispatch")
                                      else _OneAtATime(engine))
         self._lock = threading.Condition()          # guards everything up to _streams
@@ -286,10 +296,14 @@ class ServingLoop:
     def _observe_state(self) -> None:
         allocator = self.engine.allocator
         controller = self.controller
+        waiting, running = controller.num_waiting, controller.num_running
         self.metrics.observe_state(
             pages_in_use=allocator.num_pages - allocator.num_free_pages,
-            pages_total=allocator.num_pages, waiting=controller.num_waiting,
-            running=controller.num_running, preemptions_total=controller.num_preemptions)
+            pages_total=allocator.num_pages, waiting=waiting, running=running,
+            preemptions_total=controller.num_preemptions, replica=self.replica)
+        work = (controller.outstanding_work_s(self._decode_token_s)
+                if self._decode_token_s is not None else 0.0)
+        self.load = (waiting, running, work)
 
 
 def _request_ids(batch: Batch) -> list[str]:

@@ -70,6 +70,30 @@ class ServerMetrics:
                                      registry=r)
         self.generated_tokens = Counter("medha_generated_tokens", "Output tokens generated.",
                                         registry=r)
+        # Per replica (a Server may run several, serving.replicas): the same state by
+        # replica, and what the router sent where; the unlabelled gauges above are totals.
+        self.replica_requests_running = Gauge(
+            "medha_replica_requests_running", "Requests holding KV pages, per replica.",
+            ["replica"], registry=r)
+        self.replica_requests_waiting = Gauge(
+            "medha_replica_requests_waiting", "Requests queued, per replica.", ["replica"],
+            registry=r)
+        self.replica_kv_cache_usage = Gauge(
+            "medha_replica_kv_cache_usage_ratio", "KV-cache usage (0 to 1), per replica.",
+            ["replica"], registry=r)
+        self.replica_requests = Counter(
+            "medha_replica_requests", "Requests the router placed on each replica.",
+            ["replica"], registry=r)
+        self.replica_cached_tokens = Counter(
+            "medha_replica_cached_tokens",
+            "Prompt tokens taken from the prefix cache, per replica (finished requests).",
+            ["replica"], registry=r)
+        self.router_decision_time = Histogram(
+            "medha_router_decision_seconds", "Time the router took to place one request.",
+            buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2),
+            registry=r)
+        self._replica_state: dict[int, tuple[int, int, int, int, int]] = {}
+        self._state_lock = threading.Lock()
         self._preemptions_seen = 0
         self._http = None
         self._http_thread: threading.Thread | None = None
@@ -81,19 +105,36 @@ class ServerMetrics:
         self.step_time.observe(duration_s)
 
     def observe_state(self, *, pages_in_use: int, pages_total: int, waiting: int,
-                      running: int, preemptions_total: int) -> None:
-        self.kv_pages_in_use.set(pages_in_use)
-        self.kv_cache_usage.set(pages_in_use / pages_total if pages_total else 0.0)
-        self.kv_pages_total.set(pages_total)
-        self.requests_waiting.set(waiting)
-        self.requests_running.set(running)
-        # The controller keeps a running total; a Counter only goes up by increments.
-        if preemptions_total > self._preemptions_seen:
-            self.preemptions.inc(preemptions_total - self._preemptions_seen)
-            self._preemptions_seen = preemptions_total
+                      running: int, preemptions_total: int, replica: int = 0) -> None:
+        """One replica's state (from its loop thread); the unlabelled gauges are the sums
+        over the replicas."""
+        label = str(replica)
+        self.replica_requests_running.labels(label).set(running)
+        self.replica_requests_waiting.labels(label).set(waiting)
+        self.replica_kv_cache_usage.labels(label).set(
+            pages_in_use / pages_total if pages_total else 0.0)
+        with self._state_lock:
+            self._replica_state[replica] = (pages_in_use, pages_total, waiting, running,
+                                            preemptions_total)
+            in_use, total, waiting, running, preemptions_total = map(
+                sum, zip(*self._replica_state.values()))
+            self.kv_pages_in_use.set(in_use)
+            self.kv_cache_usage.set(in_use / total if total else 0.0)
+            self.kv_pages_total.set(total)
+            self.requests_waiting.set(waiting)
+            self.requests_running.set(running)
+            # The controllers keep running totals; a Counter only goes up by increments.
+            if preemptions_total > self._preemptions_seen:
+                self.preemptions.inc(preemptions_total - self._preemptions_seen)
+                self._preemptions_seen = preemptions_total
+
+    def observe_routed(self, replica: int, decision_s: float) -> None:
+        self.replica_requests.labels(str(replica)).inc()
+        self.router_decision_time.observe(decision_s)
 
     def observe_finished(self, metrics: RequestMetrics, finish_reason: str) -> None:
         self.requests_finished.labels(finish_reason=finish_reason).inc()
+        self.replica_cached_tokens.labels(str(metrics.replica)).inc(metrics.num_cached_tokens)
         self.prompt_tokens.inc(metrics.num_prompt_tokens)
         self.generated_tokens.inc(metrics.num_output_tokens)
         if metrics.first_token_time is not None:

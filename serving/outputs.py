@@ -45,9 +45,10 @@ class RequestMetrics:
     num_output_tokens: int
     num_preemptions: int
     num_cached_tokens: int = 0
+    replica: int = 0                  # the replica that served it (Server(replicas=N))
 
     @classmethod
-    def from_request(cls, req: Request) -> "RequestMetrics":
+    def from_request(cls, req: Request, replica: int = 0) -> "RequestMetrics":
         n_out = len(req.output_token_ids)
         ttft = tpot = queue_time = 0.0
         if req.first_token_time is not None:
@@ -60,7 +61,7 @@ class RequestMetrics:
                    finish_time=req.finish_time, ttft=ttft, tpot=tpot, queue_time=queue_time,
                    num_prompt_tokens=req.prompt_len, num_output_tokens=n_out,
                    num_preemptions=req.num_preemptions,
-                   num_cached_tokens=req.num_cached_tokens)
+                   num_cached_tokens=req.num_cached_tokens, replica=replica)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -344,9 +345,10 @@ class RequestStream:
     they are complete (the first token: the whole prompt has been computed by then)."""
 
     def __init__(self, request: Request, handle: RequestHandle,
-                 detokenizer: IncrementalDetokenizer, *, index: int = 0):
+                 detokenizer: IncrementalDetokenizer, *, index: int = 0, replica: int = 0):
         self.request, self.handle, self.detokenizer = request, handle, detokenizer
         self.index = index
+        self.replica = replica
         sampling = request.sampling
         self._wants_logprobs = sampling.logprobs is not None
         self._new_token_ids: list[int] = []
@@ -386,7 +388,7 @@ class RequestStream:
     def finish(self, reason: FinishReason, error: str | None = None) -> RequestMetrics:
         """Pushes the final delta (the rest of the text and tokens) and returns the
         request's metrics."""
-        metrics = RequestMetrics.from_request(self.request)
+        metrics = RequestMetrics.from_request(self.request, self.replica)
         self.handle._push(self._delta(
             self.detokenizer.take_delta(final=True), finished=True,
             finish_reason=FinishReason(reason).value, metrics=metrics, error=error))

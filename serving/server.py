@@ -29,7 +29,8 @@ from medha_jax.request import SLO, Request, WallClock
 from medha_jax.sampling_params import SamplingParams
 from medha_jax.scheduler.config import SchedulerConfig
 from serving import validation
-from serving.loop import ServingLoop
+from medha_jax.cluster.router import PREDICTED_TIME, RoutingConfig
+from serving.replicas import LocalReplica, ReplicaSet, replica_models
 from serving.metrics import ServerMetrics
 from serving.outputs import (IncrementalDetokenizer, RequestHandle, RequestOutput,
                              RequestStream, StreamDelta)
@@ -72,7 +73,8 @@ class Server:
                  default_slo: SLO | None = None, dtype: str | None = None,
                  metrics_port: int | None = None, warmup: bool | str = "background",
                  predictor=None, cache_dir=None,
-                 limits: validation.RequestLimits | None = None):
+                 limits: validation.RequestLimits | None = None, replicas: int = 1,
+                 router: str | RoutingConfig = PREDICTED_TIME):
         """model: a preset name, a Hugging Face directory, a .gguf file, a loaded Model, or
         an Engine to reuse (already compiled; then parallel, dtype and engine_config must
         be None). One engine serves one Server at a time.
@@ -101,12 +103,17 @@ class Server:
           predictors are kept between runs, so a second start is fast: a path, False for
           none, or None for $MEDHA_CACHE_DIR (MEDHA_CACHE_DIR=off: none), else
           ~/.cache/medha-jax. `startup` says what was loaded from it.
+        replicas: how many replicas of the model this process serves, each an engine with
+          its own KV pool, controller and loop thread on its own group of devices (groups of
+          `parallel`'s size, in device order); the API is the same for any number.
+        router: with several replicas, how a request picks one: a policy name
+          (medha_jax.cluster.router.ROUTING_POLICIES; default "predicted-time") or a
+          RoutingConfig. `output.metrics.replica` says which served a request.
         """
         # Heavy imports here, so `import serving.server` (and medha_jax) stays cheap.
         from medha_jax.engine import Engine, EngineConfig
         from medha_jax.engine import cache_dirs
         from medha_jax.model import load_model
-        from medha_jax.scheduler.factory import make_controller
 
         started = time.perf_counter()
         config = SchedulerConfig.of(scheduler)       # a bad name fails before any loading
@@ -120,16 +127,24 @@ class Server:
             raise TypeError(f"limits must be a RequestLimits, got {type(limits).__name__}")
         for slo in (default_slo, config.default_slo):     # before any loading
             _check_default_slo(self.limits, slo)
+        routing = RoutingConfig(router) if isinstance(router, str) else router
+        if not isinstance(routing, RoutingConfig):
+            raise TypeError(f"router must be a policy name or a RoutingConfig, got "
+                            f"{type(router).__name__}")
         if isinstance(model, Engine):
             given = {k: v for k, v in [("parallel", parallel), ("dtype", dtype),
                                        ("engine_config", engine_config)] if v is not None}
             if given:
                 raise ValueError(f"{', '.join(given)} must be None when model is an Engine "
                                  "(it was built with its own)")
-            self.engine = model
+            if replicas != 1:
+                raise ValueError(f"replicas={replicas} needs a model to load, not an Engine "
+                                 "(one engine serves one replica)")
+            engines = [model]
         else:
-            self.engine = Engine(load_model(model, parallel=parallel, dtype=dtype),
-                                 engine_config or EngineConfig())
+            engines = [Engine(m, engine_config or EngineConfig())
+                       for m in replica_models(model, replicas, parallel=parallel, dtype=dtype)]
+        self.engine = engines[0]
         self.model = self.engine.model
         self.config = self.model.config
         self.tokenizer = self.model.tokenizer
@@ -137,20 +152,24 @@ class Server:
         self.policy = self.scheduler_config.policy
         self.default_slo = self.scheduler_config.default_slo
         _check_default_slo(self.limits, self.default_slo)
-        if warmup == "background":
-            shapes = self.engine.ladder.all_shapes()
-            self.engine.warmup(first=[min(shapes, key=lambda s: (s[0] * s[1] * s[2], s))])
-        elif warmup is True:
-            self.engine.warmup()
-        elif warmup is not False:
+        if warmup not in ("background", True, False):
             raise ValueError(f"warmup must be 'background', True or False, got {warmup!r}")
+        for engine in engines:
+            if warmup == "background":
+                shapes = engine.ladder.all_shapes()
+                engine.warmup(first=[min(shapes, key=lambda s: (s[0] * s[1] * s[2], s))])
+            elif warmup is True:
+                engine.warmup()
         hits2, misses2, saved2 = cache_dirs.CACHE_EVENTS.snapshot()
-        self._refit = None
-        if predictor is None:
-            self._refit, predictor_how = _starting_refit(self.engine, self.cache_dir)
-            predictor = self._refit.predictor
-        else:
-            predictor_how = "given"
+        self._clock = WallClock()
+        self.metrics = ServerMetrics()
+        eos = tuple(self.tokenizer.eos_token_ids) if self.tokenizer is not None else ()
+        self.replicas = [
+            LocalReplica(i, engine, self.scheduler_config, predictor=predictor,
+                         cache_dir=self.cache_dir, clock=self._clock, metrics=self.metrics,
+                         eos_token_ids=eos, routed=len(engines) > 1)
+            for i, engine in enumerate(engines)]
+        predictor_how = self.replicas[0].predictor_how
         self.startup = StartupReport(
             compilation_cache_dir=str(xla_dir) if xla_dir else None,
             executables_loaded=hits2 - hits, executables_compiled_and_saved=misses2 - misses,
@@ -158,22 +177,15 @@ class Server:
             ready_seconds=time.perf_counter() - started)
         if warmup:
             print(self.startup.summary(), flush=True)
-        self._clock = WallClock()
-        eos = tuple(self.tokenizer.eos_token_ids) if self.tokenizer is not None else ()
-        self.controller = make_controller(
-            self.scheduler_config, allocator=self.engine.allocator, clock=self._clock,
-            predictor=predictor, model_config=self.config,
-            eos_token_ids=eos, max_model_len=self.engine.max_model_len,
-            pipeline_stages=self.engine.num_stages)
-        self.metrics = ServerMetrics()
+        self.controller = self.replicas[0].controller
         self._ids = itertools.count()
         self._groups: dict[str, RequestHandle] = {}    # handle.id -> handle, n > 1 in flight
         self._groups_lock = threading.Lock()
         # Random per server, so no caller can name another's request by guessing.
         self._id_prefix = f"req-{secrets.token_hex(4)}"
-        self._waits_seen = 0
-        self._loop = ServingLoop(self.controller, self.engine, self.metrics,
-                                 on_step=self._refine_predictor if self._refit else None)
+        self._loops = [replica.loop for replica in self.replicas]
+        self._replica_set = (ReplicaSet(self.replicas, routing) if len(self.replicas) > 1
+                             else None)
         self.metrics_port = (self.metrics.serve_http(metrics_port)
                              if metrics_port is not None else None)
 
@@ -185,23 +197,33 @@ class Server:
 
     @property
     def num_total_pages(self) -> int:
-        return self.engine.allocator.num_pages
+        """KV pages over every replica."""
+        return sum(r.engine.allocator.num_pages for r in self.replicas)
 
     @property
     def num_free_pages(self) -> int:
-        return self.engine.allocator.num_free_pages
+        return sum(r.engine.allocator.num_free_pages for r in self.replicas)
 
     @property
     def closed(self) -> bool:
-        return self._loop.closing
+        return self._loops[0].closing
+
+    @property
+    def router(self):
+        """The router placing requests (None with one replica)."""
+        return None if self._replica_set is None else self._replica_set.router
 
     def submit(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
                slo: SLO | None = None, priority: int = 0, request_id: str | None = None,
+               session_id: str | None = None,
                _loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
         """Queues one prompt (a str, token ids, a TokensPrompt or a 1-D numpy array) and
         returns at once. Raises ValueError or TypeError naming a bad field.
         request_id: the caller's label for the request, echoed in its deltas and output;
         labels may repeat. The server names the request itself (`RequestHandle.id`).
+        session_id: the conversation it belongs to (OpenAI's `user`, `X-Session-Id`): with
+        several replicas the router keeps a session where its prefix is cached unless
+        another replica is predicted faster by a margin.
 
         With SamplingParams.n > 1 the prompt is sampled n times: n requests of the same
         arrival, SLO and priority, each with its own id and random stream (seed + i when
@@ -228,7 +250,15 @@ class Server:
         server_ids = [f"{self._id_prefix}-{next(self._ids)}" for _ in range(params.n)]
         if request_id is None:
             request_id = server_ids[0]
-        handle = RequestHandle(request_id, prompt_ids, self._loop.cancel, loop=_loop,
+        if session_id is not None and not isinstance(session_id, str):
+            raise TypeError(f"session_id must be a str, got {type(session_id).__name__}")
+        replica = 0
+        if self._replica_set is not None:
+            replica, decision_s = self._replica_set.place(prompt_ids, session_id,
+                                                          params.max_tokens)
+            self.metrics.observe_routed(replica, decision_s)
+        loop = self._loops[replica]
+        handle = RequestHandle(request_id, prompt_ids, loop.cancel, loop=_loop,
                                id=server_ids[0], ids=server_ids)
         if params.n > 1:
             # So that cancel(handle.id) reaches every sample, also after sample 0 finished.
@@ -244,8 +274,9 @@ class Server:
                               max_new_tokens=params.max_tokens, arrival_time=arrival,
                               slo=slo or self.default_slo, priority=priority,
                               prompt_token_ids=prompt_ids, sampling=sample_params(params, index))
-            streams.append(RequestStream(request, handle, detokenizer, index=index))
-        self._loop.add(streams[0], held=streams[1:])
+            streams.append(RequestStream(request, handle, detokenizer, index=index,
+                                         replica=replica))
+        loop.add(streams[0], held=streams[1:])
         return handle
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
@@ -341,7 +372,9 @@ class Server:
         own id (`RequestHandle.ids`) cancels that sample alone."""
         with self._groups_lock:
             group = self._groups.get(id)
-        return group.cancel() if group is not None else self._loop.cancel(id)
+        if group is not None:
+            return group.cancel()
+        return any([loop.cancel(id) for loop in self._loops])
 
     def metrics_text(self) -> str:
         return self.metrics.text()
@@ -349,57 +382,17 @@ class Server:
     def close(self, *, drain: bool = False, timeout: float | None = None) -> None:
         """Stops the server: cancels in-flight requests (or, with drain=True, lets them
         finish), joins the loop thread and frees every KV page. Idempotent."""
-        self._loop.close(drain=drain, timeout=timeout)
+        for loop in self._loops:
+            loop.close(drain=drain, timeout=timeout)
         self.metrics.close()
-        self.engine.stop_warmup()
-
-    def _refine_predictor(self, collected) -> None:
-        """On the loop thread after each step: feeds its measured time to the online refit
-        and, when that refitted, refreshes what the scheduler precomputed from the
-        predictor (its prefill-time table, the default batch budget) and saves it. Steps
-        timed while shapes still compile in the background (the CPU is shared with the
-        compiler), or that waited for a compile, would teach it compile times: skipped."""
-        from medha_jax.engine import cache_dirs
-        from medha_jax.scheduler.factory import target_batch_time
-
-        engine = self.engine
-        waited, self._waits_seen = self._waits_seen, engine.compiles_waited_for
-        if engine.warming_up or waited != engine.compiles_waited_for:
-            return
-        if not self._refit.observe(*engine.step_records[-1]):
-            return
-        t_target = target_batch_time(self.scheduler_config, self._refit.predictor)
-        self.controller.prefill_time_cache.refresh(t_target)
-        if hasattr(self.controller.packer, "target_batch_time_s"):
-            self.controller.packer.target_batch_time_s = t_target
-        if self.cache_dir is not None:
-            cache_dirs.save_predictor(engine, self.cache_dir, self._refit.predictor,
-                                      refined_from_steps=self._refit.num_observed)
+        for replica in self.replicas:
+            replica.engine.stop_warmup()
 
     def __enter__(self) -> "Server":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _starting_refit(engine, cache_dir):
-    """(OnlineRefit, how) of the predictor a server starts from: the one saved for this
-    engine under cache_dir, else the analytical roofline's (no calibration sweep)."""
-    from medha_jax.engine import cache_dirs
-    from medha_jax.engine.online_fit import OnlineRefit, prior_records, starting_predictor
-
-    loaded, how = cache_dirs.load_predictor(engine, cache_dir)
-    if loaded is not None:
-        return OnlineRefit(loaded, prior_records(engine, loaded.predict_features)), how
-    start = time.perf_counter()
-    analytical, peaks = starting_predictor(engine)
-    refit = OnlineRefit.fitted_to_prior(engine, analytical.predict_features)
-    how = f"derived from the roofline ({peaks}; {time.perf_counter() - start:.1f} s)"
-    if cache_dir is not None:          # the next start loads it (refined, once steps ran)
-        path = cache_dirs.save_predictor(engine, cache_dir, refit.predictor, derived=how)
-        how += f", saved to {path}"
-    return refit, how + ", refined online from served steps"
 
 
 def sample_params(params: SamplingParams, index: int) -> SamplingParams:

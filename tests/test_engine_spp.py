@@ -199,7 +199,7 @@ def test_server_on_an_spp_mesh_serves_the_one_device_tokens():
         predictor = AnalyticalPredictor(engine.model.config, ParallelConfig(), "h100",
                                         token_buckets=engine.ladder.token_buckets)
         with Server(engine, scheduler="lars-mp", predictor=predictor) as server:
-            assert server._loop.runner.executor is engine and engine.max_in_flight == parallel.spp
+            assert server.replicas[0].loop.runner.executor is engine and engine.max_in_flight == parallel.spp
             prompts = [TokensPrompt(list(range(3, 3 + n))) for n in (90, 7, 33)]
             outputs = server.generate(prompts, Params(temperature=0.0, max_tokens=5))
             assert server.num_free_pages == server.num_total_pages

@@ -392,4 +392,4 @@ def test_clients_cancelling_before_during_and_after_submit_with_reused_ids_leak_
             assert sum(len(r.token_ids) for r in responses) == 30
     assert set(finals) <= {"cancelled", "length"}
     assert wait_until_idle(server)
-    assert not server._loop._in_flight and not server.controller.has_unfinished()
+    assert not server.replicas[0].loop._in_flight and not server.controller.has_unfinished()

@@ -78,7 +78,7 @@ def test_a_server_refines_its_predictor_from_served_steps_and_saves_it(tmp_path)
         predictor = server.controller.packer.predictor
         before = predictor.coefficients
         server.generate([[5, 6, 7, 8]] * 3, SamplingParams(temperature=0.0, max_tokens=24))
-        assert server._refit.num_refits >= 1 and predictor.coefficients != before
+        assert server.replicas[0].refit.num_refits >= 1 and predictor.coefficients != before
         saved = json.loads(cache_dirs.predictor_path(tmp_path, server.engine).read_text())
         assert saved["refined_from_steps"] >= REFIT_AT[0]
         assert saved["predictor"]["coefficients"] == list(predictor.coefficients)

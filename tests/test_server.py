@@ -271,7 +271,7 @@ def test_close_cancels_in_flight_requests_and_frees_every_page():
     server.close()
     assert handle.result(timeout=0).finish_reason == "cancelled"
     assert server.num_free_pages == server.num_total_pages
-    assert not server._loop.thread.is_alive()
+    assert not server.replicas[0].loop.thread.is_alive()
     with pytest.raises(RuntimeError, match="closed"):
         server.submit([1], GREEDY)
     server.close()                               # idempotent

@@ -148,7 +148,7 @@ def test_a_failing_step_fails_its_requests_and_the_server_keeps_serving(server, 
     failed = server.generate(TokensPrompt([poison, 1, 2]), GREEDY)
     assert failed.finish_reason == FinishReason.ERROR.value
     assert "injected device failure" in failed.error
-    assert server._loop.thread.is_alive()
+    assert server.replicas[0].loop.thread.is_alive()
     assert wait_until_idle(server)
     # Healthy requests around it still complete with the right tokens.
     expect_bystanders_unharmed(server, reference, lambda: None)

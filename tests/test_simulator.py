@@ -10,6 +10,7 @@ from medha_jax.request import SLO, FinishReason, Request, RequestState
 from medha_jax.sampling_params import SamplingParams
 from medha_jax.scheduler.hardware import hardware_preset
 from medha_jax.simulator import CountingAllocator, kv_capacity_tokens, simulate
+from medha_jax.workloads import TraceRequest, to_requests
 
 LLAMA_8B = model_preset("llama3-8b")
 TP8 = ParallelConfig(tp=8)
@@ -145,3 +146,38 @@ def test_device_predictor_moves_the_clock_and_predictor_plans():
         assert slow_r.finish_time - slow_r.first_token_time == pytest.approx(
             2 * (fast_r.finish_time - fast_r.first_token_time), rel=0.2)
     assert same.num_rejected == slow.num_rejected == 0
+
+
+def _multi_turn_trace(num_sessions=24, turns=4, gap_s=2.0, seed=0):
+    """Chat sessions whose every turn extends the one before (the prefix cache's case)."""
+    rng = random.Random(seed)
+    trace = []
+    for s in range(num_sessions):
+        t, length = rng.uniform(0, 10), rng.randint(1000, 3000)
+        for _ in range(turns):
+            trace.append(TraceRequest(t, length, rng.randint(20, 100), f"s{s}"))
+            t += gap_s + rng.expovariate(1.0)
+            length += rng.randint(200, 1500)
+    return sorted(trace, key=lambda r: r.arrival_s)
+
+
+def test_predicted_time_routing_earns_the_cache_hits_round_robin_loses():
+    """4 replicas with real prefix caches: the router that prices new tokens sends each
+    turn where its session's prefix is cached; round-robin scatters the turns."""
+    requests = to_requests(_multi_turn_trace(), vocab_size=32_000)
+    results = {policy: simulate(requests, scheduler="lars-mp", model=LLAMA_8B,
+                                parallel=ParallelConfig(), hardware="h100", num_replicas=4,
+                                routing=policy, prefix_caching=True)
+               for policy in ("predicted-time", "round-robin")}
+
+    def hit_rate(result):
+        return (sum(r.num_cached_tokens for r in result.requests)
+                / sum(r.prompt_len for r in result.requests))
+
+    fast, rr = results["predicted-time"], results["round-robin"]
+    assert all(r.state is RequestState.FINISHED for r in fast.requests + rr.requests)
+    assert hit_rate(fast) > hit_rate(rr) + 0.2
+    assert fast.routing == "predicted-time" and len(fast.busy_s) == 4 and min(fast.busy_s) > 0
+    with pytest.raises(ValueError, match="prompt token ids"):
+        simulate(to_requests(_multi_turn_trace(2, 1)), scheduler="lars", model=LLAMA_8B,
+                 parallel=ParallelConfig(), hardware="h100", prefix_caching=True)

@@ -105,6 +105,7 @@ def test_spec_validation_names_the_field(bad, field):
 def test_trace_file_round_trip(tmp_path, suffix):
     trace = generate_workload(WorkloadSpec(num_requests=50, qps=3.0, long_fraction=0.1, seed=6))
     trace[3] = TraceRequest(trace[3].arrival_s, 12, 3, session_id="chat-1")
+    trace[4] = TraceRequest(trace[4].arrival_s, 12, 3, prefix_blocks=(0, 7), block_tokens=8)
     path = tmp_path / f"trace{suffix}"
     save_trace(trace, path)
     assert load_trace(path) == trace
@@ -138,6 +139,9 @@ def test_mooncake_sessions_come_from_shared_prefix_blocks():
     assert "mc0" not in sessions
     counts = np.unique([s for s in sessions if s is not None], return_counts=True)[1]
     assert len(counts) > 1000 and counts.max() > 10
+    # The blocks themselves are kept: every prompt fits in its 512-token blocks.
+    assert all(r.block_tokens == 512 and r.prefix_blocks[0] == 0 for r in trace)
+    assert all(r.prompt_tokens <= 512 * len(r.prefix_blocks) for r in trace)
 
 
 def test_to_requests_assigns_slos_lengths_and_ids():
@@ -173,3 +177,21 @@ def test_synthetic_prompt_ids_are_seeded_and_share_session_prefixes():
     other = [r.prompt_token_ids for r in to_requests(trace, vocab_size=97, seed=2,
                                                      first_token_id=3)]
     assert other != ids
+
+
+def test_prompt_ids_from_blocks_share_exactly_the_blocks_the_trace_shares():
+    """Mooncake-style block ids: equal leading blocks give equal tokens, and the prompts part
+    where the block ids part; scaling shrinks the blocks with the prompts."""
+    trace = [TraceRequest(0.0, 20, 2, "s", prefix_blocks=(0, 1, 2), block_tokens=8),
+             TraceRequest(1.0, 24, 2, "s", prefix_blocks=(0, 1, 3), block_tokens=8),
+             TraceRequest(2.0, 12, 2, "t", prefix_blocks=(0, 4), block_tokens=8)]
+    ids = [r.prompt_token_ids for r in to_requests(trace, vocab_size=1000, seed=3)]
+    assert [len(x) for x in ids] == [20, 24, 12]
+    assert ids[0][:16] == ids[1][:16] and ids[0][16:20] != ids[1][16:20]
+    assert ids[2][:8] == ids[0][:8] and ids[2][8:12] != ids[0][8:12]
+    half = scale_lengths(trace, short_prompt_scale=0.5)
+    assert [r.block_tokens for r in half] == [4, 4, 4]
+    small = [r.prompt_token_ids for r in to_requests(half, vocab_size=1000, seed=3)]
+    assert small[0][:8] == small[1][:8] and small[0][8:10] != small[1][8:10]
+    with pytest.raises(ValueError, match="block_tokens"):
+        TraceRequest(0.0, 5, 1, prefix_blocks=(1,))

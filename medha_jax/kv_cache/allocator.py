@@ -50,7 +50,7 @@ import array
 import collections
 import dataclasses
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -71,6 +71,18 @@ def _page_hash(parent_hash: bytes, page_token_bytes: bytes) -> bytes:
 def _token_bytes(token_ids: Sequence[int]) -> bytes:
     """Token ids as packed int64, the bytes that go into page hashes."""
     return array.array("q", token_ids).tobytes()
+
+
+def prefix_page_hashes(token_ids: Sequence[int], page_size: int) -> list[bytes]:
+    """The hash every full page of `token_ids` is registered under (page i names the
+    prefix token_ids[:(i + 1) * page_size]): what a router looks up in the replicas'
+    prefix caches (medha_jax.cluster.prefix_index)."""
+    hashes, last_hash = [], _ROOT_HASH
+    data, bytes_per_page = _token_bytes(token_ids), page_size * 8
+    for i in range(len(token_ids) // page_size):
+        last_hash = _page_hash(last_hash, data[i * bytes_per_page:(i + 1) * bytes_per_page])
+        hashes.append(last_hash)
+    return hashes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,11 +135,16 @@ class BlockAllocator:
       free(id)               -> on finish, cancel or preemption
     Step inputs: segments(id) (per-shard page tables) and slot_of(id, positions); with one
     shard also page_table(id) / page_table_array(id).
+
+    on_cache_change(stored, removed, cleared=False): called with the page hashes a commit
+    registered, an eviction dropped, or cleared=True when the whole prefix cache is dropped:
+    what a router's prefix index follows (medha_jax.cluster.prefix_index.PrefixIndex).
     """
 
     def __init__(self, pages_per_shard: int | None = None, page_size: int | None = None, *,
                  num_shards: int = 1, max_tokens_per_shard: int | None = None,
-                 enable_prefix_caching: bool = True, num_pages: int | None = None):
+                 enable_prefix_caching: bool = True, num_pages: int | None = None,
+                 on_cache_change: Callable[..., None] | None = None):
         _check_positive_int("num_shards", num_shards)
         if num_pages is not None:
             if pages_per_shard is not None:
@@ -172,6 +189,7 @@ class BlockAllocator:
         self._page_of_hash: dict[bytes, int] = {}                # hash -> global page id
         self._hash_of_page: dict[int, bytes] = {}                # global page id -> hash
         self._requests: dict[str, _RequestPages] = {}
+        self.on_cache_change = on_cache_change
 
     # ----------------------------------------------------------------- capacity
 
@@ -355,6 +373,7 @@ class BlockAllocator:
             grown[:req.num_pages] = req.pages
             req.table = grown
         i = req.num_pages
+        evicted: list[bytes] = []
         for shard, count in plan:
             if shard != (req.shards[-1] if req.shards else None):
                 req.shards.append(shard)
@@ -365,11 +384,14 @@ class BlockAllocator:
                     page = free_pages.pop()
                 else:
                     page, _ = evictable.popitem(last=False)
-                    del self._page_of_hash[self._hash_of_page.pop(base + page)]
+                    evicted.append(self._hash_of_page.pop(base + page))
+                    del self._page_of_hash[evicted[-1]]
                 self._refcount[base + page] = 1
                 req.table[i] = page
                 i += 1
         req.num_pages = needed
+        if evicted and self.on_cache_change is not None:
+            self.on_cache_change((), evicted)
         return True
 
     def shards_short(self, request_id: str, num_tokens: int) -> frozenset[int]:
@@ -431,6 +453,7 @@ class BlockAllocator:
         bytes_per_page = ps * 8
         data = _token_bytes(token_ids[req.num_hashed * ps:num_full * ps])
         last_hash = req.last_hash
+        stored: list[bytes] = []
         for offset, i in enumerate(range(req.num_hashed, num_full)):
             page_bytes = data[offset * bytes_per_page:(offset + 1) * bytes_per_page]
             last_hash = _page_hash(last_hash, page_bytes)
@@ -438,7 +461,10 @@ class BlockAllocator:
                 page = req.shards[i // per_segment] * self.pages_per_shard + int(req.table[i])
                 self._page_of_hash[last_hash] = page
                 self._hash_of_page[page] = last_hash
+                stored.append(last_hash)
         req.num_hashed, req.last_hash = num_full, last_hash
+        if stored and self.on_cache_change is not None:
+            self.on_cache_change(stored, ())
 
     def free(self, request_id: str) -> None:
         """Drops the request's references; registered pages stay cached (evictable), others free.
@@ -476,6 +502,8 @@ class BlockAllocator:
             self._evictable[shard].clear()
         self._page_of_hash.clear()
         self._hash_of_page.clear()
+        if self.on_cache_change is not None:
+            self.on_cache_change((), (), cleared=True)
 
     def _get(self, request_id: str) -> _RequestPages:
         req = self._requests.get(request_id)

@@ -130,6 +130,15 @@ class Model:
                 out[positions[real]] = logits[real]
         return out
 
+    def on_mesh(self, mesh: Mesh) -> Model:
+        """The same weights on another mesh of the same axes (another replica's devices):
+        each device of `mesh` takes its own slice, through the host."""
+        layout = MeshLayout.create(self.config, mesh, self.rules, self.layout.attention_impl)
+        canonical = {name: np.asarray(array) for name, array in self.module.params().items()}
+        readers = {name: array.__getitem__ for name, array in canonical.items()}
+        return Model(Llama(self.config, _placed_params(readers, self.config, layout), layout),
+                     tokenizer=self.tokenizer)
+
     def kv_cache_sharding(self, num_pages: int, page_size: int):
         """Shape and sharding of a cache of `num_pages` pages over all KV shards."""
         c = self.config
@@ -265,8 +274,6 @@ def _params_from_checkpoint(checkpoint, config: ModelConfig, layout: MeshLayout
     """Each device reads only its own slice of each tensor (make_array_from_callback)."""
     from medha_jax.checkpoint import CheckpointError
 
-    np_dtype = numpy_dtype(config.dtype)
-    params = {}
     for name, spec in param_specs(config).items():
         source = checkpoint.tensors.get(name)
         if source is None:
@@ -274,7 +281,17 @@ def _params_from_checkpoint(checkpoint, config: ModelConfig, layout: MeshLayout
         if tuple(source.shape) != spec.shape:
             raise CheckpointError(f"tensor {name!r} has shape {tuple(source.shape)}, "
                                   f"expected {spec.shape} from the checkpoint's config")
-        read = layout.placed_reader(spec, source.read)
+    return _placed_params({name: source.read for name, source in checkpoint.tensors.items()},
+                          config, layout)
+
+
+def _placed_params(readers, config: ModelConfig, layout: MeshLayout) -> dict[str, jax.Array]:
+    """Every parameter placed on the layout's mesh; readers[name](index) gives a slice of
+    the canonical tensor, and each device reads only its own."""
+    np_dtype = numpy_dtype(config.dtype)
+    params = {}
+    for name, spec in param_specs(config).items():
+        read = layout.placed_reader(spec, readers[name])
         params[name] = jax.make_array_from_callback(
             layout.placed_shape(spec), layout.param_sharding(spec),
             lambda index, read=read: read(index).astype(np_dtype))

@@ -115,6 +115,14 @@ def batch_features(batch: Batch, token_buckets: Sequence[int] | None = None) -> 
                          max_ctx)
 
 
+def decode_token_seconds(predictor, seats: int) -> float:
+    """What one decode token adds to a replica's work: a full decode batch of `seats`
+    sequences at a short context, per sequence (what routers price queued decodes at)."""
+    full_decode = BatchFeatures(seats, seats, seats, seats, seats, seats, seats,
+                                max_decode_context=1)
+    return predictor.predict_features(full_decode) / seats
+
+
 class RuntimePredictor(Protocol):
     """Predicted seconds of one iteration."""
 

@@ -1,0 +1,165 @@
+"""Routing many replicas (seed 003): every policy on the Mooncake conversation trace.
+
+    python -m benchmarks.cluster --quick              # about a minute on a 2-core CPU
+    python -m benchmarks.cluster --json results/cluster.json
+
+Two parts, two tables:
+
+(a) simulated: the Mooncake conversation trace (FAST'25; its hash_ids are 512-token prefix
+    blocks, so requests share exactly the prefixes the trace says) replayed through
+    `--replicas` simulated replicas (Llama-3 8B, one H100 each by default, the analytical
+    predictor) with real prefix caches (`simulate(..., prefix_caching=True)`), once per
+    routing policy, on the same requests: prefix hit rate (cached / prompt tokens), TTFT
+    p50/p90, TPOT p90, load imbalance (max / min busy seconds of the replicas) and the
+    router's decision time. Arrivals are compressed `--time-scale` times so that the
+    replicas are loaded (the trace's own rate is 3.4 requests/s).
+(b) measured: the router's decision time at 16 replicas with 10,000 live sessions, each
+    with its prefix cached on one replica (index fed by cache events): p50 / p99 of
+    `Router.route` for a session's next turn, given its page hashes. Hashing the prompt
+    (`prefix_page_hashes`, which the replica's allocator needs too) is reported apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import random
+import statistics
+import time
+from collections.abc import Sequence
+
+from benchmarks.report import environment, table
+
+TRACE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "traces",
+                     "mooncake_conversation_trace.jsonl")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.cluster", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="fewer requests; about a minute")
+    p.add_argument("--json", default=None, help="write every figure and the context here")
+    p.add_argument("--trace", default=TRACE, help="Mooncake conversation trace (JSONL)")
+    p.add_argument("--requests", type=int, default=None,
+                   help="first N requests of the trace (default 3000; --quick 300)")
+    p.add_argument("--replicas", type=int, default=16, help="simulated replicas")
+    p.add_argument("--time-scale", type=float, default=8.0,
+                   help="arrivals compressed this many times (load)")
+    p.add_argument("--model", default="llama3-8b", help="model preset of the simulation")
+    p.add_argument("--hardware", default="h100", help="hardware preset of the simulation")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallelism of each replica")
+    p.add_argument("--policies", default=None,
+                   help="comma-separated routing policies (default: all)")
+    p.add_argument("--sessions", type=int, default=10_000, help="live sessions in part (b)")
+    return p.parse_args(argv)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+
+
+def simulated(args) -> list[dict]:
+    from medha_jax.cluster.router import ROUTING_POLICIES
+    from medha_jax.config import ParallelConfig, model_preset
+    from medha_jax.simulator import simulate
+    from medha_jax.workloads import load_mooncake_trace, to_requests
+
+    limit = args.requests or (300 if args.quick else 3000)
+    trace = load_mooncake_trace(args.trace, limit=limit)
+    trace = [dataclasses.replace(r, arrival_s=r.arrival_s / args.time_scale) for r in trace]
+    # Token ids in a small vocabulary keep the prompts' lists small (Python caches small
+    # ints); ids only name prefixes here, no model reads them.
+    requests = to_requests(trace, vocab_size=256)
+    model = model_preset(args.model)
+    policies = args.policies.split(",") if args.policies else list(ROUTING_POLICIES)
+    rows = []
+    for policy in policies:
+        result = simulate(requests, scheduler="lars-mp", model=model,
+                          parallel=ParallelConfig(tp=args.tp), hardware=args.hardware,
+                          num_replicas=args.replicas, routing=policy, prefix_caching=True)
+        done = result.finished
+        ttft = [r.first_token_time - r.arrival_time for r in done]
+        tpot = [(r.finish_time - r.first_token_time) / (len(r.output_token_ids) - 1)
+                for r in done if len(r.output_token_ids) > 1]
+        busy = result.busy_s
+        rows.append({
+            "policy": policy, "requests": len(requests), "finished": len(done),
+            "hit_rate": sum(r.num_cached_tokens for r in done) / sum(r.prompt_len for r in done),
+            "ttft_p50_s": percentile(ttft, 50), "ttft_p90_s": percentile(ttft, 90),
+            "tpot_p90_s": percentile(tpot, 90),
+            "imbalance_max_over_min_busy": max(busy) / max(min(busy), 1e-9),
+            "decision_p50_us": 1e6 * percentile(result.decision_s, 50),
+            "decision_p99_us": 1e6 * percentile(result.decision_s, 99),
+            "wall_s": result.wall_s})
+    return rows
+
+
+def decision_time(args, num_replicas: int = 16, page_size: int = 16) -> list[dict]:
+    """Router.route on a session's next turn with `args.sessions` sessions cached."""
+    from medha_jax.cluster.prefix_index import CacheEvent
+    from medha_jax.cluster.router import (ROUTING_POLICIES, ReplicaStatus, RouteRequest, Router,
+                                          RoutingConfig)
+    from medha_jax.kv_cache.allocator import prefix_page_hashes
+
+    rng = random.Random(0)
+    num_probes = 500 if args.quick else 2000
+    statuses = [ReplicaStatus(prefill_s=lambda n, cached: 0.01 + 2e-5 * (n - cached),
+                              page_size=page_size, num_waiting=rng.randrange(8),
+                              num_running=rng.randrange(32), queued_work_s=rng.random(),
+                              decode_token_s=1e-3) for _ in range(num_replicas)]
+    system_prompt = [rng.randrange(32_000) for _ in range(512)]
+    sessions = []
+    for s in range(args.sessions):
+        turn = system_prompt + [rng.randrange(32_000) for _ in range(rng.randint(500, 8000))]
+        sessions.append((turn, s % num_replicas))
+    rows = []
+    for policy in ROUTING_POLICIES:
+        router = Router(num_replicas, lambda: statuses, RoutingConfig(policy))
+        seq = [0] * num_replicas
+        for tokens, replica in sessions:     # every session's prefix cached where it lives
+            router.index.apply(CacheEvent(replica, seq[replica],
+                                          stored=tuple(prefix_page_hashes(tokens, page_size))))
+            seq[replica] += 1
+        hash_s, route_s = [], []
+        for i in range(num_probes):
+            tokens, _ = sessions[rng.randrange(len(sessions))]
+            prompt = tokens + [rng.randrange(32_000) for _ in range(rng.randint(20, 400))]
+            start = time.perf_counter()
+            hashes = tuple(prefix_page_hashes(prompt, page_size))
+            hashed = time.perf_counter()
+            router.route(RouteRequest(len(prompt), hashes, f"s{i}", 100))
+            route_s.append(time.perf_counter() - hashed)
+            hash_s.append(hashed - start)
+        rows.append({"policy": policy, "replicas": num_replicas, "sessions": args.sessions,
+                     "mean_prompt_pages": round(statistics.mean(
+                         len(t) for t, _ in sessions) / page_size),
+                     "route_p50_us": 1e6 * percentile(route_s, 50),
+                     "route_p99_us": 1e6 * percentile(route_s, 99),
+                     "hash_prompt_p50_us": 1e6 * percentile(hash_s, 50)})
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    sim = simulated(args)
+    table(f"(a) simulated: Mooncake conversation trace, {args.replicas} replicas of "
+          f"{args.model} (tp={args.tp}, {args.hardware} preset, AnalyticalPredictor), "
+          f"arrivals x{args.time_scale}, lars-mp, real prefix caches", sim)
+    decisions = decision_time(args)
+    table(f"(b) measured: router decision time, 16 replicas, {args.sessions} sessions cached "
+          "(this CPU, Python)", decisions)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        context = {**environment(), "model_simulated": args.model, "hardware": args.hardware,
+                   "replicas": args.replicas, "time_scale": args.time_scale,
+                   "trace": os.path.basename(args.trace)}
+        with open(args.json, "w") as f:
+            json.dump({"context": context, "simulated": sim, "decision_time": decisions}, f,
+                      indent=2)
+
+
+if __name__ == "__main__":
+    main()

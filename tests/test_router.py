@@ -1,0 +1,140 @@
+"""Routing decisions on stated snapshots, and the Router's state between decisions."""
+
+import pytest
+
+from medha_jax.cluster.router import (LEAST_LOAD, PREDICTED_TIME, ROUND_ROBIN, SGLANG_CACHE_AWARE,
+                                      NoHealthyReplica, ReplicaStatus, RouteRequest, Router,
+                                      RouterSnapshot, RoutingConfig, decide)
+from medha_jax.kv_cache.allocator import prefix_page_hashes
+
+
+def linear_prefill(seconds_per_token=1e-3, fixed=0.01):
+    """A predictor's prefill time: a fixed cost plus a cost per new token."""
+    return lambda num_tokens, cached: fixed + seconds_per_token * (num_tokens - cached)
+
+
+def status(**kw):
+    kw.setdefault("prefill_s", linear_prefill())
+    kw.setdefault("page_size", 16)
+    return ReplicaStatus(**kw)
+
+
+def snapshot(statuses, cached, recent=None, session=None, rr=0):
+    return RouterSnapshot(tuple(statuses), tuple(cached),
+                          tuple(recent or [0.0] * len(statuses)), session, rr)
+
+
+def test_round_robin_takes_turns_and_skips_unhealthy_replicas():
+    snap = snapshot([status(), status(healthy=False), status()], [0, 0, 0], rr=1)
+    assert decide(RouteRequest(100), snap, RoutingConfig(ROUND_ROBIN)).replica == 2
+
+
+def test_least_load_is_vllms_four_waiting_plus_running():
+    snap = snapshot([status(num_waiting=1, num_running=0), status(num_waiting=0, num_running=3)],
+                    [0, 0])
+    assert decide(RouteRequest(100), snap, RoutingConfig(LEAST_LOAD)).replica == 1
+
+
+def test_sglang_cache_aware_follows_the_cache_above_its_threshold_unless_imbalanced():
+    config = RoutingConfig(SGLANG_CACHE_AWARE)
+    balanced = [status(num_running=5), status(num_running=1)]
+    # 40% of the prompt cached on replica 0 (> 0.3): the cache wins over load.
+    assert decide(RouteRequest(1000), snapshot(balanced, [400, 0]), config).replica == 0
+    # 20% cached: below the threshold, the least loaded.
+    assert decide(RouteRequest(1000), snapshot(balanced, [200, 0]), config).replica == 1
+    # Imbalanced (100 - 10 > 64 and 100 > 1.5 x 10): the least loaded whatever is cached.
+    hot = [status(num_running=100), status(num_running=10)]
+    assert decide(RouteRequest(1000), snapshot(hot, [900, 0]), config).replica == 1
+
+
+def test_predicted_time_prices_new_tokens_not_prompt_length():
+    """Replica 0 has more queued work but caches 90% of the prompt: fewer seconds there."""
+    statuses = [status(queued_work_s=2.0), status(queued_work_s=0.5)]
+    request = RouteRequest(8000)
+    decision = decide(request, snapshot(statuses, [7200, 0]))
+    assert decision.replica == 0 and decision.policy == PREDICTED_TIME
+    assert decision.cached_tokens == 7200
+    assert decision.predicted_ttft_s == pytest.approx(2.0 + 0.01 + 0.8)
+    # Without that cache the queue decides.
+    assert decide(request, snapshot(statuses, [0, 0])).replica == 1
+
+
+def test_each_replica_is_priced_by_its_own_predictor():
+    slow, fast = linear_prefill(4e-3), linear_prefill(1e-3)
+    statuses = [status(prefill_s=slow), status(prefill_s=fast, queued_work_s=1.0)]
+    assert decide(RouteRequest(1000), snapshot(statuses, [0, 0])).replica == 1   # 1.01 < 4.01
+    assert decide(RouteRequest(100), snapshot(statuses, [0, 0])).replica == 0    # 0.41 < 1.11
+
+
+def test_session_affinity_holds_within_the_margin_and_yields_beyond_it():
+    config = RoutingConfig(affinity_margin=0.2, affinity_margin_s=0.0)
+    request = RouteRequest(1000, session_id="s")
+    near = [status(queued_work_s=0.1), status(queued_work_s=0.0)]       # 1.11 vs 1.01
+    assert decide(request, snapshot(near, [0, 0], session=0), config).replica == 0
+    far = [status(queued_work_s=1.0), status(queued_work_s=0.0)]        # 2.01 vs 1.01
+    assert decide(request, snapshot(far, [0, 0], session=0), config).replica == 1
+
+
+def test_a_sessions_first_turn_goes_where_the_least_load_was_placed_lately():
+    """Equal queues now, but replica 0 was handed more work lately (turns to come)."""
+    statuses = [status(), status()]
+    request = RouteRequest(500, session_id="new")
+    decision = decide(request, snapshot(statuses, [0, 0], recent=[30.0, 5.0]))
+    assert decision.replica == 1
+
+
+def test_no_healthy_replica_is_a_clear_error():
+    with pytest.raises(NoHealthyReplica, match="none of the 2"):
+        decide(RouteRequest(10), snapshot([status(healthy=False)] * 2, [0, 0]))
+
+
+def test_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match="unknown routing policy 'nope'"):
+        RoutingConfig("nope")
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_router_sends_a_sessions_next_turn_to_its_speculative_prefix():
+    """Two turns of one session a moment apart: the second lands with the first although
+    no cache event confirmed the first's pages yet."""
+    clock = Clock()
+    statuses = [status(), status()]
+    router = Router(2, lambda: statuses, clock=clock)
+    turn1 = list(range(64))
+    first = router.route(RouteRequest(64, tuple(prefix_page_hashes(turn1, 16)), "s", 8))
+    turn2 = turn1 + list(range(100, 148))
+    # Another session's first turn, unrelated: the load placed lately sends it elsewhere.
+    other = list(range(500, 564))
+    second = router.route(RouteRequest(64, tuple(prefix_page_hashes(other, 16)), "t", 8))
+    assert second.replica != first.replica
+    third = router.route(RouteRequest(112, tuple(prefix_page_hashes(turn2, 16)), "s", 8))
+    assert third.replica == first.replica and third.cached_tokens == 64
+    clock.t = 10.0                                  # marks expired, nothing confirmed
+    assert router.snapshot(RouteRequest(112, tuple(prefix_page_hashes(turn2, 16)))
+                           ).cached_tokens == (0, 0)
+
+
+def test_router_forgets_a_dead_replicas_sessions_and_pages():
+    statuses = [status(), status()]
+    router = Router(2, lambda: statuses)
+    hashes = tuple(prefix_page_hashes(list(range(32)), 16))
+    first = router.route(RouteRequest(33, hashes, "s"))
+    router.replica_down(first.replica)
+    statuses[first.replica] = status(healthy=False)
+    again = router.route(RouteRequest(33, hashes, "s"))
+    assert again.replica != first.replica and again.cached_tokens == 0
+
+
+def test_the_last_prompt_token_is_never_counted_as_cached():
+    statuses = [status()]
+    router = Router(1, lambda: statuses)
+    hashes = tuple(prefix_page_hashes(list(range(32)), 16))
+    router.route(RouteRequest(32, hashes))
+    assert router.route(RouteRequest(32, hashes)).cached_tokens == 31
