@@ -24,7 +24,7 @@ Plain Python, single-threaded: the server serialises calls from its own loop thr
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from medha_jax.request import (Batch, Clock, Executor, FinishReason, Request, RequestState,
                                RequestUpdate, ScheduledChunk, StepResult)
@@ -310,8 +310,7 @@ class ReplicaController:
         chosen = {r.request_id for r in candidates}
         riders = [r for r in self._prefills.top(now, k + extra + len(in_flight), secondary=True)
                   if r.request_id not in chosen and runnable(r)][:extra]
-        riders.sort(key=lambda r: self._prefills.sort_key(r, now))
-        return candidates + riders
+        return candidates + self._prefills.in_policy_order(riders, now)
 
     def _decode_order(self) -> list[Request]:
         decodes = list(self._decodes.values())
@@ -436,6 +435,30 @@ class _KVGate:
         self.in_batch.add(rid)
         self._start_running(request, self.now)
         return True
+
+    def reserve_decodes(self, decodes: Sequence[Request], seats: int) -> list[ScheduledChunk]:
+        """reserve() of each decode's chunk in order (`packer.reserve_each_decode`), at most
+        `seats` granted. Most decodes fit in the pages they hold: for those this is
+        reserve() without the calls that would change nothing (the one loop over every
+        decode of every step)."""
+        chunks: list[ScheduledChunk] = []
+        append, kv_reserve = chunks.append, self.kv.reserve
+        preempted, in_batch, running = self.preempted, self.in_batch, RequestState.RUNNING
+        for request in decodes:
+            if len(chunks) >= seats:
+                break
+            end = request.prompt_len + len(request.output_token_ids)
+            chunk = ScheduledChunk(request, end - 1, 1)
+            rid = request.request_id
+            if rid in preempted or not kv_reserve(rid, end):
+                if self.reserve(chunk):            # refused, or pages to find
+                    append(chunk)
+                continue
+            in_batch.add(rid)
+            if request.state is not running or request.first_scheduled_time is None:
+                self._start_running(request, self.now)
+            append(chunk)
+        return chunks
 
     def release_unscheduled(self) -> None:
         """Waiting requests registered for a chunk that missed the batch give their pages back."""
