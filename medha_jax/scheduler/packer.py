@@ -132,7 +132,8 @@ class EngineLimits:
 
 def largest_chunk(predictor: RuntimePredictor, base: BatchFeatures, *, start: int, max_tokens: int,
                   remaining: int, budget_s: float, token_buckets: Sequence[int] | None,
-                  guess: int | None = None, tolerance: float = 1 / 128) -> int:
+                  guess: int | None = None, tolerance: float = 1 / 128,
+                  fitted: dict[int, tuple[BatchFeatures, float]] | None = None) -> int:
     """About the largest n in [1, max_tokens] whose batch (base + chunk) is predicted
     <= budget_s; 0 if none. Never over budget; at most `tolerance` (relative) short of
     the exact largest, which saves a third of the predictions at long contexts.
@@ -142,12 +143,20 @@ def largest_chunk(predictor: RuntimePredictor, base: BatchFeatures, *, start: in
     last point (a sampling step may cost more, e.g. the pipeline depth under SPP), so
     max_tokens is tried first and the search runs over the monotone part below it.
     `guess` (e.g. the chunk a lone prefill gets at this context) starts a galloping
-    search next to the answer instead of a bisection of the whole range.
+    search next to the answer instead of a bisection of the whole range. `fitted`, if
+    given, gets the features and predicted time of each probe that fit, by n (the answer's
+    among them, unless it is 0), so that the caller need not price its chunk again.
     """
     predict, plus_chunk, base_tokens = predictor.predict_features, base.plus_chunk, base.tokens
 
     def fits(n: int) -> bool:
-        return predict(plus_chunk(n, start, n == remaining, token_buckets)) <= budget_s
+        features = plus_chunk(n, start, n == remaining, token_buckets)
+        seconds = predict(features)
+        if not seconds <= budget_s:
+            return False
+        if fitted is not None:
+            fitted[n] = (features, seconds)
+        return True
 
     if max_tokens < 1:
         return 0
@@ -316,7 +325,6 @@ class AdaptivePacker(BatchPacker):
         features = self._add_decodes(decodes, gate, chunks)
         t_target = self.t_target(chunks)
         t_pred = self.predictor.predict_features(features)
-        buckets = self.limits.token_buckets
         max_prefills = self.limits.max_seqs_per_batch if self.multi_prefill else 1
         num_prefills, has_long = 0, False
         packed: set[str] = set()          # riders packed ahead of their turn
@@ -360,13 +368,12 @@ class AdaptivePacker(BatchPacker):
                 if self._fits(rider, features, budget):
                     added = self._add_chunk(rider, features, budget, gate, chunks)
                     if added is not None:
-                        features = added
-                        t_pred = self.predictor.predict_features(features)
+                        features, t_pred = added
                         packed.add(rider.request_id)
                         num_prefills += 1
             if num_prefills >= max_prefills:
                 break
-            n = self._chunk_size(request, features, t_target)
+            n, priced = self._chunk_size(request, features, t_target)
             if n == 0:
                 unserved.append(request)        # Algorithm 1, line 17: tries next time
                 continue
@@ -374,8 +381,7 @@ class AdaptivePacker(BatchPacker):
             if not gate.reserve(chunk):
                 continue
             chunks.append(chunk)
-            features = features.plus_chunk(n, chunk.start, chunk.samples, buckets)
-            t_pred = self.predictor.predict_features(features)
+            features, t_pred = priced or self._priced(features, chunk)
             num_prefills += 1
             has_long = has_long or is_long
         if num_prefills == 0:
@@ -450,31 +456,45 @@ class AdaptivePacker(BatchPacker):
         return self.predictor.predict_features(one) <= budget_s
 
     def _add_chunk(self, request: Request, features: BatchFeatures, budget_s: float,
-                   gate: ChunkGate, chunks: list[ScheduledChunk]) -> BatchFeatures | None:
+                   gate: ChunkGate, chunks: list[ScheduledChunk]
+                   ) -> tuple[BatchFeatures, float] | None:
         """Appends the largest chunk of `request` that keeps the batch within budget_s, if
-        one fits and gets its KV pages; the batch's features with it, or None."""
+        one fits and gets its KV pages; the batch's features with it and their predicted
+        time, or None."""
         if not gate.prepare(request):
             return None
-        n = self._chunk_size(request, features, budget_s)
+        n, priced = self._chunk_size(request, features, budget_s)
         chunk = ScheduledChunk(request, request.num_scheduled_tokens, n)
         if n == 0 or not gate.reserve(chunk):
             return None
         chunks.append(chunk)
-        return features.plus_chunk(n, chunk.start, chunk.samples, self.limits.token_buckets)
+        return priced or self._priced(features, chunk)
 
-    def _chunk_size(self, request: Request, features: BatchFeatures, budget_s: float) -> int:
+    def _priced(self, features: BatchFeatures, chunk: ScheduledChunk
+                ) -> tuple[BatchFeatures, float]:
+        """The features with `chunk` added, and their predicted time."""
+        features = features.plus_chunk(chunk.num_tokens, chunk.start, chunk.samples,
+                                       self.limits.token_buckets)
+        return features, self.predictor.predict_features(features)
+
+    def _chunk_size(self, request: Request, features: BatchFeatures, budget_s: float
+                    ) -> tuple[int, tuple[BatchFeatures, float] | None]:
         """GETCHUNKSIZE's binary search: the largest chunk of `request` that keeps the batch
         within budget_s (at least a whole query block: `whole_query_block`); 0 when none
-        fits."""
+        fits. With it, the batch's features and time with that chunk where the search
+        priced them already (None where a whole query block widened it)."""
         room = self._room(features)
         start = request.num_scheduled_tokens
         remaining = request.num_tokens - start
         max_tokens = int(min(remaining, room))
+        fitted: dict[int, tuple[BatchFeatures, float]] = {}
         n = largest_chunk(self.predictor, features, start=start, max_tokens=max_tokens,
                           remaining=remaining, budget_s=budget_s,
                           token_buckets=self.limits.token_buckets,
-                          guess=self.chunk_hint(start) if self.chunk_hint else None)
-        return whole_query_block(n, max_tokens, self.limits)
+                          guess=self.chunk_hint(start) if self.chunk_hint else None,
+                          fitted=fitted)
+        n = whole_query_block(n, max_tokens, self.limits)
+        return n, fitted.get(n)
 
     def _guarantee_progress(self, candidates: Sequence[Request], features: BatchFeatures,
                             gate: ChunkGate, chunks: list[ScheduledChunk]) -> BatchFeatures:
