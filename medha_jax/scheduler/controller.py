@@ -231,10 +231,10 @@ class ReplicaController:
                        start_running=self._start_running, requeue=self._prefills.update)
         batch = self.packer.pack(self._decode_order(), candidates, now, gate)
         gate.release_unscheduled()
-        for chunk in batch.chunks:
-            rid = chunk.request.request_id
+        for request, _, num_tokens in batch.chunks:
+            rid = request.request_id
             in_flight[rid] = in_flight.get(rid, 0) + 1
-            chunk.request.num_in_flight_tokens += chunk.num_tokens
+            request.num_in_flight_tokens += num_tokens
         self.last_schedule_seconds = time.perf_counter() - start
         return batch
 
@@ -307,9 +307,12 @@ class ReplicaController:
         extra = self.max_rider_candidates
         if not extra or len(self._prefills) <= k + len(in_flight):
             return candidates                        # the top was the whole queue
-        chosen = {r.request_id for r in candidates}
+        chosen = set(candidates)
         riders = [r for r in self._prefills.top(now, k + extra + len(in_flight), secondary=True)
-                  if r.request_id not in chosen and runnable(r)][:extra]
+                  if r not in chosen]
+        if in_flight:
+            riders = [r for r in riders if runnable(r)]
+        riders = riders[:extra]
         return candidates + self._prefills.in_policy_order(riders, now)
 
     def _decode_order(self) -> list[Request]:
