@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from medha_jax.sampling_params import SamplingParams
 
@@ -139,9 +139,11 @@ class Request:
             self.output_token_ids[max(start - n, 0):stop - n]
 
 
-@dataclasses.dataclass(frozen=True)
-class ScheduledChunk:
-    """Compute K/V of tokens [start, start + num_tokens) of `request` in one step."""
+class ScheduledChunk(NamedTuple):
+    """Compute K/V of tokens [start, start + num_tokens) of `request` in one step.
+
+    A NamedTuple, not a frozen dataclass: the scheduler makes one per decode per step, and
+    this constructs in half the time."""
 
     request: Request
     start: int

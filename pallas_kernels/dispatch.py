@@ -101,6 +101,17 @@ def block_sizes_for(impl: str, device_kind: str, head_dim: int, page_size: int) 
     return TILE_TABLE[key].block_sizes(head_dim, page_size)
 
 
+def prefill_query_block(impl: str, block_sizes: BlockSizes, *, q_per_kv: int,
+                        num_tokens: int) -> int:
+    """Query tokens per block that a prefill chunk pays on `impl`'s prefill path, in a step
+    of num_tokens (padded) tokens whose decodes come first (the engine's steps): the
+    kernels' prefill-sized blocks (`BlockSizes.prefill_block_q`, attention.py), the XLA
+    path's block_q."""
+    if impl == "xla":
+        return block_sizes.block_q
+    return block_sizes.prefill_block_q(q_per_kv, num_tokens)
+
+
 def choose_attention(impl: str, block_sizes: BlockSizes | None, *, head_dim: int,
                      page_size: int) -> tuple[str, BlockSizes]:
     """What an entry point runs: the concrete impl and its tiles (given, or the defaults of

@@ -157,3 +157,39 @@ def test_tpu_kernel_lowers_for_tpu_with_every_tpu_entry(kind):
         text = lower_for_tpu(lambda *a: ragged_paged_attention(
             *a, sm_scale=0.1, impl="pallas-tpu", block_sizes=tiles, causal=causal), *args[:7])
         assert text.count("tpu_custom_call") == 1
+
+
+_IMPL_OF_KIND = {"cpu": "xla", "interpret": "interpret", "interpret-tpu": "interpret-tpu",
+                 **{k: "pallas" for k in GPU_KINDS}, **{k: "pallas-tpu" for k in TPU_KINDS}}
+
+
+@pytest.mark.parametrize("kind", sorted(TILE_TABLE))
+def test_prefill_query_block_is_the_block_the_prefill_path_runs(kind, monkeypatch):
+    """What Engine.query_block_tokens gives the packer (prefill_query_block) is the query
+    block the prefill path hands its kernel in a step whose decodes come first (on main it
+    was block_q, the decode path's: 16 on an H100 where prefill runs in 32-token blocks
+    for 4 query heads per KV head, 8 on a v5e where it runs in 64)."""
+    from pallas_kernels import attention
+    from pallas_kernels.dispatch import prefill_query_block
+    impl = _IMPL_OF_KIND[kind]
+    tokens, q_heads, kv_heads, head_dim, page_size = 256, 8, 2, 128, 16
+    tiles = block_sizes_for(impl, kind, head_dim, page_size)
+    seen = []
+
+    def capture(*args, block_sizes, **kw):
+        seen.append(block_sizes.block_q)
+        return jnp.zeros(args[0].shape, jnp.float32), jnp.zeros(args[0].shape[:2], jnp.float32)
+
+    jax.clear_caches()      # a kind with another's tiles would hit its jit cache
+    monkeypatch.setattr(attention, "ragged_paged_attention_xla", capture)
+    monkeypatch.setattr(attention, "_ragged_kernel", lambda impl: capture)
+    monkeypatch.setattr(attention, "_decode_kernel", lambda impl: capture)
+    q = jax.ShapeDtypeStruct((tokens, q_heads, head_dim), jnp.float32)
+    pages = jax.ShapeDtypeStruct((64, page_size, kv_heads, head_dim), jnp.float32)
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)   # noqa: E731
+    jax.eval_shape(lambda q, k, v, pt, cu, kl, ns, nd: ragged_paged_attention(
+        q, k, v, pt, cu, kl, ns, sm_scale=1.0, impl=impl, block_sizes=tiles, num_decodes=nd),
+        q, pages, pages, i32(8, 16), i32(9), i32(8), i32(1), i32(1))
+    assert seen, "the prefill path called no kernel"
+    assert prefill_query_block(impl, tiles, q_per_kv=q_heads // kv_heads,
+                               num_tokens=tokens) == seen[0]

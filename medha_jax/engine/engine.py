@@ -43,7 +43,7 @@ from medha_jax.scheduler.predictor import BatchFeatures, batch_features
 from meshes import replicated
 from pallas_kernels import order_decodes_first
 from pallas_kernels.block_sizes import device_kind_of
-from pallas_kernels.dispatch import choose_attention
+from pallas_kernels.dispatch import choose_attention, prefill_query_block
 
 
 STEP_RECORDS_KEPT = 10_000
@@ -398,13 +398,18 @@ class Engine:
 
     @property
     def query_block_tokens(self) -> int:
-        """Query tokens per block of the attention's prefill path (its smallest block): a
+        """Query tokens per block of the attention's prefill path (`prefill_query_block`:
+        the kernels' prefill-sized blocks, not block_q, which is the decode path's): a
         prefill chunk's attention costs whole blocks, each one pass over the chunk's
-        context, however few of the block's tokens are real."""
-        _, tiles = choose_attention(self.model.layout.attention_impl, None,
-                                    head_dim=self.model.config.head_dim,
-                                    page_size=self.config.page_size)
-        return tiles.block_q
+        context, however few of the block's tokens are real. A chunk widened to it sits in
+        a step of at least as many tokens, whose blocks are that size."""
+        config = self.model.config
+        impl, tiles = choose_attention(self.model.layout.attention_impl, None,
+                                       head_dim=config.head_dim, page_size=self.config.page_size)
+        tp = self.model.parallel.tp
+        q_per_kv = max(1, config.num_heads // tp) // max(1, config.num_kv_heads // tp)
+        return prefill_query_block(impl, tiles, q_per_kv=q_per_kv,
+                                   num_tokens=self.ladder.token_buckets[-1])
 
     # -- execution ---------------------------------------------------------------
 

@@ -25,7 +25,7 @@ Plain Python, single-threaded: the server serialises calls from its own loop thr
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from medha_jax.request import (Batch, Clock, Executor, FinishReason, Request, RequestState,
                                RequestUpdate, ScheduledChunk, StepResult)
@@ -232,10 +232,10 @@ class ReplicaController:
                        start_running=self._start_running, requeue=self._prefills.update)
         batch = self.packer.pack(self._decode_order(), candidates, now, gate)
         gate.release_unscheduled()
-        for chunk in batch.chunks:
-            rid = chunk.request.request_id
+        for request, _, num_tokens in batch.chunks:
+            rid = request.request_id
             in_flight[rid] = in_flight.get(rid, 0) + 1
-            chunk.request.num_in_flight_tokens += chunk.num_tokens
+            request.num_in_flight_tokens += num_tokens
         self.last_schedule_seconds = time.perf_counter() - start
         return batch
 
@@ -308,11 +308,13 @@ class ReplicaController:
         extra = self.max_rider_candidates
         if not extra or len(self._prefills) <= k + len(in_flight):
             return candidates                        # the top was the whole queue
-        chosen = {r.request_id for r in candidates}
+        chosen = set(candidates)
         riders = [r for r in self._prefills.top(now, k + extra + len(in_flight), secondary=True)
-                  if r.request_id not in chosen and runnable(r)][:extra]
-        riders.sort(key=lambda r: self._prefills.sort_key(r, now))
-        return candidates + riders
+                  if r not in chosen]
+        if in_flight:
+            riders = [r for r in riders if runnable(r)]
+        riders = riders[:extra]
+        return candidates + self._prefills.in_policy_order(riders, now)
 
     def _decode_order(self) -> list[Request]:
         decodes = list(self._decodes.values())
@@ -447,6 +449,30 @@ class _KVGate:
         self.in_batch.add(rid)
         self._start_running(request, self.now)
         return True
+
+    def reserve_decodes(self, decodes: Sequence[Request], seats: int) -> list[ScheduledChunk]:
+        """reserve() of each decode's chunk in order (`packer.reserve_each_decode`), at most
+        `seats` granted. Most decodes fit in the pages they hold: for those this is
+        reserve() without the calls that would change nothing (the one loop over every
+        decode of every step)."""
+        chunks: list[ScheduledChunk] = []
+        append, kv_reserve = chunks.append, self.kv.reserve
+        preempted, in_batch, running = self.preempted, self.in_batch, RequestState.RUNNING
+        for request in decodes:
+            if len(chunks) >= seats:
+                break
+            end = request.prompt_len + len(request.output_token_ids)
+            chunk = ScheduledChunk(request, end - 1, 1)
+            rid = request.request_id
+            if rid in preempted or not kv_reserve(rid, end):
+                if self.reserve(chunk):            # refused, or pages to find
+                    append(chunk)
+                continue
+            in_batch.add(rid)
+            if request.state is not running or request.first_scheduled_time is None:
+                self._start_running(request, self.now)
+            append(chunk)
+        return chunks
 
     def release_unscheduled(self) -> None:
         """Waiting requests registered for a chunk that missed the batch give their pages back."""

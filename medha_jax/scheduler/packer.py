@@ -24,14 +24,20 @@ they take turns, the one that waited longest for a token first.
 KV space: packers ask a `ChunkGate` (the controller) before they commit to a chunk.
 `prepare(request)` registers a waiting request's pages (its cached prefix sets where
 the first chunk starts); `reserve(chunk)` finds KV space for it, preempting lower
-priority requests when needed. A chunk the gate refuses is left out of this batch.
+priority requests when needed; `reserve_decodes` does that for every decode of the step
+in one call. A chunk the gate refuses is left out of this batch.
+
+Host time: a step is formed in about a hundred microseconds (benchmarks/scheduler_overhead.py).
+The only loop over every decode is the gate's `reserve_decodes`; prefills are read from the
+front of the priority order only as far as the batch has room (`riders` is lazy).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Protocol
 
 from medha_jax.buckets import padded_size
@@ -44,6 +50,25 @@ class ChunkGate(Protocol):
 
     def reserve(self, chunk: ScheduledChunk) -> bool: ...
 
+    def reserve_decodes(self, decodes: Sequence[Request], seats: int) -> list[ScheduledChunk]:
+        """`reserve_each_decode`: the decode chunks granted, in order, at most `seats`."""
+        ...
+
+
+def reserve_each_decode(gate: ChunkGate, decodes: Sequence[Request], seats: int
+                        ) -> list[ScheduledChunk]:
+    """What `ChunkGate.reserve_decodes` means: each decode's one-token chunk (its last
+    sampled token) in order, through gate.reserve, until `seats` were granted."""
+    chunks: list[ScheduledChunk] = []
+    for request in decodes:
+        if len(chunks) >= seats:
+            break
+        end = request.prompt_len + len(request.output_token_ids)
+        chunk = ScheduledChunk(request, end - 1, 1)
+        if gate.reserve(chunk):
+            chunks.append(chunk)
+    return chunks
+
 
 class OpenGate:
     """Admits everything: for packing without a KV cache (tests, benchmarks, Algorithm 3)."""
@@ -53,6 +78,9 @@ class OpenGate:
 
     def reserve(self, chunk: ScheduledChunk) -> bool:
         return True
+
+    def reserve_decodes(self, decodes: Sequence[Request], seats: int) -> list[ScheduledChunk]:
+        return reserve_each_decode(self, decodes, seats)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -104,7 +132,8 @@ class EngineLimits:
 
 def largest_chunk(predictor: RuntimePredictor, base: BatchFeatures, *, start: int, max_tokens: int,
                   remaining: int, budget_s: float, token_buckets: Sequence[int] | None,
-                  guess: int | None = None, tolerance: float = 1 / 128) -> int:
+                  guess: int | None = None, tolerance: float = 1 / 128,
+                  fitted: dict[int, tuple[BatchFeatures, float]] | None = None) -> int:
     """About the largest n in [1, max_tokens] whose batch (base + chunk) is predicted
     <= budget_s; 0 if none. Never over budget; at most `tolerance` (relative) short of
     the exact largest, which saves a third of the predictions at long contexts.
@@ -114,12 +143,20 @@ def largest_chunk(predictor: RuntimePredictor, base: BatchFeatures, *, start: in
     last point (a sampling step may cost more, e.g. the pipeline depth under SPP), so
     max_tokens is tried first and the search runs over the monotone part below it.
     `guess` (e.g. the chunk a lone prefill gets at this context) starts a galloping
-    search next to the answer instead of a bisection of the whole range.
+    search next to the answer instead of a bisection of the whole range. `fitted`, if
+    given, gets the features and predicted time of each probe that fit, by n (the answer's
+    among them, unless it is 0), so that the caller need not price its chunk again.
     """
     predict, plus_chunk, base_tokens = predictor.predict_features, base.plus_chunk, base.tokens
 
     def fits(n: int) -> bool:
-        return predict(plus_chunk(n, start, n == remaining, token_buckets)) <= budget_s
+        features = plus_chunk(n, start, n == remaining, token_buckets)
+        seconds = predict(features)
+        if not seconds <= budget_s:
+            return False
+        if fitted is not None:
+            fitted[n] = (features, seconds)
+        return True
 
     if max_tokens < 1:
         return 0
@@ -194,6 +231,7 @@ class BatchPacker:
     def __init__(self, predictor: RuntimePredictor, limits: EngineLimits):
         self.predictor = predictor
         self.limits = limits
+        self._token_limit = limits.token_limit      # read by every chunk: not a property call
 
     def pack(self, decodes: Sequence[Request], prefills: Sequence[Request], now: float,
              gate: ChunkGate = OpenGate()) -> Batch:
@@ -204,20 +242,14 @@ class BatchPacker:
     def _add_decodes(self, decodes: Sequence[Request], gate: ChunkGate,
                      chunks: list[ScheduledChunk]) -> BatchFeatures:
         """Phase 1 of Algorithm 1: every decode the step can hold."""
-        # The one loop that runs over every decode each iteration: kept lean.
-        seat_limit = min(self.limits.max_seqs_per_batch, self.limits.token_limit)
-        reserve, append = gate.reserve, chunks.append
-        tokens = sum_ctx = max_ctx = 0
-        for request in decodes:
-            if tokens >= seat_limit:
-                break
-            end = request.prompt_len + len(request.output_token_ids)
-            chunk = ScheduledChunk(request, end - 1, 1)
-            if reserve(chunk):
-                append(chunk)
-                tokens += 1
-                sum_ctx += end
-                max_ctx = max(max_ctx, end)
+        seats = int(min(self.limits.max_seqs_per_batch, self._token_limit))
+        granted = gate.reserve_decodes(decodes, seats)
+        chunks.extend(granted)
+        if not granted:
+            return BatchFeatures()
+        starts = [chunk.start for chunk in granted]      # each ends at start + 1
+        tokens = len(starts)
+        sum_ctx, max_ctx = sum(starts) + tokens, max(starts) + 1
         return BatchFeatures(tokens, padded_size(tokens, self.limits.token_buckets), tokens,
                              sum_ctx, tokens, sum_ctx, tokens, max_decode_context=max_ctx,
                              max_context=max_ctx)
@@ -225,7 +257,7 @@ class BatchPacker:
     def _room(self, features: BatchFeatures) -> int | float:
         if features.seqs >= self.limits.max_seqs_per_batch:
             return 0
-        return self.limits.token_limit - features.tokens
+        return self._token_limit - features.tokens
 
 
 class AdaptivePacker(BatchPacker):
@@ -281,8 +313,8 @@ class AdaptivePacker(BatchPacker):
         """The batch's time budget: the strictest TPOT among its decodes (over the pipeline's
         stages), or the default."""
         budget = self.target_batch_time_s
-        for chunk in decodes:
-            tpot = chunk.request.slo.tpot_s / self.pipeline_stages
+        if decodes:
+            tpot = min(chunk.request.slo.tpot_s for chunk in decodes) / self.pipeline_stages
             if tpot < budget:
                 budget = tpot
         return budget
@@ -293,7 +325,6 @@ class AdaptivePacker(BatchPacker):
         features = self._add_decodes(decodes, gate, chunks)
         t_target = self.t_target(chunks)
         t_pred = self.predictor.predict_features(features)
-        buckets = self.limits.token_buckets
         max_prefills = self.limits.max_seqs_per_batch if self.multi_prefill else 1
         num_prefills, has_long = 0, False
         packed: set[str] = set()          # riders packed ahead of their turn
@@ -316,10 +347,10 @@ class AdaptivePacker(BatchPacker):
             # what lets a short request pass is the head's slack and length relative to
             # the short one's, not a token threshold (which a scaled-down CPU workload,
             # long prompts of 2-4K tokens, never reaches).
-            riders = (self.riders(request, [r for r in prefills[i:]
-                                            if r.request_id not in packed], now)
+            # (None of the later ones is packed yet: riders join only the first prefill.)
+            riders = (self._iter_riders(request, itertools.islice(prefills, i, None), now)
                       if self.space_sharing and self.multi_prefill and not num_prefills
-                      else [])
+                      else ())
             # Space sharing (Algorithm 2, lines 7-10) with multi-prefill batching: the
             # riders go first, in order - those the long one's slack covers with the whole
             # budget (they cannot make it miss), the others within rho_max of what the
@@ -331,17 +362,18 @@ class AdaptivePacker(BatchPacker):
             for rider, covered in riders:
                 if num_prefills + 1 >= max_prefills:       # a seat stays the head's
                     break
+                if self._room(features) < 1:     # no rider fits (_fits); stop reading them
+                    break
                 budget = t_target if covered or not is_long else share_end
                 if self._fits(rider, features, budget):
                     added = self._add_chunk(rider, features, budget, gate, chunks)
                     if added is not None:
-                        features = added
-                        t_pred = self.predictor.predict_features(features)
+                        features, t_pred = added
                         packed.add(rider.request_id)
                         num_prefills += 1
             if num_prefills >= max_prefills:
                 break
-            n = self._chunk_size(request, features, t_target)
+            n, priced = self._chunk_size(request, features, t_target)
             if n == 0:
                 unserved.append(request)        # Algorithm 1, line 17: tries next time
                 continue
@@ -349,8 +381,7 @@ class AdaptivePacker(BatchPacker):
             if not gate.reserve(chunk):
                 continue
             chunks.append(chunk)
-            features = features.plus_chunk(n, chunk.start, chunk.samples, buckets)
-            t_pred = self.predictor.predict_features(features)
+            features, t_pred = priced or self._priced(features, chunk)
             num_prefills += 1
             has_long = has_long or is_long
         if num_prefills == 0:
@@ -396,20 +427,23 @@ class AdaptivePacker(BatchPacker):
         yields nothing, also not to a queue of other long prefills that could not use
         the share (the pseudo-code's share would idle there).
         """
-        w_long = self.remaining_work(long)
-        finish = now + w_long
+        return list(self._iter_riders(long, later, now))
+
+    def _iter_riders(self, long: Request, later: Iterable[Request], now: float
+                     ) -> Iterator[tuple[Request, bool]]:
+        """`riders`, read only as far as the packer needs them."""
+        remaining_work, is_long = self.remaining_work, self.is_long
+        finish = now + remaining_work(long)
         spare = max(0.0, long.deadline - finish)
-        riders = []
         for request in later:
-            if self.is_long(request):
+            if is_long(request):
                 continue
-            work = self.remaining_work(request)
+            work = remaining_work(request)
             if work <= spare:
                 spare -= work
-                riders.append((request, True))
+                yield request, True
             elif request.deadline <= finish:
-                riders.append((request, False))
-        return riders
+                yield request, False
 
     def _fits(self, request: Request, features: BatchFeatures, budget_s: float) -> bool:
         """Whether a one-token chunk of `request` still fits: a cheap test before the search.
@@ -422,31 +456,45 @@ class AdaptivePacker(BatchPacker):
         return self.predictor.predict_features(one) <= budget_s
 
     def _add_chunk(self, request: Request, features: BatchFeatures, budget_s: float,
-                   gate: ChunkGate, chunks: list[ScheduledChunk]) -> BatchFeatures | None:
+                   gate: ChunkGate, chunks: list[ScheduledChunk]
+                   ) -> tuple[BatchFeatures, float] | None:
         """Appends the largest chunk of `request` that keeps the batch within budget_s, if
-        one fits and gets its KV pages; the batch's features with it, or None."""
+        one fits and gets its KV pages; the batch's features with it and their predicted
+        time, or None."""
         if not gate.prepare(request):
             return None
-        n = self._chunk_size(request, features, budget_s)
+        n, priced = self._chunk_size(request, features, budget_s)
         chunk = ScheduledChunk(request, request.num_scheduled_tokens, n)
         if n == 0 or not gate.reserve(chunk):
             return None
         chunks.append(chunk)
-        return features.plus_chunk(n, chunk.start, chunk.samples, self.limits.token_buckets)
+        return priced or self._priced(features, chunk)
 
-    def _chunk_size(self, request: Request, features: BatchFeatures, budget_s: float) -> int:
+    def _priced(self, features: BatchFeatures, chunk: ScheduledChunk
+                ) -> tuple[BatchFeatures, float]:
+        """The features with `chunk` added, and their predicted time."""
+        features = features.plus_chunk(chunk.num_tokens, chunk.start, chunk.samples,
+                                       self.limits.token_buckets)
+        return features, self.predictor.predict_features(features)
+
+    def _chunk_size(self, request: Request, features: BatchFeatures, budget_s: float
+                    ) -> tuple[int, tuple[BatchFeatures, float] | None]:
         """GETCHUNKSIZE's binary search: the largest chunk of `request` that keeps the batch
         within budget_s (at least a whole query block: `whole_query_block`); 0 when none
-        fits."""
+        fits. With it, the batch's features and time with that chunk where the search
+        priced them already (None where a whole query block widened it)."""
         room = self._room(features)
         start = request.num_scheduled_tokens
         remaining = request.num_tokens - start
         max_tokens = int(min(remaining, room))
+        fitted: dict[int, tuple[BatchFeatures, float]] = {}
         n = largest_chunk(self.predictor, features, start=start, max_tokens=max_tokens,
                           remaining=remaining, budget_s=budget_s,
                           token_buckets=self.limits.token_buckets,
-                          guess=self.chunk_hint(start) if self.chunk_hint else None)
-        return whole_query_block(n, max_tokens, self.limits)
+                          guess=self.chunk_hint(start) if self.chunk_hint else None,
+                          fitted=fitted)
+        n = whole_query_block(n, max_tokens, self.limits)
+        return n, fitted.get(n)
 
     def _guarantee_progress(self, candidates: Sequence[Request], features: BatchFeatures,
                             gate: ChunkGate, chunks: list[ScheduledChunk]) -> BatchFeatures:

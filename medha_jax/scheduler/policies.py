@@ -11,9 +11,9 @@ Every policy's urgency is linear in time: key(t) = offset - slope * t, lower fir
 (seed 000, section 4.1). w(t) is the remaining prefill work, from the PrefillTimeCache
 (Algorithm 3); w_total the work of the whole prompt, set when the request is admitted.
 Offsets change only when a request makes progress, so `PriorityIndex` stores
-(offset, slope) per request in numpy arrays and orders the whole queue at time t with
-one vectorised expression and a partial sort of the top few - no re-sorting of
-thousands of Python objects each iteration. The request's priority class
+(offset, slope) per request in numpy arrays, and since keys only fall as time goes on,
+the last top() bounds the next one: a few vectorised passes over the queue and a sort of
+about 2k candidates - no re-sorting of thousands of Python objects each iteration. The request's priority class
 (`Request.priority`, lower = more important) comes before the key. The index may keep a
 second policy's keys beside the first (the controller draws space-sharing riders from the
 least remaining work, SRPT, of a queue that LARS orders).
@@ -130,7 +130,12 @@ class PriorityIndex:
     """The prefill queue: requests with prompt (or recompute) work left, ordered by a policy
     and, optionally, by a secondary policy too.
 
-    add / remove / update are O(1); `top(now, k)` is O(n) numpy work plus O(k log k).
+    add / remove / update are O(1). `top(now, k)` is a few O(n) numpy passes plus the sort
+    of about 2k candidates: every key falls (or stays) as time goes on, so the 2k-th
+    smallest key of the last call (its threshold) still bounds at least k keys next time,
+    unless many of those requests left or made progress; then one partition of the whole
+    queue finds a new threshold. The threshold only picks candidates: the k returned are
+    exactly the first k of the full order (class, key, insertion), whatever `now` is.
     """
 
     def __init__(self, policy: Policy, capacity: int = 64, *, secondary: Policy | None = None):
@@ -145,6 +150,8 @@ class PriorityIndex:
         self._order = np.empty(capacity, dtype=np.int64)   # insertion number: the tie-break
         self._next_order = 0
         self._class_counts: dict[int, int] = {}            # priority class -> queued requests
+        # Per policy: a key at or above the k smallest of the last single-class top().
+        self._threshold: list[float | None] = [None] * len(self._policies)
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -194,9 +201,21 @@ class PriorityIndex:
         row = self._slot[request.request_id]
         return int(self._klass[row]), float(self._offset[0, row] - self._slope[0, row] * now)
 
+    def in_policy_order(self, requests: list[Request], now: float) -> list[Request]:
+        """Queued `requests` ordered by the policy's sort_key from the stored keys (a stable
+        sort: equal keys keep their order); `sort_key` for a whole list in one pass."""
+        if len(requests) < 2:
+            return list(requests)
+        slot = self._slot
+        rows = [slot[r.request_id] for r in requests]
+        keys = (self._offset[0, rows] - self._slope[0, rows] * now).tolist()
+        klass = self._klass[rows].tolist()
+        by = sorted(range(len(requests)), key=lambda j: (klass[j], keys[j]))
+        return [requests[j] for j in by]
+
     def top(self, now: float, k: int, *, secondary: bool = False) -> list[Request]:
         """The k most urgent requests at time `now`, most urgent first (by the secondary
-        policy's keys if `secondary`)."""
+        policy's keys if `secondary`): by priority class, then key, then insertion."""
         n = len(self._requests)
         if n == 0 or k <= 0:
             return []
@@ -205,15 +224,29 @@ class PriorityIndex:
         i = int(secondary)
         keys = self._offset[i, :n] - self._slope[i, :n] * now
         if len(self._class_counts) > 1:
-            # Several priority classes: a more important class always goes first, so
-            # push every other class behind it by the spread of the keys.
-            klass = self._klass[:n]
-            spread = float(keys.max() - keys.min()) + 1.0
-            keys += (klass - min(self._class_counts)) * spread
-        rows = np.argpartition(keys, k - 1)[:k] if n > k else np.arange(n)
-        rows = rows[np.lexsort((self._order[rows], keys[rows]))]   # by key, then arrival
+            rows = self._top_rows_by_class(keys, k)
+        else:
+            rows, self._threshold[i] = _first_rows(keys, self._order[:n], k, self._threshold[i])
         requests = self._requests
         return [requests[r] for r in rows.tolist()]
+
+    def _top_rows_by_class(self, keys: np.ndarray, k: int) -> np.ndarray:
+        """top()'s rows with several priority classes: every row of the more important
+        classes that the first k reach, and the best of the class where they end."""
+        n = len(keys)
+        klass, order = self._klass[:n], self._order[:n]
+        taken = 0
+        for last in sorted(self._class_counts):
+            if taken + self._class_counts[last] >= k:
+                break
+            taken += self._class_counts[last]
+        else:
+            return np.lexsort((order, keys, klass))      # fewer than k queued
+        rows = np.flatnonzero(klass < last)
+        in_last = np.flatnonzero(klass == last)
+        best, _ = _first_rows(keys[in_last], order[in_last], k - taken, None)
+        rows = np.concatenate((rows, in_last[best]))
+        return rows[np.lexsort((order[rows], keys[rows], klass[rows]))]
 
     def _grow(self) -> None:
         size = 2 * len(self._klass)
@@ -221,3 +254,27 @@ class PriorityIndex:
         self._slope = np.pad(self._slope, ((0, 0), (0, size - self._slope.shape[1])))
         self._klass = np.resize(self._klass, size)
         self._order = np.resize(self._order, size)
+
+
+def _first_rows(keys: np.ndarray, order: np.ndarray, k: int, threshold: float | None
+                ) -> tuple[np.ndarray, float]:
+    """The rows of the k smallest (key, order), in that order, and the threshold for the
+    next call: the 2k-th smallest key (rows whose key is at most it are the candidates).
+
+    keys, order: [rows]. Exact whatever the threshold: when at least k keys are at most it,
+    the k-th smallest key is too, so every row that can be among the first k is a candidate.
+    """
+    n = len(keys)
+    want = min(2 * k, n)
+    rows = None
+    if threshold is not None:
+        rows = np.flatnonzero(keys <= threshold)
+        if not k <= len(rows) <= 8 * want:
+            rows = None
+    if rows is None:
+        if want < n:    # every row tied with the want-th smallest key, not just some
+            rows = np.flatnonzero(keys <= keys[np.argpartition(keys, want - 1)[want - 1]])
+        else:
+            rows = np.arange(n)
+    rows = rows[np.lexsort((order[rows], keys[rows]))]
+    return rows[:k], float(keys[rows[min(want, len(rows)) - 1]])

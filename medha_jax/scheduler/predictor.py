@@ -20,6 +20,7 @@ c * (c + 1) / 2 within the chunk (causal).
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 import math
@@ -81,8 +82,13 @@ class BatchFeatures(NamedTuple):
         tokens = self.tokens + num_tokens
         end = start + num_tokens
         prefill = num_tokens > 1
+        padded = tokens
+        if token_buckets is not None and tokens:    # padded_size, inlined: called per probe
+            i = bisect.bisect_left(token_buckets, tokens)
+            padded = token_buckets[i] if i < len(token_buckets) else \
+                padded_size(tokens, token_buckets)    # raises: past the largest bucket
         return BatchFeatures(
-            tokens, padded_size(tokens, token_buckets), self.seqs + 1,
+            tokens, padded, self.seqs + 1,
             self.sum_chunk_x_context + num_tokens * end,
             self.sum_chunk_sq + num_tokens * num_tokens, self.sum_context + end,
             self.sampling_tokens + num_tokens if samples else self.sampling_tokens,
