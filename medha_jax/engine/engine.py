@@ -132,6 +132,10 @@ class PendingStep:
 class Engine:
     """Implements medha_jax.request.PipelinedExecutor on a loaded Model.
 
+    On an spp > 1 mesh the engine takes the model's weights: its stages hold each device's
+    share and `model` keeps only config, layout and tokenizer (Model.release_weights), so
+    no device holds more than its stage's weights and KV cache, even while the caller
+    keeps the model.
     stage_hook: a test hook for spp > 1 (see medha_jax.engine.pipeline.StageHook).
     cp_variant: with cp ranks, cp_cost.PASS_KV or PASS_Q forces that ring variant on every
     step (tests, benchmarks); None lets the heuristic choose per step (Algorithm 5).
@@ -140,6 +144,7 @@ class Engine:
     def __init__(self, model: Model, config: EngineConfig | None = None, *,
                  stage_hook: StageHook | None = None, cp_variant: str | None = None):
         config = config or EngineConfig()
+        model.require_weights()
         if cp_variant not in (None, PASS_KV, PASS_Q):
             raise ValueError(f"{cp_variant=} must be None, {PASS_KV!r} or {PASS_Q!r}")
         self.model = model
@@ -181,8 +186,12 @@ class Engine:
             self.pipeline = None
             self.kv_cache = self._new_kv_cache()
         else:
-            # Each stage owns its layers' weights and cache; the engine holds no whole cache.
-            self.pipeline = PipelinedStep(split_stages(model),
+            # Each stage owns its layers' weights and cache; the engine holds no whole cache,
+            # and the model lets go of its whole-mesh arrays (the embedding and head on
+            # every stage): the stages share the buffers they need.
+            stages = split_stages(model)
+            model.release_weights(f"the pipeline stages of an spp={self.num_stages} Engine")
+            self.pipeline = PipelinedStep(stages,
                                           num_pages=self.num_kv_shards * config.total_pages,
                                           page_size=config.page_size,
                                           num_kv_shards=self.num_kv_shards, hook=stage_hook)
