@@ -167,12 +167,13 @@ class Engine:
         self.max_model_len = min(config.max_model_len or model.config.max_position_embeddings,
                                  model.config.max_position_embeddings,
                                  self.allocator.max_tokens_per_request)
-        # A page table holds one shard's pages of a sequence: at most a segment's.
+        # A page table holds one shard's pages of a sequence: at most a segment's, in the
+        # allocator's pages (cp * page_size tokens with cp ranks).
         tokens_per_table = min(self.max_model_len, self.allocator.max_tokens_per_shard)
         self.ladder = BucketLadder.from_limits(
             max_tokens=config.max_tokens_per_step, min_tokens=config.min_token_bucket,
             max_seqs=config.max_seqs,
-            max_pages_per_seq=-(-tokens_per_table // config.page_size))
+            max_pages_per_seq=self.allocator.pages_needed(tokens_per_table))
         self.max_seqs = config.max_seqs
         self.pad_slot = config.total_pages * config.page_size          # one past a shard's slots
         self.num_stages = num_stages(model.mesh)
