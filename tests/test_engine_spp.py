@@ -155,11 +155,10 @@ def test_two_batches_in_flight_on_one_program_give_the_same_tokens(expected):
 
 
 def test_random_workload_at_spp2_never_compiles_after_warmup():
-    # Room for every request at once: preemption at spp > 1 is the fixed workload's part. In
-    # 8 pages this workload never ends at spp = 2: requests evict each other forever (the
-    # xfail in tests/test_in_flight.py).
-    engine, compiled = warmed_engine(ParallelConfig(spp=2),
-                                     dataclasses.replace(CONFIG, num_pages=96), num_layers=2)
+    # In 8 pages (128 tokens for prompts of up to 100 + 12), so requests preempt each other
+    # with batches in flight; eviction ranks requests as if restarted, so all of them end
+    # (tests/test_in_flight.py, fitting one at a time).
+    engine, compiled = warmed_engine(ParallelConfig(spp=2), CONFIG, num_layers=2)
     arrivals = random_workload(seed=0)
     with backend_compiles() as compiles:
         served = serve(engine, arrivals)
