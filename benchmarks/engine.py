@@ -43,51 +43,59 @@ def scenarios(quick: bool) -> dict[str, list[tuple[int, int]]]:
     }
 
 
+def measure(engine, name: str, chunks: list[tuple[int, int]], rng, repeats: int) -> dict:
+    """One scenario's row on `engine`: its batch of `chunks` (context before, chunk tokens)
+    built, compiled (as warm-up would) and run `repeats` times; the median whole step, the
+    same executable on inputs already on the device, the host time on the critical path,
+    and building the inputs alone. One-program engines (spp = 1)."""
+    from medha_jax.engine.calibration import borrow_batch, release_batch
+    from medha_jax.engine.step_inputs import build_step_inputs
+
+    batch = borrow_batch(engine, chunks, rng)
+    try:
+        inputs = build_step_inputs(batch, engine.allocator, engine.ladder,
+                                   pad_slot=engine.pad_slot)
+        engine.warmup(progress=False, shapes=[inputs.padded_shape])   # as the server does
+        engine.execute(batch)                                   # first run excluded
+        host_times = []
+
+        def execute():
+            engine.execute(batch)
+            host_times.append(engine.last_host_seconds)
+
+        total = _median_seconds(execute, repeats)
+        build = _median_seconds(lambda: build_step_inputs(
+            batch, engine.allocator, engine.ladder, pad_slot=engine.pad_slot), repeats)
+        executable = engine.executables[inputs.padded_shape]
+        args = engine.step_args(inputs)
+
+        def device_only():
+            outputs, engine.kv_cache = executable(args[1], engine.kv_cache, *args[3:])
+            jax.block_until_ready(outputs)
+
+        device_only()
+        device = _median_seconds(device_only, repeats)
+    finally:
+        release_batch(engine, batch)
+    return {
+        "scenario": name, "tokens": batch.num_tokens, "padded_shape": list(inputs.padded_shape),
+        "step_ms": total * 1e3, "device_ms": device * 1e3,
+        "host_overhead_ms": statistics.median(host_times) * 1e3,
+        "build_inputs_ms": build * 1e3,
+        "tok_per_s": batch.num_tokens / total,
+    }
+
+
 def run(model_name: str, quick: bool, repeats: int):
     from medha_jax import load_model
     from medha_jax.engine import Engine, EngineConfig
-    from medha_jax.engine.calibration import borrow_batch, release_batch
-    from medha_jax.engine.step_inputs import build_step_inputs
 
     model = load_model(model_name)
     engine = Engine(model, EngineConfig(max_kv_tokens=65_536, max_tokens_per_step=512,
                                         max_seqs=32, max_model_len=2048))
     rng = np.random.default_rng(1)
-    rows = []
-    for name, chunks in scenarios(quick).items():
-        batch = borrow_batch(engine, chunks, rng)
-        try:
-            inputs = build_step_inputs(batch, engine.allocator, engine.ladder,
-                                       pad_slot=engine.pad_slot)
-            engine.warmup(progress=False, shapes=[inputs.padded_shape])   # as the server does
-            engine.execute(batch)                                   # first run excluded
-            host_times = []
-
-            def execute():
-                engine.execute(batch)
-                host_times.append(engine.last_host_seconds)
-
-            total = _median_seconds(execute, repeats)
-            build = _median_seconds(lambda: build_step_inputs(
-                batch, engine.allocator, engine.ladder, pad_slot=engine.pad_slot), repeats)
-            executable = engine.executables[inputs.padded_shape]
-            args = engine.step_args(inputs)
-
-            def device_only():
-                tokens, engine.kv_cache = executable(args[1], engine.kv_cache, *args[3:])
-                tokens.block_until_ready()
-
-            device_only()
-            device = _median_seconds(device_only, repeats)
-        finally:
-            release_batch(engine, batch)
-        rows.append({
-            "scenario": name, "tokens": batch.num_tokens, "padded_shape": list(inputs.padded_shape),
-            "step_ms": total * 1e3, "device_ms": device * 1e3,
-            "host_overhead_ms": statistics.median(host_times) * 1e3,
-            "build_inputs_ms": build * 1e3,
-            "tok_per_s": batch.num_tokens / total,
-        })
+    rows = [measure(engine, name, chunks, rng, repeats)
+            for name, chunks in scenarios(quick).items()]
     return model, rows
 
 

@@ -1,6 +1,7 @@
 """Context parallelism (seed 002): a step's tokens split over cp ranks, ring pass-KV and
 pass-Q attention, each rank's K/V in its own pages; exact against one device."""
 
+import dataclasses
 import functools
 
 import jax
@@ -439,6 +440,22 @@ def test_the_engines_ring_cost_is_its_devices_hardware_and_tp(monkeypatch):
     assert Engine(model, config).ring_cost == expected("a100")
     with pytest.raises(ValueError, match="cp_variant"):
         Engine(model, config, cp_variant="pass-k")
+
+
+def test_the_cp_engines_page_tables_are_as_wide_as_its_pages_of_cp_ranks_need():
+    # An allocator page is cp * page_size tokens: 2048 tokens at cp = 2 are 64 pages of 32,
+    # so widths (16, 64), not (16, 64, 128) (a rung no batch reaches, compiled at warm-up).
+    from medha_jax.engine import Engine, EngineConfig
+
+    config = EngineConfig(page_size=16, num_pages=64, max_model_len=2048, max_seqs=8,
+                          max_tokens_per_step=64)
+    engine = Engine(tiny(ParallelConfig(cp=2)), config)
+    assert engine.allocator.page_size == 32 and engine.max_model_len == 2048
+    assert engine.ladder.width_buckets == (16, 64)
+    assert len(engine.ladder.all_shapes()) == 3 * 1 * 2           # tokens x seqs x widths
+    one_device = Engine(tiny(), dataclasses.replace(config, num_pages=128))
+    assert one_device.max_model_len == 2048
+    assert one_device.ladder.width_buckets == (16, 64, 128)       # pages of 16 tokens
 
 
 def test_the_engines_placement_is_a_zigzag_per_window_and_counts_what_each_rank_cached():

@@ -3,12 +3,15 @@
 Tokens equal one device (greedy and seeded sampling) for spp = 2 and 4, alone and with tp and
 kvp, on a workload of staggered arrivals, chunked prefills streaming into the pipe beside
 decodes, and preemption; nothing compiles after warm-up, on that workload and on a random
-one; every page returns; each device holds only its stage's weights. One program with two
-batches in flight (the host builds step n + 1 while the device runs step n) gives the same
-tokens as one at a time.
+one; every page returns; every live array on a device is its stage's weights or KV cache
+(the engine takes the model's weights). One program with two batches in flight (the host
+builds step n + 1 while the device runs step n) gives the same tokens as one at a time.
 """
 
+import collections
 import dataclasses
+import gc
+import math
 
 import jax
 import numpy as np
@@ -23,7 +26,7 @@ from medha_jax.scheduler.in_flight import InFlightRunner
 from medha_jax.scheduler.predictor import AnalyticalPredictor
 from meshes import ParallelConfig
 from tests.test_engine import backend_compiles, count_compiles
-from tests.test_stages import tiny_model
+from tests.test_stages import _canonical_params, new_tiny_model, tiny_model
 
 NUM_LAYERS = 4          # spp = 4 needs a multiple of 4
 # 8 pages of 16 tokens hold 128 tokens: the workload below needs 178, so one is preempted.
@@ -113,7 +116,7 @@ def expected():
 
 def warmed_engine(parallel, config, num_layers=NUM_LAYERS):
     """An engine with every bucket compiled, and the shapes it compiles from now on."""
-    engine = Engine(tiny_model(num_layers, parallel), config)
+    engine = Engine(new_tiny_model(num_layers, parallel), config)
     engine.warmup(progress=False)
     return engine, count_compiles(engine)
 
@@ -152,22 +155,21 @@ def test_two_batches_in_flight_on_one_program_give_the_same_tokens(expected):
 
 
 def test_random_workload_at_spp2_never_compiles_after_warmup():
-    # Room for every request at once: preemption at spp > 1 is the fixed workload's part. In
-    # 8 pages this workload never ends at spp = 2: requests evict each other forever (the
-    # xfail in tests/test_in_flight.py).
-    engine, compiled = warmed_engine(ParallelConfig(spp=2),
-                                     dataclasses.replace(CONFIG, num_pages=96), num_layers=2)
+    # In 8 pages (128 tokens for prompts of up to 100 + 12), so requests preempt each other
+    # with batches in flight; eviction ranks requests as if restarted, so all of them end
+    # (tests/test_in_flight.py, fitting one at a time).
+    engine, compiled = warmed_engine(ParallelConfig(spp=2), CONFIG, num_layers=2)
     arrivals = random_workload(seed=0)
     with backend_compiles() as compiles:
         served = serve(engine, arrivals)
     assert compiles == [] and compiled == []
-    assert served.peak_in_flight == 2
+    assert served.peak_in_flight == 2 and served.preemptions > 0
     assert {rid: len(out) for rid, out in served.outputs.items()} == {
         r.request_id: r.max_new_tokens for _, r in arrivals}
 
 
 def test_each_device_holds_only_its_stages_weights():
-    engine = Engine(tiny_model(NUM_LAYERS, ParallelConfig(spp=4, tp=2)), CONFIG)
+    engine = Engine(new_tiny_model(NUM_LAYERS, ParallelConfig(spp=4, tp=2)), CONFIG)
     config = engine.model.config
     specs = param_specs(config)
     itemsize = 4                                                      # float32
@@ -187,13 +189,52 @@ def test_each_device_holds_only_its_stages_weights():
     assert set(held) == set(jax.devices()[:8])
 
 
+def device_buffers(arrays) -> dict[tuple[jax.Device, int], int]:
+    """(device, buffer address) -> bytes of every shard of `arrays`, each buffer once: a
+    stage's array and the single-device pieces it was assembled from share buffers."""
+    return {(shard.device, shard.data.unsafe_buffer_pointer()): shard.data.nbytes
+            for array in arrays for shard in array.addressable_shards}
+
+
+@pytest.mark.parametrize("spp", [2, 4])
+def test_every_live_array_on_a_device_is_its_stages_weights_or_cache(spp):
+    _canonical_params("tiny", NUM_LAYERS)            # the weights' host copy, drawn for the session
+    gc.collect()
+    # Held to the end, so that no buffer alive before is freed and its address reused.
+    before = jax.live_arrays()
+    old = device_buffers(before)
+    model = new_tiny_model(NUM_LAYERS, ParallelConfig(spp=spp))
+    engine = Engine(model, CONFIG)                   # the caller keeps `model`
+    gc.collect()
+    held = collections.Counter()
+    for (device, address), nbytes in device_buffers(jax.live_arrays()).items():
+        if (device, address) not in old:
+            held[device] += nbytes
+    # What a stage must hold, from the config alone (float32, one device per stage).
+    c, itemsize, layers = model.config, 4, NUM_LAYERS // spp
+    specs = param_specs(c)
+    weights = layers * sum(math.prod(s.shape[1:]) for s in specs.values() if s.per_layer)
+    cache = 2 * layers * CONFIG.total_pages * CONFIG.page_size * c.num_kv_heads * c.head_dim
+    embed = math.prod(specs["embed"].shape)
+    head = math.prod(specs["final_norm"].shape) + math.prod(specs["lm_head"].shape)
+    expected = {}
+    for s, stage in enumerate(engine.pipeline.stages):
+        (device,) = stage.mesh.devices.flat
+        expected[device] = itemsize * (weights + cache + (embed if s == 0 else 0)
+                                       + (head if s == spp - 1 else 0))
+    assert dict(held) == expected
+    with pytest.raises(RuntimeError, match="weights were handed to the pipeline stages"):
+        model.logits([1, 2, 3])
+    del before
+
+
 @pytest.mark.slow
 def test_server_on_an_spp_mesh_serves_the_one_device_tokens():
     from medha_jax import SamplingParams as Params, TokensPrompt
     from serving.server import Server
 
     def generate(parallel):
-        engine = Engine(tiny_model(NUM_LAYERS, parallel),
+        engine = Engine(new_tiny_model(NUM_LAYERS, parallel),
                         EngineConfig(page_size=16, num_pages=32, max_tokens_per_step=32,
                                      min_token_bucket=16, max_seqs=4, max_model_len=256))
         predictor = AnalyticalPredictor(engine.model.config, ParallelConfig(), "h100",

@@ -17,7 +17,7 @@ from medha_jax.request import Batch, ScheduledChunk
 from meshes import ParallelConfig
 from serving.server import TokensPrompt
 from tests.test_engine import drive, make_request
-from tests.test_stages import tiny_model
+from tests.test_stages import new_tiny_model, tiny_model
 
 TOL = 1e-4
 
@@ -129,7 +129,7 @@ def one_device(one_device_engine):
 @pytest.mark.parametrize("parallel", [ParallelConfig(cp=2), ParallelConfig(spp=2)],
                          ids=["cp2", "spp2"])
 def test_mesh_gives_the_one_device_logprobs(one_device, parallel):
-    engine = Engine(tiny_model(2, parallel), ENGINE)
+    engine = Engine(new_tiny_model(2, parallel), ENGINE)    # spp takes its model's weights
     assert_same_logprobs(engine_logprobs(engine), one_device)
 
 

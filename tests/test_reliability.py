@@ -29,7 +29,7 @@ from meshes import ParallelConfig
 from serving.server import Server, TokensPrompt
 from tests.test_pipeline import callback_hook, occupy
 from tests.test_server import GREEDY, TINY_ENGINE, byte_level_tokenizer, wait_until_idle
-from tests.test_stages import tiny_model
+from tests.test_stages import new_tiny_model
 
 FAULT = "injected device fault"
 PROMPTS = [tuple(range(1 + i, 20 + 3 * i)) for i in range(4)]
@@ -100,7 +100,7 @@ def faulty_server():
 def faulty_staged_server(parallel: ParallelConfig):
     """A server on an spp > 1 mesh (batches in flight) whose every stage runs the fault."""
     fault = DeviceFault()
-    engine = Engine(tiny_model(2, parallel), TINY_ENGINE, stage_hook=callback_hook(fault))
+    engine = Engine(new_tiny_model(2, parallel), TINY_ENGINE, stage_hook=callback_hook(fault))
     predictor = AnalyticalPredictor(engine.model.config, ParallelConfig(), "h100",
                                     token_buckets=engine.ladder.token_buckets)
     with Server(engine, predictor=predictor) as server:

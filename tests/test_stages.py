@@ -31,21 +31,26 @@ def _canonical_params(preset: str, num_layers: int) -> dict[str, np.ndarray]:
             for name, array in init_random_params(config, layout, jax.random.key(0)).items()}
 
 
-@functools.lru_cache(maxsize=None)
-def tiny_model(num_layers: int, parallel: ParallelConfig, preset: str = "tiny",
-               rules: LogicalRules = DEFAULT_RULES) -> Model:
+def new_tiny_model(num_layers: int, parallel: ParallelConfig, preset: str = "tiny",
+                   rules: LogicalRules = DEFAULT_RULES) -> Model:
     """The preset with `num_layers` layers on `parallel`'s mesh, the same weights on every mesh.
 
     load_model takes preset names only, so a 4-layer tiny (needed for spp = 4) is built from
     the pieces load_model uses; weights are drawn once and placed on each mesh (cheaper
-    than a random init per mesh, which compiles one program per parameter)."""
+    than a random init per mesh, which compiles one program per parameter). Placed now, in
+    buffers of its own (a copy: a CPU device_put may alias the host array): an Engine on an
+    spp mesh takes its model's weights, so each such engine needs a model of its own."""
     config = dataclasses.replace(model_preset(preset), num_layers=num_layers, dtype="float32")
     layout = MeshLayout.create(config, make_mesh(parallel), rules, IMPL)
     canonical = _canonical_params(preset, num_layers)
-    params = {name: jax.device_put(np.asarray(layout.expand(spec, canonical[name])),
+    params = {name: jax.device_put(np.array(layout.expand(spec, canonical[name])),
                                    layout.param_sharding(spec))
               for name, spec in param_specs(config).items()}
     return Model(Llama(config, params, layout))
+
+
+# One model per mesh for tests that only read it (each compiles its own `logits`).
+tiny_model = functools.lru_cache(maxsize=None)(new_tiny_model)
 
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("kv_cache",))

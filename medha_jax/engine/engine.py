@@ -161,6 +161,10 @@ class PendingStep:
 class Engine:
     """Implements medha_jax.request.PipelinedExecutor on a loaded Model.
 
+    On an spp > 1 mesh the engine takes the model's weights: its stages hold each device's
+    share and `model` keeps only config, layout and tokenizer (Model.release_weights), so
+    no device holds more than its stage's weights and KV cache, even while the caller
+    keeps the model.
     stage_hook: a test hook for spp > 1 (see medha_jax.engine.pipeline.StageHook).
     cp_variant: with cp ranks, cp_cost.PASS_KV or PASS_Q forces that ring variant on every
     step (tests, benchmarks); None lets the heuristic choose per step (Algorithm 5).
@@ -169,6 +173,7 @@ class Engine:
     def __init__(self, model: Model, config: EngineConfig | None = None, *,
                  stage_hook: StageHook | None = None, cp_variant: str | None = None):
         config = config or EngineConfig()
+        model.require_weights()
         if cp_variant not in (None, PASS_KV, PASS_Q):
             raise ValueError(f"{cp_variant=} must be None, {PASS_KV!r} or {PASS_Q!r}")
         self.model = model
@@ -194,12 +199,13 @@ class Engine:
         self.max_model_len = min(config.max_model_len or model.config.max_position_embeddings,
                                  model.config.max_position_embeddings,
                                  self.allocator.max_tokens_per_request)
-        # A page table holds one shard's pages of a sequence: at most a segment's.
+        # A page table holds one shard's pages of a sequence: at most a segment's, in the
+        # allocator's pages (cp * page_size tokens with cp ranks).
         tokens_per_table = min(self.max_model_len, self.allocator.max_tokens_per_shard)
         self.ladder = BucketLadder.from_limits(
             max_tokens=config.max_tokens_per_step, min_tokens=config.min_token_bucket,
             max_seqs=config.max_seqs,
-            max_pages_per_seq=-(-tokens_per_table // config.page_size),
+            max_pages_per_seq=self.allocator.pages_needed(tokens_per_table),
             cp_pages=config.total_pages if self.cp_ranks > 1 else None)
         self.max_seqs = config.max_seqs
         self.pad_slot = config.total_pages * config.page_size          # one past a shard's slots
@@ -218,8 +224,12 @@ class Engine:
                 lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
                 self.kv_cache)
         else:
-            # Each stage owns its layers' weights and cache; the engine holds no whole cache.
-            self.pipeline = PipelinedStep(split_stages(model),
+            # Each stage owns its layers' weights and cache; the engine holds no whole cache,
+            # and the model lets go of its whole-mesh arrays (the embedding and head on
+            # every stage): the stages share the buffers they need.
+            stages = split_stages(model)
+            model.release_weights(f"the pipeline stages of an spp={self.num_stages} Engine")
+            self.pipeline = PipelinedStep(stages,
                                           num_pages=self.num_kv_shards * config.total_pages,
                                           page_size=config.page_size,
                                           num_kv_shards=self.num_kv_shards, hook=stage_hook)

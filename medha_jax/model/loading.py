@@ -27,7 +27,12 @@ DEFAULT_MODEL = "smollm2-135m"   # SmolLM2-135M-Instruct, from the GGUF in `llm-
 
 
 class Model:
-    """A loaded model on its mesh: config, layout, NNX module, tokenizer, one-shot `logits`."""
+    """A loaded model on its mesh: config, layout, NNX module, tokenizer, one-shot `logits`.
+
+    An Engine on an spp > 1 mesh takes the weights: its pipeline stages hold each device's
+    share and the model keeps only what describes it (config, layout, mesh, tokenizer),
+    so no device holds the whole model beside its stage (`release_weights`).
+    """
 
     def __init__(self, module: Llama, tokenizer=None):
         self.module = module
@@ -42,6 +47,28 @@ class Model:
         self.state = state
         self._chunk_logits = jax.jit(functools.partial(_chunk_logits, graphdef),
                                      donate_argnames=("kv_cache",))
+        self._released_to: str | None = None
+
+    @property
+    def weights_released(self) -> bool:
+        return self._released_to is not None
+
+    def release_weights(self, holder: str) -> None:
+        """Drops this model's references to its parameters, which `holder` (said in errors)
+        now holds as far as it needs them. Buffers that nothing else references are freed at
+        once; `module`, `state` and `logits` are unavailable from then on. The arrays are not
+        deleted: the holder may share their buffers (split_stages does)."""
+        self.module = None
+        self.state = None
+        self._released_to = holder
+
+    def require_weights(self) -> None:
+        """Raises when the weights were released: what needs them says so at once."""
+        if self._released_to is not None:
+            raise RuntimeError(
+                f"{self.config.name}'s weights were handed to {self._released_to}: this Model "
+                f"keeps only its config, layout and tokenizer; load the model again for "
+                f"one-program use")
 
     def logits(self, token_ids: Sequence[int], *, chunk_sizes: Sequence[int] | None = None,
                kv_tokens_per_shard: int | None = None, page_size: int = 16,
@@ -56,6 +83,7 @@ class Model:
         is split over them (`medha_jax.model.cp_layout`) and attended by the ring variant
         `cp_variant`: "kv", "q" or "auto" (the heuristic, `medha_jax.scheduler.cp_cost`).
         """
+        self.require_weights()
         ids = np.asarray(token_ids, dtype=np.int32)
         if ids.ndim != 1 or ids.size == 0:
             raise ValueError(f"token_ids must be a non-empty 1-D sequence, got shape {ids.shape}")

@@ -145,9 +145,12 @@ def split_stages(model: Model) -> list[Stage]:
 
     Each stage's arrays are built device by device from the shards its devices already
     hold where they can be (a model loaded with layers -> spp holds exactly its stage's
-    layers on each slice): nothing moves between devices and no device ever holds the
-    whole stack.
+    layers on each slice): nothing moves between devices, no device ever holds the whole
+    stack, and a shard that is exactly a stage's part is the same buffer, not a copy. The
+    stages therefore share buffers with the model: drop the model's references
+    (`Model.release_weights`, as the Engine does) rather than delete its arrays.
     """
+    model.require_weights()
     config = model.config
     submeshes = stage_submeshes(model.mesh)
     num_stages = len(submeshes)
@@ -202,10 +205,9 @@ def _take(array: jax.Array, index: tuple[slice, ...], sharding: NamedSharding) -
             if start < h_start or stop > h_stop:
                 return jax.device_put(array[index], sharding)
             local.append(slice(start - h_start, stop - h_start))
-        piece = shard.data[tuple(local)]
-        # An index that takes the whole shard hands back the same buffer: copy, so the stage
-        # owns its arrays and deleting the model's leaves them intact.
-        pieces.append(piece if piece is not shard.data else jnp.copy(piece))
+        # An index that takes the whole shard hands back the same buffer: shared with the
+        # model, so a device never holds its stage's weights twice, even while splitting.
+        pieces.append(shard.data[tuple(local)])
     return jax.make_array_from_single_device_arrays(shape, sharding, pieces)
 
 

@@ -1,0 +1,44 @@
+"""benchmarks/gpu_check.py (`make gpu-check`) on the CPU: the GPU kernel in Pallas interpret
+mode against the oracle, the engine's greedy tokens against the XLA path's, the kernel table
+and the decode-step breakdown, all in one run; so the GPU command cannot rot unseen."""
+
+import json
+
+import pytest
+
+from benchmarks import gpu_check
+
+
+@pytest.mark.slow
+def test_gpu_check_runs_on_the_cpu_in_interpret_mode(tmp_path, capsys):
+    path = tmp_path / "gpu_check.json"
+    report = gpu_check.main(["--quick", "--seed", "3", "--json", str(path)])
+    assert json.loads(path.read_text()) == json.loads(json.dumps(report))
+    assert report["ok"] and report["context"]["impl"] == "interpret"
+    checks = report["kernel_checks"]
+    assert {(r["case"], r["dtype"]) for r in checks} == {
+        (case[0], dtype) for case in gpu_check.KERNEL_CASES for dtype in ("float32", "bfloat16")}
+    assert all(r["ok"] and r["max_out_error"] <= r["tolerance"] for r in checks)
+    tokens = report["tokens"]
+    assert tokens["device_tokens"] == tokens["cpu_tokens"]
+    assert [len(t) for t in tokens["cpu_tokens"]] == [4, 4, 4]
+    assert any(name.startswith("prefill") for name in report["kernel_table"])
+    assert any(name.startswith("decode") for name in report["kernel_table"])
+    assert report["chunking_overhead"]["ratio"] > 0
+    breakdown = report["decode_breakdown"]
+    assert breakdown["device_ms"] > 0 and breakdown["attention_ms"] > 0
+    assert breakdown["host_overhead_ms"] >= 0 and breakdown["layers"] == 2
+    printed = capsys.readouterr().out
+    assert "gpu-check: PASSED" in printed
+    assert printed.rstrip().splitlines()[-1].startswith("decode ctx=128 batch=2")   # table last
+
+
+def test_a_kernel_that_disagrees_with_the_oracle_fails_the_check(monkeypatch):
+    # The check compares for real: a kernel off by 1e-3 fails at float32's tolerance.
+    run = gpu_check.run_kernel_case
+    monkeypatch.setattr(gpu_check, "run_kernel_case",
+                        lambda *a: (lambda out, lse: (out + 1e-3, lse))(*run(*a)))
+    monkeypatch.setattr(gpu_check, "KERNEL_CASES", gpu_check.KERNEL_CASES[1:2])
+    plan = gpu_check.plan_for("cpu", True, 0)
+    rows = gpu_check.check_kernels(plan, 0, "cpu", lambda msg: None)
+    assert [(r["dtype"], r["ok"]) for r in rows] == [("float32", False), ("bfloat16", True)]
