@@ -3,6 +3,7 @@
     medha-jax generate "What is the capital of France?" --max-tokens 32
     medha-jax serve --port 50051 --token "$MEDHA_TOKEN" --metrics-port 9100
     medha-jax serve --http-port 8000 --no-grpc      # OpenAI API at http://127.0.0.1:8000/v1
+    medha-jax serve --replicas 2 --router predicted-time   # 2 replicas, one per device group
     medha-jax demo
 """
 
@@ -50,6 +51,7 @@ LIMIT_FLAGS = ("min_ttft_s", "max_ttft_s", "min_tpot_s", "max_tpot_s", "min_prio
 def _make_server(args, *, warmup: bool, calibrate: bool):
     """calibrate=False plans with the analytical predictor instead of timing a sweep of
     steps: enough for one request, whose schedule is the same whatever the timings."""
+    from medha_jax.cluster.router import PREDICTED_TIME, RoutingConfig
     from medha_jax.config import ParallelConfig
     from medha_jax.engine import EngineConfig
     from medha_jax.model import load_model
@@ -59,12 +61,16 @@ def _make_server(args, *, warmup: bool, calibrate: bool):
     from serving.validation import RequestLimits
 
     scheduler = SchedulerConfig(args.policy)     # a bad name fails before the model loads
+    replicas = getattr(args, "replicas", 1)
+    router = RoutingConfig(getattr(args, "router", PREDICTED_TIME))
+    if replicas < 1:
+        raise ValueError(f"--replicas must be >= 1, got {replicas}")
     parallel = ParallelConfig.parse(args.parallel)
     model = load_model(args.model, parallel=parallel, dtype=args.dtype)
     sizes = {f: getattr(args, f) for f in ENGINE_FLAGS if getattr(args, f) is not None}
     limits = {f: getattr(args, f) for f in LIMIT_FLAGS if getattr(args, f, None) is not None}
     return Server(model, scheduler=scheduler, engine_config=EngineConfig(**sizes),
-                  limits=RequestLimits(**limits),
+                  limits=RequestLimits(**limits), replicas=replicas, router=router,
                   metrics_port=getattr(args, "metrics_port", None), warmup=warmup,
                   cache_dir=False if args.no_cache else args.cache_dir,
                   predictor=None if calibrate else AnalyticalPredictor(model.config, parallel))
@@ -119,7 +125,9 @@ def _serve(args) -> int:
                                      max_connections=args.max_connections)
             frontends.append(lambda: http_server.stop(timeout=args.grace + 5))
             addresses.append(f"{http_server.url} (OpenAI API: {http_server.url}/v1)")
-        print(f"serving {server.config.name} ({server.policy}) on {' and '.join(addresses)}"
+        routed = (f", {len(server.replicas)} replicas routed by {server.router.config.policy}"
+                  if server.router is not None else "")
+        print(f"serving {server.config.name} ({server.policy}{routed}) on {' and '.join(addresses)}"
               + (" (bearer token required)" if token else "")
               + (f"; metrics on http://127.0.0.1:{server.metrics_port}/metrics"
                  if server.metrics_port is not None else ""), flush=True)
@@ -199,6 +207,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="open calls at most; more are refused with RESOURCE_EXHAUSTED")
     serve.add_argument("--max-message-bytes", type=int, default=None,
                        help="largest request or response message (default 4 MiB)")
+    serve.add_argument("--replicas", type=int, default=1,
+                       help="replicas of the model in this process, each on its own group of "
+                            "devices (--parallel's size; in device order) with its own KV "
+                            "cache and scheduler (default 1)")
+    serve.add_argument("--router", default="predicted-time",
+                       help="how a request picks a replica: predicted-time (default: the "
+                            "least predicted time to first token, cache- and "
+                            "session-aware), round-robin, least-load, sglang-cache-aware")
     serve.add_argument("--grace", type=float, default=5.0,
                        help="seconds open calls get to finish on shutdown")
     _add_model_args(serve)

@@ -81,7 +81,8 @@ def response_from_delta(delta: StreamDelta) -> medha_pb2.GenerateResponse:
         response.metrics.CopyFrom(medha_pb2.RequestMetrics(
             ttft_s=m.ttft, tpot_s=m.tpot, queue_time_s=m.queue_time,
             num_prompt_tokens=m.num_prompt_tokens, num_output_tokens=m.num_output_tokens,
-            num_preemptions=m.num_preemptions, num_cached_tokens=m.num_cached_tokens))
+            num_preemptions=m.num_preemptions, num_cached_tokens=m.num_cached_tokens,
+            replica=m.replica))
     return response
 
 
@@ -115,14 +116,15 @@ class MedhaServicer(medha_pb2_grpc.MedhaServicer):
                 request.priority, may_raise=self._access.may_raise_priority(authorization))
             prompt, params, slo = request_from_proto(request)
             handle = self._server.submit(prompt, params, slo=slo, priority=request.priority,
-                                         request_id=request.request_id or None)
+                                         request_id=request.request_id or None,
+                                         session_id=request.session_id or None)
         except CapacityError as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except PriorityNotAllowed as e:
             context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
         except (ValueError, TypeError) as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except RuntimeError as e:                  # the server is closing
+        except RuntimeError as e:        # the server is closing, or no replica is healthy
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         # Whatever order the events come in, a call that ends early frees the request:
         # the callback runs when the call ends (cancel, deadline, disconnect); when the
@@ -134,6 +136,8 @@ class MedhaServicer(medha_pb2_grpc.MedhaServicer):
             if not context.add_callback(handle.cancel):
                 handle.cancel()
             for delta in handle:
+                if delta.unavailable:         # its replica failed and none could take over
+                    context.abort(grpc.StatusCode.UNAVAILABLE, delta.error)
                 yield response_from_delta(delta)
         finally:
             if not handle.finished:

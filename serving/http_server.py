@@ -188,6 +188,17 @@ def completion_prompt(body: dict):
                    param="prompt")
 
 
+def session_id_from(body: dict, header: str | None) -> str | None:
+    """The conversation a request belongs to, for the router's session affinity: the
+    X-Session-Id header, else OpenAI's `user` field; None when neither is given."""
+    if header:
+        return header
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise ApiError(400, f"'user' must be a string, got {type(user).__name__}", param="user")
+    return user or None
+
+
 def chat_messages(body: dict) -> list[dict]:
     """/v1/chat/completions' `messages`, content parts of type text joined to one string."""
     messages = body.get("messages")
@@ -220,6 +231,15 @@ def _finish_reason(reason: str | None) -> str | None:
     return reason
 
 
+def _generation_error(error: str | None, unavailable: bool) -> ApiError:
+    """A request that failed while generating: 503 when its replica failed and no other
+    could take it over (the client may retry), else 500."""
+    if unavailable:
+        return ApiError(503, error or "no replica is available", type="server_error",
+                        code="unavailable")
+    return ApiError(500, error or "generation failed", type="server_error")
+
+
 @dataclasses.dataclass
 class _Call:
     """What one HTTP request's worker-thread part needs from the event loop, and the handle
@@ -228,6 +248,7 @@ class _Call:
     loop: asyncio.AbstractEventLoop
     may_raise_priority: bool
     handle: RequestHandle | None = None
+    session_header: str | None = None       # X-Session-Id
 
 
 class _Api:
@@ -314,7 +335,7 @@ class _Api:
             raise ApiError(400, str(e), param="prompt") from None
 
     def submit(self, call: _Call, ids: list[int], params: SamplingParams, fill_room: bool,
-               priority: int) -> RequestHandle:
+               priority: int, session_id: str | None = None) -> RequestHandle:
         """Queues the request. fill_room: max_tokens is all the room the context leaves
         (chat's default, as vLLM's)."""
         room = self.server.max_model_len - len(ids)
@@ -331,14 +352,15 @@ class _Api:
                                 "tokens", param="max_tokens", code="context_length_exceeded")
         try:
             call.handle = self.server.submit(validation.TokensPrompt(ids), params,
-                                             priority=priority, _loop=call.loop)
+                                             priority=priority, session_id=session_id,
+                                             _loop=call.loop)
             return call.handle
         except CapacityError as e:
             raise ApiError(413, str(e), param="max_tokens",
                            code="context_length_exceeded") from None
         except (ValueError, TypeError) as e:
             raise ApiError(400, str(e)) from None
-        except RuntimeError as e:      # the server is closing
+        except RuntimeError as e:      # the server is closing, or no replica is healthy
             raise ApiError(503, str(e), type="server_error", code="unavailable") from None
 
     async def run(self, request, build) -> Any:
@@ -357,7 +379,8 @@ class _Api:
         # The slot is taken here, on the loop, so worker threads never race for the last one.
         self.open_requests += 1
         call = _Call(asyncio.get_running_loop(), self.access.may_raise_priority(
-            request.headers.get("authorization", "")))
+            request.headers.get("authorization", "")),
+            session_header=request.headers.get("x-session-id"))
         try:
             handle, stream, include_usage, render = await run_in_threadpool(
                 lambda: build(self.parse_json(data), call))
@@ -381,8 +404,8 @@ class _Api:
             return Response(status_code=499)
         failed = next((o for o in output.outputs if o.finish_reason == "error"), None)
         if failed is not None:
-            return JSONResponse(ApiError(500, failed.error or "generation failed",
-                                         type="server_error").body(), status_code=500)
+            error = _generation_error(failed.error, failed.unavailable)
+            return JSONResponse(error.body(), status_code=error.status)
         return JSONResponse(render.final(output))
 
     def _close_stream(self, handle: RequestHandle) -> None:
@@ -401,8 +424,7 @@ class _Api:
             async for delta in handle:
                 num_out += len(delta.token_ids)
                 if delta.finish_reason == "error":
-                    yield _event(ApiError(500, delta.error or "generation failed",
-                                          type="server_error").body())
+                    yield _event(_generation_error(delta.error, delta.unavailable).body())
                     break
                 if delta.finished and delta.index == 0:
                     cached = delta.metrics.num_cached_tokens
@@ -426,7 +448,8 @@ class _Api:
                 body, default_max_tokens=DEFAULT_COMPLETION_MAX_TOKENS, **fields)
             prompt = completion_prompt(body)
             ids = self.prompt_ids(prompt)
-            handle = self.submit(call, ids, params, fill_room, priority)
+            handle = self.submit(call, ids, params, fill_room, priority,
+                                 session_id_from(body, call.session_header))
             echoed = None
             if echo:
                 echoed = prompt if isinstance(prompt, str) else \
@@ -451,7 +474,8 @@ class _Api:
             if not ids:
                 raise ApiError(400, "the chat template rendered an empty prompt",
                                param="messages")
-            handle = self.submit(call, ids, params, fill_room, priority)
+            handle = self.submit(call, ids, params, fill_room, priority,
+                                 session_id_from(body, call.session_header))
             return handle, stream, usage, _ChatRender(self.model_name, handle, self.texts)
         return await self.run(request, build)
 

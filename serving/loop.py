@@ -27,6 +27,12 @@ preempted for recompute from its tokens (`Engine.recover_kv_cache`,
 `InFlightRunner.abandon`, `ReplicaController.preempt_all`). One in the scheduler itself may have left any request half-updated, so it
 fails every request in flight; so does a bug anywhere else in an iteration, rather than
 leave callers waiting on a dead thread.
+
+Replica faults (several replicas, `on_down` set): a failed step's requests are handed to
+`on_down` to be re-run on another replica (from prompt + the tokens they streamed) instead
+of failing; after `max_step_failures` failed steps in a row, or when the loop thread dies,
+the replica goes down (`down_reason`; `add` raises ReplicaDown): every request it holds is
+released here and handed to `on_down`, and the thread ends.
 """
 
 from __future__ import annotations
@@ -46,6 +52,13 @@ logger = logging.getLogger(__name__)
 
 # How long an iteration that could run nothing (e.g. pages are short) waits for news.
 IDLE_WAIT_S = 0.002
+# Failed steps in a row after which a replica with somewhere else to go gives up: one
+# failure may be a bad batch (its requests move on), three in a row is a broken device.
+MAX_STEP_FAILURES = 3
+
+
+class ReplicaDown(RuntimeError):
+    """The replica stopped serving: its steps kept failing or its loop thread died."""
 
 
 class ServingLoop:
@@ -53,7 +66,8 @@ class ServingLoop:
 
     def __init__(self, controller: ReplicaController, engine, metrics: ServerMetrics,
                  *, name: str = "medha-server-loop", on_step=None, replica: int = 0,
-                 decode_token_s: float | None = None):
+                 decode_token_s: float | None = None,
+                 max_step_failures: int = MAX_STEP_FAILURES):
         """engine: a PipelinedExecutor (`dispatch`, `collect`, `max_in_flight`) or anything
         with `execute(batch) -> StepResult`, and an `allocator`.
         on_step: called on the loop thread after each collected step (the server refines
@@ -61,11 +75,19 @@ class ServingLoop:
         replica: this loop's replica in the server (its metrics' label).
         decode_token_s: with several replicas, what a decode token costs: the loop then
         publishes its queued predicted work in `load` for the router (only the loop
-        thread may walk the controller's requests)."""
+        thread may walk the controller's requests).
+        max_step_failures: with `on_down` set (see the module's docstring), failed steps in
+        a row after which the replica goes down."""
         self.controller, self.engine, self.metrics = controller, engine, metrics
         self.on_step = on_step
         self.replica = replica
         self._decode_token_s = decode_token_s
+        # on_down(loop, streams, reason): takes over requests this replica cannot serve
+        # (set by serving.replicas.ReplicaSet before any request; None: they fail here).
+        self.on_down = None
+        self.max_step_failures = max_step_failures
+        self._step_failures = 0                     # failed steps in a row
+        self.down_reason: str | None = None
         # (waiting, running, queued predicted seconds) after the last iteration: what the
         # router reads from other threads (one tuple, replaced whole).
         self.load: tuple[int, int, float] = (0, 0, 0.0)
@@ -90,6 +112,11 @@ class ServingLoop:
     def closing(self) -> bool:
         return self._closing
 
+    @property
+    def healthy(self) -> bool:
+        """Serving and taking requests (not down, not closing, the thread alive)."""
+        return self.down_reason is None and not self._closing and self.thread.is_alive()
+
     def add(self, stream: RequestStream, held: Sequence[RequestStream] = ()) -> None:
         """Queues a validated request; `held`: the other samples of its prompt (n > 1),
         added once it has its first token (see the module's docstring). Raises when an id
@@ -98,6 +125,8 @@ class ServingLoop:
         with self._lock:
             if self._closing:
                 raise RuntimeError("the server is closed")
+            if self.down_reason is not None:
+                raise ReplicaDown(f"replica {self.replica} is down: {self.down_reason}")
             taken = [rid for rid in ids if rid in self._in_flight]
             if taken or len(set(ids)) < len(ids):
                 raise ValueError(f"request_id {(taken or ids)[0]!r} is already in flight")
@@ -128,13 +157,20 @@ class ServingLoop:
     # ------------------------------------------------------------ the loop thread
 
     def _run(self) -> None:
-        while True:
-            try:
-                if not self._iterate():
-                    return
-            except Exception as e:
-                logger.exception("server loop iteration failed")
-                self._fail(list(self._streams), f"server loop failed: {type(e).__name__}: {e}")
+        try:
+            while True:
+                try:
+                    if not self._iterate():
+                        return
+                except Exception as e:
+                    logger.exception("server loop iteration failed")
+                    self._fail(list(self._streams),
+                               f"server loop failed: {type(e).__name__}: {e}")
+        except BaseException as e:
+            # The thread dies (what escaped is no Exception): whatever it held moves on.
+            if self.on_down is not None and self.down_reason is None:
+                self._go_down(f"its loop thread died: {type(e).__name__}: {e}")
+            raise
 
     def _iterate(self) -> bool:
         """Drains the inbox, then runs one step. False once the loop has stopped."""
@@ -169,11 +205,12 @@ class ServingLoop:
                     self._lock.wait(IDLE_WAIT_S)
         # Finished requests were handed out; a long-running controller must not keep them.
         controller.pop_finished()
-        return True
+        return self.down_reason is None
 
     def _add(self, stream: RequestStream) -> None:
         try:
-            self.controller.add_request(stream.request)
+            self.controller.add_request(stream.request,
+                                        resume=bool(stream.request.output_token_ids))
         except Exception as e:
             # The controller refused what validation passed: report it on the stream.
             self._finish(stream, FinishReason.ERROR, error=f"{type(e).__name__}: {e}")
@@ -187,8 +224,19 @@ class ServingLoop:
             collected = self.runner.step()
         except BatchFailed as e:
             failed = _request_ids(e.batch)
-            logger.error("step failed; failing requests %s", failed, exc_info=e.cause)
-            self._fail(failed, f"step failed: {e}")
+            if self.on_down is None:
+                logger.error("step failed; failing requests %s", failed, exc_info=e.cause)
+                self._fail(failed, f"step failed: {e}")
+            else:
+                self._step_failures += 1
+                logger.error("replica %d: step failed (%d in a row); re-running requests %s "
+                             "elsewhere", self.replica, self._step_failures, failed,
+                             exc_info=e.cause)
+                if self._step_failures >= self.max_step_failures:
+                    self._go_down(f"{self._step_failures} steps in a row failed, the last "
+                                  f"with {e}")
+                    return True
+                self._hand_over(failed, f"replica {self.replica}: step failed: {e}")
             self._recover_kv_cache()
             return True
         except Exception as e:
@@ -197,6 +245,7 @@ class ServingLoop:
             return True
         if collected is None:
             return False
+        self._step_failures = 0
         result = collected.result
         self.metrics.observe_step(collected.batch.num_tokens, result.duration_s)
         if self.on_step is not None:
@@ -255,6 +304,67 @@ class ServingLoop:
         for stream in group.take_held():
             self._groups.pop(stream.request_id, None)
             self._add(stream)
+
+    def _hand_over(self, request_ids: Sequence[str], reason: str) -> None:
+        """Releases the requests here (their pages freed) and hands their streams, with
+        their held samples, to `on_down` to be re-run elsewhere."""
+        streams = []
+        for request_id in request_ids:
+            stream = self._streams.pop(request_id, None)
+            if stream is None:
+                continue
+            group = self._groups.pop(request_id, None)
+            if group is not None and group.leader == request_id:
+                for held in group.take_held():
+                    self._groups.pop(held.request_id, None)
+                    streams.append(held)
+            try:
+                self.controller.finish(request_id, FinishReason.ERROR)
+            except Exception:
+                logger.exception("controller failed to release request %s", request_id)
+            streams.append(stream)
+        self._give_away(streams, reason)
+        self._observe_state()
+
+    def _give_away(self, streams: list[RequestStream], reason: str) -> None:
+        # Added there before they leave here, so a cancel in between reaches one of them.
+        if streams:
+            self.on_down(self, streams, reason)
+        with self._lock:
+            self._in_flight.difference_update(s.request_id for s in streams)
+
+    def _go_down(self, reason: str) -> None:
+        """Stops taking requests and hands every one it holds to `on_down` (on the loop
+        thread, or the dying one: nothing else touches the controller)."""
+        logger.error("replica %d is down: %s", self.replica, reason)
+        with self._lock:
+            self.down_reason = reason
+            commands, self._inbox = self._inbox, []
+        cancelled = {arg for kind, arg in commands if kind == "cancel"}
+        streams = [s for kind, arg in commands if kind == "add" for s in (arg[0], *arg[1])]
+        for group in {id(g): g for g in self._groups.values()}.values():
+            streams.extend(group.take_held())
+        self._groups.clear()
+        for request_id, stream in list(self._streams.items()):
+            try:
+                self.controller.finish(request_id, FinishReason.ERROR)
+            except Exception:
+                logger.exception("controller failed to release request %s", request_id)
+            streams.append(stream)
+        self._streams.clear()
+        moving = []
+        for stream in streams:
+            if stream.request_id in cancelled:
+                self._finish(stream, FinishReason.CANCELLED)
+            else:
+                moving.append(stream)
+        try:
+            self.controller.pop_finished()
+            self._observe_state()
+        except Exception:
+            logger.exception("replica %d: reading its state after going down failed",
+                             self.replica)
+        self._give_away(moving, f"replica {self.replica} is down: {reason}")
 
     def _fail(self, request_ids: Sequence[str], error: str) -> None:
         for request_id in request_ids:

@@ -88,6 +88,12 @@ class ServerMetrics:
             "medha_replica_cached_tokens",
             "Prompt tokens taken from the prefix cache, per replica (finished requests).",
             ["replica"], registry=r)
+        self.replica_healthy = Gauge(
+            "medha_replica_healthy", "1 while the replica serves, 0 once it is down "
+            "(its steps kept failing or its loop died).", ["replica"], registry=r)
+        self.replica_failovers = Counter(
+            "medha_replica_failovers", "Requests moved off a failed replica, by the replica "
+            "they left (re-run elsewhere, or failed as unavailable).", ["replica"], registry=r)
         self.router_decision_time = Histogram(
             "medha_router_decision_seconds", "Time the router took to place one request.",
             buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2),
@@ -127,6 +133,12 @@ class ServerMetrics:
             if preemptions_total > self._preemptions_seen:
                 self.preemptions.inc(preemptions_total - self._preemptions_seen)
                 self._preemptions_seen = preemptions_total
+
+    def observe_health(self, replica: int, healthy: bool) -> None:
+        self.replica_healthy.labels(str(replica)).set(1.0 if healthy else 0.0)
+
+    def observe_failover(self, replica: int) -> None:
+        self.replica_failovers.labels(str(replica)).inc()
 
     def observe_routed(self, replica: int, decision_s: float) -> None:
         self.replica_requests.labels(str(replica)).inc()

@@ -77,6 +77,7 @@ class CompletionOutput:
     logprobs: tuple[TokenLogprobs, ...] | None = None
     error: str | None = None
     metrics: RequestMetrics | None = None
+    unavailable: bool = False        # the error: no healthy replica could serve it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +117,9 @@ class StreamDelta:
     index: int = 0
     logprobs: tuple[TokenLogprobs, ...] | None = None
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
+    # With finish_reason "error": the replica serving it failed and no healthy one could
+    # take it over (gRPC UNAVAILABLE, HTTP 503: the client may retry), not a bad request.
+    unavailable: bool = False
 
 
 class Tokenizer(Protocol):
@@ -231,7 +235,7 @@ class _Sample:
             index=index, token_ids=tuple(self.token_ids), text="".join(self.text),
             finish_reason=last.finish_reason,
             logprobs=None if self.logprobs is None else tuple(self.logprobs),
-            error=last.error, metrics=last.metrics)
+            error=last.error, metrics=last.metrics, unavailable=last.unavailable)
 
 
 class RequestHandle:
@@ -342,13 +346,18 @@ class RequestStream:
 
     Tokens (and their logprobs) given to `add_tokens` go out with the next `push` or
     `finish`; prompt logprobs gathered from the steps go out with the first delta after
-    they are complete (the first token: the whole prompt has been computed by then)."""
+    they are complete (the first token: the whole prompt has been computed by then).
+
+    When its replica fails, the stream moves to another (`resume`): the same handle,
+    detokenizer and delta state go on, so the caller sees one uninterrupted stream."""
 
     def __init__(self, request: Request, handle: RequestHandle,
                  detokenizer: IncrementalDetokenizer, *, index: int = 0, replica: int = 0):
         self.request, self.handle, self.detokenizer = request, handle, detokenizer
         self.index = index
         self.replica = replica
+        self.generated: list[int] = []      # every token handed to add_tokens
+        self.failovers = 0                  # times it moved off a failed replica
         sampling = request.sampling
         self._wants_logprobs = sampling.logprobs is not None
         self._new_token_ids: list[int] = []
@@ -374,6 +383,7 @@ class RequestStream:
         """Detokenizes new tokens (to go out with the next delta); True when the text now
         ends at a stop string (the request is done: the caller finishes it)."""
         self._new_token_ids.extend(new_token_ids)
+        self.generated.extend(new_token_ids)
         if self._wants_logprobs and logprobs is not None:
             self._new_logprobs.append(logprobs)
         self.detokenizer.add(new_token_ids)
@@ -385,13 +395,22 @@ class RequestStream:
         if self._new_token_ids or text:
             self.handle._push(self._delta(text, finished=False))
 
-    def finish(self, reason: FinishReason, error: str | None = None) -> RequestMetrics:
+    def resume(self, request: Request, replica: int) -> None:
+        """Goes on as `request` (its re-run, see serving.replicas.resumed_request) on
+        `replica`; tokens not yet pushed go out with its next delta."""
+        if request.request_id != self.request_id:
+            raise ValueError(f"resuming {self.request_id!r} as {request.request_id!r}")
+        self.request, self.replica = request, replica
+
+    def finish(self, reason: FinishReason, error: str | None = None, *,
+               unavailable: bool = False) -> RequestMetrics:
         """Pushes the final delta (the rest of the text and tokens) and returns the
-        request's metrics."""
+        request's metrics. unavailable: the error is its replica's failure (StreamDelta)."""
         metrics = RequestMetrics.from_request(self.request, self.replica)
         self.handle._push(self._delta(
             self.detokenizer.take_delta(final=True), finished=True,
-            finish_reason=FinishReason(reason).value, metrics=metrics, error=error))
+            finish_reason=FinishReason(reason).value, metrics=metrics, error=error,
+            unavailable=unavailable))
         return metrics
 
     def _delta(self, text: str, **final) -> StreamDelta:

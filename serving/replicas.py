@@ -12,18 +12,34 @@ prefix index the replicas' allocators feed with their cache events.
     replicas = [LocalReplica(i, e, scheduler_config, ...) for i, e in enumerate(engines)]
     placement = ReplicaSet(replicas, RoutingConfig("predicted-time"))
     index, decision_seconds = placement.place(prompt_ids, session_id, max_new_tokens)
+
+Faults: a replica whose steps keep failing or whose loop thread dies goes down (see
+serving.loop): the router stops placing there and forgets its cache and sessions, and
+each request it held is re-run on a healthy replica from its prompt + the tokens it had
+streamed, kept as its output so far (`resumed_request`: recomputed as after a
+preemption), by the same stream: the caller sees one uninterrupted stream. Sampling
+resumes exactly: the key of a request's n-th output token depends only on (seed, n), and an
+unseeded request's drawn seed goes with it. When no healthy replica can take it (or it
+already moved `max_failovers` times) it ends with an error marked `unavailable`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Sequence
 
-from medha_jax.cluster.router import ReplicaStatus, RouteRequest, Router, RoutingConfig
+from medha_jax.cluster.router import (NoHealthyReplica, ReplicaStatus, RouteRequest, Router,
+                                      RoutingConfig)
 from medha_jax.kv_cache.allocator import prefix_page_hashes
+from medha_jax.request import FinishReason, Request
 from medha_jax.scheduler.predictor import decode_token_seconds
 from serving.loop import ServingLoop
+from serving.outputs import RequestStream
+
+logger = logging.getLogger(__name__)
 
 
 def device_groups(num_devices_per_replica: int, num_replicas: int,
@@ -149,26 +165,152 @@ def _starting_refit(engine, cache_dir):
     return refit, how + ", refined online from served steps"
 
 
+def resumed_request(request: Request, generated: Sequence[int]) -> Request:
+    """`request` to be re-run on another replica, with the tokens its caller has received
+    (`generated`) as its output so far: that replica recomputes prompt + output as after a
+    preemption and samples on from output token len(generated). An unseeded request takes
+    the seed it drew, so it samples what it would have sampled."""
+    from medha_jax.engine.step_inputs import request_seed
+
+    sampling = request.sampling
+    if sampling.seed is None and sampling.temperature > 0:
+        sampling = dataclasses.replace(sampling, seed=request_seed(request))
+    resumed = Request(request_id=request.request_id, prompt_len=request.prompt_len,
+                      max_new_tokens=request.max_new_tokens,
+                      arrival_time=request.arrival_time, slo=request.slo,
+                      priority=request.priority,
+                      prompt_token_ids=list(request.prompt_token_ids), sampling=sampling,
+                      session_id=request.session_id)
+    resumed.output_token_ids = list(generated)
+    resumed.num_preemptions = request.num_preemptions + 1     # recomputed from its tokens
+    resumed.first_scheduled_time = request.first_scheduled_time
+    if generated:
+        resumed.first_token_time = request.first_token_time
+        resumed.last_token_time = request.last_token_time
+    return resumed
+
+
 class ReplicaSet:
     """The replicas behind one router. Thread-safe: callers place requests from any thread
-    while the loop threads feed the prefix index."""
+    while the loop threads feed the prefix index and hand over a failed replica's requests.
 
-    def __init__(self, replicas: Sequence[LocalReplica], routing: RoutingConfig):
+    max_failovers: how many times one request may move off a failed replica (default: one
+    less than the replicas, so a request that breaks every replica it lands on cannot take
+    them all down)."""
+
+    def __init__(self, replicas: Sequence[LocalReplica], routing: RoutingConfig, *,
+                 metrics=None, max_failovers: int | None = None):
         self.replicas = list(replicas)
         self.page_size = self.replicas[0].engine.allocator.page_size
+        self.metrics = metrics
+        self.max_failovers = (len(self.replicas) - 1 if max_failovers is None
+                              else max_failovers)
         self._lock = threading.Lock()
         self.router = Router(len(self.replicas), self._statuses, routing)
+        self._down: set[int] = set()
+        self._exclude: int | None = None        # under _lock, for one decision
         for replica in self.replicas:
             replica.engine.allocator.on_cache_change = self._listener(replica.index)
+            replica.loop.on_down = self._take_over
+            if metrics is not None:
+                metrics.observe_health(replica.index, True)
 
     def place(self, prompt_ids: Sequence[int], session_id: str | None,
-              max_new_tokens: int) -> tuple[int, float]:
-        """Chooses the replica of a request: (its index, seconds the decision took)."""
+              max_new_tokens: int, *, exclude: int | None = None) -> tuple[int, float]:
+        """Chooses the replica of a request: (its index, seconds the decision took).
+        exclude: a replica not to choose (the one a request is moving off)."""
         hashes = tuple(prefix_page_hashes(prompt_ids, self.page_size))
         with self._lock:
-            decision = self.router.route(RouteRequest(len(prompt_ids), hashes, session_id,
-                                                      max_new_tokens))
+            self._exclude = exclude
+            try:
+                decision = self.router.route(RouteRequest(len(prompt_ids), hashes,
+                                                          session_id, max_new_tokens))
+            finally:
+                self._exclude = None
             return decision.replica, self.router.decision_seconds[-1]
+
+    def submit(self, stream_for, prompt_ids: Sequence[int], session_id: str | None,
+               max_new_tokens: int):
+        """Places a new request and adds it to its replica's loop: `stream_for(replica)`
+        gives its (stream, held streams). A replica that went down in between is skipped;
+        raises NoHealthyReplica when none is left. Returns (replica, streams)."""
+        for _ in range(len(self.replicas)):
+            replica, decision_s = self.place(prompt_ids, session_id, max_new_tokens)
+            if self.metrics is not None:
+                self.metrics.observe_routed(replica, decision_s)
+            stream, held = stream_for(replica)
+            try:
+                self.replicas[replica].loop.add(stream, held=held)
+                return replica, (stream, *held)
+            except RuntimeError:
+                if self.replicas[replica].loop.closing:
+                    raise                       # the server is closing
+                self._mark_down(replica)
+        raise NoHealthyReplica("every replica went down while placing the request")
+
+    def _take_over(self, loop: ServingLoop, streams: list[RequestStream], reason: str) -> None:
+        """The loop's on_down: a replica gave up requests (a failed step's, or all of them
+        when it went down); each is re-run elsewhere or ends as unavailable."""
+        if loop.down_reason is not None:
+            self._mark_down(loop.replica)
+        for stream in streams:
+            if self.metrics is not None:
+                self.metrics.observe_failover(loop.replica)
+            self._rerun(stream, reason)
+
+    def _rerun(self, stream: RequestStream, reason: str) -> None:
+        generated = stream.generated
+        request = stream.request
+        if len(generated) >= request.max_new_tokens:
+            # Its last token had come before the replica failed; only the end was lost.
+            self._end(stream, FinishReason.LENGTH)
+            return
+        if stream.failovers >= self.max_failovers:
+            self._end(stream, FinishReason.ERROR, f"unavailable: {reason}; the request "
+                      f"already moved off {stream.failovers} failed replica(s)", True)
+            return
+        stream.failovers += 1
+        source = stream.replica
+        tokens = list(request.prompt_token_ids) + list(generated)
+        resumed = resumed_request(request, generated)
+        for _ in range(len(self.replicas)):
+            try:
+                replica, decision_s = self.place(tokens, request.session_id,
+                                                 request.max_new_tokens - len(generated),
+                                                 exclude=source)
+            except NoHealthyReplica as e:
+                self._end(stream, FinishReason.ERROR, f"unavailable: {reason}; {e}", True)
+                return
+            stream.resume(resumed, replica)
+            try:
+                self.replicas[replica].loop.add(stream)
+            except RuntimeError:                # went down or is closing meanwhile
+                if self.replicas[replica].loop.closing:
+                    break
+                self._mark_down(replica)
+                continue
+            if self.metrics is not None:
+                self.metrics.observe_routed(replica, decision_s)
+            logger.warning("request %s re-run on replica %d from %d streamed tokens (%s)",
+                           stream.request_id, replica, len(generated), reason)
+            return
+        self._end(stream, FinishReason.ERROR,
+                  f"unavailable: {reason}; no replica could take the request over", True)
+
+    def _end(self, stream: RequestStream, reason: FinishReason, error: str | None = None,
+             unavailable: bool = False) -> None:
+        metrics = stream.finish(reason, error, unavailable=unavailable)
+        if self.metrics is not None:
+            self.metrics.observe_finished(metrics, reason.value)
+
+    def _mark_down(self, replica: int) -> None:
+        with self._lock:
+            if replica in self._down or self.replicas[replica].loop.healthy:
+                return
+            self._down.add(replica)
+            self.router.replica_down(replica)
+        if self.metrics is not None:
+            self.metrics.observe_health(replica, False)
 
     def _statuses(self) -> list[ReplicaStatus]:
         statuses = []
@@ -178,7 +320,7 @@ class ReplicaSet:
                 prefill_s=replica.prefill_s, page_size=self.page_size, num_waiting=waiting,
                 num_running=running, queued_work_s=queued_work_s,
                 decode_token_s=replica.decode_token_s,
-                healthy=replica.loop.thread.is_alive() and not replica.loop.closing))
+                healthy=replica.loop.healthy and replica.index != self._exclude))
         return statuses
 
     def _listener(self, replica: int):

@@ -184,8 +184,8 @@ class Server:
         # Random per server, so no caller can name another's request by guessing.
         self._id_prefix = f"req-{secrets.token_hex(4)}"
         self._loops = [replica.loop for replica in self.replicas]
-        self._replica_set = (ReplicaSet(self.replicas, routing) if len(self.replicas) > 1
-                             else None)
+        self._replica_set = (ReplicaSet(self.replicas, routing, metrics=self.metrics)
+                             if len(self.replicas) > 1 else None)
         self.metrics_port = (self.metrics.serve_http(metrics_port)
                              if metrics_port is not None else None)
 
@@ -252,14 +252,26 @@ class Server:
             request_id = server_ids[0]
         if session_id is not None and not isinstance(session_id, str):
             raise TypeError(f"session_id must be a str, got {type(session_id).__name__}")
-        replica = 0
-        if self._replica_set is not None:
-            replica, decision_s = self._replica_set.place(prompt_ids, session_id,
-                                                          params.max_tokens)
-            self.metrics.observe_routed(replica, decision_s)
-        loop = self._loops[replica]
-        handle = RequestHandle(request_id, prompt_ids, loop.cancel, loop=_loop,
+        # With several replicas a request may move to another when its replica fails, so
+        # its handle cancels it wherever it is.
+        cancel = self._loops[0].cancel if self._replica_set is None else self._cancel_sample
+        handle = RequestHandle(request_id, prompt_ids, cancel, loop=_loop,
                                id=server_ids[0], ids=server_ids)
+        arrival = self._clock.now()
+
+        def streams_on(replica: int) -> tuple[RequestStream, list[RequestStream]]:
+            streams = []
+            for index, (server_id, detokenizer) in enumerate(zip(server_ids, detokenizers)):
+                request = Request(request_id=server_id, prompt_len=len(prompt_ids),
+                                  max_new_tokens=params.max_tokens, arrival_time=arrival,
+                                  slo=slo or self.default_slo, priority=priority,
+                                  prompt_token_ids=prompt_ids,
+                                  sampling=sample_params(params, index),
+                                  session_id=session_id)
+                streams.append(RequestStream(request, handle, detokenizer, index=index,
+                                             replica=replica))
+            return streams[0], streams[1:]
+
         if params.n > 1:
             # So that cancel(handle.id) reaches every sample, also after sample 0 finished.
             # Only groups in flight are kept: finished ones are dropped here.
@@ -267,16 +279,16 @@ class Server:
                 for group_id in [g for g, h in self._groups.items() if h.finished]:
                     del self._groups[group_id]
                 self._groups[handle.id] = handle
-        arrival = self._clock.now()
-        streams = []
-        for index, (server_id, detokenizer) in enumerate(zip(server_ids, detokenizers)):
-            request = Request(request_id=server_id, prompt_len=len(prompt_ids),
-                              max_new_tokens=params.max_tokens, arrival_time=arrival,
-                              slo=slo or self.default_slo, priority=priority,
-                              prompt_token_ids=prompt_ids, sampling=sample_params(params, index))
-            streams.append(RequestStream(request, handle, detokenizer, index=index,
-                                         replica=replica))
-        loop.add(streams[0], held=streams[1:])
+        if self._replica_set is None:
+            stream, held = streams_on(0)
+            self._loops[0].add(stream, held=held)
+        else:
+            try:
+                self._replica_set.submit(streams_on, prompt_ids, session_id, params.max_tokens)
+            except BaseException:
+                with self._groups_lock:
+                    self._groups.pop(handle.id, None)
+                raise
         return handle
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
@@ -374,7 +386,10 @@ class Server:
             group = self._groups.get(id)
         if group is not None:
             return group.cancel()
-        return any([loop.cancel(id) for loop in self._loops])
+        return self._cancel_sample(id)
+
+    def _cancel_sample(self, id: str) -> bool:
+        return any([loop.cancel(id) for loop in self._loops])     # a list: ask every one
 
     def metrics_text(self) -> str:
         return self.metrics.text()

@@ -49,6 +49,8 @@ def test_generate_prints_the_greedy_text(model_dir, capsys):
     (["generate", "hi", "--max-tokens", "0"], "max_tokens must be an int >= 1"),
     (["generate", "hi", "--temperature", "-1"], "temperature must be >= 0"),
     (["generate", "hi", "--policy", "fifo"], "unknown policy 'fifo'"),
+    (["serve", "--router", "random"], "unknown routing policy 'random'"),
+    (["serve", "--replicas", "0"], "--replicas must be >= 1, got 0"),
 ])
 def test_errors_name_the_value(model_dir, capsys, argv, message):
     assert main([*argv, "--model", model_dir, *SMALL_ENGINE]) == 2

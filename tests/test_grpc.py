@@ -393,3 +393,42 @@ def test_clients_cancelling_before_during_and_after_submit_with_reused_ids_leak_
     assert set(finals) <= {"cancelled", "length"}
     assert wait_until_idle(server)
     assert not server.replicas[0].loop._in_flight and not server.controller.has_unfinished()
+
+
+def test_session_id_reaches_the_router_and_a_lost_replica_is_unavailable(server, stub,
+                                                                         monkeypatch):
+    """GenerateRequest.session_id is the submit's session; a request whose replica failed
+    with none to take it over ends the call with UNAVAILABLE, as does one no replica can
+    take at all."""
+    from medha_jax.cluster.router import NoHealthyReplica
+    from serving.outputs import RequestHandle, StreamDelta
+
+    sessions = []
+    submit = server.submit
+
+    def recording_submit(*args, session_id=None, **kwargs):
+        sessions.append(session_id)
+        return submit(*args, session_id=session_id, **kwargs)
+    monkeypatch.setattr(server, "submit", recording_submit)
+    final = list(stub.Generate(request([4, 5, 6], max_tokens=2, session_id="chat-3")))[-1]
+    list(stub.Generate(request([4, 5, 6], max_tokens=2)))
+    assert sessions == ["chat-3", None] and final.metrics.replica == 0
+
+    def lost_mid_stream(prompt, *args, **kwargs):
+        handle = RequestHandle("r", [4, 5, 6], lambda _: False)
+        handle._push(StreamDelta("r", (7,), "x", finished=False))
+        handle._push(StreamDelta("r", (), "", finished=True, finish_reason="error",
+                                 error="unavailable: replica 1 is down", unavailable=True))
+        return handle
+    monkeypatch.setattr(server, "submit", lost_mid_stream)
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(request([4, 5, 6])))
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "replica 1 is down" in e.value.details()
+
+    def no_replica(*args, **kwargs):
+        raise NoHealthyReplica("none of the 2 replicas is healthy")
+    monkeypatch.setattr(server, "submit", no_replica)
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(request([4, 5, 6])))
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE

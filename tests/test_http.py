@@ -475,3 +475,36 @@ def test_cli_serves_http_only_with_a_token_and_stops_on_sigterm(model_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_session_from_x_session_id_or_user_and_no_replica_is_503(server, http, monkeypatch):
+    """The router's session comes from the X-Session-Id header, else OpenAI's `user`; a
+    request no healthy replica can take is 503 "unavailable", before or while it generates."""
+    from medha_jax.cluster.router import NoHealthyReplica
+    from serving.http_server import _generation_error
+
+    sessions = []
+    submit = server.submit
+
+    def recording_submit(*args, session_id=None, **kwargs):
+        sessions.append(session_id)
+        return submit(*args, session_id=session_id, **kwargs)
+    monkeypatch.setattr(server, "submit", recording_submit)
+    body = {"prompt": "hi", "max_tokens": 2, "temperature": 0}
+    assert raw(http, "POST", "/v1/completions", {**body, "user": "alice"})[0] == 200
+    assert raw(http, "POST", "/v1/completions", {**body, "user": "alice"},
+               headers={"X-Session-Id": "chat-7"})[0] == 200
+    assert raw(http, "POST", "/v1/chat/completions",
+               {"messages": MESSAGES, "max_tokens": 2, "temperature": 0})[0] == 200
+    assert sessions == ["alice", "chat-7", None]
+    status, got = raw(http, "POST", "/v1/completions", {**body, "user": 3})
+    assert status == 400 and got["error"]["param"] == "user"
+
+    def no_replica(*args, **kwargs):
+        raise NoHealthyReplica("none of the 2 replicas is healthy")
+    monkeypatch.setattr(server, "submit", no_replica)
+    status, got = raw(http, "POST", "/v1/completions", body)
+    assert status == 503 and got["error"]["code"] == "unavailable"
+    assert "none of the 2 replicas" in got["error"]["message"]
+    assert _generation_error("replica 1 is down", True).status == 503
+    assert _generation_error("step failed", False).status == 500

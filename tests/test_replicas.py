@@ -85,3 +85,69 @@ def test_bad_replica_arguments_are_named():
         Server(tiny_model(), engine_config=TINY_ENGINE, warmup=False, replicas=0)
     with pytest.raises(ValueError, match="need 16 devices"):
         Server(tiny_model(), engine_config=TINY_ENGINE, warmup=False, replicas=16)
+
+
+def break_replica(server, replica: int, how: str):
+    """From its next step that decodes (so mid-stream), replica's engine fails every step
+    ("steps fail": an error a KV-cache rebuild cannot fix) or its loop thread dies ("loop
+    dies"). Returns a list that records the failures."""
+    engine = server.replicas[replica].engine
+    dispatch = engine.dispatch
+    failures = []
+
+    def failing_dispatch(batch):
+        if failures or any(c.request.output_token_ids for c in batch.chunks):
+            failures.append(len(batch.chunks))
+            if how == "loop dies":
+                raise SystemExit("the loop thread is gone")
+            raise RuntimeError("device lost")
+        return dispatch(batch)
+    engine.dispatch = failing_dispatch
+    return failures
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+@pytest.mark.parametrize("how", ["steps fail", "loop dies"])
+def test_a_failed_replicas_streams_go_on_elsewhere_or_end_unavailable(how, one_replica_tokens):
+    """Replica 1 fails mid-stream: its requests are re-run on replica 0 from prompt + the
+    tokens they streamed, and every caller gets one replica's greedy tokens; replica 1 is
+    marked unhealthy and gets nothing more. Then replica 0 fails too: its requests end as
+    unavailable (none hangs) and new ones are refused."""
+    from medha_jax.cluster.router import NoHealthyReplica
+
+    with Server(tiny_model(), engine_config=TINY_ENGINE, warmup=False, replicas=2,
+                router="round-robin") as server:
+        failures = break_replica(server, 1, how)
+        handles = [server.submit(p, GREEDY) for p in PROMPTS]
+        outputs = [h.result(timeout=120) for h in handles]
+        assert failures, "replica 1 never failed"
+        assert [o.token_ids for o in outputs] == one_replica_tokens
+        assert {o.finish_reason for o in outputs} == {"length"}
+        moved = [o for o in outputs if o.metrics.num_preemptions]
+        assert moved and all(o.metrics.replica == 0 for o in outputs)
+        assert all(o.metrics.num_prompt_tokens == len(o.prompt_token_ids) for o in outputs)
+        for _ in range(6):        # each request placed there fails a step, until it is down
+            if not server.replicas[1].loop.healthy:
+                break
+            out = server.submit(PROMPTS[0], GREEDY).result(timeout=60)
+            assert out.token_ids == one_replica_tokens[0] and out.metrics.replica == 0
+        assert not server.replicas[1].loop.healthy
+        text = server.metrics_text()
+        assert 'medha_replica_healthy{replica="1"} 0.0' in text
+        assert 'medha_replica_healthy{replica="0"} 1.0' in text
+        assert server.submit(PROMPTS[0], GREEDY).result(timeout=60).metrics.replica == 0
+        allocator = server.replicas[0].engine.allocator
+        assert wait_until_idle(server) and allocator.num_free_pages == allocator.num_pages
+
+        break_replica(server, 0, how)
+        outputs = [h.result(timeout=120) for h in
+                   [server.submit(p, GREEDY) for p in PROMPTS[:2]]]
+        for _ in range(4):
+            if not server.replicas[0].loop.healthy:
+                break
+            outputs.append(server.submit(PROMPTS[0], GREEDY).result(timeout=60))
+        assert all(o.finish_reason == "error" and o.outputs[0].unavailable for o in outputs)
+        assert all("unavailable" in o.error for o in outputs)
+        assert not server.replicas[0].loop.healthy
+        with pytest.raises(NoHealthyReplica):
+            server.submit(PROMPTS[0], GREEDY)

@@ -134,13 +134,15 @@ class ReplicaController:
 
     # ------------------------------------------------------------ admission / exit
 
-    def add_request(self, request: Request) -> None:
-        """Admits a request or raises ValueError (CapacityError when it can never fit)."""
+    def add_request(self, request: Request, *, resume: bool = False) -> None:
+        """Admits a request or raises ValueError (CapacityError when it can never fit).
+        resume: it is re-run here after the replica serving it failed: it brings the output
+        it had generated, recomputed with its prompt as after a preemption."""
         rid = request.request_id
         if rid in self._requests or rid in self.finished:
             raise ValueError(f"request_id {rid!r} is already in use")
         if request.state is not RequestState.WAITING or request.num_computed_tokens or \
-                request.output_token_ids:
+                (request.output_token_ids and not resume):
             raise ValueError(f"request {rid!r} already has progress (state={request.state.value}, "
                              f"num_computed_tokens={request.num_computed_tokens}, "
                              f"{len(request.output_token_ids)} output tokens)")
