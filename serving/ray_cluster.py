@@ -318,6 +318,7 @@ class RayServer(Server):
         self._incarnation: list[str | None] = [None] * replicas
         self._next_seq = [0] * replicas
         self.restarts_seen = [0] * replicas
+        self.reruns = 0                    # requests re-run after their replica died
         self._router = Router(replicas, lambda: self._statuses, routing)
         self._closing = False
         self._aloop = asyncio.new_event_loop()
@@ -545,6 +546,7 @@ class RayServer(Server):
                                  f"{UNAVAILABLE}: {error}; {e}")
                     return
                 request.reruns += 1
+                self.reruns += 1
         except Exception as e:            # never leave a caller waiting
             self._finish(server_id, request, "error", None,
                          f"front failed: {type(e).__name__}: {e}")

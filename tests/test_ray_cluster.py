@@ -95,10 +95,10 @@ def test_a_killed_replica_loses_no_request_and_serves_again(ray_server):
                for i, h in enumerate(handles)]
     for t in threads:
         t.start()
-    # Kill replica 1 once it has streamed something.
+    # Kill replica 1 once it has streamed something (round-robin: the odd requests).
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not any(
-            deltas_seen.get(i) for i, h in enumerate(handles)):
+            deltas_seen.get(i) for i in range(1, len(handles), 2)):
         time.sleep(0.01)
     victim = ray.get_actor(ACTOR_NAME.format(1), namespace=NAMESPACE)
     ray.kill(victim, no_restart=False)
@@ -115,6 +115,8 @@ def test_a_killed_replica_loses_no_request_and_serves_again(ray_server):
             assert out.finish_reason == "length"
             assert out.token_ids == expected[i] == tuple(deltas_seen[i])
     assert len(results) == len(prompts)
+    unavailable = sum(out.finish_reason == "error" for out in results.values())
+    assert ray_server.reruns + unavailable >= 1, "the kill hit no request in flight"
     # Detected: replica 1 left the router within seconds, then Ray restarted it.
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and ray_server.restarts_seen[1] == 0:
@@ -128,3 +130,13 @@ def test_a_killed_replica_loses_no_request_and_serves_again(ray_server):
     outputs = ray_server.generate(prompts[:4], params)
     assert [o.token_ids for o in outputs] == expected[:4]
     assert {o.metrics.replica for o in outputs} == {0, 1}
+
+
+def test_serve_takes_a_ray_address():
+    from serving.cli import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(["serve"]).ray is None
+    assert parse(["serve", "--ray"]).ray == "ray"
+    args = parse(["serve", "--ray", "head:6379", "--ray-replicas", "2"])
+    assert (args.ray, args.ray_replicas) == ("head:6379", 2)
