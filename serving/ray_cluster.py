@@ -117,6 +117,9 @@ class ReplicaState:
     decode_token_s: float
     prefill_table: tuple[tuple[int, float], ...]
     events: tuple[CacheEvent, ...]
+    pages_in_use: int = 0
+    pages_total: int = 0
+    num_preemptions: int = 0
 
 
 class ReplicaActor:
@@ -183,8 +186,11 @@ class ReplicaActor:
         now = time.monotonic()
         if now - self._table_at > 1.0:        # refits change it rarely; computing is cheap
             self._table, self._table_at = self._prefill_table(), now
+        allocator = self.replica.engine.allocator
         return ReplicaState(self.incarnation, waiting, running, work,
-                            self.replica.decode_token_s, self._table, events)
+                            self.replica.decode_token_s, self._table, events,
+                            allocator.num_pages - allocator.num_free_pages, allocator.num_pages,
+                            self.replica.controller.num_preemptions)
 
     def _prefill_table(self) -> tuple[tuple[int, float], ...]:
         max_len = self.server.max_model_len
@@ -317,7 +323,9 @@ class RayServer(Server):
                                         healthy=False) for _ in range(replicas)]
         self._incarnation: list[str | None] = [None] * replicas
         self._next_seq = [0] * replicas
+        self._pages = [(0, n) for n in self._num_pages]     # (in use, total), last poll
         self.restarts_seen = [0] * replicas
+        self._preemptions_by_replica = [(0, 0)] * replicas   # (earlier lives, this life)
         self.reruns = 0                    # requests re-run after their replica died
         self._router = Router(replicas, lambda: self._statuses, routing)
         self._closing = False
@@ -361,7 +369,8 @@ class RayServer(Server):
 
     @property
     def num_free_pages(self) -> int:
-        raise NotImplementedError("free KV pages live in the Ray actors; read /metrics")
+        """KV pages free over the replicas, as of their last poll."""
+        return sum(total - used for used, total in self._pages)
 
     @property
     def closed(self) -> bool:
@@ -442,8 +451,13 @@ class RayServer(Server):
         self._closing = True
         for request_id in list(self._in_flight):
             self.cancel(request_id)
+        deadline = time.monotonic() + 5      # their "cancelled" finals come from the actors
+        while self._in_flight and time.monotonic() < deadline:
+            time.sleep(POLL_S)
         for actor in self._actors:
             ray.kill(actor, no_restart=True)
+        for request_id, request in list(self._in_flight.items()):
+            self._finish(request_id, request, "cancelled", None, None)
         self._aloop.call_soon_threadsafe(self._aloop.stop)
         self._thread.join(10)
         self.metrics.close()
@@ -485,7 +499,20 @@ class RayServer(Server):
                     num_waiting=state.num_waiting, num_running=state.num_running,
                     queued_work_s=state.queued_work_s, decode_token_s=state.decode_token_s,
                     healthy=True), *self._statuses[i + 1:]]
+                self._pages[i] = (state.pages_in_use, state.pages_total)
+            self.metrics.observe_state(
+                pages_in_use=state.pages_in_use, pages_total=state.pages_total,
+                waiting=state.num_waiting, running=state.num_running,
+                preemptions_total=self._preemptions(i, state.num_preemptions), replica=i)
             await asyncio.sleep(POLL_S)
+
+    def _preemptions(self, i: int, total: int) -> int:
+        """Replica i's preemptions over its lives (a restarted actor counts from 0 again)."""
+        earlier, last = self._preemptions_by_replica[i]
+        if total < last:
+            earlier += last
+        self._preemptions_by_replica[i] = (earlier, total)
+        return earlier + total
 
     def _replica_down(self, i: int) -> None:
         with self._lock:
@@ -527,7 +554,7 @@ class RayServer(Server):
                     self._finish(server_id, request, "error", None,
                                  f"replica {replica}: {e.cause!r}")
                     return
-                if request.cancelled or request.stopped:
+                if request.cancelled or request.stopped or self._closing:
                     self._finish(server_id, request,
                                  "stop" if request.stopped else "cancelled", None, None)
                     return
