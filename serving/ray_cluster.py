@@ -458,9 +458,19 @@ class RayServer(Server):
             ray.kill(actor, no_restart=True)
         for request_id, request in list(self._in_flight.items()):
             self._finish(request_id, request, "cancelled", None, None)
-        self._aloop.call_soon_threadsafe(self._aloop.stop)
+        try:
+            asyncio.run_coroutine_threadsafe(self._stop_tasks(), self._aloop).result(10)
+        finally:
+            self._aloop.call_soon_threadsafe(self._aloop.stop)
         self._thread.join(10)
         self.metrics.close()
+
+    async def _stop_tasks(self) -> None:
+        """Cancels the watchers and streams still running on the front's event loop."""
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def _check_fits(self, prompt_len: int, max_new_tokens: int, *, request_id: str = "") -> None:
         total = prompt_len + max_new_tokens
