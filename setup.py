@@ -76,7 +76,9 @@ EXTRAS_REQUIRE = {
     ],
     # Test oracles only: never needed to serve. torch is pinned to the CPU wheel.
     "hf": ["torch==2.13.0", "transformers==5.23.0", "accelerate", "sentencepiece"],
-    "cluster": ["ray"],
+    # Replicas as Ray actors (serving/ray_cluster.py): streaming generators, ray.kill
+    # restarts; tested with 2.60.0.
+    "cluster": ["ray>=2.40"],
 }
 
 setup(

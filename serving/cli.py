@@ -43,6 +43,16 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         engine.add_argument(flag, type=int, default=None, help=help)
 
 
+def _add_ray_args(parser: argparse.ArgumentParser) -> None:
+    ray = parser.add_argument_group("replicas on Ray (the [cluster] extra)")
+    ray.add_argument("--ray", nargs="?", const="ray", default=None, metavar="ADDRESS",
+                     help="run each replica in a Ray actor (medha-replica-{i}, namespace "
+                          "medha): join the cluster at ADDRESS (host:port or ray://...), or "
+                          "$RAY_ADDRESS, else start a local one; prints 'ray address: ...'")
+    ray.add_argument("--ray-replicas", type=int, default=1, metavar="N",
+                     help="replica actors with --ray (default 1)")
+
+
 ENGINE_FLAGS = ("max_kv_tokens", "max_model_len", "max_tokens_per_step", "max_seqs")
 LIMIT_FLAGS = ("min_ttft_s", "max_ttft_s", "min_tpot_s", "max_tpot_s", "min_priority",
                "max_priority")
@@ -66,9 +76,16 @@ def _make_server(args, *, warmup: bool, calibrate: bool):
     if replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {replicas}")
     parallel = ParallelConfig.parse(args.parallel)
-    model = load_model(args.model, parallel=parallel, dtype=args.dtype)
     sizes = {f: getattr(args, f) for f in ENGINE_FLAGS if getattr(args, f) is not None}
     limits = {f: getattr(args, f) for f in LIMIT_FLAGS if getattr(args, f, None) is not None}
+    if getattr(args, "ray", None) is not None:
+        # The replica actors load the model themselves, on whichever hosts Ray places them.
+        return Server(args.model, parallel=parallel, dtype=args.dtype, scheduler=scheduler,
+                      engine_config=EngineConfig(**sizes), limits=RequestLimits(**limits),
+                      metrics_port=getattr(args, "metrics_port", None), warmup=warmup,
+                      cache_dir=False if args.no_cache else args.cache_dir,
+                      replicas=args.ray_replicas, cluster=args.ray)
+    model = load_model(args.model, parallel=parallel, dtype=args.dtype)
     return Server(model, scheduler=scheduler, engine_config=EngineConfig(**sizes),
                   limits=RequestLimits(**limits), replicas=replicas, router=router,
                   metrics_port=getattr(args, "metrics_port", None), warmup=warmup,
@@ -108,6 +125,8 @@ def _serve(args) -> int:
         raise ValueError("--no-grpc needs --http-port: nothing would be served")
     token = args.token or os.environ.get("MEDHA_TOKEN") or None
     with _make_server(args, warmup=True, calibrate=True) as server:
+        if getattr(server, "ray_address", None):
+            print(f"ray address: {server.ray_address}", flush=True)
         frontends, addresses = [], []
         if not args.no_grpc:
             limits = ({"max_message_bytes": args.max_message_bytes}
@@ -218,6 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--grace", type=float, default=5.0,
                        help="seconds open calls get to finish on shutdown")
     _add_model_args(serve)
+    _add_ray_args(serve)
     serve.set_defaults(run=_serve)
 
     demo = commands.add_parser("demo", help="the convoy effect and its cure, on the CPU")

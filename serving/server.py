@@ -68,13 +68,20 @@ class StartupReport:
 class Server:
     """One model replica behind a thread-safe generate / stream / submit / cancel API."""
 
+    def __new__(cls, *args, cluster: str | None = None, **kwargs):
+        # cluster= puts the replicas in Ray actors: the same API, served by RayServer.
+        if cluster is not None and cls is Server:
+            from serving.ray_cluster import RayServer
+            return super().__new__(RayServer)
+        return super().__new__(cls)
+
     def __init__(self, model="smollm2-135m", *, parallel=None,
                  scheduler: str | SchedulerConfig = "lars-mp", engine_config=None,
                  default_slo: SLO | None = None, dtype: str | None = None,
                  metrics_port: int | None = None, warmup: bool | str = "background",
                  predictor=None, cache_dir=None,
                  limits: validation.RequestLimits | None = None, replicas: int = 1,
-                 router: str | RoutingConfig = PREDICTED_TIME):
+                 router: str | RoutingConfig = PREDICTED_TIME, cluster: None = None):
         """model: a preset name, a Hugging Face directory, a .gguf file, a loaded Model, or
         an Engine to reuse (already compiled; then parallel, dtype and engine_config must
         be None). One engine serves one Server at a time.
@@ -109,6 +116,8 @@ class Server:
         router: with several replicas, how a request picks one: a policy name
           (medha_jax.cluster.router.ROUTING_POLICIES; default "predicted-time") or a
           RoutingConfig. `output.metrics.replica` says which served a request.
+        cluster: "ray" or a Ray address: each replica in a Ray actor of its own, on any
+          host of that cluster (serving.ray_cluster.RayServer; its docstring says more).
         """
         # Heavy imports here, so `import serving.server` (and medha_jax) stays cheap.
         from medha_jax.engine import Engine, EngineConfig

@@ -1,0 +1,629 @@
+"""Replicas across hosts on Ray: one Ray actor per replica, the router in the front process.
+
+    server = Server("smollm2-135m", replicas=2, cluster="ray")   # or "ray://head:10001"
+    medha-jax serve --replicas 2 --ray [ADDRESS]                  # prints "ray address: ..."
+
+Placement: one actor per replica, not per host. An actor (`ReplicaActor`, named
+`medha-replica-{i}` in the namespace `medha`) runs a one-replica `Server` in its own
+process: it loads the model by name or path, builds its engine (ParallelConfig,
+EngineConfig, scheduler config), controller, predictor and loop there, and streams each
+request's token deltas back as a Ray streaming generator. Per replica because a replica is
+the unit Ray restarts: killing one replica's process must not take down its neighbours,
+and on a CPU or GPU host a replica's devices can be given to its own process (Ray sets
+CUDA_VISIBLE_DEVICES for `num_gpus`). A TPU host is different: its chips belong to one
+process, so there the unit is the host. vLLM's tpu-inference places one actor per TPU host
+with `resources={"TPU": chips_per_host}` in a PACK placement group of one bundle per host
+(ray.util.tpu's slice placement groups reserve the same); to do that here give
+`actor_options={"resources": {"TPU": 4}, "num_cpus": 0}` with a `parallel` that spans the
+host's chips (one replica per host; several replicas inside one host stay in one process:
+`Server(replicas=N)` without Ray).
+
+The front process (this module's `RayServer`, what `Server(cluster=...)` returns) keeps the
+router and the exact prefix index. Every actor publishes, polled every `POLL_S`, its load
+(waiting, running, queued predicted seconds), its predictor's prefill-time table, and its
+allocator's cache events (`CacheEvent`, numbered per actor incarnation): the front applies
+them to the router's `PrefixIndex`, where a gap in the numbers (a restarted actor starts
+again at 0) drops the replica's entries until its events rebuild them. Text is decoded in
+the front, so that a request re-run elsewhere reads as one stream (stop strings included).
+
+Faults: Ray restarts a killed actor (`max_restarts`); its constructor loads and warms up
+again, and the replica rejoins the router once it answers a poll. The front sees a death
+at once on the requests streaming from it (the generator raises) and within `POLL_S` on
+its poll: the replica leaves the router (its cache and sessions forgotten), and its
+in-flight requests re-run on another healthy replica from prompt + the tokens already
+streamed, so the caller sees one uninterrupted stream. Not possible, so they fail with an
+error starting "UNAVAILABLE:" (gRPC UNAVAILABLE, HTTP 503): a seeded sampled request (its
+random stream would restart), or no healthy replica left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import os
+import secrets
+import threading
+import time
+from collections.abc import Sequence
+
+from medha_jax.cluster.prefix_index import CacheEvent
+from medha_jax.cluster.router import (PREDICTED_TIME, NoHealthyReplica, ReplicaStatus,
+                                      RouteRequest, Router, RoutingConfig)
+from medha_jax.request import SLO
+from medha_jax.sampling_params import SamplingParams
+from serving import validation
+from serving.metrics import ServerMetrics
+from serving.outputs import (IncrementalDetokenizer, RequestHandle, RequestMetrics,
+                             StreamDelta)
+from serving.server import Server
+
+NAMESPACE = "medha"
+ACTOR_NAME = "medha-replica-{}"
+POLL_S = 0.05                 # how often the front reads each replica's load and events
+MAX_BUFFERED_EVENTS = 10_000  # past this an actor folds its events into one resync event
+UNAVAILABLE = "UNAVAILABLE"
+
+
+def connect(cluster: str) -> str:
+    """Joins (or starts) the Ray cluster `cluster` names and returns its address HOST:PORT.
+
+    "ray": the cluster RAY_ADDRESS names, else a new local one (Ray's own rule); any other
+    string is an address ("ray://head:10001" or "head:6379"). A Ray already initialised in
+    this process (a test's fixture, the caller's own ray.init) is used as it is."""
+    ray = _import_ray()
+    if not isinstance(cluster, str) or not cluster:
+        raise ValueError(f"cluster must be 'ray' or a Ray address, got {cluster!r}")
+    if not ray.is_initialized():
+        ray.init(address=None if cluster == "ray" else cluster, namespace=NAMESPACE,
+                 include_dashboard=False, log_to_driver=False)
+    return ray.get_runtime_context().gcs_address
+
+
+def _import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise ImportError("cluster= needs Ray: pip install 'medha-jax[cluster]'") from None
+    return ray
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaSpec:
+    """What an actor needs to build its replica (pickled to it): Server's own arguments."""
+
+    model: str
+    parallel: object = None
+    scheduler: object = "lars-mp"
+    engine_config: object = None
+    default_slo: SLO | None = None
+    dtype: str | None = None
+    warmup: bool | str = "background"
+    predictor: object = None
+    cache_dir: object = None
+    limits: validation.RequestLimits | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaState:
+    """One poll's answer: the actor's incarnation (new after each restart), its load, its
+    prefill-time table ([(tokens, seconds)], for the router's prefill_s) and the cache
+    events from the sequence number the front asked for."""
+
+    incarnation: str
+    num_waiting: int
+    num_running: int
+    queued_work_s: float
+    decode_token_s: float
+    prefill_table: tuple[tuple[int, float], ...]
+    events: tuple[CacheEvent, ...]
+    pages_in_use: int = 0
+    pages_total: int = 0
+    num_preemptions: int = 0
+
+
+class ReplicaActor:
+    """One replica in its own process (a Ray actor; asyncio, so one event loop streams
+    every request while the replica's own loop thread runs the engine)."""
+
+    def __init__(self, index: int, spec: ReplicaSpec):
+        self.index = index
+        self.incarnation = secrets.token_hex(8)
+        self.server = Server(spec.model, parallel=spec.parallel, scheduler=spec.scheduler,
+                             engine_config=spec.engine_config, default_slo=spec.default_slo,
+                             dtype=spec.dtype, warmup=spec.warmup, predictor=spec.predictor,
+                             cache_dir=spec.cache_dir, limits=spec.limits)
+        replica = self.server.replicas[0]
+        self.replica = replica
+        # A one-replica Server does not publish its queued predicted work (no router reads
+        # it); here the front's router does, so the loop computes it.
+        replica.loop._decode_token_s = replica.decode_token_s
+        self._handles: dict[str, RequestHandle] = {}
+        self._events_lock = threading.Lock()
+        self._events: list[CacheEvent] = []
+        self._next_seq = 0
+        self._table: tuple[tuple[int, float], ...] = ()
+        self._table_at = 0.0
+        replica.engine.allocator.on_cache_change = self._on_cache_change
+
+    def describe(self) -> dict:
+        server = self.server
+        return {"config": server.config, "tokenizer": server.tokenizer,
+                "max_model_len": server.max_model_len, "page_size":
+                    self.replica.engine.allocator.page_size,
+                "num_pages": server.num_total_pages, "default_slo": server.default_slo,
+                "policy": server.policy, "startup": server.startup,
+                "incarnation": self.incarnation, "pid": os.getpid()}
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                       slo: SLO | None, priority: int):
+        """Streams the request's StreamDeltas (the last one finished)."""
+        handle = self.server.submit(validation.TokensPrompt(prompt_ids), params, slo=slo,
+                                    priority=priority, request_id=request_id,
+                                    _loop=asyncio.get_running_loop())
+        self._handles[request_id] = handle
+        try:
+            async for delta in handle:
+                yield delta
+        finally:
+            self._handles.pop(request_id, None)
+            if not handle.finished:       # the front went away: free its pages
+                handle.cancel()
+
+    async def cancel(self, request_id: str) -> bool:
+        handle = self._handles.get(request_id)
+        return handle is not None and handle.cancel()
+
+    async def state(self, incarnation: str, after_seq: int) -> ReplicaState:
+        """Load, prefill table and the events numbered from after_seq (those before it the
+        front has applied, so they are dropped; a front that knows another incarnation
+        gets them all)."""
+        with self._events_lock:
+            if incarnation == self.incarnation:
+                self._events = [e for e in self._events if e.seq >= after_seq]
+            events = tuple(self._events)
+        waiting, running, work = self.replica.loop.load
+        now = time.monotonic()
+        if now - self._table_at > 1.0:        # refits change it rarely; computing is cheap
+            self._table, self._table_at = self._prefill_table(), now
+        allocator = self.replica.engine.allocator
+        return ReplicaState(self.incarnation, waiting, running, work,
+                            self.replica.decode_token_s, self._table, events,
+                            allocator.num_pages - allocator.num_free_pages, allocator.num_pages,
+                            self.replica.controller.num_preemptions)
+
+    def _prefill_table(self) -> tuple[tuple[int, float], ...]:
+        max_len = self.server.max_model_len
+        lengths = sorted({0, *range(0, max_len + 1, max(max_len // 64, 1)), max_len})
+        return tuple((n, self.replica.prefill_s(n, 0)) for n in lengths)
+
+    def _on_cache_change(self, stored, removed, cleared=False) -> None:
+        """On the replica's loop thread (the only one touching its allocator)."""
+        with self._events_lock:
+            if len(self._events) >= MAX_BUFFERED_EVENTS:
+                # Nobody polled for long: one event that restates the whole cache.
+                allocator = self.replica.engine.allocator
+                self._events = [CacheEvent(self.index, self._next_seq,
+                                           tuple(allocator._page_of_hash), (), True)]
+            else:
+                self._events.append(CacheEvent(self.index, self._next_seq, tuple(stored),
+                                               tuple(removed), cleared))
+            self._next_seq += 1
+
+
+def _prefill_s(table: Sequence[tuple[int, float]]):
+    """prefill_s(num_tokens, cached_tokens) by linear interpolation in an actor's table."""
+    import bisect
+
+    lengths = [n for n, _ in table]
+    seconds = [s for _, s in table]
+
+    def at(n: int) -> float:
+        k = min(max(bisect.bisect_left(lengths, n), 1), len(lengths) - 1)
+        n0, n1 = lengths[k - 1], lengths[k]
+        s0, s1 = seconds[k - 1], seconds[k]
+        return s0 + (s1 - s0) * (n - n0) / (n1 - n0) if n1 > n0 else s1
+
+    def prefill_s(num_tokens: int, cached_tokens: int) -> float:
+        return max(at(num_tokens) - at(cached_tokens), 0.0)
+    return prefill_s
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """One request in the front: what it streamed so far (to re-run it elsewhere)."""
+
+    handle: RequestHandle
+    prompt_ids: list[int]
+    params: SamplingParams
+    slo: SLO | None
+    priority: int
+    session_id: str | None
+    replica: int
+    detokenizer: IncrementalDetokenizer
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    cancelled: bool = False
+    stopped: bool = False                 # a stop string ended it; the replica is told
+    sent_prompt_logprobs: bool = False
+    reruns: int = 0
+
+
+class RayServer(Server):
+    """The Server API over replicas that are Ray actors (see the module's docstring).
+    Made by `Server(..., cluster=...)`; n > 1 samples per request are not supported here."""
+
+    def __init__(self, model="smollm2-135m", *, parallel=None,
+                 scheduler="lars-mp", engine_config=None, default_slo: SLO | None = None,
+                 dtype: str | None = None, metrics_port: int | None = None,
+                 warmup: bool | str = "background", predictor=None, cache_dir=None,
+                 limits: validation.RequestLimits | None = None, replicas: int = 1,
+                 router: str | RoutingConfig = PREDICTED_TIME, cluster: str = "ray",
+                 actor_options: dict | None = None, max_restarts: int = 3,
+                 ready_timeout_s: float = 600.0):
+        """The Server's arguments (model: a preset name, checkpoint directory or .gguf
+        path, which every host must be able to load), plus:
+        cluster: "ray" or a Ray address (see `connect`).
+        actor_options: Ray's resources per replica actor (default {"num_cpus": 1}; e.g.
+          {"num_gpus": 1}, or {"resources": {"TPU": 4}} for one actor per TPU host).
+        max_restarts: how many times Ray restarts a replica that died (-1: forever)."""
+        ray = _import_ray()
+        if not isinstance(model, str):
+            raise TypeError(f"model must be a name or path that every Ray host can load, "
+                            f"got {type(model).__name__} (cluster={cluster!r})")
+        if not isinstance(replicas, int) or replicas < 1:
+            raise ValueError(f"replicas must be an int >= 1, got {replicas!r}")
+        routing = RoutingConfig(router) if isinstance(router, str) else router
+        if not isinstance(routing, RoutingConfig):
+            raise TypeError(f"router must be a policy name or a RoutingConfig, got "
+                            f"{type(router).__name__}")
+        started = time.perf_counter()
+        self.ray_address = connect(cluster)
+        self.limits = validation.DEFAULT_LIMITS if limits is None else limits
+        spec = ReplicaSpec(model, parallel, scheduler, engine_config, default_slo, dtype,
+                           warmup, predictor, cache_dir, limits)
+        options = {"num_cpus": 1, **(actor_options or {})}
+        env = {k: os.environ[k] for k in ("JAX_PLATFORMS", "XLA_FLAGS", "MEDHA_CACHE_DIR")
+               if k in os.environ}
+        # The actors import this checkout's packages, as the front does.
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (root, os.environ.get("PYTHONPATH")) if p)
+        actor_class = ray.remote(ReplicaActor)
+        self._actors = []
+        for i in range(replicas):
+            name = ACTOR_NAME.format(i)
+            self._kill_leftover(ray, name)
+            self._actors.append(actor_class.options(
+                name=name, namespace=NAMESPACE, max_restarts=max_restarts,
+                max_task_retries=0, max_concurrency=1000,
+                runtime_env={"env_vars": env}, **options).remote(i, spec))
+        try:
+            infos = ray.get([a.describe.remote() for a in self._actors],
+                            timeout=ready_timeout_s)
+        except BaseException:
+            for actor in self._actors:
+                ray.kill(actor, no_restart=True)
+            raise
+        first = infos[0]
+        self.config, self.tokenizer = first["config"], first["tokenizer"]
+        self.model = None
+        self.engine = None
+        self._max_model_len = first["max_model_len"]
+        self._num_pages = [info["num_pages"] for info in infos]
+        self.page_size = first["page_size"]
+        self.default_slo, self.policy = first["default_slo"], first["policy"]
+        self.startup = first["startup"]
+        self.replica_pids = [info["pid"] for info in infos]
+        self.metrics = ServerMetrics()
+        self._ids = itertools.count()
+        self._id_prefix = f"req-{secrets.token_hex(4)}"
+        self._lock = threading.Lock()               # the router, statuses, in-flight map
+        self._in_flight: dict[str, _InFlight] = {}
+        self._statuses = [ReplicaStatus(prefill_s=lambda n, c: 0.0, page_size=self.page_size,
+                                        healthy=False) for _ in range(replicas)]
+        self._incarnation: list[str | None] = [None] * replicas
+        self._next_seq = [0] * replicas
+        self._pages = [(0, n) for n in self._num_pages]     # (in use, total), last poll
+        self.restarts_seen = [0] * replicas
+        self._preemptions_by_replica = [(0, 0)] * replicas   # (earlier lives, this life)
+        self.reruns = 0                    # requests re-run after their replica died
+        self._router = Router(replicas, lambda: self._statuses, routing)
+        self._closing = False
+        self._aloop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._aloop.run_forever,
+                                        name="medha-ray-front", daemon=True)
+        self._thread.start()
+        self._watchers = [asyncio.run_coroutine_threadsafe(self._watch(i), self._aloop)
+                          for i in range(replicas)]
+        deadline = time.monotonic() + 30
+        while not all(s.healthy for s in self._statuses) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        self.ready_seconds = time.perf_counter() - started
+        self.metrics_port = (self.metrics.serve_http(metrics_port)
+                             if metrics_port is not None else None)
+
+    @staticmethod
+    def _kill_leftover(ray, name: str) -> None:
+        """A replica of a server that ended without close() (same name) is replaced."""
+        try:
+            ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+        except ValueError:
+            return
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                ray.get_actor(name, namespace=NAMESPACE)
+            except ValueError:
+                return
+            time.sleep(0.1)
+
+    # ------------------------------------------------------------------ Server API
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    @property
+    def num_total_pages(self) -> int:
+        return sum(self._num_pages)
+
+    @property
+    def num_free_pages(self) -> int:
+        """KV pages free over the replicas, as of their last poll."""
+        return sum(total - used for used, total in self._pages)
+
+    @property
+    def closed(self) -> bool:
+        return self._closing
+
+    @property
+    def router(self) -> Router:
+        return self._router
+
+    @property
+    def healthy(self) -> list[bool]:
+        """Per replica: in the router now (answering, warmed up)."""
+        return [s.healthy for s in self._statuses]
+
+    def submit(self, prompt, sampling_params: SamplingParams | None = None, *,
+               slo: SLO | None = None, priority: int = 0, request_id: str | None = None,
+               session_id: str | None = None, _loop=None) -> RequestHandle:
+        """As Server.submit. Raises NoHealthyReplica (UNAVAILABLE) when no replica is up."""
+        from medha_jax.kv_cache.allocator import prefix_page_hashes
+
+        params = SamplingParams() if sampling_params is None else sampling_params
+        if self._closing:
+            raise RuntimeError("the server is closed")
+        try:
+            if request_id is not None:
+                validation.check_request_id(request_id)
+            if params.n != 1:
+                raise ValueError(f"n={params.n}: a Ray cluster serves one sample per request")
+            prompt_ids = validation.validate_request(
+                prompt, params, slo, priority, tokenizer=self.tokenizer,
+                vocab_size=self.config.vocab_size, model_name=self.config.name,
+                check_fits=self._check_fits, limits=self.limits)
+            detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
+        except (ValueError, TypeError):
+            self.metrics.requests_rejected.inc()
+            raise
+        if session_id is not None and not isinstance(session_id, str):
+            raise TypeError(f"session_id must be a str, got {type(session_id).__name__}")
+        server_id = f"{self._id_prefix}-{next(self._ids)}"
+        hashes = tuple(prefix_page_hashes(prompt_ids, self.page_size))
+        route = RouteRequest(len(prompt_ids), hashes, session_id, params.max_tokens)
+        with self._lock:
+            replica = self._router.route(route).replica
+            decision_s = self._router.decision_seconds[-1]
+        self.metrics.observe_routed(replica, decision_s)
+        handle = RequestHandle(request_id or server_id, prompt_ids, self.cancel, loop=_loop,
+                               id=server_id)
+        request = _InFlight(handle, list(prompt_ids), params, slo, priority, session_id,
+                            replica, detokenizer)
+        with self._lock:
+            self._in_flight[server_id] = request
+        asyncio.run_coroutine_threadsafe(self._serve(server_id, request), self._aloop)
+        return handle
+
+    def cancel(self, id: str) -> bool:
+        with self._lock:
+            request = self._in_flight.get(id)
+            if request is None or request.cancelled:
+                return False
+            request.cancelled = True
+            actor = self._actors[request.replica]
+        actor.cancel.remote(id)            # its final delta ("cancelled") follows
+        return True
+
+    def metrics_text(self) -> str:
+        return self.metrics.text()
+
+    def close(self, *, drain: bool = False, timeout: float | None = None) -> None:
+        """Stops the front and kills the replica actors (no restart). With drain=True,
+        waits up to `timeout` for the requests in flight first."""
+        if self._closing:
+            return
+        ray = _import_ray()
+        if drain:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while self._in_flight and (deadline is None or time.monotonic() < deadline):
+                time.sleep(POLL_S)
+        self._closing = True
+        for request_id in list(self._in_flight):
+            self.cancel(request_id)
+        deadline = time.monotonic() + 5      # their "cancelled" finals come from the actors
+        while self._in_flight and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        for actor in self._actors:
+            ray.kill(actor, no_restart=True)
+        for request_id, request in list(self._in_flight.items()):
+            self._finish(request_id, request, "cancelled", None, None)
+        try:
+            asyncio.run_coroutine_threadsafe(self._stop_tasks(), self._aloop).result(10)
+        finally:
+            self._aloop.call_soon_threadsafe(self._aloop.stop)
+        self._thread.join(10)
+        self.metrics.close()
+
+    async def _stop_tasks(self) -> None:
+        """Cancels the watchers and streams still running on the front's event loop."""
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _check_fits(self, prompt_len: int, max_new_tokens: int, *, request_id: str = "") -> None:
+        total = prompt_len + max_new_tokens
+        if total > self._max_model_len:
+            raise ValueError(f"prompt_len={prompt_len} + max_tokens={max_new_tokens} = {total} "
+                             f"exceeds max_model_len={self._max_model_len}")
+
+    # ------------------------------------------------------------------ the front's loop
+
+    async def _watch(self, i: int) -> None:
+        """Polls replica i forever: its load and events when it answers; out of the router
+        (cache and sessions forgotten) while it does not."""
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        actor = self._actors[i]
+        while not self._closing:
+            try:
+                state = await asyncio.wait_for(
+                    actor.state.remote(self._incarnation[i], self._next_seq[i]), 10.0)
+            except (RayActorError, GetTimeoutError, asyncio.TimeoutError):
+                self._replica_down(i)
+                await asyncio.sleep(0.25)
+                continue
+            with self._lock:
+                if state.incarnation != self._incarnation[i]:
+                    if self._incarnation[i] is not None:
+                        self.restarts_seen[i] += 1
+                    self._incarnation[i] = state.incarnation
+                    self._router.replica_down(i)   # a new process: nothing cached there
+                for event in state.events:
+                    self._router.index.apply(event)
+                if state.events:
+                    self._next_seq[i] = state.events[-1].seq + 1
+                self._statuses = [*self._statuses[:i], ReplicaStatus(
+                    prefill_s=_prefill_s(state.prefill_table), page_size=self.page_size,
+                    num_waiting=state.num_waiting, num_running=state.num_running,
+                    queued_work_s=state.queued_work_s, decode_token_s=state.decode_token_s,
+                    healthy=True), *self._statuses[i + 1:]]
+                self._pages[i] = (state.pages_in_use, state.pages_total)
+            self.metrics.observe_state(
+                pages_in_use=state.pages_in_use, pages_total=state.pages_total,
+                waiting=state.num_waiting, running=state.num_running,
+                preemptions_total=self._preemptions(i, state.num_preemptions), replica=i)
+            await asyncio.sleep(POLL_S)
+
+    def _preemptions(self, i: int, total: int) -> int:
+        """Replica i's preemptions over its lives (a restarted actor counts from 0 again)."""
+        earlier, last = self._preemptions_by_replica[i]
+        if total < last:
+            earlier += last
+        self._preemptions_by_replica[i] = (earlier, total)
+        return earlier + total
+
+    def _replica_down(self, i: int) -> None:
+        with self._lock:
+            if self._statuses[i].healthy:
+                self._router.replica_down(i)
+            self._statuses = [*self._statuses[:i],
+                              dataclasses.replace(self._statuses[i], healthy=False),
+                              *self._statuses[i + 1:]]
+
+    async def _serve(self, server_id: str, request: _InFlight) -> None:
+        """Streams the request from its replica; when that replica dies, re-runs it on
+        another from prompt + tokens streamed; ends it with UNAVAILABLE when it cannot."""
+        from ray.exceptions import RayActorError, RayTaskError
+
+        try:
+            while True:
+                params = request.params
+                remaining = params.max_tokens - len(request.tokens)
+                if remaining <= 0:        # everything streamed; only the final was lost
+                    self._finish(server_id, request, "length", None, None)
+                    return
+                run_params = dataclasses.replace(
+                    params, max_tokens=remaining, stop=(),
+                    prompt_logprobs=None if request.sent_prompt_logprobs
+                    else params.prompt_logprobs)
+                replica = request.replica
+                stream = self._actors[replica].generate.remote(
+                    server_id, request.prompt_ids + request.tokens, run_params, request.slo,
+                    request.priority)
+                try:
+                    async for ref in stream:
+                        if self._deliver(server_id, request, await ref):
+                            return
+                    error = f"replica {replica} ended the stream without a final delta"
+                except RayActorError as e:
+                    self._replica_down(replica)
+                    error = f"replica {replica} died ({type(e).__name__})"
+                except RayTaskError as e:
+                    self._finish(server_id, request, "error", None,
+                                 f"replica {replica}: {e.cause!r}")
+                    return
+                if request.cancelled or request.stopped or self._closing:
+                    self._finish(server_id, request,
+                                 "stop" if request.stopped else "cancelled", None, None)
+                    return
+                if params.seed is not None and not params.greedy:
+                    self._finish(server_id, request, "error", None,
+                                 f"{UNAVAILABLE}: {error}; a seeded sample cannot resume "
+                                 "elsewhere (its random stream would restart)")
+                    return
+                try:
+                    with self._lock:
+                        request.replica = self._router.route(RouteRequest(
+                            len(request.prompt_ids) + len(request.tokens), (),
+                            request.session_id, remaining)).replica
+                except NoHealthyReplica as e:
+                    self._finish(server_id, request, "error", None,
+                                 f"{UNAVAILABLE}: {error}; {e}")
+                    return
+                request.reruns += 1
+                self.reruns += 1
+        except Exception as e:            # never leave a caller waiting
+            self._finish(server_id, request, "error", None,
+                         f"front failed: {type(e).__name__}: {e}")
+
+    def _deliver(self, server_id: str, request: _InFlight, delta: StreamDelta) -> bool:
+        """Passes one replica delta to the caller (text decoded here). True when final."""
+        tokens = () if request.stopped else delta.token_ids
+        request.tokens.extend(tokens)
+        if delta.prompt_logprobs is not None:
+            request.sent_prompt_logprobs = True
+        request.detokenizer.add(tokens)
+        if request.detokenizer.stopped and not request.stopped:
+            request.stopped = True
+            self._actors[request.replica].cancel.remote(server_id)
+        if delta.finished:
+            reason = "stop" if request.stopped else delta.finish_reason
+            self._finish(server_id, request, reason, delta, delta.error, tokens)
+            return True
+        text = request.detokenizer.take_delta(final=False)
+        if tokens or text or delta.prompt_logprobs is not None:
+            request.handle._push(StreamDelta(
+                request.handle.request_id, tuple(tokens), text, finished=False,
+                logprobs=delta.logprobs if not request.stopped else None,
+                prompt_logprobs=delta.prompt_logprobs))
+        return False
+
+    def _finish(self, server_id: str, request: _InFlight, reason: str,
+                delta: StreamDelta | None, error: str | None, tokens=()) -> None:
+        with self._lock:
+            if self._in_flight.pop(server_id, None) is None:
+                return
+        metrics = delta.metrics if delta is not None and delta.metrics is not None else \
+            RequestMetrics(0.0, None, None, 0.0, 0.0, 0.0, 0, 0, 0)
+        # The replica counted the re-run's prompt (prompt + tokens streamed) as its prompt.
+        metrics = dataclasses.replace(metrics, replica=request.replica,
+                                      num_prompt_tokens=len(request.prompt_ids),
+                                      num_output_tokens=len(request.tokens))
+        request.handle._push(StreamDelta(
+            request.handle.request_id, tuple(tokens), request.detokenizer.take_delta(final=True),
+            finished=True, finish_reason=reason, metrics=metrics, error=error,
+            logprobs=delta.logprobs if delta is not None else None,
+            prompt_logprobs=delta.prompt_logprobs if delta is not None else None))
+        self.metrics.observe_finished(metrics, reason)

@@ -1,0 +1,156 @@
+"""Replicas as Ray actors behind one Server (tiny model; one small local Ray for the file).
+
+Greedy tokens through two Ray replicas equal one in-process replica's; killing replica 1
+during a streaming load loses no request (each completes, re-run elsewhere from the tokens
+already streamed, or ends with UNAVAILABLE), leaves none hanging, and Ray's restart puts
+the replica back in service.
+"""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray", reason="the Ray tests need the [cluster] extra: "
+                                        "pip install -e '.[cluster]'")
+
+from medha_jax import SamplingParams  # noqa: E402
+from serving.ray_cluster import ACTOR_NAME, NAMESPACE, _prefill_s  # noqa: E402
+from serving.server import Server, TokensPrompt  # noqa: E402
+from tests.test_server import TINY_ENGINE  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+PROMPTS = [TokensPrompt([int(t) for t in np.random.default_rng(i).integers(1, 256, size=20 + 7 * i)])
+           for i in range(6)]
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One small local Ray for every test that needs it: two CPUs (one per replica actor),
+    no dashboard, an 80 MB object store (deltas are small)."""
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, object_store_memory=80 * 2**20,
+                 namespace=NAMESPACE, log_to_driver=False)
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_server(ray_cluster):
+    with Server("tiny", engine_config=TINY_ENGINE, warmup=False, replicas=2,
+                cluster="ray", router="round-robin", cache_dir=False) as server:
+        yield server
+
+
+def test_prefill_table_interpolates():
+    prefill_s = _prefill_s([(0, 0.0), (10, 1.0), (20, 3.0)])
+    assert prefill_s(15, 0) == pytest.approx(2.0)
+    assert prefill_s(20, 10) == pytest.approx(2.0)
+    assert prefill_s(5, 5) == 0.0
+
+
+def test_two_ray_replicas_give_one_replicas_greedy_tokens(ray_server):
+    with Server("tiny", engine_config=TINY_ENGINE, warmup=False, cache_dir=False) as local:
+        expected = [out.token_ids for out in local.generate(PROMPTS, GREEDY)]
+    outputs = ray_server.generate(PROMPTS, GREEDY)
+    assert [out.token_ids for out in outputs] == expected
+    assert {out.metrics.replica for out in outputs} == {0, 1}
+    assert all(out.finish_reason == "length" for out in outputs)
+    assert ray_server.ray_address
+    # Cancel reaches the actor: the request ends "cancelled" before its budget.
+    handle = ray_server.submit(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=200))
+    next(iter(handle))
+    assert handle.cancel()
+    out = handle.result(timeout=60)
+    assert out.finish_reason == "cancelled" and len(out.token_ids) < 200
+    # The front's index follows the actors' cache events: the prompts' full pages.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not all(
+            ray_server.router.index.num_pages_held(r) for r in (0, 1)):
+        time.sleep(0.1)
+    assert all(ray_server.router.index.num_pages_held(r) > 0 for r in (0, 1))
+    # Every page came back, per the actors' polled state; /metrics counts per replica.
+    while time.monotonic() < deadline and ray_server.num_free_pages != ray_server.num_total_pages:
+        time.sleep(0.1)
+    assert ray_server.num_free_pages == ray_server.num_total_pages == 2 * TINY_ENGINE.total_pages
+    text = ray_server.metrics_text()
+    for replica in (0, 1):
+        assert f'medha_replica_requests_total{{replica="{replica}"}}' in text
+
+
+def test_a_killed_replica_loses_no_request_and_serves_again(ray_server):
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    prompts = [TokensPrompt([int(t) for t in np.random.default_rng(100 + i).integers(1, 256, 30)])
+               for i in range(12)]
+    with Server("tiny", engine_config=TINY_ENGINE, warmup=False, cache_dir=False) as local:
+        expected = [out.token_ids for out in local.generate(prompts, params)]
+    assert all(ray_server.healthy)
+    results: dict[int, object] = {}
+    deltas_seen: dict[int, list[int]] = {}
+
+    def consume(i, handle):
+        tokens = deltas_seen.setdefault(i, [])
+        for delta in handle:
+            tokens.extend(delta.token_ids)
+        results[i] = handle.result(timeout=0)
+
+    handles = [ray_server.submit(p, params) for p in prompts]
+    threads = [threading.Thread(target=consume, args=(i, h), daemon=True)
+               for i, h in enumerate(handles)]
+    for t in threads:
+        t.start()
+    # Kill replica 1 once it has streamed something (round-robin: the odd requests).
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not any(
+            deltas_seen.get(i) for i in range(1, len(handles), 2)):
+        time.sleep(0.01)
+    victim = ray.get_actor(ACTOR_NAME.format(1), namespace=NAMESPACE)
+    ray.kill(victim, no_restart=False)
+    killed_at = time.monotonic()
+    while time.monotonic() < killed_at + 30 and ray_server.healthy[1]:
+        time.sleep(0.01)
+    detected_s = time.monotonic() - killed_at
+    assert not ray_server.healthy[1]
+    for t in threads:
+        t.join(timeout=120)
+    hung = [i for i, t in enumerate(threads) if t.is_alive()]
+    assert not hung, f"requests {hung} hung"
+    for i, out in results.items():
+        if out.finish_reason == "error":
+            assert out.error.startswith("UNAVAILABLE"), out.error
+        else:
+            # Re-run or not, the stream is the one replica's greedy stream, whole.
+            assert out.finish_reason == "length"
+            assert out.token_ids == expected[i] == tuple(deltas_seen[i])
+    assert len(results) == len(prompts)
+    unavailable = sum(out.finish_reason == "error" for out in results.values())
+    assert ray_server.reruns + unavailable >= 1, "the kill hit no request in flight"
+    # Detected: replica 1 left the router within seconds, then Ray restarted it.
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and ray_server.restarts_seen[1] == 0:
+        time.sleep(0.2)
+    assert ray_server.restarts_seen[1] == 1
+    assert time.monotonic() - killed_at < 180
+    while time.monotonic() < deadline and not all(ray_server.healthy):
+        time.sleep(0.2)
+    assert all(ray_server.healthy)
+    print(f"\nmeasured: replica 1 out of the router {detected_s:.2f} s after ray.kill; "
+          f"{ray_server.reruns} requests re-run, {unavailable} UNAVAILABLE; back in the "
+          f"router {time.monotonic() - killed_at:.1f} s after the kill")
+    # It serves again: round-robin sends every other request to it.
+    outputs = ray_server.generate(prompts[:4], params)
+    assert [o.token_ids for o in outputs] == expected[:4]
+    assert {o.metrics.replica for o in outputs} == {0, 1}
+
+
+def test_serve_takes_a_ray_address():
+    from serving.cli import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(["serve"]).ray is None
+    assert parse(["serve", "--ray"]).ray == "ray"
+    args = parse(["serve", "--ray", "head:6379", "--ray-replicas", "2"])
+    assert (args.ray, args.ray_replicas) == ("head:6379", 2)
