@@ -48,9 +48,8 @@ def _add_ray_args(parser: argparse.ArgumentParser) -> None:
     ray.add_argument("--ray", nargs="?", const="ray", default=None, metavar="ADDRESS",
                      help="run each replica in a Ray actor (medha-replica-{i}, namespace "
                           "medha): join the cluster at ADDRESS (host:port or ray://...), or "
-                          "$RAY_ADDRESS, else start a local one; prints 'ray address: ...'")
-    ray.add_argument("--ray-replicas", type=int, default=1, metavar="N",
-                     help="replica actors with --ray (default 1)")
+                          "$RAY_ADDRESS, else start a local one; prints 'ray address: ...'; "
+                          "--replicas actors")
 
 
 ENGINE_FLAGS = ("max_kv_tokens", "max_model_len", "max_tokens_per_step", "max_seqs")
@@ -84,7 +83,7 @@ def _make_server(args, *, warmup: bool, calibrate: bool):
                       engine_config=EngineConfig(**sizes), limits=RequestLimits(**limits),
                       metrics_port=getattr(args, "metrics_port", None), warmup=warmup,
                       cache_dir=False if args.no_cache else args.cache_dir,
-                      replicas=args.ray_replicas, cluster=args.ray)
+                      replicas=replicas, router=router, cluster=args.ray)
     model = load_model(args.model, parallel=parallel, dtype=args.dtype)
     return Server(model, scheduler=scheduler, engine_config=EngineConfig(**sizes),
                   limits=RequestLimits(**limits), replicas=replicas, router=router,

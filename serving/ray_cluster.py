@@ -571,7 +571,8 @@ class RayServer(Server):
                 if params.seed is not None and not params.greedy:
                     self._finish(server_id, request, "error", None,
                                  f"{UNAVAILABLE}: {error}; a seeded sample cannot resume "
-                                 "elsewhere (its random stream would restart)")
+                                 "elsewhere (its random stream would restart)",
+                                 unavailable=True)
                     return
                 try:
                     with self._lock:
@@ -580,7 +581,7 @@ class RayServer(Server):
                             request.session_id, remaining)).replica
                 except NoHealthyReplica as e:
                     self._finish(server_id, request, "error", None,
-                                 f"{UNAVAILABLE}: {error}; {e}")
+                                 f"{UNAVAILABLE}: {error}; {e}", unavailable=True)
                     return
                 request.reruns += 1
                 self.reruns += 1
@@ -611,7 +612,8 @@ class RayServer(Server):
         return False
 
     def _finish(self, server_id: str, request: _InFlight, reason: str,
-                delta: StreamDelta | None, error: str | None, tokens=()) -> None:
+                delta: StreamDelta | None, error: str | None, tokens=(), *,
+                unavailable: bool = False) -> None:
         with self._lock:
             if self._in_flight.pop(server_id, None) is None:
                 return
@@ -624,6 +626,6 @@ class RayServer(Server):
         request.handle._push(StreamDelta(
             request.handle.request_id, tuple(tokens), request.detokenizer.take_delta(final=True),
             finished=True, finish_reason=reason, metrics=metrics, error=error,
-            logprobs=delta.logprobs if delta is not None else None,
+            unavailable=unavailable, logprobs=delta.logprobs if delta is not None else None,
             prompt_logprobs=delta.prompt_logprobs if delta is not None else None))
         self.metrics.observe_finished(metrics, reason)

@@ -152,5 +152,5 @@ def test_serve_takes_a_ray_address():
     parse = build_parser().parse_args
     assert parse(["serve"]).ray is None
     assert parse(["serve", "--ray"]).ray == "ray"
-    args = parse(["serve", "--ray", "head:6379", "--ray-replicas", "2"])
-    assert (args.ray, args.ray_replicas) == ("head:6379", 2)
+    args = parse(["serve", "--ray", "head:6379", "--replicas", "2"])
+    assert (args.ray, args.replicas) == ("head:6379", 2)
