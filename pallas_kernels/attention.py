@@ -81,7 +81,8 @@ def check_paged_inputs(q, k_pages, v_pages, page_table) -> None:
 
 
 def _split_decode_prefill(impl, q, k_pages, v_pages, page_table, cu_q_lens, kv_lens,
-                          num_seqs, num_decodes, *, sm_scale, block_sizes, causal):
+                          num_seqs, num_decodes, *, sm_scale, block_sizes, causal,
+                          sliding_window):
     """Sequences 0..num_decodes-1 (one token each, tokens 0..num_decodes-1) through the
     decode path (GPU: the decode kernel; TPU: the ragged kernel in one-token blocks; see
     the module docstring), the others through the ragged kernel with prefill-sized query
@@ -102,7 +103,7 @@ def _split_decode_prefill(impl, q, k_pages, v_pages, page_table, cu_q_lens, kv_l
     out, lse = _ragged_kernel(impl)(
         q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, num_seqs, sm_scale=sm_scale,
         block_sizes=prefill_tiles, interpret=interpret, causal=causal,
-        first_seq=first_prefill)
+        first_seq=first_prefill, sliding_window=sliding_window)
 
     # A decode's single query sees keys 0..kv_len-1, whether causal (it is the last key)
     # or not (the prefix), so the decode kernel serves both modes.
@@ -117,7 +118,7 @@ def _split_decode_prefill(impl, q, k_pages, v_pages, page_table, cu_q_lens, kv_l
     decode_out, decode_lse = _decode_kernel(impl)(
         q[:max_decodes], k_pages, v_pages, page_table[:max_decodes],
         jnp.where(is_decode, kv_lens[:max_decodes], 0), sm_scale=sm_scale,
-        block_sizes=decode_tiles, interpret=interpret)
+        block_sizes=decode_tiles, interpret=interpret, sliding_window=sliding_window)
     out = out.at[:max_decodes].set(
         jnp.where(is_decode[:, None, None], decode_out, out[:max_decodes]))
     lse = lse.at[:max_decodes].set(jnp.where(is_decode[:, None], decode_lse, lse[:max_decodes]))
@@ -134,7 +135,8 @@ def order_decodes_first(q_lens: Sequence[int]) -> tuple[list[int], int]:
     return decodes + [i for i, n in enumerate(q_lens) if n != 1], len(decodes)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "impl", "block_sizes", "causal"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "impl", "block_sizes", "causal",
+                                             "sliding_window"))
 def ragged_paged_attention(
     q: jax.Array,           # [tokens, q_heads, head_dim]
     k_pages: jax.Array,     # [num_pages, page_size, kv_heads, head_dim] (one layer's cache)
@@ -149,6 +151,7 @@ def ragged_paged_attention(
     block_sizes: BlockSizes | None = None,
     causal: bool = True,
     num_decodes: jax.Array | None = None,  # int32 [1]: see below
+    sliding_window: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:  # out [tokens, q_heads, head_dim], lse [tokens, q_heads]
     """Attention of a ragged batch of prefill chunks and decodes over a paged KV cache.
 
@@ -156,6 +159,9 @@ def ragged_paged_attention(
     i of sequence s sits at position kv_lens[s] - q_len_s + i and attends keys 0..position.
     causal=False: the pages hold a prefix that lies wholly before the queries (not their
     own K/V); every query of s attends keys 0..kv_lens[s]-1, none if kv_lens[s] is 0.
+    sliding_window (causal only; Mistral): a query at position p attends only keys
+    p - sliding_window + 1 .. p; the XLA path and the GPU kernel skip tiles wholly before
+    a block's window, the TPU kernel masks them.
 
     Query head h reads KV head h // (q_heads // kv_heads). Queries that see no key, and
     rows past cu_q_lens[num_seqs] (padding), get out 0, lse -inf. lse is the natural-log
@@ -186,18 +192,23 @@ def ragged_paged_attention(
                                          page_size=k_pages.shape[1])
     if num_decodes is not None and num_decodes.shape != (1,):
         raise ValueError(f"num_decodes must be int32 [1], got {num_decodes.shape=}")
+    if sliding_window is not None and (not causal or sliding_window <= 0):
+        raise ValueError(f"{sliding_window=} needs causal=True and a positive window: a "
+                         "prefix's keys do not say the queries' positions")
     if impl == "xla":
         return ragged_paged_attention_xla(
             q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, num_seqs,
-            sm_scale=sm_scale, block_sizes=block_sizes, causal=causal)
+            sm_scale=sm_scale, block_sizes=block_sizes, causal=causal,
+            sliding_window=sliding_window)
     if num_decodes is not None:
         return _split_decode_prefill(
             impl, q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, num_seqs, num_decodes,
-            sm_scale=sm_scale, block_sizes=block_sizes, causal=causal)
+            sm_scale=sm_scale, block_sizes=block_sizes, causal=causal,
+            sliding_window=sliding_window)
     return _ragged_kernel(impl)(
         q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, num_seqs,
         sm_scale=sm_scale, block_sizes=block_sizes, interpret=_interpret_of(impl),
-        causal=causal)
+        causal=causal, sliding_window=sliding_window)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "num_kv_splits", "impl", "block_sizes"))

@@ -14,13 +14,14 @@ import numpy as np
 
 
 def dense_attention_oracle(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, num_seqs, *,
-                           sm_scale: float, causal: bool = True) -> tuple[np.ndarray, np.ndarray]:
+                           sm_scale: float, causal: bool = True,
+                           sliding_window: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Ragged paged attention in float64 numpy.
 
     Same arguments and result as `ragged_paged_attention` (out [tokens, q_heads, head_dim],
     lse [tokens, q_heads]); a decode batch is the case q_len = 1 for every sequence.
     causal: query i of n sees keys 0..kv_len - n + i; otherwise every query sees keys
-    0..kv_len-1.
+    0..kv_len-1. sliding_window: only the last that many of the keys a query sees.
     """
     q, k_pages, v_pages = (np.asarray(x, np.float64) for x in (q, k_pages, v_pages))
     page_table, cu_q_lens, kv_lens = (np.asarray(x) for x in (page_table, cu_q_lens, kv_lens))
@@ -37,12 +38,13 @@ def dense_attention_oracle(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, 
             seen = kv_len - (end - start) + i + 1 if causal else kv_len
             if seen <= 0:  # a query with no key (an empty cache)
                 continue
+            first = 0 if sliding_window is None else max(0, seen - sliding_window)
             for h in range(q_heads):
                 kv_head = h // (q_heads // kv_heads)
-                scores = keys[:seen, kv_head] @ q[t, h] * sm_scale
+                scores = keys[first:seen, kv_head] @ q[t, h] * sm_scale
                 top = scores.max()
                 weights = np.exp(scores - top)
-                out[t, h] = weights @ values[:seen, kv_head] / weights.sum()
+                out[t, h] = weights @ values[first:seen, kv_head] / weights.sum()
                 lse[t, h] = top + np.log(weights.sum())
     return out, lse
 

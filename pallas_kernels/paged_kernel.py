@@ -38,7 +38,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels.block_sizes import BlockSizes
 from pallas_kernels.merge import (attention_scores, merge_attention, online_softmax_finish,
                                   online_softmax_init, online_softmax_update)
-from pallas_kernels.query_blocks import plan_query_blocks, row_key_ends
+from pallas_kernels.query_blocks import key_starts, plan_query_blocks, row_key_ends
 
 # Enough programs to keep a GPU busy (~8 per SM of a 132-SM H100); see the ragged wrapper.
 MIN_GRID_PROGRAMS = 1024
@@ -66,6 +66,7 @@ def _paged_attention_kernel(
     kv_pages_per_block: int,
     num_kv_splits: int,
     causal: bool,
+    sliding_window: int | None,
 ):
     block, split = pl.program_id(0), pl.program_id(2)
     rows, head_dim = q_ref.shape
@@ -78,13 +79,16 @@ def _paged_attention_kernel(
     row_token = jnp.arange(rows, dtype=jnp.int32) // q_per_kv
     row_live = row_token < num_tokens          # also False for the power-of-2 padding rows
     row_end = row_key_ends(keys_needed, num_tokens, row_token, causal=causal)
+    row_start = key_starts(row_end, sliding_window)
 
     # The block's keys as tiles; this split takes its contiguous share. Never past the page
-    # table, even if a caller's kv_len overstates it (no wild reads).
+    # table, even if a caller's kv_len overstates it (no wild reads). Tiles wholly before
+    # the first query's window are skipped.
     num_tiles = jnp.minimum((keys_needed + block_kv - 1) // block_kv,
                             page_table_ref.shape[1] // kv_pages_per_block)
-    tiles_per_split = (num_tiles + num_kv_splits - 1) // num_kv_splits
-    first_tile = split * tiles_per_split
+    window_tile = jnp.minimum(row_start[0] // block_kv, num_tiles)
+    tiles_per_split = (num_tiles - window_tile + num_kv_splits - 1) // num_kv_splits
+    first_tile = window_tile + split * tiles_per_split
     end_tile = jnp.minimum(first_tile + tiles_per_split, num_tiles)
 
     q = q_ref[...]
@@ -96,7 +100,8 @@ def _paged_attention_kernel(
         v = v_pages_ref[page_ids].reshape(block_kv, head_dim)
         scores = attention_scores(q, k, sm_scale)                        # [rows, keys]
         key_pos = tile * block_kv + key_offsets
-        visible = row_live[:, None] & (key_pos[None, :] < row_end[:, None])
+        visible = row_live[:, None] & (key_pos[None, :] < row_end[:, None]) & (
+            key_pos[None, :] >= row_start[:, None])
         scores = jnp.where(visible, scores, -jnp.inf)
         return online_softmax_update(state, scores, v)
 
@@ -121,6 +126,7 @@ def paged_attention_blocks(
     block_sizes: BlockSizes,
     interpret: bool,
     causal: bool = True,
+    sliding_window: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:  # out [blocks, kv_heads, rows, head_dim] f32, lse [.., rows]
     """Runs the kernel over (block, kv head, kv split) and merges the splits by LSE."""
     num_blocks, kv_heads, rows, head_dim = q_blocks.shape
@@ -135,7 +141,7 @@ def paged_attention_blocks(
 
     kernel = functools.partial(_paged_attention_kernel, sm_scale=sm_scale, q_per_kv=q_per_kv,
                                kv_pages_per_block=pages_per_tile, num_kv_splits=splits,
-                               causal=causal)
+                               causal=causal, sliding_window=sliding_window)
     whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
     kv_head_of_cache = pl.BlockSpec((num_pages, page_size, pl.squeezed, head_dim),
                                     lambda b, h, s: (0, 0, h, 0))
@@ -185,7 +191,8 @@ def paged_attention_blocks(
 
 def ragged_paged_attention_pallas(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens,
                                   num_seqs, *, sm_scale: float, block_sizes: BlockSizes,
-                                  interpret: bool, causal: bool = True, first_seq=None):
+                                  interpret: bool, causal: bool = True, first_seq=None,
+                                  sliding_window: int | None = None):
     """The kernel over a ragged batch; arguments and result as
     `attention.ragged_paged_attention`. first_seq (int32 [], traced): sequences before it
     are left out (out 0, lse -inf): the decode path serves them."""
@@ -214,7 +221,7 @@ def ragged_paged_attention_pallas(q, k_pages, v_pages, page_table, cu_q_lens, kv
     out_blocks, lse_blocks = paged_attention_blocks(
         q_blocks, k_pages, v_pages, page_table, plan.seq, plan.key_end(causal),
         plan.num_tokens, sm_scale=sm_scale, q_per_kv=q_per_kv, block_sizes=block_sizes,
-        interpret=interpret, causal=causal)
+        interpret=interpret, causal=causal, sliding_window=sliding_window)
 
     # Back to token order: [blocks, kv, rows, d] -> [blocks, block_q, q_heads, d] -> [tokens, ...].
     out_blocks = (out_blocks[:, :, : block_q * q_per_kv]
@@ -230,7 +237,8 @@ def ragged_paged_attention_pallas(q, k_pages, v_pages, page_table, cu_q_lens, kv
 
 
 def decode_attention_pallas(q, k_pages, v_pages, page_table, kv_lens, *, sm_scale: float,
-                            block_sizes: BlockSizes, interpret: bool):
+                            block_sizes: BlockSizes, interpret: bool,
+                            sliding_window: int | None = None):
     """The kernel over a decode batch (one query per sequence, seeing keys 0..kv_len-1);
     arguments and result as `attention.decode_attention`. Each program's rows are only the
     GQA group of its KV head; the keys are split num_kv_splits ways (flash-decoding)."""
@@ -245,7 +253,8 @@ def decode_attention_pallas(q, k_pages, v_pages, page_table, kv_lens, *, sm_scal
         q_blocks, k_pages, v_pages, page_table,
         block_seq=jnp.arange(seqs, dtype=jnp.int32), block_key_end=kv_lens,
         block_num_tokens=(kv_lens > 0).astype(jnp.int32),
-        sm_scale=sm_scale, q_per_kv=q_per_kv, block_sizes=block_sizes, interpret=interpret)
+        sm_scale=sm_scale, q_per_kv=q_per_kv, block_sizes=block_sizes, interpret=interpret,
+        sliding_window=sliding_window)
     out = out[:, :, :q_per_kv].reshape(seqs, q_heads, head_dim)
     lse = lse[:, :, :q_per_kv].reshape(seqs, q_heads)
     return out.astype(q.dtype), lse

@@ -131,3 +131,11 @@ def row_key_ends(
     if causal:
         return key_end - num_tokens + 1 + row_token
     return jnp.broadcast_to(key_end, row_token.shape)
+
+
+def key_starts(key_ends: jax.Array, sliding_window: int | None) -> jax.Array:
+    """int32 like key_ends: the first key a query that sees keys .. key_end-1 attends, with a
+    sliding window of that many positions (its own included); 0 without one."""
+    if sliding_window is None:
+        return jnp.zeros_like(key_ends)
+    return jnp.maximum(key_ends - sliding_window, 0)

@@ -47,7 +47,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels.block_sizes import BlockSizes, check_tpu_tiles
 from pallas_kernels.merge import (attention_scores, online_softmax_finish, online_softmax_init,
                                   online_softmax_update)
-from pallas_kernels.query_blocks import plan_query_blocks, row_key_ends
+from pallas_kernels.query_blocks import key_starts, plan_query_blocks, row_key_ends
 
 
 def _tpu_paged_attention_kernel(
@@ -76,6 +76,7 @@ def _tpu_paged_attention_kernel(
     block_q: int,
     pages_per_seq: int,
     causal: bool,
+    sliding_window: int | None,
 ):
     kv_head, block = pl.program_id(0), pl.program_id(1)
     num_blocks = pl.num_programs(1)
@@ -138,6 +139,9 @@ def _tpu_paged_attention_kernel(
     row_live = row_token < num_tokens
     row_end = jnp.where(row_live, row_key_ends(keys_needed, num_tokens, row_token,
                                                causal=causal), 0)
+    # A sliding window masks keys before row_start; its tiles are still copied (skipping
+    # them would move the first tile the previous program prefetches).
+    row_start = key_starts(row_end, sliding_window)
     key_lanes = jax.lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)     # keys along lanes
     key_sublanes = jax.lax.broadcasted_iota(jnp.int32, (block_kv, 1), 0)  # and sublanes
 
@@ -167,7 +171,8 @@ def _tpu_paged_attention_kernel(
                       v_buf[slot].reshape(block_kv, head_dim), 0)
         k = k_buf[slot].reshape(block_kv, head_dim)
         scores = attention_scores(q_ref[...], k, sm_scale)               # [rows, keys] f32
-        scores = jnp.where(first_key + key_lanes < row_end, scores, -jnp.inf)
+        scores = jnp.where((first_key + key_lanes < row_end) & (first_key + key_lanes >= row_start),
+                           scores, -jnp.inf)
         acc, m, l = online_softmax_update((acc_ref[...], m_ref[...], l_ref[...]), scores, v)
         acc_ref[...] = acc
         m_ref[...] = m
@@ -194,6 +199,7 @@ def tpu_paged_attention_blocks(
     kv_pages_per_block: int,
     interpret,                    # False, or pltpu.InterpretParams (the TPU interpreter)
     causal: bool = True,
+    sliding_window: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:  # out [kv_heads, blocks, rows, head_dim] (q dtype),
     #                                lse [kv_heads, blocks, rows, 1] f32
     """Runs the kernel over (kv head, query block)."""
@@ -212,7 +218,8 @@ def tpu_paged_attention_blocks(
     tiles = (block_keys + block_kv - 1) // block_kv
     block_slot = ((jnp.cumsum(tiles) - tiles) % 2).astype(jnp.int32)
     kernel = functools.partial(_tpu_paged_attention_kernel, sm_scale=sm_scale, block_q=block_q,
-                               pages_per_seq=pages_per_seq, causal=causal)
+                               pages_per_seq=pages_per_seq, causal=causal,
+                               sliding_window=sliding_window)
     block_spec = pl.BlockSpec((None, None, rows, head_dim), lambda h, b, *_: (h, b, 0, 0))
     lse_spec = pl.BlockSpec((None, None, rows, 1), lambda h, b, *_: (h, b, 0, 0))
     kv_buf = pltpu.VMEM((2, pages_per_tile, page_size, head_dim), k_pages.dtype)
@@ -243,7 +250,8 @@ def tpu_paged_attention_blocks(
 
 def ragged_paged_attention_tpu(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, num_seqs,
                                *, sm_scale: float, block_sizes: BlockSizes, interpret,
-                               causal: bool = True, first_seq=None):
+                               causal: bool = True, first_seq=None,
+                               sliding_window: int | None = None):
     """The TPU kernel over a ragged batch; arguments and result as
     `attention.ragged_paged_attention`. interpret: False (Mosaic) or pltpu.InterpretParams.
     first_seq (int32 [], traced): sequences before it are left out (out 0, lse -inf): the
@@ -265,7 +273,7 @@ def ragged_paged_attention_tpu(q, k_pages, v_pages, page_table, cu_q_lens, kv_le
         q_blocks, k_pages, v_pages, page_table, plan.seq, plan.key_end(causal),
         plan.num_tokens, sm_scale=sm_scale, block_q=block_q,
         kv_pages_per_block=block_sizes.kv_pages_per_block, interpret=interpret,
-        causal=causal)
+        causal=causal, sliding_window=sliding_window)
     # Back to token order: [kv, blocks, q_per_kv, block_q, (d)] -> [blocks, block_q, q_heads, (d)].
     out_blocks = (out_blocks.reshape(kv_heads, num_blocks, q_per_kv, block_q, head_dim)
                   .transpose(1, 3, 0, 2, 4).reshape(num_blocks, block_q, q_heads, head_dim))
@@ -278,7 +286,7 @@ def ragged_paged_attention_tpu(q, k_pages, v_pages, page_table, cu_q_lens, kv_le
 
 
 def decode_attention_tpu(q, k_pages, v_pages, page_table, kv_lens, *, sm_scale: float,
-                         block_sizes: BlockSizes, interpret):
+                         block_sizes: BlockSizes, interpret, sliding_window: int | None = None):
     """The TPU kernel over a decode batch (one query per sequence, seeing keys
     0..kv_len-1); arguments and result as `attention.decode_attention`. Each program is
     one sequence and KV head: block_q query rows per head, one live (decode is bound by
@@ -288,4 +296,5 @@ def decode_attention_tpu(q, k_pages, v_pages, page_table, kv_lens, *, sm_scale: 
     return ragged_paged_attention_tpu(
         q, k_pages, v_pages, page_table, cu_q_lens=jnp.arange(seqs + 1, dtype=jnp.int32),
         kv_lens=kv_lens, num_seqs=jnp.full((1,), seqs, jnp.int32), sm_scale=sm_scale,
-        block_sizes=block_sizes, interpret=interpret, causal=False)
+        block_sizes=block_sizes, interpret=interpret, causal=False,
+        sliding_window=sliding_window)

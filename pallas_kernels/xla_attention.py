@@ -26,8 +26,8 @@ import jax.numpy as jnp
 from pallas_kernels.block_sizes import BlockSizes
 from pallas_kernels.merge import (attention_scores, online_softmax_finish, online_softmax_init,
                                   online_softmax_update)
-from pallas_kernels.query_blocks import (QueryBlockPlan, cdiv, plan_query_blocks, row_key_ends,
-                                         segment_of)
+from pallas_kernels.query_blocks import (QueryBlockPlan, cdiv, key_starts, plan_query_blocks,
+                                         row_key_ends, segment_of)
 
 # The decode path gathers one K/V tile of every sequence per loop step. Past a few MB the
 # gathered tile no longer stays in the CPU's cache and the step turns into two extra trips
@@ -89,6 +89,7 @@ def decode_attention_xla(
     *,
     sm_scale: float,
     block_sizes: BlockSizes,
+    sliding_window: int | None = None,   # the query sees only the last this many keys
 ) -> tuple[jax.Array, jax.Array]:  # out [seqs, q_heads, head_dim] (q.dtype), lse [seqs, q_heads]
     """Sorts the sequences by context, longest first, and streams them in groups of
     `decode_group_size`, each group up to its own longest context: the work is about the
@@ -107,7 +108,7 @@ def decode_attention_xla(
 
     def attend_group(args):
         return _decode_group(*args, k_pages, v_pages, sm_scale=sm_scale,
-                             block_sizes=block_sizes)
+                             block_sizes=block_sizes, sliding_window=sliding_window)
 
     out, lse = jax.lax.map(attend_group, (grouped(q), grouped(page_table), grouped(kv_lens)))
     unsort = jnp.argsort(order)
@@ -116,10 +117,10 @@ def decode_attention_xla(
 
 
 def _decode_group(q, page_table, kv_lens, k_pages, v_pages, *, sm_scale: float,
-                  block_sizes: BlockSizes):
+                  block_sizes: BlockSizes, sliding_window: int | None):
     """`decode_attention_xla` for one group: one K/V tile of every member per step, up to
     the longest context (tiles shrink with the group to stay in cache:
-    `decode_pages_per_tile`)."""
+    `decode_pages_per_tile`), from the first tile any member's window reaches."""
     seqs, q_heads, head_dim = q.shape
     _, page_size, kv_heads, _ = k_pages.shape
     q_per_kv = q_heads // kv_heads
@@ -138,13 +139,18 @@ def _decode_group(q, page_table, kv_lens, k_pages, v_pages, *, sm_scale: float,
         k = _gather_kv_tile(k_pages, page_ids)                 # [seqs, kv, keys, d]
         v = _gather_kv_tile(v_pages, page_ids)
         scores = attention_scores(q_rows, k, sm_scale)        # [seqs, kv, g, keys]
-        visible = (tile * block_kv + key_offsets)[None, :] < kv_lens[:, None]
+        key_pos = (tile * block_kv + key_offsets)[None, :]
+        visible = (key_pos < kv_lens[:, None]) & (key_pos >= starts[:, None])
         scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
         return online_softmax_update(state, scores, v)
 
+    starts = key_starts(kv_lens, sliding_window)
     num_tiles = cdiv(jnp.max(kv_lens), block_kv)
+    # Tiles wholly before every live member's window are skipped (members without keys
+    # do not hold the start back).
+    first_tile = jnp.min(jnp.where(kv_lens > 0, starts, jnp.iinfo(jnp.int32).max)) // block_kv
     state = online_softmax_init((seqs, kv_heads, q_per_kv), head_dim)
-    state = jax.lax.fori_loop(0, num_tiles, tile_step, state)
+    state = jax.lax.fori_loop(jnp.minimum(first_tile, num_tiles), num_tiles, tile_step, state)
     out, lse = online_softmax_finish(state)
     return (out.reshape(seqs, q_heads, head_dim).astype(q.dtype),
             lse.reshape(seqs, q_heads))
@@ -156,7 +162,8 @@ def _decode_group(q, page_table, kv_lens, k_pages, v_pages, *, sm_scale: float,
 
 
 def _query_blocks_xla(q, k_pages, v_pages, page_table, plan: QueryBlockPlan, *,
-                      sm_scale: float, block_sizes: BlockSizes, causal: bool):
+                      sm_scale: float, block_sizes: BlockSizes, causal: bool,
+                      sliding_window: int | None):
     """Query blocks of `plan`, one at a time, each streaming over its sequence's pages.
 
     Returns out [tokens, q_heads, head_dim] f32 and lse [tokens, q_heads]; rows not
@@ -187,6 +194,7 @@ def _query_blocks_xla(q, k_pages, v_pages, page_table, plan: QueryBlockPlan, *,
         q_rows = (q_block.reshape(block_q, kv_heads, q_per_kv, head_dim)
                   .transpose(1, 0, 2, 3).reshape(kv_heads, block_q * q_per_kv, head_dim))
         row_end = row_key_ends(key_end[b], n_tokens, row_token, causal=causal)   # [rows]
+        row_start = key_starts(row_end, sliding_window)                        # [rows]
         row_live = row_token < n_tokens
         seq_pages = page_table[seq]                            # [pages_per_seq (padded)]
 
@@ -197,12 +205,17 @@ def _query_blocks_xla(q, k_pages, v_pages, page_table, plan: QueryBlockPlan, *,
             v = _gather_kv_tile(v_pages, page_ids)
             scores = attention_scores(q_rows, k, sm_scale)    # [kv, rows, keys]
             key_pos = tile * block_kv + key_offsets
-            visible = row_live[:, None] & (key_pos[None, :] < row_end[:, None])
+            visible = row_live[:, None] & (key_pos[None, :] < row_end[:, None]) & (
+                key_pos[None, :] >= row_start[:, None])
             scores = jnp.where(visible[None], scores, -jnp.inf)
             return online_softmax_update(state, scores, v)
 
         state = online_softmax_init((kv_heads, block_q * q_per_kv), head_dim)
-        state = jax.lax.fori_loop(0, cdiv(key_end[b], block_kv), tile_step, state)
+        # The block's first query has the earliest window: tiles before it are skipped.
+        first_tile = row_start[0] // block_kv
+        num_tiles = cdiv(key_end[b], block_kv)
+        state = jax.lax.fori_loop(jnp.minimum(first_tile, num_tiles), num_tiles, tile_step,
+                                  state)
         o, l = online_softmax_finish(state)
         o = (o.reshape(kv_heads, block_q, q_per_kv, head_dim).transpose(1, 0, 2, 3)
              .reshape(block_q, q_heads, head_dim))
@@ -233,6 +246,7 @@ def ragged_paged_attention_xla(
     sm_scale: float,
     block_sizes: BlockSizes,
     causal: bool = True,
+    sliding_window: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:  # out [tokens, q_heads, head_dim], lse [tokens, q_heads]
     """Paged attention for a ragged batch of prefill chunks and decodes (see
     `pallas_kernels.attention.ragged_paged_attention` for the contract)."""
@@ -248,14 +262,15 @@ def ragged_paged_attention_xla(
     plan = plan_query_blocks(cu_q_lens, kv_lens, num_seqs, num_tokens=num_tokens,
                              block_q=block_sizes.block_q, min_q_len=2)
     out, lse = _query_blocks_xla(q, k_pages, v_pages, page_table, plan, sm_scale=sm_scale,
-                                 block_sizes=block_sizes, causal=causal)
+                                 block_sizes=block_sizes, causal=causal,
+                                 sliding_window=sliding_window)
 
     # Decodes: every decoding sequence's single query at once. A lone query sees keys
     # 0..kv_len-1 whether causal (it is the last key) or not (the prefix), so one path.
     decode_q = q[jnp.minimum(cu_q_lens[:-1], num_tokens - 1)]   # [max_seqs, q_heads, d]
     decode_out, decode_lse = decode_attention_xla(
         decode_q, k_pages, v_pages, page_table, jnp.where(is_decode, kv_lens, 0),
-        sm_scale=sm_scale, block_sizes=block_sizes)
+        sm_scale=sm_scale, block_sizes=block_sizes, sliding_window=sliding_window)
 
     token = jnp.arange(num_tokens)
     token_seq = segment_of(token, cu_q_lens[1:])

@@ -110,9 +110,11 @@ def ragged_batches(draw, shapes_choices, max_chunk=24, causal=True):
     return shapes, draw(st.integers(0, 2**31 - 1)), q_lens, contexts
 
 
-def assert_matches_oracle(out, lse, batch, sm_scale, *, causal=True, atol=2e-5):
+def assert_matches_oracle(out, lse, batch, sm_scale, *, causal=True, atol=2e-5,
+                          sliding_window=None):
     """Equal to the dense oracle, and exactly 0 / -inf on the padding tail."""
-    want_out, want_lse = dense_attention_oracle(**batch, sm_scale=sm_scale, causal=causal)
+    want_out, want_lse = dense_attention_oracle(**batch, sm_scale=sm_scale, causal=causal,
+                                                sliding_window=sliding_window)
     assert_attention_close(out, lse, want_out, want_lse, atol=atol)
     out, lse = np.asarray(out), np.asarray(lse)
     padding = np.arange(out.shape[0]) >= batch["cu_q_lens"][batch["num_seqs"][0]]

@@ -36,6 +36,57 @@ def save_tiny_llama(path, name: str, *, seed: int = 0, max_shard_size: str = "10
     return model
 
 
+# One tiny random checkpoint per family beside Llama (transformers class, config), each
+# with its difference from the Llama block (config.FAMILIES) exercised.
+TINY_FAMILY_CONFIGS = {
+    # Qwen2.5-0.5B's shape in miniature: q/k/v biases, tied embeddings, theta 1e6.
+    "qwen2": ("Qwen2", dict(
+        vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=128, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        max_position_embeddings=2048, tie_word_embeddings=True)),
+    # Qwen2.5's long-context configs: YaRN (head_dim 32 so the ramp spans several dims).
+    "qwen2-yarn": ("Qwen2", dict(
+        vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, intermediate_size=128, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 256},
+        max_position_embeddings=1024, tie_word_embeddings=False)),
+    # Qwen3: q/k norms, head_dim 32 though hidden / heads is 16.
+    "qwen3": ("Qwen3", dict(
+        vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, intermediate_size=128, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        max_position_embeddings=2048, tie_word_embeddings=False)),
+    # Mistral: a sliding window shorter than the tests' prompts, and Mistral-Nemo's
+    # explicit head_dim (32, not hidden / heads = 16).
+    "mistral": ("Mistral", dict(
+        vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, intermediate_size=128, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+        max_position_embeddings=2048, sliding_window=24, tie_word_embeddings=False)),
+}
+
+
+def save_tiny_family(path, name: str, *, seed: int = 0, **overrides):
+    """Saves a random-weight float32 model of TINY_FAMILY_CONFIGS[name] to `path`, its norms
+    and biases random too (transformers starts them at ones and zeros, which would hide a
+    weight read wrongly)."""
+    import torch
+    import transformers
+
+    prefix, fields = TINY_FAMILY_CONFIGS[name]
+    torch.manual_seed(seed)
+    config = getattr(transformers, prefix + "Config")(**{**fields, **overrides})
+    model = getattr(transformers, prefix + "ForCausalLM")(config).eval()
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if param_name.endswith("norm.weight") or param_name.endswith(".bias"):
+                param.normal_()
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
 def hf_logits(hf_model, token_ids) -> np.ndarray:
     import torch
 

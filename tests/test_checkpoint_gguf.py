@@ -22,21 +22,25 @@ def llama_cpp_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
 
 def write_tiny_gguf(path, config, sd, *, qtype=GGMLQuantizationType.F32, arch="llama",
                     skip_metadata=(), tensor_overrides=None):
-    """A llama GGUF of `sd` (Hugging Face names) as llama.cpp's converter would write it."""
+    """A GGUF of `sd` (Hugging Face names) as llama.cpp's converter would write it: metadata
+    under `arch`, Q/K rows (and biases) permuted for the interleaved RoPE of "llama"."""
     writer = GGUFWriter(str(path), arch)
     metadata = {
-        "llama.block_count": config.num_layers, "llama.context_length": 2048,
-        "llama.embedding_length": config.hidden_size,
-        "llama.feed_forward_length": config.intermediate_size,
-        "llama.attention.head_count": config.num_heads,
-        "llama.attention.head_count_kv": config.num_kv_heads,
-        "llama.rope.dimension_count": config.head_dim,
+        "block_count": config.num_layers, "context_length": 2048,
+        "embedding_length": config.hidden_size,
+        "feed_forward_length": config.intermediate_size,
+        "attention.head_count": config.num_heads,
+        "attention.head_count_kv": config.num_kv_heads,
+        "rope.dimension_count": config.head_dim,
+        "attention.key_length": config.head_dim,
     }
+    if config.sliding_window is not None:
+        metadata["attention.sliding_window"] = config.sliding_window
     for key, value in metadata.items():
-        if key not in skip_metadata:
-            writer.add_uint32(key, value)
-    writer.add_float32("llama.rope.freq_base", config.rope_theta)
-    writer.add_float32("llama.attention.layer_norm_rms_epsilon", config.rms_norm_eps)
+        if f"{arch}.{key}" not in skip_metadata:
+            writer.add_uint32(f"{arch}.{key}", value)
+    writer.add_float32(f"{arch}.rope.freq_base", config.rope_theta)
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", config.rms_norm_eps)
     writer.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(config.vocab_size)])
     tensors = {}
     for key, hf_name in HF_NAMES.items():
@@ -47,9 +51,9 @@ def write_tiny_gguf(path, config, sd, *, qtype=GGMLQuantizationType.F32, arch="l
             if hf not in sd:
                 continue
             array = sd[hf]
-            if key == "layers.wq":
+            if arch == "llama" and key in ("layers.wq", "layers.bq"):
                 array = llama_cpp_permute(array, config.num_heads)
-            elif key == "layers.wk":
+            elif arch == "llama" and key in ("layers.wk", "layers.bk"):
                 array = llama_cpp_permute(array, config.num_kv_heads)
             tensors[gguf_name] = array
     tensors.update(tensor_overrides or {})

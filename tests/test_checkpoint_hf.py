@@ -235,8 +235,8 @@ def test_tokenizer_json_in_the_dir_is_loaded(tmp_path):
     ("missing", "model.layers.1.mlp.up_proj.weight"),
     ("shape", "model.layers.0.self_attn.k_proj.weight"),
     ("bias", "model.layers.0.self_attn.q_proj.bias"),
-    ("rope", "rope_parameters.rope_type='yarn'"),
-    ("arch", "MistralForCausalLM"),
+    ("rope", "rope_parameters.rope_type='dynamic'"),
+    ("arch", "GPT2LMHeadModel"),
     ("heads", "num_kv_heads=3"),
 ])
 def test_errors_name_the_tensor_or_field(tmp_path, case, message):
@@ -250,9 +250,9 @@ def test_errors_name_the_tensor_or_field(tmp_path, case, message):
     elif case == "bias":
         sd["model.layers.0.self_attn.q_proj.bias"] = np.zeros((128,), np.float32)
     elif case == "rope":
-        hf["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}
+        hf["rope_parameters"] = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4}
     elif case == "arch":
-        hf["architectures"] = ["MistralForCausalLM"]
+        hf["architectures"] = ["GPT2LMHeadModel"]
     elif case == "heads":
         hf["num_key_value_heads"] = 3
     with pytest.raises(CheckpointError, match=message.replace("[", r"\[").replace(".", r"\.")):

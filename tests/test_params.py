@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from medha_jax.config import ModelConfig, model_preset
+from medha_jax.config import FAMILIES, ModelConfig, model_preset
 from medha_jax.model.params import MeshLayout, checkpoint_names, param_specs
 from meshes import DEFAULT_RULES, LogicalRules, ParallelConfig, make_mesh
 
@@ -25,7 +25,30 @@ def test_table_lists_every_parameter_once_with_shapes_from_the_config():
     hf, gguf = checkpoint_names("hf"), checkpoint_names("gguf")
     assert hf["layers.wq"] == "model.layers.{layer}.self_attn.q_proj.weight"
     assert gguf["lm_head"] == "output.weight"
-    assert set(hf) == set(gguf) == set(specs)
+    every_family = set().union(*(param_specs(odd_config(family=f)) for f in FAMILIES))
+    assert set(hf) == set(gguf) == every_family
+
+
+def test_families_are_rows_added_to_the_llama_table():
+    llama = param_specs(odd_config())
+    qwen2, qwen3 = param_specs(odd_config(family="qwen2")), param_specs(odd_config(family="qwen3"))
+    assert set(qwen2) - set(llama) == {"layers.bq", "layers.bk", "layers.bv"}
+    assert qwen2["layers.bq"].shape == (2, 8, 8)
+    assert qwen2["layers.bk"].logical_axes == ("layers", "kv_heads", "head_dim")
+    assert qwen2["layers.bq"].hf_name == "model.layers.{layer}.self_attn.q_proj.bias"
+    assert set(qwen3) - set(llama) == {"layers.q_norm", "layers.k_norm"}
+    assert qwen3["layers.k_norm"].shape == (2, 8) and qwen3["layers.k_norm"].init == "ones"
+    assert qwen3["layers.q_norm"].gguf_name == "blk.{layer}.attn_q_norm.weight"
+    assert param_specs(odd_config(family="mistral")) == llama
+    with pytest.raises(ValueError, match="family='gemma3' is not one of"):
+        odd_config(family="gemma3")
+
+
+def test_sliding_window_refuses_kv_shards():
+    config = odd_config(sliding_window=16)
+    MeshLayout.create(config, make_mesh(ParallelConfig(tp=2)), DEFAULT_RULES, "xla")
+    with pytest.raises(ValueError, match="sliding_window=16 .* kvp = cp = 1"):
+        MeshLayout.create(config, make_mesh(ParallelConfig(kvp=2)), DEFAULT_RULES, "xla")
 
 
 @pytest.mark.parametrize("tp, replicas, padded_vocab", [(1, 1, 257), (2, 1, 258), (4, 2, 260),

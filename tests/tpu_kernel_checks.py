@@ -296,3 +296,18 @@ def test_equals_jax_tpu_kernel():
             raise AssertionError(f"JAX's TPU kernel failed differently: {e}") from e
         raise
     assert_live_rows_equal(out, want, batch)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_sliding_window_equals_dense_oracle(path):
+    """Mistral's window (20 keys, shorter than most contexts here): masked on both paths."""
+    shapes = SHAPES[3]
+    q_lens, contexts = [1, 13, 1, 9], [50, 37, 3, 0]
+    num_decodes = None
+    if PATHS[path]:
+        q_lens, contexts, num_decodes = decodes_first(q_lens, contexts)
+    batch = make_batch(7, shapes, q_lens, contexts)
+    out, lse = ragged_paged_attention(**batch, sm_scale=0.125, impl=IMPL,
+                                      block_sizes=tiling_of(shapes), num_decodes=num_decodes,
+                                      sliding_window=20)
+    assert_matches_oracle(out, lse, batch, 0.125, sliding_window=20)

@@ -27,6 +27,10 @@ from medha_jax.model.params import checkpoint_names
 # Canonical name -> GGUF tensor name (llama.cpp's names, from the parameter table).
 GGUF_NAMES = checkpoint_names("gguf")
 
+# GGUF general.architecture -> family. llama.cpp writes Mistral as "llama" (with
+# llama.attention.sliding_window where it has one), so "llama" reads as the Llama family.
+SUPPORTED_GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _LLAMA_CPP_DEFAULT_ROPE_THETA = 10_000.0
 
@@ -49,7 +53,7 @@ def default_model_path() -> pathlib.Path:
 
 
 def load_gguf_checkpoint(path: str | pathlib.Path) -> Checkpoint:
-    """Loads a llama-architecture GGUF file, lazily; weights dequantize to float32."""
+    """Loads a GGUF file of a supported architecture, lazily; weights dequantize to float32."""
     path = pathlib.Path(path)
     if not path.is_file():
         raise CheckpointError(f"GGUF file {path} does not exist")
@@ -57,7 +61,8 @@ def load_gguf_checkpoint(path: str | pathlib.Path) -> Checkpoint:
     config = config_from_gguf(reader, name=path.stem)
     stored = {t.name: _stored_tensor(t) for t in reader.tensors}
     _check_quantization_types(reader)
-    tensors = canonical_tensors(config, stored, "gguf", rope_interleaved_qk=True)
+    tensors = canonical_tensors(config, stored, "gguf",
+                                rope_interleaved_qk=config.family_spec.gguf_interleaved_qk)
     tokenizer = Tokenizer.from_gguf(reader) if "tokenizer.ggml.model" in reader.fields else None
     return Checkpoint(config=config, tensors=tensors, tokenizer=tokenizer)
 
@@ -73,14 +78,17 @@ def gguf_field(reader: GGUFReader, key: str, default: Any = ...) -> Any:
 
 
 def config_from_gguf(reader: GGUFReader, name: str = "custom") -> ModelConfig:
-    """ModelConfig from a GGUF file's general.* and llama.* metadata."""
+    """ModelConfig from a GGUF file's general.* and {architecture}.* metadata."""
     architecture = gguf_field(reader, "general.architecture")
-    if architecture != "llama":
+    if architecture not in SUPPORTED_GGUF_ARCHITECTURES:
         raise CheckpointError(
-            f"GGUF general.architecture={architecture!r}: only 'llama' is supported")
-    scaling = gguf_field(reader, "llama.rope.scaling.type", "none")
+            f"GGUF general.architecture={architecture!r} is not supported; supported: "
+            f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)}")
+    family = SUPPORTED_GGUF_ARCHITECTURES[architecture]
+    arch = architecture + "."
+    scaling = gguf_field(reader, arch + "rope.scaling.type", "none")
     if scaling != "none":
-        raise CheckpointError(f"GGUF llama.rope.scaling.type={scaling!r} is not supported")
+        raise CheckpointError(f"GGUF {arch}rope.scaling.type={scaling!r} is not supported")
     if "rope_freqs.weight" in {t.name for t in reader.tensors}:
         # llama.cpp stores Llama-3.1 ("llama3") RoPE scaling only as precomputed per-frequency
         # factors, from which RopeScaling's four parameters cannot be read back uniquely.
@@ -88,37 +96,39 @@ def config_from_gguf(reader: GGUFReader, name: str = "custom") -> ModelConfig:
             "GGUF tensor 'rope_freqs.weight' (llama3 RoPE scaling) is not supported; "
             "load this model from its Hugging Face checkpoint instead")
 
-    hidden = gguf_field(reader, "llama.embedding_length")
-    heads = gguf_field(reader, "llama.attention.head_count")
+    hidden = gguf_field(reader, arch + "embedding_length")
+    heads = gguf_field(reader, arch + "attention.head_count")
     # Llama rotates whole heads, so llama.cpp's rotary dimension count is the head size
     # (transformers reads it that way too); key_length, when written, must agree.
-    rotary_dims = gguf_field(reader, "llama.rope.dimension_count", hidden // heads)
-    head_dim = gguf_field(reader, "llama.attention.key_length", rotary_dims)
+    rotary_dims = gguf_field(reader, arch + "rope.dimension_count", hidden // heads)
+    head_dim = gguf_field(reader, arch + "attention.key_length", rotary_dims)
     if rotary_dims != head_dim:
         raise CheckpointError(
-            f"GGUF llama.rope.dimension_count={rotary_dims} != {head_dim=}: partial RoPE "
+            f"GGUF {arch}rope.dimension_count={rotary_dims} != {head_dim=}: partial RoPE "
             "is not supported")
     if "tokenizer.ggml.tokens" in reader.fields:
         vocab_size = len(reader.fields["tokenizer.ggml.tokens"].data)
     else:
-        vocab_size = gguf_field(reader, "llama.vocab_size")
+        vocab_size = gguf_field(reader, arch + "vocab_size")
     tensor_names = {t.name for t in reader.tensors}
     try:
         return ModelConfig(
             name=name,
+            family=family,
             vocab_size=vocab_size,
             hidden_size=hidden,
-            num_layers=gguf_field(reader, "llama.block_count"),
+            num_layers=gguf_field(reader, arch + "block_count"),
             num_heads=heads,
-            num_kv_heads=gguf_field(reader, "llama.attention.head_count_kv", heads),
+            num_kv_heads=gguf_field(reader, arch + "attention.head_count_kv", heads),
             head_dim=head_dim,
-            intermediate_size=gguf_field(reader, "llama.feed_forward_length"),
-            rms_norm_eps=float(gguf_field(reader, "llama.attention.layer_norm_rms_epsilon")),
-            rope_theta=float(gguf_field(reader, "llama.rope.freq_base",
+            intermediate_size=gguf_field(reader, arch + "feed_forward_length"),
+            rms_norm_eps=float(gguf_field(reader, arch + "attention.layer_norm_rms_epsilon")),
+            rope_theta=float(gguf_field(reader, arch + "rope.freq_base",
                                         _LLAMA_CPP_DEFAULT_ROPE_THETA)),
             rope_scaling=None,
-            max_position_embeddings=gguf_field(reader, "llama.context_length"),
+            max_position_embeddings=gguf_field(reader, arch + "context_length"),
             tie_word_embeddings=GGUF_NAMES["lm_head"] not in tensor_names,
+            sliding_window=gguf_field(reader, arch + "attention.sliding_window", None),
         )
     except ValueError as e:
         if isinstance(e, CheckpointError):

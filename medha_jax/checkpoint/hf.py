@@ -12,6 +12,7 @@ return float32.
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 from typing import Any
 
@@ -24,18 +25,19 @@ from safetensors import safe_open
 from medha_jax.checkpoint.tensors import (
     Checkpoint, CheckpointError, StoredTensor, canonical_tensors)
 from medha_jax.checkpoint.tokenizer import Tokenizer
-from medha_jax.config import ModelConfig, RopeScaling
+from medha_jax.config import FAMILIES, ModelConfig, RopeScaling, YarnScaling
 from medha_jax.model.params import checkpoint_names
 
-# Canonical name -> the tensor name in a LlamaForCausalLM state dict (from the parameter table).
+# Canonical name -> the tensor name in a *ForCausalLM state dict (from the parameter table).
 HF_NAMES = checkpoint_names("hf")
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+# config.json `architectures` -> family (config.FAMILIES).
+SUPPORTED_ARCHITECTURES = {f.hf_architecture: f.name for f in FAMILIES.values()}
 _HF_DEFAULT_ROPE_THETA = 10_000.0   # LlamaConfig's default when config.json omits it
 
 
 def load_hf_checkpoint(path: str | pathlib.Path) -> Checkpoint:
-    """Loads a Hugging Face Llama checkpoint directory, lazily."""
+    """Loads a Hugging Face checkpoint directory of a supported family, lazily."""
     path = pathlib.Path(path)
     config_file = path / "config.json"
     if not config_file.is_file():
@@ -54,18 +56,21 @@ def load_hf_checkpoint(path: str | pathlib.Path) -> Checkpoint:
 
 
 def config_from_hf(hf: dict[str, Any], name: str = "custom") -> ModelConfig:
-    """ModelConfig from the dict of a Llama config.json (transformers 4 or 5 spelling)."""
+    """ModelConfig from the dict of a config.json (transformers 4 or 5 spelling)."""
     architectures = hf.get("architectures") or []
-    if not any(a in SUPPORTED_ARCHITECTURES for a in architectures):
+    families = [SUPPORTED_ARCHITECTURES[a] for a in architectures if a in SUPPORTED_ARCHITECTURES]
+    if not families:
         raise CheckpointError(
-            f"config.json architectures={architectures!r}: only {SUPPORTED_ARCHITECTURES} "
-            "(Llama-family decoders) are supported")
+            f"config.json architectures={architectures!r} is not supported; supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    family = families[0]
     if hf.get("hidden_act", "silu") != "silu":
         raise CheckpointError(
             f"config.json hidden_act={hf['hidden_act']!r}: only 'silu' is supported")
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
-            raise CheckpointError(f"config.json {flag}=true: biases are not supported")
+            raise CheckpointError(f"config.json {flag}=true: biases are not supported "
+                                  "(beyond Qwen2's q/k/v biases)")
 
     def required(key: str) -> Any:
         if hf.get(key) is None:
@@ -78,9 +83,11 @@ def config_from_hf(hf: dict[str, Any], name: str = "custom") -> ModelConfig:
     rope = hf.get(rope_key) or {}
     rope_theta = hf.get("rope_theta") or rope.get("rope_theta") or _HF_DEFAULT_ROPE_THETA
     dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    max_positions = hf.get("max_position_embeddings", 2048)
     try:
         return ModelConfig(
             name=name,
+            family=family,
             vocab_size=required("vocab_size"),
             hidden_size=hidden,
             num_layers=required("num_hidden_layers"),
@@ -90,8 +97,9 @@ def config_from_hf(hf: dict[str, Any], name: str = "custom") -> ModelConfig:
             intermediate_size=required("intermediate_size"),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta),
-            rope_scaling=_rope_scaling(rope, rope_key),
-            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            rope_scaling=_rope_scaling(rope, rope_key, max_positions),
+            max_position_embeddings=max_positions,
+            sliding_window=_sliding_window(hf, family),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             dtype=dtype if dtype in ("float32", "bfloat16", "float16") else "float32",
         )
@@ -101,14 +109,56 @@ def config_from_hf(hf: dict[str, Any], name: str = "custom") -> ModelConfig:
         raise CheckpointError(f"config.json: {e}") from e
 
 
-def _rope_scaling(rope: dict[str, Any], key: str) -> RopeScaling | None:
+def _sliding_window(hf: dict[str, Any], family: str) -> int | None:
+    """Mistral: `sliding_window` (null: none). Qwen2/3 apply theirs only with
+    use_sliding_window, then to layers from max_window_layers on: not supported."""
+    window = hf.get("sliding_window")
+    if family == "mistral":
+        return window
+    if family in ("qwen2", "qwen3") and hf.get("use_sliding_window") and window is not None:
+        if hf.get("max_window_layers", 28) < hf.get("num_hidden_layers", 0):
+            raise CheckpointError(
+                "config.json use_sliding_window=true: per-layer sliding windows "
+                "(layers from max_window_layers on) are not supported")
+    return None
+
+
+def _yarn(rope: dict[str, Any], key: str, max_positions: int) -> YarnScaling:
+    """transformers' reading of a yarn rope_scaling: original_max_position_embeddings
+    defaults to max_position_embeddings, factor to their ratio; attention_factor from
+    factor (and mscale / mscale_all_dim) when absent."""
+    original = rope.get("original_max_position_embeddings") or max_positions
+    factor = rope.get("factor") or max_positions / original
+    attention_factor = rope.get("attention_factor")
+    if attention_factor is None:
+        def mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+        if rope.get("mscale") and rope.get("mscale_all_dim"):
+            attention_factor = (mscale(factor, rope["mscale"])
+                                / mscale(factor, rope["mscale_all_dim"]))
+        else:
+            attention_factor = mscale(factor)
+    try:
+        return YarnScaling(factor=float(factor), original_max_position_embeddings=int(original),
+                           beta_fast=float(rope.get("beta_fast") or 32),
+                           beta_slow=float(rope.get("beta_slow") or 1),
+                           attention_factor=float(attention_factor),
+                           truncate=bool(rope.get("truncate", True)))
+    except ValueError as e:
+        raise CheckpointError(f"config.json {key}: {e}") from e
+
+
+def _rope_scaling(rope: dict[str, Any], key: str,
+                  max_positions: int) -> RopeScaling | YarnScaling | None:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type == "default":
         return None
+    if rope_type == "yarn":
+        return _yarn(rope, key, max_positions)
     if rope_type != "llama3":
         raise CheckpointError(
             f"config.json {key}.rope_type={rope_type!r} is not supported "
-            "(only 'llama3' or 'default')")
+            "(only 'llama3', 'yarn' or 'default')")
     fields = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     missing = [f for f in fields if f not in rope]
     if missing:

@@ -131,6 +131,20 @@ def merge_in_heads(matrix: Reader, head_dim: int) -> Reader:
     return read
 
 
+def split_bias_heads(vector: Reader, head_dim: int, rope_interleaved: bool = False) -> Reader:
+    """[heads, head_dim] from a stored [heads * head_dim] bias (bq, bk, bv); rope_interleaved
+    as in `split_out_heads`."""
+    def read(idx: tuple[slice, ...]) -> np.ndarray:
+        heads, dims = idx
+        per_head = vector((slice(heads.start * head_dim, heads.stop * head_dim),))
+        per_head = per_head.reshape(heads.stop - heads.start, head_dim)
+        if rope_interleaved:
+            per_head = (per_head.reshape(-1, head_dim // 2, 2).swapaxes(1, 2)
+                        .reshape(per_head.shape))
+        return per_head[:, dims]
+    return read
+
+
 def stacked(layer: Callable[[int], Reader]) -> Reader:
     """[L, ...] from per-layer readers; reads only the layers in idx[0]."""
     def read(idx: tuple[slice, ...]) -> np.ndarray:
@@ -151,6 +165,9 @@ def _stored_shape(spec: ParamSpec, head_dim: int) -> tuple[int, ...]:
     if spec.stored_layout == "o_heads":
         heads, _, d_out = shape
         return (d_out, heads * head_dim)
+    if spec.stored_layout in ("qk_bias", "v_bias"):
+        heads, _ = shape
+        return (heads * head_dim,)
     return shape
 
 
@@ -164,6 +181,10 @@ def _canonical_reader(spec: ParamSpec, read: Reader, head_dim: int,
         return split_out_heads(read, head_dim)
     if spec.stored_layout == "o_heads":
         return merge_in_heads(read, head_dim)
+    if spec.stored_layout == "qk_bias":
+        return split_bias_heads(read, head_dim, rope_interleaved_qk)
+    if spec.stored_layout == "v_bias":
+        return split_bias_heads(read, head_dim)
     return read
 
 
@@ -207,7 +228,7 @@ def canonical_tensors(
     if unknown:
         raise CheckpointError(
             f"unexpected tensors {unknown[:5]}{' ...' if len(unknown) > 5 else ''}: not weights "
-            "of a Llama decoder with this config")
+            f"of a {config.family} decoder with this config")
 
     tensors = {}
     for key, spec in specs.items():

@@ -102,14 +102,20 @@ def num_cp_ranks(layout: MeshLayout) -> int:
 
 
 def attention(q, k, v, k_cache, v_cache, layer_id, meta: AttentionMetadata, *,
-              layout: MeshLayout, sm_scale: float, positions=None):
+              layout: MeshLayout, sm_scale: float, positions=None,
+              sliding_window: int | None = None):
     """Writes K/V of one layer and attends.
 
     q: [T, H, hd]; k, v: [T, K, hd]; k_cache, v_cache: [L, P, page_size, K, hd] (all layers;
     P pages over all KV shards); layer_id: int32 []; positions: int32 [T] (read with cp only).
+    sliding_window: keys older than this many positions are masked (Mistral).
     Returns (out [T, H, hd], k_cache, v_cache).
     """
     cp = num_cp_ranks(layout)
+    if sliding_window is not None and (cp > 1 or num_kv_shards(layout) > 1):
+        # kvp's prefix pass and cp's ring attend keys whose positions they do not know.
+        raise ValueError(f"sliding_window={sliding_window} with {num_kv_shards(layout)} KV "
+                         "shards: a sliding window runs with kvp = cp = 1 only")
     if cp > 1 and num_kv_shards(layout) != cp:
         raise ValueError(f"cp={cp} with {num_kv_shards(layout)} KV shards: cp and kvp do not "
                          "combine (see this module's docstring)")
@@ -119,8 +125,8 @@ def attention(q, k, v, k_cache, v_cache, layer_id, meta: AttentionMetadata, *,
                          "cp_kv_index and positions: "
                          "the engine's build_step_inputs(..., cp_ranks=cp) and "
                          "medha_jax.model.cp_layout.build_cp_step make them")
-    body = functools.partial(_attend_on_device, sm_scale=sm_scale,
-                             impl=layout.attention_impl,
+    body = functools.partial(_attend_on_device, sm_scale=sm_scale, impl=layout.attention_impl,
+                             sliding_window=sliding_window,
                              kv_shard_axis=layout.rules.mesh_axis("pages"),
                              num_shards=num_kv_shards(layout), cp=cp,
                              cp_axis=layout.rules.mesh_axis("tokens"))
@@ -153,7 +159,8 @@ def attention(q, k, v, k_cache, v_cache, layer_id, meta: AttentionMetadata, *,
 
 
 def _attend_on_device(q, k, v, positions, k_cache, v_cache, layer_id, meta: AttentionMetadata,
-                      *, sm_scale: float, impl: str, kv_shard_axis, num_shards: int, cp: int, cp_axis):
+                      *, sm_scale: float, impl: str, kv_shard_axis, num_shards: int, cp: int,
+                      cp_axis, sliding_window: int | None = None):
     """The per-device body: this device's heads and tokens, its KV shard's pages ([1, ...]
     of the metadata's shard dimension)."""
     slot_mapping, page_table, kv_lens = meta.slot_mapping[0], meta.page_table[0], meta.kv_lens[0]
@@ -174,7 +181,7 @@ def _attend_on_device(q, k, v, positions, k_cache, v_cache, layer_id, meta: Atte
         return out, k_cache, v_cache
     if num_shards == 1:
         out, _ = attend(q, k_all, v_all, layer_pages, meta.cu_q_lens, kv_lens, meta.num_seqs,
-                        num_decodes=meta.num_decodes)
+                        num_decodes=meta.num_decodes, sliding_window=sliding_window)
         return out, k_cache, v_cache
 
     prefix_out, prefix_lse = attend(q, k_all, v_all, layer_pages, meta.cu_q_lens, kv_lens,

@@ -129,10 +129,17 @@ def _decoder_layer(carry, layer, *, config: ModelConfig, layout: MeshLayout, pos
     q = jnp.einsum("td,dhk->thk", h, p["wq"])
     k = jnp.einsum("td,dhk->thk", h, p["wk"])
     v = jnp.einsum("td,dhk->thk", h, p["wv"])
-    q = layers.apply_rope(q, positions, inv_freq)
-    k = layers.apply_rope(k, positions, inv_freq)
+    if config.family_spec.qkv_bias:                          # Qwen2
+        q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+    if config.family_spec.qk_norm:                           # Qwen3: per head, before RoPE
+        q = layers.rms_norm(q, p["q_norm"], config.rms_norm_eps)
+        k = layers.rms_norm(k, p["k_norm"], config.rms_norm_eps)
+    rope_scale = layers.rope_attention_factor(config)
+    q = layers.apply_rope(q, positions, inv_freq, rope_scale)
+    k = layers.apply_rope(k, positions, inv_freq, rope_scale)
     attn, k_cache, v_cache = attention(q, k, v, k_cache, v_cache, layer_id, meta, layout=layout,
-                                       sm_scale=config.head_dim ** -0.5, positions=positions)
+                                       sm_scale=config.head_dim ** -0.5, positions=positions,
+                                       sliding_window=config.sliding_window)
     x = x + jnp.einsum("thk,hkd->td", attn.astype(x.dtype), p["wo"])
     h = layers.rms_norm(x, p["mlp_norm"], config.rms_norm_eps)
     x = x + layers.swiglu_mlp(h, p["w_gate"], p["w_up"], p["w_down"])

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from medha_jax.config import ModelConfig
+from medha_jax.config import FAMILIES, ModelConfig
 from meshes import LogicalRules
 
 # How a checkpoint stores a tensor, relative to the canonical layout:
@@ -39,7 +39,9 @@ from meshes import LogicalRules
 #   "qk_heads":   [heads * hd, in] -> [in, heads, hd]; GGUF interleaves the rotary pairs.
 #   "v_heads":    [heads * hd, in] -> [in, heads, hd].
 #   "o_heads":    [out, heads * hd] -> [heads, hd, out].
-STORED_LAYOUTS = ("as_is", "linear", "qk_heads", "v_heads", "o_heads")
+#   "qk_bias":    [heads * hd] -> [heads, hd]; GGUF interleaves the rotary pairs (as qk_heads).
+#   "v_bias":     [heads * hd] -> [heads, hd].
+STORED_LAYOUTS = ("as_is", "linear", "qk_heads", "v_heads", "o_heads", "qk_bias", "v_bias")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +52,7 @@ class ParamSpec:
     shape: tuple[int, ...]                  # canonical shape, from the config
     logical_axes: tuple[str | None, ...]
     init: str                               # "normal" (std 0.02) or "ones"
-    hf_name: str                            # name in a LlamaForCausalLM state dict
+    hf_name: str                            # name in a *ForCausalLM state dict
     gguf_name: str                          # llama.cpp's name
     stored_layout: str                      # one of STORED_LAYOUTS
 
@@ -110,6 +112,20 @@ def param_specs(config: ModelConfig) -> dict[str, ParamSpec]:
                                    hf_layer + "mlp.down_proj.weight",
                                    gguf_layer + "ffn_down.weight", "linear"),
     }
+    # The families' differences from the Llama block (config.FAMILIES).
+    family = config.family_spec
+    if family.qkv_bias:
+        for key, heads, axis, layout in (("q", H, "heads", "qk_bias"),
+                                         ("k", K, "kv_heads", "qk_bias"),
+                                         ("v", K, "kv_heads", "v_bias")):
+            specs[f"layers.b{key}"] = ParamSpec(
+                (L, heads, hd), ("layers", axis, "head_dim"), "normal",
+                hf_layer + f"self_attn.{key}_proj.bias", gguf_layer + f"attn_{key}.bias", layout)
+    if family.qk_norm:
+        for key in ("q", "k"):
+            specs[f"layers.{key}_norm"] = ParamSpec(
+                (L, hd), ("layers", "head_dim"), "ones", hf_layer + f"self_attn.{key}_norm.weight",
+                gguf_layer + f"attn_{key}_norm.weight", "as_is")
     if config.tie_word_embeddings:
         del specs["lm_head"]
     return specs
@@ -143,6 +159,11 @@ class MeshLayout:
                 f"rules map kv_heads -> {kv_heads_axis!r} but heads -> {heads_axis!r}: a device "
                 "must hold the K/V heads of its own query heads (map both to the same axis, or "
                 "kv_heads to None to replicate them)")
+        if config.sliding_window is not None and rules.degree(mesh, "pages") > 1:
+            raise ValueError(
+                f"sliding_window={config.sliding_window} ({config.name}) with the cache's pages "
+                f"over {rules.degree(mesh, 'pages')} shards (kvp or cp): a sliding window runs "
+                "with kvp = cp = 1 only")
         kv_degree = _degree(mesh, kv_heads_axis)
         replicas = math.lcm(config.num_kv_heads, kv_degree) // config.num_kv_heads
         vocab_degree = _degree(mesh, rules.mesh_axis("vocab"))
@@ -238,9 +259,14 @@ def _degree(mesh: Mesh, mesh_axis: str | None) -> int:
 
 
 def checkpoint_names(checkpoint_format: str) -> dict[str, str]:
-    """Canonical name -> its name in an "hf" or "gguf" checkpoint ("{layer}" in per-layer ones)."""
-    # Names do not depend on shapes: any untied config lists every parameter.
-    every_param = ModelConfig(name="names", vocab_size=1, hidden_size=1, num_layers=1,
-                              num_heads=1, num_kv_heads=1, head_dim=2, intermediate_size=1)
-    return {key: spec.checkpoint_name(checkpoint_format)
-            for key, spec in param_specs(every_param).items()}
+    """Canonical name -> its name in an "hf" or "gguf" checkpoint ("{layer}" in per-layer ones),
+    over every family."""
+    # Names do not depend on shapes: untied configs of every family list every parameter.
+    names = {}
+    for family in FAMILIES:
+        config = ModelConfig(name="names", family=family, vocab_size=1, hidden_size=1,
+                             num_layers=1, num_heads=1, num_kv_heads=1, head_dim=2,
+                             intermediate_size=1)
+        names.update({key: spec.checkpoint_name(checkpoint_format)
+                      for key, spec in param_specs(config).items()})
+    return names

@@ -1,0 +1,98 @@
+"""The families beside Llama (config.FAMILIES) against transformers: Hugging Face
+directories and GGUF files of random tiny checkpoints, at tp=1 and tp=2, one-shot and in
+chunks, and the config fields that pick and shape each family."""
+
+import numpy as np
+import pytest
+
+from medha_jax import ParallelConfig, load_model
+from medha_jax.checkpoint import CheckpointError, load_gguf_checkpoint
+from medha_jax.checkpoint.hf import config_from_hf
+from medha_jax.config import YarnScaling
+from tests.hf_oracle import (TINY_FAMILY_CONFIGS, greedy_with_logits, hf_greedy, hf_logits,
+                             save_tiny_family)
+
+pytestmark = pytest.mark.hf
+
+# Longer than the Mistral config's sliding window (24), so the window masks keys.
+PROMPT_LEN = 61
+
+
+@pytest.fixture(scope="module", params=sorted(TINY_FAMILY_CONFIGS))
+def family_checkpoint(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    return request.param, path, save_tiny_family(path, request.param)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_logits_and_greedy_tokens_match_transformers(family_checkpoint, tp):
+    name, path, hf_model = family_checkpoint
+    model = load_model(path, parallel=ParallelConfig(tp=tp), verbose=False)
+    assert model.config.family == name.split("-")[0]
+    ids = np.random.default_rng(1).integers(0, 256, size=PROMPT_LEN).tolist()
+    want = hf_logits(hf_model, ids)
+    np.testing.assert_array_less(np.abs(model.logits(ids) - want).max(), 1e-4)
+    # Chunked prefill and decodes (chunks of 1) through the paged cache.
+    chunked = model.logits(ids, chunk_sizes=[20, 1, 1, 30, 9], page_size=8)
+    np.testing.assert_array_less(np.abs(chunked - want).max(), 1e-4)
+    prompt = ids[:30]
+    assert greedy_with_logits(model, prompt, 6) == hf_greedy(hf_model, prompt, 6)
+
+
+def test_gguf_of_the_checkpoint_gives_the_same_logits(family_checkpoint, tmp_path):
+    from tests.test_checkpoint_gguf import write_tiny_gguf
+
+    name, path, hf_model = family_checkpoint
+    if TINY_FAMILY_CONFIGS[name][1]["rope_parameters"]["rope_type"] != "default":
+        pytest.skip("llama.cpp's YaRN metadata is not read (GGUF rope.scaling.type errors)")
+    config = load_model(path, verbose=False).config
+    sd = {k: v.detach().numpy() for k, v in hf_model.state_dict().items()}
+    arch = {"qwen2": "qwen2", "qwen3": "qwen3"}.get(config.family, "llama")
+    gguf = write_tiny_gguf(tmp_path / "m.gguf", config, sd, arch=arch)
+    ckpt = load_gguf_checkpoint(gguf)
+    assert (ckpt.config.family, ckpt.config.sliding_window, ckpt.config.head_dim) == (
+        "llama" if config.family == "mistral" else config.family, config.sliding_window,
+        config.head_dim)
+    model = load_model(gguf, verbose=False)
+    ids = np.random.default_rng(5).integers(0, 256, size=PROMPT_LEN).tolist()
+    np.testing.assert_array_less(np.abs(model.logits(ids) - hf_logits(hf_model, ids)).max(), 1e-4)
+
+
+def _hf(arch, **fields):
+    return {"architectures": [arch], "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "intermediate_size": 16, **fields}
+
+
+def test_config_fields_of_each_family():
+    assert config_from_hf(_hf("LlamaForCausalLM")).family == "llama"
+    qwen2 = config_from_hf(_hf("Qwen2ForCausalLM", rope_scaling={
+        "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+        max_position_embeddings=131072, rope_theta=1e6))
+    assert qwen2.family == "qwen2" and qwen2.rope_theta == 1e6
+    assert qwen2.rope_scaling == YarnScaling(factor=4.0, original_max_position_embeddings=32768,
+                                             attention_factor=0.1 * np.log(4.0) + 1)
+    # Qwen's sliding window applies only with use_sliding_window (then per layer: refused).
+    assert config_from_hf(_hf("Qwen3ForCausalLM", sliding_window=4096)).sliding_window is None
+    with pytest.raises(CheckpointError, match="use_sliding_window"):
+        config_from_hf(_hf("Qwen2ForCausalLM", sliding_window=4, use_sliding_window=True,
+                           max_window_layers=0))
+    mistral = config_from_hf(_hf("MistralForCausalLM", sliding_window=4096, head_dim=128))
+    assert (mistral.family, mistral.sliding_window, mistral.head_dim) == ("mistral", 4096, 128)
+    with pytest.raises(CheckpointError, match="GPT2LMHeadModel.*LlamaForCausalLM.*"
+                                              "Qwen2ForCausalLM.*Qwen3ForCausalLM"):
+        config_from_hf(_hf("GPT2LMHeadModel"))
+
+
+@pytest.mark.slow   # a Server start compiles its step shapes (~30 s per family on 2 cores)
+def test_server_mixed_batch_greedy_equals_transformers(family_checkpoint):
+    """Decodes beside prefill chunks in the engine's steps (prompts longer than Mistral's
+    window among short ones)."""
+    from medha_jax import SamplingParams, Server
+    from tests.test_server import TINY_ENGINE
+
+    _, path, hf_model = family_checkpoint
+    prompts = [[1, 2, 3, 4, 5], list(range(30, 30 + PROMPT_LEN)), [17] * 3]
+    with Server(str(path), engine_config=TINY_ENGINE) as server:
+        outs = server.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8))
+    for prompt, out in zip(prompts, outs):
+        assert list(out.token_ids) == hf_greedy(hf_model, prompt, 8), prompt
