@@ -6,14 +6,7 @@ import pytest
 
 from medha_jax.cluster.prefix_index import CacheEvent, PrefixIndex
 from medha_jax.kv_cache.allocator import BlockAllocator, prefix_page_hashes
-
-
-class FakeClock:
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self):
-        return self.t
+from medha_jax.request import VirtualClock
 
 
 def test_cached_pages_counts_each_replicas_leading_pages_in_one_walk():
@@ -44,16 +37,16 @@ def test_a_lost_event_drops_the_replicas_entries_until_it_resends():
 
 
 def test_speculative_marks_hold_until_they_expire():
-    clock = FakeClock()
-    index = PrefixIndex(2, speculative_ttl_s=2.0, clock=clock)
+    clock = VirtualClock()
+    index = PrefixIndex(2, speculative_ttl_s=2.0, clock=clock.now)
     hashes = [bytes([i]) * 16 for i in range(4)]
     index.mark_routed(1, hashes[:3])
     assert index.cached_pages(hashes) == [0, 3]
-    clock.t = 1.0
+    clock.advance_to(1.0)
     index.mark_routed(1, hashes[:1])                     # a later mark of page 0 outlives the first
-    clock.t = 2.5
+    clock.advance_to(2.5)
     assert index.cached_pages(hashes) == [0, 1]
-    clock.t = 3.5
+    clock.advance_to(3.5)
     assert index.cached_pages(hashes) == [0, 0]
 
 

@@ -6,6 +6,7 @@ from medha_jax.cluster.router import (LEAST_LOAD, PREDICTED_TIME, ROUND_ROBIN, S
                                       NoHealthyReplica, ReplicaStatus, RouteRequest, Router,
                                       RouterSnapshot, RoutingConfig, decide)
 from medha_jax.kv_cache.allocator import prefix_page_hashes
+from medha_jax.request import VirtualClock
 
 
 def linear_prefill(seconds_per_token=1e-3, fixed=0.01):
@@ -93,20 +94,12 @@ def test_unknown_policy_is_refused():
         RoutingConfig("nope")
 
 
-class Clock:
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self):
-        return self.t
-
-
 def test_router_sends_a_sessions_next_turn_to_its_speculative_prefix():
     """Two turns of one session a moment apart: the second lands with the first although
     no cache event confirmed the first's pages yet."""
-    clock = Clock()
+    clock = VirtualClock()
     statuses = [status(), status()]
-    router = Router(2, lambda: statuses, clock=clock)
+    router = Router(2, lambda: statuses, clock=clock.now)
     turn1 = list(range(64))
     first = router.route(RouteRequest(64, tuple(prefix_page_hashes(turn1, 16)), "s", 8))
     turn2 = turn1 + list(range(100, 148))
@@ -116,7 +109,7 @@ def test_router_sends_a_sessions_next_turn_to_its_speculative_prefix():
     assert second.replica != first.replica
     third = router.route(RouteRequest(112, tuple(prefix_page_hashes(turn2, 16)), "s", 8))
     assert third.replica == first.replica and third.cached_tokens == 64
-    clock.t = 10.0                                  # marks expired, nothing confirmed
+    clock.advance_to(10.0)                         # marks expired, nothing confirmed
     assert router.snapshot(RouteRequest(112, tuple(prefix_page_hashes(turn2, 16)))
                            ).cached_tokens == (0, 0)
 
