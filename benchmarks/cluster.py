@@ -17,6 +17,16 @@ Two parts, two tables:
     with its prefix cached on one replica (index fed by cache events): p50 / p99 of
     `Router.route` for a session's next turn, given its page hashes. Hashing the prompt
     (`prefix_page_hashes`, which the replica's allocator needs too) is reported apart.
+(c) live on this machine: `Server(model, replicas=2, router=policy)` in this process, a
+    fresh server per policy, replaying the same slice of the trace through
+    `serving.replay` (arrival times honoured, sessions passed on): the trace's sessions
+    that have two or more turns, in order of their first turn, until `--live-requests`
+    requests (the first requests of the trace are all first turns: a slice by time would
+    have nothing to cache). Lengths are the trace's times `--live-scale` (prompt and
+    prefix blocks alike, so sharing is kept), prompts capped at the engine's context,
+    outputs at `--live-output` tokens; arrivals compressed to span `--live-seconds`.
+    Prefix hit rate, TTFT p50/p90, TPOT p90 and imbalance (max / min of the replicas'
+    busy seconds: the sum of their measured steps).
 """
 
 from __future__ import annotations
@@ -53,6 +63,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--policies", default=None,
                    help="comma-separated routing policies (default: all)")
     p.add_argument("--sessions", type=int, default=10_000, help="live sessions in part (b)")
+    p.add_argument("--live-model", default=None,
+                   help="model of part (c) (default smollm2-135m; --quick: tiny)")
+    p.add_argument("--live-requests", type=int, default=None,
+                   help="requests of part (c) (default 80; --quick 24)")
+    p.add_argument("--live-scale", type=float, default=1 / 32,
+                   help="part (c): prompt lengths x this (Mooncake's p50 6.9K -> 216)")
+    p.add_argument("--live-output", type=int, default=16, help="part (c): output tokens at most")
+    p.add_argument("--live-seconds", type=float, default=None,
+                   help="part (c): arrivals compressed to span this long (default 120; "
+                        "--quick 30)")
+    p.add_argument("--skip", default="", help="comma-separated parts to skip (a, b, c)")
     return p.parse_args(argv)
 
 
@@ -142,23 +163,99 @@ def decision_time(args, num_replicas: int = 16, page_size: int = 16) -> list[dic
     return rows
 
 
+def multi_turn_slice(trace, num_requests: int):
+    """The requests of the trace's sessions with two or more turns, sessions in order of
+    their first turn, until num_requests requests; arrivals shifted to start at 0."""
+    import collections
+
+    turns = collections.Counter(r.session_id for r in trace)
+    chosen, taken, reserved = set(), [], 0
+    for r in trace:
+        if turns[r.session_id] < 2:
+            continue
+        if r.session_id not in chosen:
+            if reserved + turns[r.session_id] > num_requests:
+                continue
+            chosen.add(r.session_id)
+            reserved += turns[r.session_id]
+        taken.append(r)
+    t0 = taken[0].arrival_s
+    return [dataclasses.replace(r, arrival_s=r.arrival_s - t0) for r in taken]
+
+
+def live(args) -> list[dict]:
+    """Part (c): two in-process replicas per policy on this machine."""
+    from medha_jax.cluster.router import ROUTING_POLICIES
+    from medha_jax.engine import EngineConfig
+    from medha_jax.model import load_model
+    from medha_jax.workloads import load_mooncake_trace, scale_lengths
+    from serving.replay import replay_trace
+    from serving.server import Server
+
+    model_name = args.live_model or ("tiny" if args.quick else "smollm2-135m")
+    num_requests = args.live_requests or (24 if args.quick else 80)
+    span_s = args.live_seconds or (30.0 if args.quick else 120.0)
+    engine_config = EngineConfig(max_kv_tokens=16_384, max_model_len=1024,
+                                 max_tokens_per_step=256, max_seqs=16)
+    trace = multi_turn_slice(load_mooncake_trace(args.trace), num_requests)
+    trace = scale_lengths(trace, short_prompt_scale=args.live_scale,
+                          max_prompt_tokens=engine_config.max_model_len - args.live_output,
+                          max_output_tokens=args.live_output)
+    policies = args.policies.split(",") if args.policies else list(ROUTING_POLICIES)
+    rows = []
+    for policy in policies:
+        model = load_model(model_name, verbose=False)
+        with Server(model, engine_config=engine_config, replicas=2, router=policy,
+                    warmup=True) as server:
+            records = replay_trace(server, trace, vocab_size=server.config.vocab_size,
+                                   time_scale=span_s / trace[-1].arrival_s, progress=False)
+            busy = [sum(seconds for _, seconds in replica.engine.step_records)
+                    for replica in server.replicas]
+        done = [r for r in records if r.completed]
+        ttft = [r.ttft_s for r in done]
+        tpot = [r.tpot_s for r in done if r.output_tokens > 1]
+        rows.append({
+            "policy": policy, "model": model_name, "span_s": span_s, "requests": len(records),
+            "completed": len(done),
+            "hit_rate": sum(r.num_cached_tokens for r in done) / sum(r.prompt_tokens
+                                                                     for r in done),
+            "ttft_p50_s": percentile(ttft, 50), "ttft_p90_s": percentile(ttft, 90),
+            "tpot_p90_s": percentile(tpot, 90),
+            "imbalance_max_over_min_busy": max(busy) / max(min(busy), 1e-9),
+            "requests_on_replica_0": sum(r.replica == 0 for r in done)})
+    return rows
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
-    sim = simulated(args)
-    table(f"(a) simulated: Mooncake conversation trace, {args.replicas} replicas of "
-          f"{args.model} (tp={args.tp}, {args.hardware} preset, AnalyticalPredictor), "
-          f"arrivals x{args.time_scale}, lars-mp, real prefix caches", sim)
-    decisions = decision_time(args)
-    table(f"(b) measured: router decision time, 16 replicas, {args.sessions} sessions cached "
-          "(this CPU, Python)", decisions)
+    skip = set(args.skip.split(",")) - {""}
+    # Part (c) needs two devices; on a CPU, virtual ones, set before JAX starts.
+    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                   + " --xla_force_host_platform_device_count=2").strip()
+    sim = decisions = lives = []
+    if "a" not in skip:
+        sim = simulated(args)
+        table(f"(a) simulated: Mooncake conversation trace, {args.replicas} replicas of "
+              f"{args.model} (tp={args.tp}, {args.hardware} preset, AnalyticalPredictor), "
+              f"arrivals x{args.time_scale}, lars-mp, real prefix caches", sim)
+    if "b" not in skip:
+        decisions = decision_time(args)
+        table(f"(b) measured: router decision time, 16 replicas, {args.sessions} sessions "
+              "cached (this CPU, Python)", decisions)
+    if "c" not in skip:
+        lives = live(args)
+        table(f"(c) live: 2 replicas in this process ({lives[0]['model']}, lars-mp), the "
+              f"trace's multi-turn sessions, lengths x{args.live_scale:.4g}, arrivals over "
+              f"{lives[0]['span_s']:.0f} s", lives)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         context = {**environment(), "model_simulated": args.model, "hardware": args.hardware,
                    "replicas": args.replicas, "time_scale": args.time_scale,
                    "trace": os.path.basename(args.trace)}
         with open(args.json, "w") as f:
-            json.dump({"context": context, "simulated": sim, "decision_time": decisions}, f,
-                      indent=2)
+            json.dump({"context": context, "simulated": sim, "decision_time": decisions,
+                       "live": lives}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,8 @@ class LatencyRecord:
     finish_reason: str | None = None
     error: str | None = None     # why it failed, when it did
     num_preemptions: int = 0
+    num_cached_tokens: int = 0   # prompt tokens the prefix cache served
+    replica: int = 0             # the replica that served it
 
     @property
     def finish_s(self) -> float | None:

@@ -42,7 +42,8 @@ class StreamingTarget(Protocol):
 
     def generate_async(self, prompt: list[int], sampling_params: SamplingParams, *,
                        slo: SLO | None = None, priority: int = 0,
-                       request_id: str | None = None) -> AsyncIterator[StreamDelta]: ...
+                       request_id: str | None = None,
+                       session_id: str | None = None) -> AsyncIterator[StreamDelta]: ...
 
 
 class GrpcTarget:
@@ -62,7 +63,8 @@ class GrpcTarget:
 
     def generate_async(self, prompt: list[int], sampling_params: SamplingParams, *,
                        slo: SLO | None = None, priority: int = 0,
-                       request_id: str | None = None) -> AsyncIterator[StreamDelta]:
+                       request_id: str | None = None,
+                       session_id: str | None = None) -> AsyncIterator[StreamDelta]:
         import grpc
 
         from serving.proto import medha_pb2, medha_pb2_grpc
@@ -78,7 +80,7 @@ class GrpcTarget:
                 max_tokens=p.max_tokens, seed=p.seed, stop=list(p.stop),
                 stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos),
             slo=None if slo is None else medha_pb2.SLO(ttft_s=slo.ttft_s, tpot_s=slo.tpot_s),
-            priority=priority, request_id=request_id or "")
+            priority=priority, request_id=request_id or "", session_id=session_id or "")
         return self._deltas(self._stub.Generate(message, metadata=self._metadata))
 
     @staticmethod
@@ -164,7 +166,7 @@ async def _run_one(server: StreamingTarget, entry: TraceRequest, request: Reques
         async with asyncio.timeout(timeout_s):
             # The server names the request: ids stay unique across replays on one server.
             stream = server.generate_async(request.prompt_token_ids, request.sampling,
-                                           slo=request.slo)
+                                           slo=request.slo, session_id=request.session_id)
             async for delta in stream:
                 now = time.monotonic()
                 name = delta.request_id
@@ -197,4 +199,7 @@ async def _run_one(server: StreamingTarget, entry: TraceRequest, request: Reques
         e2e_s=finished_at - submitted if completed else None,
         finish_reason=None if final is None else final.finish_reason, error=error,
         num_preemptions=(final.metrics.num_preemptions
-                         if final is not None and final.metrics is not None else 0))
+                         if final is not None and final.metrics is not None else 0),
+        num_cached_tokens=(final.metrics.num_cached_tokens
+                           if final is not None and final.metrics is not None else 0),
+        replica=final.metrics.replica if final is not None and final.metrics is not None else 0)

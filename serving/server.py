@@ -340,20 +340,23 @@ class Server:
 
     def generate_stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
                         slo: SLO | None = None, priority: int = 0,
-                        request_id: str | None = None) -> Iterator[StreamDelta]:
+                        request_id: str | None = None,
+                        session_id: str | None = None) -> Iterator[StreamDelta]:
         """Submits now (bad input raises here) and returns an iterator of deltas.
         Closing the iterator early (break, garbage collection) cancels the request."""
         handle = self.submit(prompt, sampling_params, slo=slo, priority=priority,
-                             request_id=request_id)
+                             request_id=request_id, session_id=session_id)
         return _cancel_when_abandoned(iter(handle), handle)
 
     def generate_async(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
                        slo: SLO | None = None, priority: int = 0,
-                       request_id: str | None = None) -> AsyncIterator[StreamDelta]:
+                       request_id: str | None = None,
+                       session_id: str | None = None) -> AsyncIterator[StreamDelta]:
         """The asyncio form of generate_stream; call it from a coroutine:
         `async for delta in server.generate_async(prompt): ...`"""
         handle = self.submit(prompt, sampling_params, slo=slo, priority=priority,
-                             request_id=request_id, _loop=asyncio.get_running_loop())
+                             request_id=request_id, session_id=session_id,
+                             _loop=asyncio.get_running_loop())
         return _cancel_when_abandoned_async(handle)
 
     def chat_prompt(self, messages: Sequence[dict], **template_kwargs) -> TokensPrompt:

@@ -24,7 +24,8 @@ class ScriptedServer:
         self.submitted = []          # (request_id, prompt_len, slo, max_tokens)
         self.closed = []             # request ids whose stream was closed
 
-    def generate_async(self, prompt, sampling_params, *, slo=None, priority=0, request_id=None):
+    def generate_async(self, prompt, sampling_params, *, slo=None, priority=0, request_id=None,
+                       session_id=None):
         if self.misbehave and len(prompt) == 13:
             raise ValueError("prompt: 13 tokens is unlucky")
         request_id = request_id or f"req-{len(self.submitted)}"
