@@ -86,7 +86,11 @@ def _paged_attention_kernel(
     # the first query's window are skipped.
     num_tiles = jnp.minimum((keys_needed + block_kv - 1) // block_kv,
                             page_table_ref.shape[1] // kv_pages_per_block)
-    window_tile = jnp.minimum(row_start[0] // block_kv, num_tiles)
+    if sliding_window is None:
+        window_tile = 0
+    else:   # a reduction, not row_start[0]: Triton has no lowering for a slice
+        first_key = jnp.min(jnp.where(row_live, row_start, keys_needed))
+        window_tile = jnp.minimum(first_key // block_kv, num_tiles)
     tiles_per_split = (num_tiles - window_tile + num_kv_splits - 1) // num_kv_splits
     first_tile = window_tile + split * tiles_per_split
     end_tile = jnp.minimum(first_tile + tiles_per_split, num_tiles)
