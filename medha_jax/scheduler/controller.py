@@ -24,6 +24,9 @@ Plain Python, single-threaded: the server serialises calls from its own loop thr
 
 from __future__ import annotations
 
+import collections
+import itertools
+import operator
 import time
 from collections.abc import Callable, Iterable, Sequence
 
@@ -33,6 +36,11 @@ from medha_jax.scheduler.kv_reservations import KVAllocator, KVReservations
 from medha_jax.scheduler.packer import BatchPacker
 from medha_jax.scheduler.policies import SRPT, Policy, PriorityIndex
 from medha_jax.scheduler.prefill_time_cache import PrefillTimeCache
+
+# C-level getters for the per-decode passes of _KVGate.reserve_decodes.
+_REQUEST_ID = operator.attrgetter("request_id")
+_PROMPT_LEN = operator.attrgetter("prompt_len")
+_OUTPUT_IDS = operator.attrgetter("output_token_ids")
 
 __all__ = ["CapacityError", "KVAllocator", "ReplicaController", "run_one_step"]
 
@@ -226,16 +234,14 @@ class ReplicaController:
         until update(batch, ...). An empty batch when nothing can run now."""
         start = time.perf_counter()
         now = self.clock.now()
-        in_flight = self._in_flight
         candidates = self._candidates(now)
-        gate = _KVGate(self.kv, now, pick_victim=self._pick_victim, preempt=self._preempt,
-                       start_running=self._start_running, requeue=self._prefills.update)
+        # The gate marks each chunk in flight as it grants its pages (every granted chunk
+        # joins the batch), in the same loop that books them.
+        gate = _KVGate(self.kv, now, in_flight=self._in_flight, pick_victim=self._pick_victim,
+                       preempt=self._preempt, start_running=self._start_running,
+                       requeue=self._prefills.update)
         batch = self.packer.pack(self._decode_order(), candidates, now, gate)
         gate.release_unscheduled()
-        for request, _, num_tokens in batch.chunks:
-            rid = request.request_id
-            in_flight[rid] = in_flight.get(rid, 0) + 1
-            request.num_in_flight_tokens += num_tokens
         self.last_schedule_seconds = time.perf_counter() - start
         return batch
 
@@ -309,8 +315,8 @@ class ReplicaController:
         if not extra or len(self._prefills) <= k + len(in_flight):
             return candidates                        # the top was the whole queue
         chosen = set(candidates)
-        riders = [r for r in self._prefills.top(now, k + extra + len(in_flight), secondary=True)
-                  if r not in chosen]
+        riders = list(itertools.filterfalse(chosen.__contains__, self._prefills.top(
+            now, k + extra + len(in_flight), secondary=True)))
         if in_flight:
             riders = [r for r in riders if runnable(r)]
         riders = riders[:extra]
@@ -376,10 +382,11 @@ class ReplicaController:
         return (*self.policy.sort_key_from_start(request, now),
                 self._admission[request.request_id])
 
-    def _pick_victim(self, requester: Request, exclude: set[str], now: float,
-                     shards: frozenset[int]) -> Request | None:
+    def _pick_victim(self, requester: Request, now: float, shards: frozenset[int]
+                     ) -> Request | None:
         """The lowest-priority running request holding pages on one of `shards` (where the
-        requester lacks pages), outside the batch and outside every batch in flight, if
+        requester lacks pages), outside every batch in flight (the one being packed
+        included: its chunks are in flight from the moment they get their pages), if
         below the requester.
 
         Under kvp a request's pages are on some shards only: evicting one with no page
@@ -388,7 +395,7 @@ class ReplicaController:
         victim, victim_rank = None, self._rank(requester, now)
         holds_pages_on = self.kv.holds_pages_on
         for rid, r in self._running.items():
-            if rid in exclude or rid in self._in_flight or r is requester or \
+            if rid in self._in_flight or r is requester or \
                     not holds_pages_on(rid, shards):
                 continue
             rank = self._rank(r, now)
@@ -400,20 +407,20 @@ class ReplicaController:
 class _KVGate:
     """The controller's side of packing one batch: KV pages for each chunk the packer wants.
 
-    Books pages through the KVReservations; everything else it may do to a request
-    (evict one, mark one running, requeue one whose position moved) it does through the
-    controller's callbacks, so the controller's queues stay the controller's own."""
+    Books pages through the KVReservations and marks each granted chunk in flight (the
+    controller's `in_flight` counts and the request's num_in_flight_tokens: every chunk
+    the gate grants joins the batch); everything else it may do to a request (evict one,
+    mark one running, requeue one whose position moved) it does through the controller's
+    callbacks, so the controller's queues stay the controller's own."""
 
-    def __init__(self, kv: KVReservations, now: float, *,
-                 pick_victim: Callable[[Request, set[str], float, frozenset[int]],
-                                       Request | None],
+    def __init__(self, kv: KVReservations, now: float, *, in_flight: dict[str, int],
+                 pick_victim: Callable[[Request, float, frozenset[int]], Request | None],
                  preempt: Callable[[Request], None],
                  start_running: Callable[[Request, float], None],
                  requeue: Callable[[Request], None]):
-        self.kv, self.now = kv, now
+        self.kv, self.now, self.in_flight = kv, now, in_flight
         self._pick_victim, self._preempt = pick_victim, preempt
         self._start_running, self._requeue = start_running, requeue
-        self.in_batch: set[str] = set()
         self.preempted: set[str] = set()
         self.registered: list[Request] = []   # waiting requests given pages during packing
 
@@ -435,8 +442,7 @@ class _KVGate:
         if rid in self.preempted:
             return False
         while not self.kv.reserve(rid, chunk.end):
-            victim = self._pick_victim(request, self.in_batch, self.now,
-                                       self.kv.shards_short(rid, chunk.end))
+            victim = self._pick_victim(request, self.now, self.kv.shards_short(rid, chunk.end))
             if victim is None:
                 # Nothing less urgent to evict: this chunk waits. A waiting request gives
                 # back at once the cached prefix pages it took when prepared: held until
@@ -446,32 +452,60 @@ class _KVGate:
                 return False
             self._preempt(victim)
             self.preempted.add(victim.request_id)
-        self.in_batch.add(rid)
         self._start_running(request, self.now)
+        in_flight = self.in_flight
+        in_flight[rid] = in_flight.get(rid, 0) + 1
+        request.num_in_flight_tokens += chunk.num_tokens
         return True
 
     def reserve_decodes(self, decodes: Sequence[Request], seats: int) -> list[ScheduledChunk]:
         """reserve() of each decode's chunk in order (`packer.reserve_each_decode`), at most
-        `seats` granted. Most decodes fit in the pages they hold: for those this is
-        reserve() without the calls that would change nothing (the one loop over every
-        decode of every step)."""
-        chunks: list[ScheduledChunk] = []
-        append, kv_reserve = chunks.append, self.kv.reserve
-        preempted, in_batch, running = self.preempted, self.in_batch, RequestState.RUNNING
-        for request in decodes:
+        `seats` granted. The decodes are the controller's: running, and in no batch in
+        flight (a decode needs its last batch's token), so none has tokens in flight.
+
+        The one loop over every decode of every step, so the usual case runs in C-level
+        passes (map over getters, no Python frame per decode): every decode's next token
+        fits in the pages it holds, or its pages grow without evicting anyone - then each
+        is granted, as reserve() would, without the calls that would change nothing. At
+        the first decode whose pages cannot grow, reserve() takes over one by one."""
+        head = decodes[:seats]
+        if not head:
+            return []
+        if self.preempted:                      # not at the start of a batch: one by one
+            return self._reserve_each(head, decodes[len(head):], seats, [])
+        rids = list(map(_REQUEST_ID, head))
+        ends = list(map(operator.add, map(_PROMPT_LEN, head), map(len, map(_OUTPUT_IDS, head))))
+        # Decodes whose next token needs a page more (about one in page_size), in order.
+        short = itertools.compress(itertools.count(), map(
+            operator.gt, ends, map(self.kv.tokens_held.__getitem__, rids)))
+        kv_reserve = self.kv.reserve
+        for i in short:
+            if not kv_reserve(rids[i], ends[i]):        # (changed nothing: reserve() retries)
+                chunks = self._grant(head[:i], ends[:i])
+                return self._reserve_each(head[i:], decodes[len(head):], seats, chunks)
+        return self._grant(head, ends)
+
+    def _grant(self, requests: Sequence[Request], ends: Sequence[int]) -> list[ScheduledChunk]:
+        """The decode chunks of `requests` (whose pages hold tokens up to `ends`), now in
+        flight, in C-level passes."""
+        self.in_flight.update(zip(map(_REQUEST_ID, requests), itertools.repeat(1)))
+        collections.deque(map(setattr, requests, itertools.repeat("num_in_flight_tokens"),
+                              itertools.repeat(1)), maxlen=0)
+        # tuple.__new__: ScheduledChunk's own __new__ is a Python function.
+        return list(map(tuple.__new__, itertools.repeat(ScheduledChunk), zip(
+            requests, map(operator.sub, ends, itertools.repeat(1)), itertools.repeat(1))))
+
+    def _reserve_each(self, decodes: Sequence[Request], later: Sequence[Request], seats: int,
+                      chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
+        """reserve() of each decode in `decodes`, then of `later` while seats are left,
+        appended to the chunks granted already."""
+        for request in itertools.chain(decodes, later):
             if len(chunks) >= seats:
                 break
             end = request.prompt_len + len(request.output_token_ids)
             chunk = ScheduledChunk(request, end - 1, 1)
-            rid = request.request_id
-            if rid in preempted or not kv_reserve(rid, end):
-                if self.reserve(chunk):            # refused, or pages to find
-                    append(chunk)
-                continue
-            in_batch.add(rid)
-            if request.state is not running or request.first_scheduled_time is None:
-                self._start_running(request, self.now)
-            append(chunk)
+            if self.reserve(chunk):
+                chunks.append(chunk)
         return chunks
 
     def release_unscheduled(self) -> None:
