@@ -43,7 +43,7 @@ from typing import Protocol
 
 from medha_jax.buckets import padded_size
 from medha_jax.request import Batch, Request, ScheduledChunk
-from medha_jax.scheduler.predictor import BatchFeatures, RuntimePredictor
+from medha_jax.scheduler.predictor import BatchFeatures, RuntimePredictor, chunk_pricer
 
 
 # Read per decode per step: C-level getters instead of a Python loop.
@@ -139,7 +139,8 @@ class EngineLimits:
 def largest_chunk(predictor: RuntimePredictor, base: BatchFeatures, *, start: int, max_tokens: int,
                   remaining: int, budget_s: float, token_buckets: Sequence[int] | None,
                   guess: int | None = None, tolerance: float = 1 / 128,
-                  fitted: dict[int, tuple[BatchFeatures, float]] | None = None) -> int:
+                  fitted: dict[int, float] | None = None,
+                  price: Callable[[int], float] | None = None) -> int:
     """About the largest n in [1, max_tokens] whose batch (base + chunk) is predicted
     <= budget_s; 0 if none. Never over budget; at most `tolerance` (relative) short of
     the exact largest, which saves a third of the predictions at long contexts.
@@ -150,18 +151,20 @@ def largest_chunk(predictor: RuntimePredictor, base: BatchFeatures, *, start: in
     max_tokens is tried first and the search runs over the monotone part below it.
     `guess` (e.g. the chunk a lone prefill gets at this context) starts a galloping
     search next to the answer instead of a bisection of the whole range. `fitted`, if
-    given, gets the features and predicted time of each probe that fit, by n (the answer's
-    among them, unless it is 0), so that the caller need not price its chunk again.
+    given, gets the predicted time of each probe that fit, by n (the answer's among them,
+    unless it is 0), so that the caller need not price its chunk again. `price`: the
+    `predictor.chunk_pricer` of these arguments, where the caller has one already.
     """
-    predict, plus_chunk, base_tokens = predictor.predict_features, base.plus_chunk, base.tokens
+    if price is None:
+        price = chunk_pricer(predictor, base, start, remaining, token_buckets)
+    base_tokens = base.tokens
 
     def fits(n: int) -> bool:
-        features = plus_chunk(n, start, n == remaining, token_buckets)
-        seconds = predict(features)
+        seconds = price(n)
         if not seconds <= budget_s:
             return False
         if fitted is not None:
-            fitted[n] = (features, seconds)
+            fitted[n] = seconds
         return True
 
     if max_tokens < 1:
@@ -368,18 +371,21 @@ class AdaptivePacker(BatchPacker):
             for rider, covered in riders:
                 if num_prefills + 1 >= max_prefills:       # a seat stays the head's
                     break
-                if self._room(features) < 1:     # no rider fits (_fits); stop reading them
+                if self._room(features) < 1:     # no rider fits; stop reading them
                     break
                 budget = t_target if covered or not is_long else share_end
-                if self._fits(rider, features, budget):
-                    added = self._add_chunk(rider, features, budget, gate, chunks)
+                start = rider.num_scheduled_tokens
+                price = chunk_pricer(self.predictor, features, start, rider.num_tokens - start,
+                                     self.limits.token_buckets)
+                if price(1) <= budget:      # a one-token chunk fits: worth a search
+                    added = self._add_chunk(rider, features, budget, gate, chunks, price)
                     if added is not None:
                         features, t_pred = added
                         packed.add(rider.request_id)
                         num_prefills += 1
             if num_prefills >= max_prefills:
                 break
-            n, priced = self._chunk_size(request, features, t_target)
+            n, seconds = self._chunk_size(request, features, t_target)
             if n == 0:
                 unserved.append(request)        # Algorithm 1, line 17: tries next time
                 continue
@@ -387,13 +393,15 @@ class AdaptivePacker(BatchPacker):
             if not gate.reserve(chunk):
                 continue
             chunks.append(chunk)
-            features, t_pred = priced or self._priced(features, chunk)
+            features, t_pred = self._priced(features, chunk, seconds)
             num_prefills += 1
             has_long = has_long or is_long
         if num_prefills == 0:
-            features = self._guarantee_progress(unserved + list(prefills[i:]), features, gate,
+            progress = self._guarantee_progress(unserved + list(prefills[i:]), features, gate,
                                                 chunks)
-        return Batch(chunks, self.predictor.predict_features(features))
+            if progress is not features:
+                features, t_pred = progress, self.predictor.predict_features(progress)
+        return Batch(chunks, t_pred)
 
     def is_long(self, request: Request) -> bool:
         """IsLong of Algorithm 2: a prompt longer than long_prefill_tokens.
@@ -451,54 +459,51 @@ class AdaptivePacker(BatchPacker):
             elif request.deadline <= finish:
                 yield request, False
 
-    def _fits(self, request: Request, features: BatchFeatures, budget_s: float) -> bool:
-        """Whether a one-token chunk of `request` still fits: a cheap test before the search.
-        (Not t_pred < budget: where chunks run side by side, one more may cost nothing.)"""
-        if self._room(features) < 1:
-            return False
-        start = request.num_scheduled_tokens
-        one = features.plus_chunk(1, start, start + 1 == request.num_tokens,
-                                  self.limits.token_buckets)
-        return self.predictor.predict_features(one) <= budget_s
-
     def _add_chunk(self, request: Request, features: BatchFeatures, budget_s: float,
-                   gate: ChunkGate, chunks: list[ScheduledChunk]
+                   gate: ChunkGate, chunks: list[ScheduledChunk],
+                   price: Callable[[int], float] | None = None
                    ) -> tuple[BatchFeatures, float] | None:
         """Appends the largest chunk of `request` that keeps the batch within budget_s, if
         one fits and gets its KV pages; the batch's features with it and their predicted
-        time, or None."""
+        time, or None. `price`: the chunk pricer of the request's chunks on `features`
+        as the request stood before gate.prepare (kept if preparing moved no start)."""
+        start = request.num_scheduled_tokens
         if not gate.prepare(request):
             return None
-        n, priced = self._chunk_size(request, features, budget_s)
+        if request.num_scheduled_tokens != start:       # a cached prefix: chunks start later
+            price = None
+        n, seconds = self._chunk_size(request, features, budget_s, price)
         chunk = ScheduledChunk(request, request.num_scheduled_tokens, n)
         if n == 0 or not gate.reserve(chunk):
             return None
         chunks.append(chunk)
-        return priced or self._priced(features, chunk)
+        return self._priced(features, chunk, seconds)
 
-    def _priced(self, features: BatchFeatures, chunk: ScheduledChunk
+    def _priced(self, features: BatchFeatures, chunk: ScheduledChunk, seconds: float | None
                 ) -> tuple[BatchFeatures, float]:
-        """The features with `chunk` added, and their predicted time."""
+        """The features with `chunk` added, and their predicted time (`seconds` where the
+        search priced it already)."""
         features = features.plus_chunk(chunk.num_tokens, chunk.start, chunk.samples,
                                        self.limits.token_buckets)
-        return features, self.predictor.predict_features(features)
+        return features, seconds if seconds is not None else \
+            self.predictor.predict_features(features)
 
-    def _chunk_size(self, request: Request, features: BatchFeatures, budget_s: float
-                    ) -> tuple[int, tuple[BatchFeatures, float] | None]:
+    def _chunk_size(self, request: Request, features: BatchFeatures, budget_s: float,
+                    price: Callable[[int], float] | None = None) -> tuple[int, float | None]:
         """GETCHUNKSIZE's binary search: the largest chunk of `request` that keeps the batch
         within budget_s (at least a whole query block: `whole_query_block`); 0 when none
-        fits. With it, the batch's features and time with that chunk where the search
-        priced them already (None where a whole query block widened it)."""
+        fits. With it, the batch's predicted time with that chunk where the search priced
+        it already (None where a whole query block widened it)."""
         room = self._room(features)
         start = request.num_scheduled_tokens
         remaining = request.num_tokens - start
         max_tokens = int(min(remaining, room))
-        fitted: dict[int, tuple[BatchFeatures, float]] = {}
+        fitted: dict[int, float] = {}
         n = largest_chunk(self.predictor, features, start=start, max_tokens=max_tokens,
                           remaining=remaining, budget_s=budget_s,
                           token_buckets=self.limits.token_buckets,
                           guess=self.chunk_hint(start) if self.chunk_hint else None,
-                          fitted=fitted)
+                          fitted=fitted, price=price)
         n = whole_query_block(n, max_tokens, self.limits)
         return n, fitted.get(n)
 
