@@ -235,11 +235,11 @@ def _random_base(rng, buckets):
                                       ParallelConfig(tp=2, spp=2), ParallelConfig(kvp=2),
                                       ParallelConfig(cp=2)])
 @pytest.mark.parametrize("buckets", [(16, 64, 256, 1024, 4096), None])
-def test_chunk_pricer_is_exactly_predict_features_of_plus_chunk(parallel, buckets):
-    """The packer's searches price chunks through chunk_pricer: it must give the very same
+def test_chunk_time_is_exactly_predict_features_of_plus_chunk(parallel, buckets):
+    """The packer prices every chunk it considers through chunk_time: the very same
     float as predict_features(base.plus_chunk(...)) (the same batches as before), for the
     analytical roofline (every axis) and a profiled fit (decode and prefill terms)."""
-    from medha_jax.scheduler.predictor import chunk_pricer
+    from medha_jax.scheduler.predictor import chunk_time
     rng = random.Random(hash((str(parallel), buckets)) % 2**32)
     profiled = ProfiledPredictor([rng.uniform(0, 1e-2) * 10 ** -rng.randint(0, 9)
                                   for _ in range(8)], token_buckets=buckets)
@@ -249,8 +249,8 @@ def test_chunk_pricer_is_exactly_predict_features_of_plus_chunk(parallel, bucket
             base = _random_base(rng, buckets or (8192,))
             start, remaining = rng.randint(0, 500_000), rng.randint(1, 3000)
             cap = min(remaining, (buckets or (8192,))[-1] - base.tokens)
-            price = chunk_pricer(predictor, base, start, remaining, buckets)
             for n in {1, 2, 3, cap, max(1, cap // 2), rng.randint(1, cap)}:
                 want = predictor.predict_features(base.plus_chunk(n, start, n == remaining,
                                                                   buckets))
-                assert price(n) == want, (predictor, base, start, remaining, n)
+                got = chunk_time(predictor, base, n, start, remaining, buckets)
+                assert got == want, (predictor, base, start, remaining, n)

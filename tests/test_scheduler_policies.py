@@ -13,7 +13,6 @@ from medha_jax.request import SLO, Request, RequestState, VirtualClock
 from medha_jax.scheduler import (ReplicaController, SchedulerConfig, make_controller,
                                  run_one_step)
 from medha_jax.scheduler import controller as controller_module
-from medha_jax.scheduler import packer as packer_module
 from medha_jax.scheduler.packer import reserve_each_decode
 from medha_jax.scheduler.policies import EDF, FCFS, LARS, LRS, SRPT, PriorityIndex
 from medha_jax.scheduler.in_flight import InFlightRunner
@@ -378,11 +377,11 @@ def test_controller_batches_equal_those_of_a_plain_sort_of_the_queue(
     # The plain run also books decodes one by one through reserve() (the meaning of the
     # gate's C-level decode passes) and prices every probe from its features.
     with mock.patch.object(controller_module._KVGate, "reserve_decodes", reserve_each_decode), \
-            mock.patch.object(packer_module, "chunk_pricer", _plain_pricer):
+            mock.patch.object(AnalyticalPredictor, "chunk_time", _plain_chunk_time), \
+            mock.patch.object(_PREDICTOR, "chunk_time_grows_with_n", False):
         plain = _run(policy, requests, reference=True, **kw)
     assert fast == plain
 
 
-def _plain_pricer(predictor, base, start, remaining, token_buckets):
-    return lambda n: predictor.predict_features(
-        base.plus_chunk(n, start, n == remaining, token_buckets))
+def _plain_chunk_time(predictor, base, n, start, remaining, token_buckets):
+    return predictor.predict_features(base.plus_chunk(n, start, n == remaining, token_buckets))

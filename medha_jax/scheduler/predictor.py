@@ -24,7 +24,7 @@ import bisect
 import dataclasses
 import json
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple, Protocol
 
 import numpy as np
@@ -129,19 +129,18 @@ def decode_token_seconds(predictor, seats: int) -> float:
     return predictor.predict_features(full_decode) / seats
 
 
-def chunk_pricer(predictor, base: BatchFeatures, start: int, remaining: int,
-                 token_buckets: Sequence[int] | None) -> Callable[[int], float]:
-    """n -> predicted seconds of `base` plus a chunk of n tokens from `start` (of a request
-    with `remaining` tokens left, so the chunk samples at n == remaining): exactly
+def chunk_time(predictor, base: BatchFeatures, n: int, start: int, remaining: int,
+               token_buckets: Sequence[int] | None) -> float:
+    """Predicted seconds of `base` plus a chunk of n tokens from `start` of a request with
+    `remaining` tokens left (it samples at n == remaining): exactly
     predict_features(base.plus_chunk(n, start, n == remaining, token_buckets)).
 
-    The packer's chunk searches price many n against one base; a predictor may offer a
-    `chunk_pricer` of its own that folds the base once and builds no features per n."""
-    own = getattr(predictor, "chunk_pricer", None)
+    The packer prices every chunk it considers this way; a predictor may offer a
+    `chunk_time` of its own that computes the same float without building the features."""
+    own = getattr(predictor, "chunk_time", None)
     if own is not None:
-        return own(base, start, remaining, token_buckets)
-    predict, plus_chunk = predictor.predict_features, base.plus_chunk
-    return lambda n: predict(plus_chunk(n, start, n == remaining, token_buckets))
+        return own(base, n, start, remaining, token_buckets)
+    return predictor.predict_features(base.plus_chunk(n, start, n == remaining, token_buckets))
 
 
 class RuntimePredictor(Protocol):
@@ -288,12 +287,11 @@ class AnalyticalPredictor:
         self._p2p_fixed_s = lat if p.spp > 1 else 0.0
         self._fixed_collectives_s = self._tp_fixed_s + self._kvp_fixed_s + self._p2p_fixed_s
         self._overhead_s = eff.step_overhead_s / p.spp
-        # chunk_pricer's constants, where the KV read does not depend on the chunk.
-        self._pricer_constants = (
-            self._linear_s_per_token, self._head_s_per_seq, self._weights_read_s,
-            self._act_read_s_per_token, self._kv_read_s_per_token, self._attn_s_per_pair,
-            self._chunk_io_s_per_token, self._fixed_collectives_s, self._tp_s_per_token,
-            self._p2p_s_per_token, self._overhead_s) if p.kvp == 1 and p.cp == 1 else None
+        # Without cp every term grows (or stays) with a chunk's tokens, and so does their
+        # float sum (the packer then skips a one-token test where the whole chunk fits);
+        # cp's exposed ring time shrinks as more attention hides it.
+        self.chunk_time_grows_with_n = p.cp == 1
+        self._folds_chunks = p.kvp == 1 and p.cp == 1      # chunk_time's shortcut applies
 
     def predict_features(self, f: BatchFeatures) -> float:
         # Called thousands of times per iteration by the packer's searches: plain
@@ -323,44 +321,33 @@ class AnalyticalPredictor:
                        + self._kvp_s_per_token * tokens + self._p2p_s_per_token * padded)
         return self._overhead_s + linear + context + within + collectives
 
-    def chunk_pricer(self, base: BatchFeatures, start: int, remaining: int,
-                     token_buckets: Sequence[int] | None) -> Callable[[int], float]:
-        """`predictor.chunk_pricer`: predict_features of base plus one chunk, the same
-        floating-point operations in the same order, with what does not depend on the
-        chunk's length computed once (without kvp and cp, where the KV read is fixed)."""
-        consts = self._pricer_constants
-        if consts is None or token_buckets is None:
-            predict, plus_chunk = self.predict_features, base.plus_chunk
-            return lambda n: predict(plus_chunk(n, start, n == remaining, token_buckets))
-        linear_s, head_s, weights_s, act_s, kv_read_s, pair_s, chunk_io_s, fixed_s, tp_s, \
-            p2p_s, overhead_s = consts
-        base_tokens = base.tokens
-        head = head_s * (base.seqs + 1)
-        earlier = base.sum_context + start - base_tokens        # sum_context - tokens
-        shard_share = earlier / earlier if earlier > 0 else 0.0
-        earlier_kv_s = kv_read_s * earlier                      # (/ cp, = 1)
-        pairs = base.sum_chunk_x_context - base.sum_chunk_sq     # + n * start per chunk
-        sq_tokens = base.sum_chunk_sq + base_tokens              # + n * n + n
-        bisect_left, last_bucket = bisect.bisect_left, token_buckets[-1]
-
-        def price(n: int) -> float:
-            tokens = base_tokens + n
-            padded = token_buckets[bisect_left(token_buckets, tokens)] \
-                if tokens <= last_bucket else padded_size(tokens, token_buckets)
-            compute = linear_s * padded + head
-            memory = weights_s + act_s * padded
-            context = pair_s * (pairs + n * start) * shard_share
-            if earlier_kv_s > context:
-                context = earlier_kv_s
-            within = pair_s * (sq_tokens + n * n + n) / 2
-            chunk_io = chunk_io_s * tokens
-            if chunk_io > within:
-                within = chunk_io
-            # (+ kvp_s * tokens: kvp_s is 0.0 here, and x + 0.0 is x.)
-            return (overhead_s + (compute if compute > memory else memory) + context + within
-                    + (fixed_s + tp_s * padded + p2p_s * padded))
-
-        return price
+    def chunk_time(self, base: BatchFeatures, n: int, start: int, remaining: int,
+                   token_buckets: Sequence[int] | None) -> float:
+        """`predictor.chunk_time`: predict_features of base plus one chunk, the same
+        floating-point operations in the same order, without the features (without kvp
+        and cp, where the busiest shard's KV read is the whole earlier context)."""
+        if not self._folds_chunks or token_buckets is None:
+            return self.predict_features(base.plus_chunk(n, start, n == remaining,
+                                                         token_buckets))
+        tokens = base.tokens + n
+        padded = token_buckets[bisect.bisect_left(token_buckets, tokens)] \
+            if tokens <= token_buckets[-1] else padded_size(tokens, token_buckets)
+        compute = self._linear_s_per_token * padded + self._head_s_per_seq * (base.seqs + 1)
+        memory = self._weights_read_s + self._act_read_s_per_token * padded
+        earlier = base.sum_context + start - base.tokens          # sum_context - tokens
+        context = self._attn_s_per_pair * (base.sum_chunk_x_context - base.sum_chunk_sq
+                                           + n * start) * (1.0 if earlier > 0 else 0.0)
+        earlier_kv_s = self._kv_read_s_per_token * earlier        # (/ cp = 1)
+        if earlier_kv_s > context:
+            context = earlier_kv_s
+        within = self._attn_s_per_pair * (base.sum_chunk_sq + n * n + tokens) / 2
+        chunk_io = self._chunk_io_s_per_token * tokens
+        if chunk_io > within:
+            within = chunk_io
+        # (+ kvp_s * tokens is + 0.0 here, which changes no float.)
+        return (self._overhead_s + (compute if compute > memory else memory) + context + within
+                + (self._fixed_collectives_s + self._tp_s_per_token * padded
+                   + self._p2p_s_per_token * padded))
 
     def _busiest_kv_shard(self, earlier_tokens: int, max_context: int) -> float:
         """Earlier-context KV tokens the busiest KV shard reads (all of them at kvp = 1)."""
@@ -492,36 +479,28 @@ class ProfiledPredictor:
     def predict(self, batch: Batch) -> float:
         return self.predict_features(batch_features(batch, self.token_buckets))
 
-    def chunk_pricer(self, base: BatchFeatures, start: int, remaining: int,
-                     token_buckets: Sequence[int] | None) -> Callable[[int], float]:
-        """`predictor.chunk_pricer`: predict_features of base plus one chunk, the same
-        floating-point operations in the same order, without building the features."""
+    def chunk_time(self, base: BatchFeatures, n: int, start: int, remaining: int,
+                   token_buckets: Sequence[int] | None) -> float:
+        """`predictor.chunk_time`: predict_features of base plus one chunk, the same
+        floating-point operations in the same order, without the features."""
         c0, c1, c2, c3, c4, c5, c6, c7 = self.coefficients
-        base_tokens, sum_cx, sum_sq = base.tokens, base.sum_chunk_x_context, base.sum_chunk_sq
-        sum_ctx, prefills, sum_prefill_ctx = \
-            base.sum_context, base.prefill_chunks, base.sum_prefill_context
-        max_decode_ctx = base.max_decode_context
-        bisect_left = bisect.bisect_left
-        last_bucket = token_buckets[-1] if token_buckets is not None else None
-
-        def price(n: int) -> float:
-            tokens = base_tokens + n
-            padded = tokens
-            if token_buckets is not None and tokens:
-                padded = token_buckets[bisect_left(token_buckets, tokens)] \
-                    if tokens <= last_bucket else padded_size(tokens, token_buckets)
-            end = start + n
-            if n > 1:
-                prefill_ctx = sum_prefill_ctx + end
-                return (c0 + c1 * padded + c2 * (sum_cx + n * end) + c3 * (sum_sq + n * n)
-                        + c4 * (prefills + 1) + c5 * prefill_ctx
-                        + c6 * (sum_ctx + end - prefill_ctx) + c7 * max_decode_ctx)
-            return (c0 + c1 * padded + c2 * (sum_cx + n * end) + c3 * (sum_sq + n * n)
-                    + c4 * prefills + c5 * sum_prefill_ctx
-                    + c6 * (sum_ctx + end - sum_prefill_ctx)
-                    + c7 * (max_decode_ctx if max_decode_ctx > end else end))
-
-        return price
+        tokens = base.tokens + n
+        padded = tokens
+        if token_buckets is not None and tokens:
+            padded = token_buckets[bisect.bisect_left(token_buckets, tokens)] \
+                if tokens <= token_buckets[-1] else padded_size(tokens, token_buckets)
+        end = start + n
+        head = (c0 + c1 * padded + c2 * (base.sum_chunk_x_context + n * end)
+                + c3 * (base.sum_chunk_sq + n * n))
+        if n > 1:                                   # a prefill chunk
+            prefill_ctx = base.sum_prefill_context + end
+            return (head + c4 * (base.prefill_chunks + 1) + c5 * prefill_ctx
+                    + c6 * (base.sum_context + end - prefill_ctx)
+                    + c7 * base.max_decode_context)
+        max_decode = base.max_decode_context
+        return (head + c4 * base.prefill_chunks + c5 * base.sum_prefill_context
+                + c6 * (base.sum_context + end - base.sum_prefill_context)
+                + c7 * (max_decode if max_decode > end else end))
 
     def to_json(self) -> str:
         return json.dumps({
