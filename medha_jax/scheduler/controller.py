@@ -24,9 +24,7 @@ Plain Python, single-threaded: the server serialises calls from its own loop thr
 
 from __future__ import annotations
 
-import collections
 import itertools
-import operator
 import time
 from collections.abc import Callable, Iterable, Sequence
 
@@ -36,11 +34,6 @@ from medha_jax.scheduler.kv_reservations import KVAllocator, KVReservations
 from medha_jax.scheduler.packer import BatchPacker
 from medha_jax.scheduler.policies import SRPT, Policy, PriorityIndex
 from medha_jax.scheduler.prefill_time_cache import PrefillTimeCache
-
-# C-level getters for the per-decode passes of _KVGate.reserve_decodes.
-_REQUEST_ID = operator.attrgetter("request_id")
-_PROMPT_LEN = operator.attrgetter("prompt_len")
-_OUTPUT_IDS = operator.attrgetter("output_token_ids")
 
 __all__ = ["CapacityError", "KVAllocator", "ReplicaController", "run_one_step"]
 
@@ -461,51 +454,33 @@ class _KVGate:
     def reserve_decodes(self, decodes: Sequence[Request], seats: int) -> list[ScheduledChunk]:
         """reserve() of each decode's chunk in order (`packer.reserve_each_decode`), at most
         `seats` granted. The decodes are the controller's: running, and in no batch in
-        flight (a decode needs its last batch's token), so none has tokens in flight.
+        flight (a decode needs its last batch's token).
 
-        The one loop over every decode of every step, so the usual case runs in C-level
-        passes (map over getters, no Python frame per decode): every decode's next token
-        fits in the pages it holds, or its pages grow without evicting anyone - then each
-        is granted, as reserve() would, without the calls that would change nothing. At
-        the first decode whose pages cannot grow, reserve() takes over one by one."""
-        head = decodes[:seats]
-        if not head:
-            return []
-        if self.preempted:                      # not at the start of a batch: one by one
-            return self._reserve_each(head, decodes[len(head):], seats, [])
-        rids = list(map(_REQUEST_ID, head))
-        ends = list(map(operator.add, map(_PROMPT_LEN, head), map(len, map(_OUTPUT_IDS, head))))
-        # Decodes whose next token needs a page more (about one in page_size), in order.
-        short = itertools.compress(itertools.count(), map(
-            operator.gt, ends, map(self.kv.tokens_held.__getitem__, rids)))
-        kv_reserve = self.kv.reserve
-        for i in short:
-            if not kv_reserve(rids[i], ends[i]):        # (changed nothing: reserve() retries)
-                chunks = self._grant(head[:i], ends[:i])
-                return self._reserve_each(head[i:], decodes[len(head):], seats, chunks)
-        return self._grant(head, ends)
-
-    def _grant(self, requests: Sequence[Request], ends: Sequence[int]) -> list[ScheduledChunk]:
-        """The decode chunks of `requests` (whose pages hold tokens up to `ends`), now in
-        flight, in C-level passes."""
-        self.in_flight.update(zip(map(_REQUEST_ID, requests), itertools.repeat(1)))
-        collections.deque(map(setattr, requests, itertools.repeat("num_in_flight_tokens"),
-                              itertools.repeat(1)), maxlen=0)
-        # tuple.__new__: ScheduledChunk's own __new__ is a Python function.
-        return list(map(tuple.__new__, itertools.repeat(ScheduledChunk), zip(
-            requests, map(operator.sub, ends, itertools.repeat(1)), itertools.repeat(1))))
-
-    def _reserve_each(self, decodes: Sequence[Request], later: Sequence[Request], seats: int,
-                      chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
-        """reserve() of each decode in `decodes`, then of `later` while seats are left,
-        appended to the chunks granted already."""
-        for request in itertools.chain(decodes, later):
-            if len(chunks) >= seats:
-                break
-            end = request.prompt_len + len(request.output_token_ids)
-            chunk = ScheduledChunk(request, end - 1, 1)
-            if self.reserve(chunk):
-                chunks.append(chunk)
+        The one loop over every decode of every step, so reserve() is inlined for the
+        usual decode, whose next token fits in its pages or whose pages grow without
+        evicting anyone: it is granted and marked in flight at once (one in-flight batch,
+        one token). A decode whose pages cannot grow goes through reserve() (evictions,
+        outside the chunks granted so far: they are in flight already)."""
+        chunks: list[ScheduledChunk] = []
+        append, new_chunk = chunks.append, tuple.__new__    # ScheduledChunk's __new__ is Python
+        held, kv_reserve = self.kv.tokens_held.get, self.kv.reserve
+        in_flight, preempted = self.in_flight, self.preempted
+        todo = decodes
+        while todo and len(chunks) < seats:
+            # Seats for all of this slice: only a refused decode makes room for the next.
+            head, todo = todo[:seats - len(chunks)], todo[seats - len(chunks):]
+            for request in head:
+                rid = request.request_id
+                end = request.prompt_len + len(request.output_token_ids)
+                chunk = new_chunk(ScheduledChunk, (request, end - 1, 1))
+                if end > held(rid, 0):                  # a page more (or evicted: none)
+                    if rid in preempted or not kv_reserve(rid, end):
+                        if self.reserve(chunk):         # (a failed kv reserve changed nothing)
+                            append(chunk)
+                        continue
+                in_flight[rid] = 1
+                request.num_in_flight_tokens += 1
+                append(chunk)
         return chunks
 
     def release_unscheduled(self) -> None:
