@@ -357,3 +357,29 @@ def test_kvp_preemption_under_pressure_finishes_every_request(policy):
     for r in requests:
         assert r.output_token_ids == [token_at(r.prompt_len + k) for k in range(r.max_new_tokens)]
     assert [allocator.num_free_pages_on(s) for s in (0, 1)] == [12, 12]
+
+
+def test_a_decode_short_of_a_page_never_evicts_a_decode_of_its_own_batch():
+    """Decodes are booked in C-level passes until one needs a page the cache lacks: that
+    one goes through reserve(), which must see the decodes granted before it as in the
+    batch. Here `low` (less important) decodes first and fits its pages; `high` needs a
+    page and the cache is full: it may not evict `low`, whose chunk is already in the
+    batch, so it waits a step."""
+    controller, allocator, engine = _setup("fcfs", num_pages=2, page_size=4)
+    low = Request("low", 2, 6, 0.0, priority=1, prompt_token_ids=[3, 4],
+                  sampling=SamplingParams(temperature=0.0))
+    high = Request("high", 4, 4, 0.0, prompt_token_ids=[5, 6, 7, 8],
+                   sampling=SamplingParams(temperature=0.0))
+    controller.add_request(low)
+    run_one_step(controller, engine)                  # low's prefill: one page
+    controller.add_request(high)
+    run_one_step(controller, engine)                  # low decodes, high's prefill: the other
+    assert allocator.num_free_pages == 0 and len(high.output_token_ids) == 1
+    batch = controller.schedule()                     # low fits (end 4), high needs a 2nd page
+    assert [(c.request.request_id, c.start) for c in batch.chunks] == [("low", 3)]
+    assert controller.num_preemptions == 0 and low.state is RequestState.RUNNING
+    controller.update(batch, engine.execute(batch))
+    _run(controller, engine)
+    for r in (low, high):
+        assert r.output_token_ids == [token_at(r.prompt_len + k) for k in range(r.max_new_tokens)]
+    assert allocator.num_free_pages == allocator.num_pages

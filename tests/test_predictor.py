@@ -218,3 +218,39 @@ def test_kvp_prices_the_busiest_shard_and_the_merge():
     # The merge costs something per layer even for a short context.
     short = BatchFeatures().plus_chunk(1, 100, True)
     assert spread.predict_features(short) > one.predict_features(short)
+
+
+def _random_base(rng, buckets):
+    """Features of a random batch of decodes and prefill chunks (within the buckets)."""
+    base = BatchFeatures()
+    for _ in range(rng.randint(0, 12)):
+        n = rng.choice([1, 1, 1, rng.randint(2, 300)])
+        if base.tokens + n > buckets[-1] // 2:
+            break
+        base = base.plus_chunk(n, rng.randint(0, 200_000), rng.random() < 0.3, buckets)
+    return base
+
+
+@pytest.mark.parametrize("parallel", [ParallelConfig(), ParallelConfig(tp=8),
+                                      ParallelConfig(tp=2, spp=2), ParallelConfig(kvp=2),
+                                      ParallelConfig(cp=2)])
+@pytest.mark.parametrize("buckets", [(16, 64, 256, 1024, 4096), None])
+def test_chunk_time_is_exactly_predict_features_of_plus_chunk(parallel, buckets):
+    """The packer prices every chunk it considers through chunk_time: the very same
+    float as predict_features(base.plus_chunk(...)) (the same batches as before), for the
+    analytical roofline (every axis) and a profiled fit (decode and prefill terms)."""
+    from medha_jax.scheduler.predictor import chunk_time
+    rng = random.Random(hash((str(parallel), buckets)) % 2**32)
+    profiled = ProfiledPredictor([rng.uniform(0, 1e-2) * 10 ** -rng.randint(0, 9)
+                                  for _ in range(8)], token_buckets=buckets)
+    for predictor in (AnalyticalPredictor(LLAMA_8B, parallel, "h100", token_buckets=buckets),
+                      profiled):
+        for _ in range(40):
+            base = _random_base(rng, buckets or (8192,))
+            start, remaining = rng.randint(0, 500_000), rng.randint(1, 3000)
+            cap = min(remaining, (buckets or (8192,))[-1] - base.tokens)
+            for n in {1, 2, 3, cap, max(1, cap // 2), rng.randint(1, cap)}:
+                want = predictor.predict_features(base.plus_chunk(n, start, n == remaining,
+                                                                  buckets))
+                got = chunk_time(predictor, base, n, start, remaining, buckets)
+                assert got == want, (predictor, base, start, remaining, n)

@@ -1,6 +1,7 @@
 """Priority policies, the priority index, and the scenarios of seed 000 section 4.1."""
 
 import random
+from unittest import mock
 
 import pytest
 from hypothesis import given, settings
@@ -11,6 +12,8 @@ from medha_jax.kv_cache.allocator import BlockAllocator
 from medha_jax.request import SLO, Request, RequestState, VirtualClock
 from medha_jax.scheduler import (ReplicaController, SchedulerConfig, make_controller,
                                  run_one_step)
+from medha_jax.scheduler import controller as controller_module
+from medha_jax.scheduler.packer import reserve_each_decode
 from medha_jax.scheduler.policies import EDF, FCFS, LARS, LRS, SRPT, PriorityIndex
 from medha_jax.scheduler.in_flight import InFlightRunner
 from medha_jax.scheduler.predictor import AnalyticalPredictor, batch_features
@@ -364,10 +367,21 @@ def _run(policy, requests, *, reference, stages, num_pages, candidates, riders):
 def test_controller_batches_equal_those_of_a_plain_sort_of_the_queue(
         seed, policy, n, stages, num_pages, candidates, riders, prefix_groups):
     """The PriorityIndex's shortcuts (stored keys, the threshold of the last top(), lazy
-    riders) form exactly the batches a full sort of the whole queue at every step gives,
-    with preemption, prefix-cache reuse, priority classes and batches in flight."""
+    riders), the gate's bulk decode reservation and the folded chunk pricer form exactly
+    the batches a full sort of the whole queue at every step gives with decodes reserved
+    one by one and every chunk priced from its features, with preemption, prefix-cache
+    reuse, priority classes and batches in flight."""
     requests = _random_requests(random.Random(seed), n, prefix_groups)
     kw = dict(stages=stages, num_pages=num_pages, candidates=candidates, riders=riders)
     fast = _run(policy, requests, reference=False, **kw)
-    plain = _run(policy, requests, reference=True, **kw)
+    # The plain run also books decodes one by one through reserve() (the meaning of the
+    # gate's C-level decode passes) and prices every probe from its features.
+    with mock.patch.object(controller_module._KVGate, "reserve_decodes", reserve_each_decode), \
+            mock.patch.object(AnalyticalPredictor, "chunk_time", _plain_chunk_time), \
+            mock.patch.object(_PREDICTOR, "chunk_time_grows_with_n", False):
+        plain = _run(policy, requests, reference=True, **kw)
     assert fast == plain
+
+
+def _plain_chunk_time(predictor, base, n, start, remaining, token_buckets):
+    return predictor.predict_features(base.plus_chunk(n, start, n == remaining, token_buckets))

@@ -24,6 +24,7 @@ Plain Python, single-threaded: the server serialises calls from its own loop thr
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterable, Sequence
 
@@ -228,16 +229,14 @@ class ReplicaController:
         until update(batch, ...). An empty batch when nothing can run now."""
         start = time.perf_counter()
         now = self.clock.now()
-        in_flight = self._in_flight
         candidates = self._candidates(now)
-        gate = _KVGate(self.kv, now, pick_victim=self._pick_victim, preempt=self._preempt,
-                       start_running=self._start_running, requeue=self._prefills.update)
+        # The gate marks each chunk in flight as it grants its pages (every granted chunk
+        # joins the batch), in the same loop that books them.
+        gate = _KVGate(self.kv, now, in_flight=self._in_flight, pick_victim=self._pick_victim,
+                       preempt=self._preempt, start_running=self._start_running,
+                       requeue=self._prefills.update)
         batch = self.packer.pack(self._decode_order(), candidates, now, gate)
         gate.release_unscheduled()
-        for request, _, num_tokens in batch.chunks:
-            rid = request.request_id
-            in_flight[rid] = in_flight.get(rid, 0) + 1
-            request.num_in_flight_tokens += num_tokens
         self.last_schedule_seconds = time.perf_counter() - start
         return batch
 
@@ -311,8 +310,8 @@ class ReplicaController:
         if not extra or len(self._prefills) <= k + len(in_flight):
             return candidates                        # the top was the whole queue
         chosen = set(candidates)
-        riders = [r for r in self._prefills.top(now, k + extra + len(in_flight), secondary=True)
-                  if r not in chosen]
+        riders = list(itertools.filterfalse(chosen.__contains__, self._prefills.top(
+            now, k + extra + len(in_flight), secondary=True)))
         if in_flight:
             riders = [r for r in riders if runnable(r)]
         riders = riders[:extra]
@@ -378,10 +377,11 @@ class ReplicaController:
         return (*self.policy.sort_key_from_start(request, now),
                 self._admission[request.request_id])
 
-    def _pick_victim(self, requester: Request, exclude: set[str], now: float,
-                     shards: frozenset[int]) -> Request | None:
+    def _pick_victim(self, requester: Request, now: float, shards: frozenset[int]
+                     ) -> Request | None:
         """The lowest-priority running request holding pages on one of `shards` (where the
-        requester lacks pages), outside the batch and outside every batch in flight, if
+        requester lacks pages), outside every batch in flight (the one being packed
+        included: its chunks are in flight from the moment they get their pages), if
         below the requester.
 
         Under kvp a request's pages are on some shards only: evicting one with no page
@@ -390,7 +390,7 @@ class ReplicaController:
         victim, victim_rank = None, self._rank(requester, now)
         holds_pages_on = self.kv.holds_pages_on
         for rid, r in self._running.items():
-            if rid in exclude or rid in self._in_flight or r is requester or \
+            if rid in self._in_flight or r is requester or \
                     not holds_pages_on(rid, shards):
                 continue
             rank = self._rank(r, now)
@@ -402,20 +402,20 @@ class ReplicaController:
 class _KVGate:
     """The controller's side of packing one batch: KV pages for each chunk the packer wants.
 
-    Books pages through the KVReservations; everything else it may do to a request
-    (evict one, mark one running, requeue one whose position moved) it does through the
-    controller's callbacks, so the controller's queues stay the controller's own."""
+    Books pages through the KVReservations and marks each granted chunk in flight (the
+    controller's `in_flight` counts and the request's num_in_flight_tokens: every chunk
+    the gate grants joins the batch); everything else it may do to a request (evict one,
+    mark one running, requeue one whose position moved) it does through the controller's
+    callbacks, so the controller's queues stay the controller's own."""
 
-    def __init__(self, kv: KVReservations, now: float, *,
-                 pick_victim: Callable[[Request, set[str], float, frozenset[int]],
-                                       Request | None],
+    def __init__(self, kv: KVReservations, now: float, *, in_flight: dict[str, int],
+                 pick_victim: Callable[[Request, float, frozenset[int]], Request | None],
                  preempt: Callable[[Request], None],
                  start_running: Callable[[Request, float], None],
                  requeue: Callable[[Request], None]):
-        self.kv, self.now = kv, now
+        self.kv, self.now, self.in_flight = kv, now, in_flight
         self._pick_victim, self._preempt = pick_victim, preempt
         self._start_running, self._requeue = start_running, requeue
-        self.in_batch: set[str] = set()
         self.preempted: set[str] = set()
         self.registered: list[Request] = []   # waiting requests given pages during packing
 
@@ -437,8 +437,7 @@ class _KVGate:
         if rid in self.preempted:
             return False
         while not self.kv.reserve(rid, chunk.end):
-            victim = self._pick_victim(request, self.in_batch, self.now,
-                                       self.kv.shards_short(rid, chunk.end))
+            victim = self._pick_victim(request, self.now, self.kv.shards_short(rid, chunk.end))
             if victim is None:
                 # Nothing less urgent to evict: this chunk waits. A waiting request gives
                 # back at once the cached prefix pages it took when prepared: held until
@@ -448,32 +447,42 @@ class _KVGate:
                 return False
             self._preempt(victim)
             self.preempted.add(victim.request_id)
-        self.in_batch.add(rid)
         self._start_running(request, self.now)
+        in_flight = self.in_flight
+        in_flight[rid] = in_flight.get(rid, 0) + 1
+        request.num_in_flight_tokens += chunk.num_tokens
         return True
 
     def reserve_decodes(self, decodes: Sequence[Request], seats: int) -> list[ScheduledChunk]:
         """reserve() of each decode's chunk in order (`packer.reserve_each_decode`), at most
-        `seats` granted. Most decodes fit in the pages they hold: for those this is
-        reserve() without the calls that would change nothing (the one loop over every
-        decode of every step)."""
+        `seats` granted. The decodes are the controller's: running, and in no batch in
+        flight (a decode needs its last batch's token).
+
+        The one loop over every decode of every step, so reserve() is inlined for the
+        usual decode, whose next token fits in its pages or whose pages grow without
+        evicting anyone: it is granted and marked in flight at once (one in-flight batch,
+        one token). A decode whose pages cannot grow goes through reserve() (evictions,
+        outside the chunks granted so far: they are in flight already)."""
         chunks: list[ScheduledChunk] = []
-        append, kv_reserve = chunks.append, self.kv.reserve
-        preempted, in_batch, running = self.preempted, self.in_batch, RequestState.RUNNING
-        for request in decodes:
-            if len(chunks) >= seats:
-                break
-            end = request.prompt_len + len(request.output_token_ids)
-            chunk = ScheduledChunk(request, end - 1, 1)
-            rid = request.request_id
-            if rid in preempted or not kv_reserve(rid, end):
-                if self.reserve(chunk):            # refused, or pages to find
-                    append(chunk)
-                continue
-            in_batch.add(rid)
-            if request.state is not running or request.first_scheduled_time is None:
-                self._start_running(request, self.now)
-            append(chunk)
+        append, new_chunk = chunks.append, tuple.__new__    # ScheduledChunk's __new__ is Python
+        held, kv_reserve = self.kv.tokens_held.get, self.kv.reserve
+        in_flight, preempted = self.in_flight, self.preempted
+        todo = decodes
+        while todo and len(chunks) < seats:
+            # Seats for all of this slice: only a refused decode makes room for the next.
+            head, todo = todo[:seats - len(chunks)], todo[seats - len(chunks):]
+            for request in head:
+                rid = request.request_id
+                end = request.prompt_len + len(request.output_token_ids)
+                chunk = new_chunk(ScheduledChunk, (request, end - 1, 1))
+                if end > held(rid, 0):                  # a page more (or evicted: none)
+                    if rid in preempted or not kv_reserve(rid, end):
+                        if self.reserve(chunk):         # (a failed kv reserve changed nothing)
+                            append(chunk)
+                        continue
+                in_flight[rid] = 1
+                request.num_in_flight_tokens += 1
+                append(chunk)
         return chunks
 
     def release_unscheduled(self) -> None:

@@ -10,7 +10,8 @@ interface (the simulator counts pages without page ids).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import types
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from medha_jax.request import Request
@@ -72,6 +73,13 @@ class KVReservations:
     def __init__(self, allocator: KVAllocator):
         self.allocator = allocator
         self._reserved_tokens: dict[str, int] = {}    # request_id -> tokens its pages hold
+        self._tokens_held_view = types.MappingProxyType(self._reserved_tokens)
+
+    @property
+    def tokens_held(self) -> Mapping[str, int]:
+        """request_id -> tokens its pages hold (read-only view for the per-decode fast
+        path: a reserve() of at most that many changes nothing)."""
+        return self._tokens_held_view
 
     def has(self, request_id: str) -> bool:
         return request_id in self._reserved_tokens

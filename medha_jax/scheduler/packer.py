@@ -35,14 +35,21 @@ front of the priority order only as far as the batch has room (`riders` is lazy)
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
+import operator
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Protocol
 
 from medha_jax.buckets import padded_size
 from medha_jax.request import Batch, Request, ScheduledChunk
-from medha_jax.scheduler.predictor import BatchFeatures, RuntimePredictor
+from medha_jax.scheduler.predictor import BatchFeatures, RuntimePredictor, chunk_time
+
+
+# Read per decode per step: C-level getters instead of a Python loop.
+_START = operator.itemgetter(1)                        # ScheduledChunk.start
+_TPOT = operator.attrgetter("request.slo.tpot_s")      # of a ScheduledChunk
 
 
 class ChunkGate(Protocol):
@@ -133,7 +140,7 @@ class EngineLimits:
 def largest_chunk(predictor: RuntimePredictor, base: BatchFeatures, *, start: int, max_tokens: int,
                   remaining: int, budget_s: float, token_buckets: Sequence[int] | None,
                   guess: int | None = None, tolerance: float = 1 / 128,
-                  fitted: dict[int, tuple[BatchFeatures, float]] | None = None) -> int:
+                  fitted: dict[int, float] | None = None) -> int:
     """About the largest n in [1, max_tokens] whose batch (base + chunk) is predicted
     <= budget_s; 0 if none. Never over budget; at most `tolerance` (relative) short of
     the exact largest, which saves a third of the predictions at long contexts.
@@ -144,24 +151,39 @@ def largest_chunk(predictor: RuntimePredictor, base: BatchFeatures, *, start: in
     max_tokens is tried first and the search runs over the monotone part below it.
     `guess` (e.g. the chunk a lone prefill gets at this context) starts a galloping
     search next to the answer instead of a bisection of the whole range. `fitted`, if
-    given, gets the features and predicted time of each probe that fit, by n (the answer's
-    among them, unless it is 0), so that the caller need not price its chunk again.
+    given, gets the predicted time of each probe that fit, by n (the answer's among them,
+    unless it is 0), so that the caller need not price its chunk again.
     """
-    predict, plus_chunk, base_tokens = predictor.predict_features, base.plus_chunk, base.tokens
+    if max_tokens < 1:
+        return 0
+
+    def price(n: int) -> float:
+        return chunk_time(predictor, base, n, start, remaining, token_buckets)
+
+    seconds = price(max_tokens)
+    if seconds <= budget_s:
+        if fitted is not None:
+            fitted[max_tokens] = seconds
+        return max_tokens
+    return chunk_below(price, base.tokens, max_tokens, budget_s, token_buckets, guess=guess,
+                       tolerance=tolerance, fitted=fitted)
+
+
+def chunk_below(price: Callable[[int], float], base_tokens: int, max_tokens: int,
+                budget_s: float, token_buckets: Sequence[int] | None, *,
+                guess: int | None = None, tolerance: float = 1 / 128,
+                fitted: dict[int, float] | None = None) -> int:
+    """`largest_chunk`'s search once max_tokens is known not to fit: about the largest n
+    in [1, max_tokens) with price(n) <= budget_s (0 if none), the same probes."""
 
     def fits(n: int) -> bool:
-        features = plus_chunk(n, start, n == remaining, token_buckets)
-        seconds = predict(features)
+        seconds = price(n)
         if not seconds <= budget_s:
             return False
         if fitted is not None:
-            fitted[n] = (features, seconds)
+            fitted[n] = seconds
         return True
 
-    if max_tokens < 1:
-        return 0
-    if fits(max_tokens):
-        return max_tokens
     lo, hi = 0, max_tokens             # invariant: lo == 0 or fits(lo); not fits(hi)
     if guess is not None and 1 <= guess < max_tokens:
         step = max(1, guess >> 4)
@@ -232,6 +254,10 @@ class BatchPacker:
         self.predictor = predictor
         self.limits = limits
         self._token_limit = limits.token_limit      # read by every chunk: not a property call
+        self._chunk_time = getattr(predictor, "chunk_time", None) or \
+            functools.partial(chunk_time, predictor)
+        # Whether a chunk's predicted time never falls as it grows (from one token on).
+        self._monotone = getattr(predictor, "chunk_time_grows_with_n", False)
 
     def pack(self, decodes: Sequence[Request], prefills: Sequence[Request], now: float,
              gate: ChunkGate = OpenGate()) -> Batch:
@@ -247,7 +273,7 @@ class BatchPacker:
         chunks.extend(granted)
         if not granted:
             return BatchFeatures()
-        starts = [chunk.start for chunk in granted]      # each ends at start + 1
+        starts = list(map(_START, granted))               # each ends at start + 1
         tokens = len(starts)
         sum_ctx, max_ctx = sum(starts) + tokens, max(starts) + 1
         return BatchFeatures(tokens, padded_size(tokens, self.limits.token_buckets), tokens,
@@ -314,7 +340,7 @@ class AdaptivePacker(BatchPacker):
         stages), or the default."""
         budget = self.target_batch_time_s
         if decodes:
-            tpot = min(chunk.request.slo.tpot_s for chunk in decodes) / self.pipeline_stages
+            tpot = min(map(_TPOT, decodes)) / self.pipeline_stages
             if tpot < budget:
                 budget = tpot
         return budget
@@ -359,35 +385,50 @@ class AdaptivePacker(BatchPacker):
             # buckets the long chunk would grow to its bucket's edge (padding is paid
             # for) and leave the riders only the next bucket, which the share cannot buy.
             share_end = t_pred + self.rho_max * (t_target - t_pred)
+            chunk_time_, buckets = self._chunk_time, self.limits.token_buckets
             for rider, covered in riders:
                 if num_prefills + 1 >= max_prefills:       # a seat stays the head's
                     break
-                if self._room(features) < 1:     # no rider fits (_fits); stop reading them
+                room = self._room(features)
+                if room < 1:                     # no rider fits; stop reading them
                     break
                 budget = t_target if covered or not is_long else share_end
-                if self._fits(rider, features, budget):
-                    added = self._add_chunk(rider, features, budget, gate, chunks)
+                start = rider.num_scheduled_tokens
+                remaining = rider.num_tokens - start
+                # Worth a search if a one-token chunk fits; riders are short, and mostly
+                # the whole rest fits, which (where time grows with n) says so at once
+                # and is the search's first probe.
+                whole = chunk_time_(features, int(min(remaining, room)), start, remaining,
+                                    buckets)
+                if (self._monotone and whole <= budget) or \
+                        chunk_time_(features, 1, start, remaining, buckets) <= budget:
+                    added = self._add_chunk(rider, features, budget, gate, chunks,
+                                            start, remaining, whole)
                     if added is not None:
                         features, t_pred = added
                         packed.add(rider.request_id)
                         num_prefills += 1
             if num_prefills >= max_prefills:
                 break
-            n, priced = self._chunk_size(request, features, t_target)
+            start = request.num_scheduled_tokens
+            remaining = request.num_tokens - start
+            n, seconds = self._chunk_size(features, start, remaining, t_target)
             if n == 0:
                 unserved.append(request)        # Algorithm 1, line 17: tries next time
                 continue
-            chunk = ScheduledChunk(request, request.num_scheduled_tokens, n)
+            chunk = ScheduledChunk(request, start, n)
             if not gate.reserve(chunk):
                 continue
             chunks.append(chunk)
-            features, t_pred = priced or self._priced(features, chunk)
+            features, t_pred = self._priced(features, start, n, remaining, seconds)
             num_prefills += 1
             has_long = has_long or is_long
         if num_prefills == 0:
-            features = self._guarantee_progress(unserved + list(prefills[i:]), features, gate,
+            progress = self._guarantee_progress(unserved + list(prefills[i:]), features, gate,
                                                 chunks)
-        return Batch(chunks, self.predictor.predict_features(features))
+            if progress is not features:
+                features, t_pred = progress, self.predictor.predict_features(progress)
+        return Batch(chunks, t_pred)
 
     def is_long(self, request: Request) -> bool:
         """IsLong of Algorithm 2: a prompt longer than long_prefill_tokens.
@@ -432,67 +473,75 @@ class AdaptivePacker(BatchPacker):
     def _iter_riders(self, long: Request, later: Iterable[Request], now: float
                      ) -> Iterator[tuple[Request, bool]]:
         """`riders`, read only as far as the packer needs them."""
-        remaining_work, is_long = self.remaining_work, self.is_long
+        remaining_work, long_tokens = self.remaining_work, self.long_prefill_tokens
         finish = now + remaining_work(long)
         spare = max(0.0, long.deadline - finish)
         for request in later:
-            if is_long(request):
+            if request.prompt_len > long_tokens:         # is_long
                 continue
             work = remaining_work(request)
             if work <= spare:
                 spare -= work
                 yield request, True
-            elif request.deadline <= finish:
+            elif request.arrival_time + request.slo.ttft_s <= finish:    # deadline
                 yield request, False
 
-    def _fits(self, request: Request, features: BatchFeatures, budget_s: float) -> bool:
-        """Whether a one-token chunk of `request` still fits: a cheap test before the search.
-        (Not t_pred < budget: where chunks run side by side, one more may cost nothing.)"""
-        if self._room(features) < 1:
-            return False
-        start = request.num_scheduled_tokens
-        one = features.plus_chunk(1, start, start + 1 == request.num_tokens,
-                                  self.limits.token_buckets)
-        return self.predictor.predict_features(one) <= budget_s
-
     def _add_chunk(self, request: Request, features: BatchFeatures, budget_s: float,
-                   gate: ChunkGate, chunks: list[ScheduledChunk]
-                   ) -> tuple[BatchFeatures, float] | None:
+                   gate: ChunkGate, chunks: list[ScheduledChunk], start: int, remaining: int,
+                   whole: float) -> tuple[BatchFeatures, float] | None:
         """Appends the largest chunk of `request` that keeps the batch within budget_s, if
         one fits and gets its KV pages; the batch's features with it and their predicted
-        time, or None."""
+        time, or None. start, remaining, whole: the request's next chunk as it stood
+        before gate.prepare, and the predicted time of the largest one there is room for."""
         if not gate.prepare(request):
             return None
-        n, priced = self._chunk_size(request, features, budget_s)
-        chunk = ScheduledChunk(request, request.num_scheduled_tokens, n)
-        if n == 0 or not gate.reserve(chunk):
+        if request.num_scheduled_tokens != start:       # a cached prefix: chunks start later
+            start = request.num_scheduled_tokens
+            remaining, whole = request.num_tokens - start, None
+        n, seconds = self._chunk_size(features, start, remaining, budget_s, whole)
+        if n == 0:
+            return None
+        chunk = ScheduledChunk(request, start, n)
+        if not gate.reserve(chunk):
             return None
         chunks.append(chunk)
-        return priced or self._priced(features, chunk)
+        return self._priced(features, start, n, remaining, seconds)
 
-    def _priced(self, features: BatchFeatures, chunk: ScheduledChunk
-                ) -> tuple[BatchFeatures, float]:
-        """The features with `chunk` added, and their predicted time."""
-        features = features.plus_chunk(chunk.num_tokens, chunk.start, chunk.samples,
-                                       self.limits.token_buckets)
-        return features, self.predictor.predict_features(features)
+    def _priced(self, features: BatchFeatures, start: int, n: int, remaining: int,
+                seconds: float | None) -> tuple[BatchFeatures, float]:
+        """The features with the chunk [start, start + n) of a request with `remaining`
+        tokens left added, and their predicted time (`seconds` where the search priced it
+        already)."""
+        features = features.plus_chunk(n, start, n == remaining, self.limits.token_buckets)
+        return features, seconds if seconds is not None else \
+            self.predictor.predict_features(features)
 
-    def _chunk_size(self, request: Request, features: BatchFeatures, budget_s: float
-                    ) -> tuple[int, tuple[BatchFeatures, float] | None]:
-        """GETCHUNKSIZE's binary search: the largest chunk of `request` that keeps the batch
-        within budget_s (at least a whole query block: `whole_query_block`); 0 when none
-        fits. With it, the batch's features and time with that chunk where the search
-        priced them already (None where a whole query block widened it)."""
-        room = self._room(features)
-        start = request.num_scheduled_tokens
-        remaining = request.num_tokens - start
+    def _chunk_size(self, features: BatchFeatures, start: int, remaining: int,
+                    budget_s: float, whole: float | None = None) -> tuple[int, float | None]:
+        """GETCHUNKSIZE's binary search (`largest_chunk`): the largest chunk from `start` of
+        a request with `remaining` tokens left that keeps the batch within budget_s (at
+        least a whole query block: `whole_query_block`); 0 when none fits. With it, the
+        batch's predicted time with that chunk where the search priced it already (None
+        where a whole query block widened it). `whole`: the predicted time of the largest
+        chunk there is room for, where the caller asked already."""
+        room = 0 if features.seqs >= self.limits.max_seqs_per_batch else \
+            self._token_limit - features.tokens
         max_tokens = int(min(remaining, room))
-        fitted: dict[int, tuple[BatchFeatures, float]] = {}
-        n = largest_chunk(self.predictor, features, start=start, max_tokens=max_tokens,
-                          remaining=remaining, budget_s=budget_s,
-                          token_buckets=self.limits.token_buckets,
-                          guess=self.chunk_hint(start) if self.chunk_hint else None,
-                          fitted=fitted)
+        if max_tokens < 1:
+            return 0, None
+        chunk_time_, buckets = self._chunk_time, self.limits.token_buckets
+        seconds = chunk_time_(features, max_tokens, start, remaining, buckets) \
+            if whole is None else whole
+        if seconds <= budget_s:         # the whole rest fits (a whole block already, if >= 2)
+            return max_tokens, seconds
+
+        def price(n: int) -> float:
+            return chunk_time_(features, n, start, remaining, buckets)
+
+        fitted: dict[int, float] = {}
+        n = chunk_below(price, features.tokens, max_tokens, budget_s, buckets,
+                        guess=self.chunk_hint(start) if self.chunk_hint else None,
+                        fitted=fitted)
         n = whole_query_block(n, max_tokens, self.limits)
         return n, fitted.get(n)
 

@@ -21,11 +21,14 @@ least remaining work, SRPT, of a queue that LARS orders).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 
 import numpy as np
 
 from medha_jax.request import Request
+
+_REQUEST_ID = operator.attrgetter("request_id")
 
 
 class Policy:
@@ -206,12 +209,11 @@ class PriorityIndex:
         sort: equal keys keep their order); `sort_key` for a whole list in one pass."""
         if len(requests) < 2:
             return list(requests)
-        slot = self._slot
-        rows = [slot[r.request_id] for r in requests]
+        rows = list(map(self._slot.__getitem__, map(_REQUEST_ID, requests)))
         keys = (self._offset[0, rows] - self._slope[0, rows] * now).tolist()
         klass = self._klass[rows].tolist()
         by = sorted(range(len(requests)), key=lambda j: (klass[j], keys[j]))
-        return [requests[j] for j in by]
+        return list(map(requests.__getitem__, by))
 
     def top(self, now: float, k: int, *, secondary: bool = False) -> list[Request]:
         """The k most urgent requests at time `now`, most urgent first (by the secondary
@@ -227,8 +229,7 @@ class PriorityIndex:
             rows = self._top_rows_by_class(keys, k)
         else:
             rows, self._threshold[i] = _first_rows(keys, self._order[:n], k, self._threshold[i])
-        requests = self._requests
-        return [requests[r] for r in rows.tolist()]
+        return list(map(self._requests.__getitem__, rows.tolist()))
 
     def _top_rows_by_class(self, keys: np.ndarray, k: int) -> np.ndarray:
         """top()'s rows with several priority classes: every row of the more important

@@ -129,6 +129,20 @@ def decode_token_seconds(predictor, seats: int) -> float:
     return predictor.predict_features(full_decode) / seats
 
 
+def chunk_time(predictor, base: BatchFeatures, n: int, start: int, remaining: int,
+               token_buckets: Sequence[int] | None) -> float:
+    """Predicted seconds of `base` plus a chunk of n tokens from `start` of a request with
+    `remaining` tokens left (it samples at n == remaining): exactly
+    predict_features(base.plus_chunk(n, start, n == remaining, token_buckets)).
+
+    The packer prices every chunk it considers this way; a predictor may offer a
+    `chunk_time` of its own that computes the same float without building the features."""
+    own = getattr(predictor, "chunk_time", None)
+    if own is not None:
+        return own(base, n, start, remaining, token_buckets)
+    return predictor.predict_features(base.plus_chunk(n, start, n == remaining, token_buckets))
+
+
 class RuntimePredictor(Protocol):
     """Predicted seconds of one iteration."""
 
@@ -273,6 +287,11 @@ class AnalyticalPredictor:
         self._p2p_fixed_s = lat if p.spp > 1 else 0.0
         self._fixed_collectives_s = self._tp_fixed_s + self._kvp_fixed_s + self._p2p_fixed_s
         self._overhead_s = eff.step_overhead_s / p.spp
+        # Without cp every term grows (or stays) with a chunk's tokens, and so does their
+        # float sum (the packer then skips a one-token test where the whole chunk fits);
+        # cp's exposed ring time shrinks as more attention hides it.
+        self.chunk_time_grows_with_n = p.cp == 1
+        self._folds_chunks = p.kvp == 1 and p.cp == 1      # chunk_time's shortcut applies
 
     def predict_features(self, f: BatchFeatures) -> float:
         # Called thousands of times per iteration by the packer's searches: plain
@@ -301,6 +320,34 @@ class AnalyticalPredictor:
         collectives = (self._fixed_collectives_s + self._tp_s_per_token * padded
                        + self._kvp_s_per_token * tokens + self._p2p_s_per_token * padded)
         return self._overhead_s + linear + context + within + collectives
+
+    def chunk_time(self, base: BatchFeatures, n: int, start: int, remaining: int,
+                   token_buckets: Sequence[int] | None) -> float:
+        """`predictor.chunk_time`: predict_features of base plus one chunk, the same
+        floating-point operations in the same order, without the features (without kvp
+        and cp, where the busiest shard's KV read is the whole earlier context)."""
+        if not self._folds_chunks or token_buckets is None:
+            return self.predict_features(base.plus_chunk(n, start, n == remaining,
+                                                         token_buckets))
+        tokens = base.tokens + n
+        padded = token_buckets[bisect.bisect_left(token_buckets, tokens)] \
+            if tokens <= token_buckets[-1] else padded_size(tokens, token_buckets)
+        compute = self._linear_s_per_token * padded + self._head_s_per_seq * (base.seqs + 1)
+        memory = self._weights_read_s + self._act_read_s_per_token * padded
+        earlier = base.sum_context + start - base.tokens          # sum_context - tokens
+        context = self._attn_s_per_pair * (base.sum_chunk_x_context - base.sum_chunk_sq
+                                           + n * start) * (1.0 if earlier > 0 else 0.0)
+        earlier_kv_s = self._kv_read_s_per_token * earlier        # (/ cp = 1)
+        if earlier_kv_s > context:
+            context = earlier_kv_s
+        within = self._attn_s_per_pair * (base.sum_chunk_sq + n * n + tokens) / 2
+        chunk_io = self._chunk_io_s_per_token * tokens
+        if chunk_io > within:
+            within = chunk_io
+        # (+ kvp_s * tokens is + 0.0 here, which changes no float.)
+        return (self._overhead_s + (compute if compute > memory else memory) + context + within
+                + (self._fixed_collectives_s + self._tp_s_per_token * padded
+                   + self._p2p_s_per_token * padded))
 
     def _busiest_kv_shard(self, earlier_tokens: int, max_context: int) -> float:
         """Earlier-context KV tokens the busiest KV shard reads (all of them at kvp = 1)."""
@@ -431,6 +478,29 @@ class ProfiledPredictor:
 
     def predict(self, batch: Batch) -> float:
         return self.predict_features(batch_features(batch, self.token_buckets))
+
+    def chunk_time(self, base: BatchFeatures, n: int, start: int, remaining: int,
+                   token_buckets: Sequence[int] | None) -> float:
+        """`predictor.chunk_time`: predict_features of base plus one chunk, the same
+        floating-point operations in the same order, without the features."""
+        c0, c1, c2, c3, c4, c5, c6, c7 = self.coefficients
+        tokens = base.tokens + n
+        padded = tokens
+        if token_buckets is not None and tokens:
+            padded = token_buckets[bisect.bisect_left(token_buckets, tokens)] \
+                if tokens <= token_buckets[-1] else padded_size(tokens, token_buckets)
+        end = start + n
+        head = (c0 + c1 * padded + c2 * (base.sum_chunk_x_context + n * end)
+                + c3 * (base.sum_chunk_sq + n * n))
+        if n > 1:                                   # a prefill chunk
+            prefill_ctx = base.sum_prefill_context + end
+            return (head + c4 * (base.prefill_chunks + 1) + c5 * prefill_ctx
+                    + c6 * (base.sum_context + end - prefill_ctx)
+                    + c7 * base.max_decode_context)
+        max_decode = base.max_decode_context
+        return (head + c4 * base.prefill_chunks + c5 * base.sum_prefill_context
+                + c6 * (base.sum_context + end - base.sum_prefill_context)
+                + c7 * (max_decode if max_decode > end else end))
 
     def to_json(self) -> str:
         return json.dumps({

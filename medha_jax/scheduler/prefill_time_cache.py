@@ -105,8 +105,8 @@ class PrefillTimeCache:
 
     def remaining_work(self, request: Request) -> float:
         """w(t) = C[total tokens] - C[computed tokens] (GET_REMAINING_TIME)."""
-        return (self.prefill_time(request.num_tokens)
-                - self.prefill_time(request.num_computed_tokens))
+        total, computed = self.prefill_time(request.num_tokens), request.num_computed_tokens
+        return total - self.prefill_time(computed) if computed else total     # C[0] = 0
 
     def lone_chunk(self, context_len: int) -> int:
         """The chunk the lone prefill got around this context: the packer's search hint."""
