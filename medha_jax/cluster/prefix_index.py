@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
+import operator
 import time
 from collections.abc import Callable, Sequence
 
@@ -43,7 +45,10 @@ class CacheEvent:
 
 class PrefixIndex:
     """Page hash -> bitmask of the replicas that hold that page (confirmed by their events),
-    plus speculative marks of where requests were just routed."""
+    plus speculative marks of where requests were just routed.
+
+    A lookup reads one dict per page: `_holders` is kept equal to the confirmed mask OR
+    the speculative one on every change (events and marks, off the lookup's path)."""
 
     def __init__(self, num_replicas: int, *, speculative_ttl_s: float = 2.0,
                  clock: Callable[[], float] = time.monotonic):
@@ -54,11 +59,12 @@ class PrefixIndex:
         self.num_replicas = num_replicas
         self.speculative_ttl_s = speculative_ttl_s
         self._clock = clock
-        self._holders: dict[bytes, int] = {}                  # hash -> replica bitmask
+        self._confirmed: dict[bytes, int] = {}                # hash -> replica bitmask
+        self._holders: dict[bytes, int] = {}                  # confirmed | speculative
         self._next_seq = [0] * num_replicas
         # Speculative marks: hash -> replica bitmask, held until the page's latest mark
         # expires (a page marked again for any replica keeps all its marks a while longer:
-        # a bounded over-estimate that keeps a lookup to two dict reads per page).
+        # a bounded over-estimate that keeps the bookkeeping per page, not per mark).
         self._speculative: dict[bytes, int] = {}
         self._marked_until: dict[bytes, float] = {}
         self._expiries: collections.deque[tuple[float, tuple[bytes, ...]]] = collections.deque()
@@ -78,16 +84,16 @@ class PrefixIndex:
         self._next_seq[r] = event.seq + 1
         bit = 1 << r
         if event.cleared:
-            self._drop_bit(bit)
-        holders = self._holders
+            self._drop_confirmed(bit)
+        confirmed = self._confirmed
         for h in event.removed:
-            mask = holders.get(h, 0) & ~bit
+            mask = confirmed.pop(h, 0) & ~bit
             if mask:
-                holders[h] = mask
-            else:
-                holders.pop(h, None)
+                confirmed[h] = mask
+            self._refresh(h)
         for h in event.stored:
-            holders[h] = holders.get(h, 0) | bit
+            confirmed[h] = confirmed.get(h, 0) | bit
+            self._holders[h] = self._holders.get(h, 0) | bit
         return in_order
 
     def listener(self, replica: int) -> Callable[[Sequence[bytes], Sequence[bytes], bool], None]:
@@ -103,61 +109,73 @@ class PrefixIndex:
     def forget_replica(self, replica: int) -> None:
         """Drops everything the index knows of a replica (it died, restarted or lost events)."""
         bit = 1 << self._check_replica(replica)
-        self._drop_bit(bit)
+        self._drop_confirmed(bit)
         speculative = self._speculative
         for h in [h for h, mask in speculative.items() if mask & bit]:
             speculative[h] &= ~bit
+            self._refresh(h)
 
     # ----------------------------------------------------------------- routing
 
     def mark_routed(self, replica: int, hashes: Sequence[bytes]) -> None:
-        """The prompt with these page hashes was just sent to `replica`: count its pages as
-        held there until the replica's events confirm them or the mark expires."""
+        """The prompt with these page hashes (those not yet confirmed there are enough)
+        was just sent to `replica`: count its pages as held there until the replica's events
+        confirm them or the mark expires."""
         bit = 1 << self._check_replica(replica)
         if not hashes or self.speculative_ttl_s == 0:
             return
         expiry = self._clock() + self.speculative_ttl_s
         hashes = tuple(hashes)
-        speculative, marked_until = self._speculative, self._marked_until
+        speculative, marked_until, holders = self._speculative, self._marked_until, self._holders
         for h in hashes:
             speculative[h] = speculative.get(h, 0) | bit
+            holders[h] = holders.get(h, 0) | bit
             marked_until[h] = expiry
         self._expiries.append((expiry, hashes))
 
     def cached_pages(self, hashes: Sequence[bytes]) -> list[int]:
         """For each replica, how many leading pages of a prompt with these page hashes it
-        holds (confirmed or speculatively). One walk over the hashes for all replicas,
-        stopping at the first page no replica holds: O(longest cached prefix)."""
+        holds (confirmed or speculatively). The replicas holding every page so far is a
+        running AND over the pages' masks, taken in C (map, accumulate, groupby); Python
+        steps only where that set shrinks, at most once per replica."""
         self._sweep()
         n = self.num_replicas
         counts = [0] * n
-        alive = (1 << n) - 1
-        holders, speculative = self._holders, self._speculative
+        held = (1 << n) - 1
         depth = 0
-        for depth, h in enumerate(hashes):
-            mask = holders.get(h, 0) | speculative.get(h, 0)
-            dropped = alive & ~mask
+        running = itertools.accumulate(map(self._holders.get, hashes, itertools.repeat(0)),
+                                       operator.and_, initial=held)
+        next(running)
+        for mask, run in itertools.groupby(running):
+            dropped = held & ~mask
             while dropped:
                 low = dropped & -dropped
                 counts[low.bit_length() - 1] = depth
                 dropped ^= low
-            alive &= mask
-            if not alive:
+            held = mask
+            if not held:
                 return counts
-        else:
-            depth = len(hashes)
-        while alive:
-            low = alive & -alive
+            depth += len(list(run))
+        while held:
+            low = held & -held
             counts[low.bit_length() - 1] = depth
-            alive ^= low
+            held ^= low
         return counts
 
     def num_pages_held(self, replica: int) -> int:
         """Confirmed pages of one replica (for metrics and tests)."""
         bit = 1 << self._check_replica(replica)
-        return sum(1 for mask in self._holders.values() if mask & bit)
+        return sum(1 for mask in self._confirmed.values() if mask & bit)
 
     # ----------------------------------------------------------------- internals
+
+    def _refresh(self, h: bytes) -> None:
+        """_holders[h] = confirmed | speculative, or no entry when both are empty."""
+        mask = self._confirmed.get(h, 0) | self._speculative.get(h, 0)
+        if mask:
+            self._holders[h] = mask
+        else:
+            self._holders.pop(h, None)
 
     def _sweep(self) -> None:
         now = self._clock()
@@ -168,15 +186,17 @@ class PrefixIndex:
                 # A later mark of the same page keeps it.
                 if marked_until.get(h, now + 1) <= now:
                     del marked_until[h], speculative[h]
+                    self._refresh(h)
 
-    def _drop_bit(self, bit: int) -> None:
-        holders = self._holders
-        for h in [h for h, mask in holders.items() if mask & bit]:
-            mask = holders[h] & ~bit
+    def _drop_confirmed(self, bit: int) -> None:
+        confirmed = self._confirmed
+        for h in [h for h, mask in confirmed.items() if mask & bit]:
+            mask = confirmed[h] & ~bit
             if mask:
-                holders[h] = mask
+                confirmed[h] = mask
             else:
-                del holders[h]
+                del confirmed[h]
+            self._refresh(h)
 
     def _check_replica(self, replica: int) -> int:
         if not 0 <= replica < self.num_replicas:

@@ -245,7 +245,9 @@ class Router:
         self._round_robin_next = (r + 1) % self.num_replicas
         if request.session_id is not None:
             self._session_replica[request.session_id] = r
-        self.index.mark_routed(r, request.page_hashes)
+        page_size = snapshot.replicas[r].page_size
+        # Pages already held there need no mark: only the prompt's new tail does.
+        self.index.mark_routed(r, request.page_hashes[decision.cached_tokens // page_size:])
         status = snapshot.replicas[r]
         self._recent_load[r] += (decision.predicted_ttft_s - status.queued_work_s
                                  + request.max_new_tokens * status.decode_token_s)
