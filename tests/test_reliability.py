@@ -279,7 +279,7 @@ def test_the_out_of_memory_message_says_how_many_pages_fit(tiny):
 
     model = tiny
     shape, _ = model.kv_cache_sharding(128, 16)
-    per_page = 2 * 4 * shape[0] * shape[2] * shape[3] * shape[4]       # float32 K and V
+    per_page = 2 * 4 * shape[0] * shape[2] * shape[3]       # float32 K and V
     message = kv_cache_oom_message(model, 128, 16, memory_stats={
         "bytes_limit": 100 * per_page + 2**20, "bytes_in_use": 2**20 + per_page // 2})
     assert "room for about 99 pages per device" in message
