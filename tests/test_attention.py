@@ -111,11 +111,14 @@ def cache_copies(parallel, pages_per_shard):
 
 # tiny has 2 K/V heads: tp=2 leaves one K/V head per device, whose size-1 heads axis XLA
 # re-laid out (a copy of the whole cache at the step's entry and exit, and per layer in the
-# scan) before the cache folded heads into its last axis; kvp splits the pages as well.
+# scan) before the cache folded heads into its last axis; kvp and cp split the pages as
+# well (cp's ring hands the cache through a cond). The sizes keep one layer of the cache
+# above anything a step of 8 sequences gathers (8 x 16 pages).
 @pytest.mark.parametrize("parallel", [ParallelConfig(), ParallelConfig(tp=2),
-                                      ParallelConfig(kvp=2, tp=2)], ids=str)
+                                      ParallelConfig(kvp=2, tp=2), ParallelConfig(cp=2, tp=2)],
+                         ids=str)
 def test_the_decode_step_never_copies_the_kv_cache(parallel):
-    for pages_per_shard in (64, 256):
+    for pages_per_shard in (256, 1024):
         layer_bytes, found = cache_copies(parallel, pages_per_shard)
         # Only the scatters of this step's slots touch the cache; nothing rewrites a layer.
         assert not found, (pages_per_shard, layer_bytes,
