@@ -7,6 +7,13 @@ it: building the padded inputs, transferring and dispatching them, and reading b
 sampled tokens (bookkeeping that overlaps the device is not counted). Beside it: the
 whole step, and the same compiled executable called on inputs already on the device.
 All are medians over repeated runs of the same batch; the first run of each is excluded.
+
+The last rows time one decode batch of `--cache-model` against KV caches of different
+sizes, at tp=1 and at tp = its K/V heads (one K/V head per device, the usual Llama-3
+tp=8): a step reads only its sequences' pages, so its time must not grow with the cache
+(`vs_small_cache`: device time over the same mesh's at the smallest cache). It grew
+before the cache folded its heads axis (issue 25: XLA re-laid out a size-1 heads axis,
+copying the whole cache every step).
 """
 
 from __future__ import annotations
@@ -14,11 +21,17 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import time
 
-import jax
 import numpy as np
+
+# tp = K needs K devices: on the CPU, virtual ones. JAX reads this when its back-end starts.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=8").strip()
+import jax  # noqa: E402
 
 
 def _median_seconds(fn, repeats: int) -> float:
@@ -77,8 +90,12 @@ def measure(engine, name: str, chunks: list[tuple[int, int]], rng, repeats: int)
         device = _median_seconds(device_only, repeats)
     finally:
         release_batch(engine, batch)
+    cache = engine.kv_cache
     return {
-        "scenario": name, "tokens": batch.num_tokens, "padded_shape": list(inputs.padded_shape),
+        "scenario": name, "model": engine.model.config.name,
+        "mesh": f"tp={engine.model.parallel.tp}",
+        "kv_cache_mib": (cache.k.nbytes + cache.v.nbytes) / 2**20,
+        "tokens": batch.num_tokens, "padded_shape": list(inputs.padded_shape),
         "step_ms": total * 1e3, "device_ms": device * 1e3,
         "host_overhead_ms": statistics.median(host_times) * 1e3,
         "build_inputs_ms": build * 1e3,
@@ -99,31 +116,82 @@ def run(model_name: str, quick: bool, repeats: int):
     return model, rows
 
 
+# Whole KV caches (K and V, all layers, all devices) the decode batch runs against.
+CACHE_SIZES_MIB = (2, 128)
+
+
+def run_cache_sizes(model_name: str, repeats: int) -> list[dict]:
+    """The same decode batch against caches of CACHE_SIZES_MIB, at tp=1 and tp = K/V heads
+    (skipped, and said, with fewer devices), side by side. model_name: a preset."""
+    from medha_jax import ParallelConfig, load_model
+    from medha_jax.config import model_preset
+    from medha_jax.engine import Engine, EngineConfig
+
+    config = model_preset(model_name)
+    meshes = [ParallelConfig()]
+    if config.num_kv_heads > 1:
+        if jax.device_count() >= config.num_kv_heads:
+            meshes.append(ParallelConfig(tp=config.num_kv_heads))
+        else:
+            print(f"cache sizes: tp={config.num_kv_heads} needs {config.num_kv_heads} devices, "
+                  f"{jax.device_count()} here: tp=1 only")
+    page_size, num_decodes, context = 16, 8, 256
+    rows = []
+    for parallel in meshes:
+        model = load_model(model_name, parallel=parallel, verbose=False)
+        page_bytes = page_size * model.config.kv_bytes_per_token()     # the dtype loaded
+        smallest = None
+        for mib in CACHE_SIZES_MIB:
+            # The same page tables at every size (max_model_len fixes their width): only
+            # the cache grows.
+            engine = Engine(model, EngineConfig(page_size=page_size,
+                                                num_pages=mib * 2**20 // page_bytes,
+                                                max_tokens_per_step=16, max_seqs=num_decodes,
+                                                max_model_len=2 * context))
+            rng = np.random.default_rng(2)
+            row = measure(engine, f"decode x{num_decodes} @ctx {context}",
+                          [(context, 1)] * num_decodes, rng, repeats)
+            smallest = smallest or row["device_ms"]
+            row["vs_small_cache"] = row["device_ms"] / smallest
+            rows.append(row)
+            del engine                                   # free its cache before the next
+    return rows
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--cache-model", default="tiny",
+                        help="preset of the decode step vs cache size rows (tp=1 and tp=K)")
     parser.add_argument("--quick", action="store_true", help="smaller batches, fewer repeats")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args(argv)
     repeats = args.repeats or (5 if args.quick else 15)
     model, rows = run(args.model, args.quick, repeats)
+    rows += run_cache_sizes(args.cache_model, repeats)
 
-    header = f"{'scenario':<32} {'tokens':>6} {'T,S,W':>14} {'step_ms':>9} {'device_ms':>9} " \
-             f"{'host_overhead_ms':>16} {'build_inputs_ms':>15} {'tok_per_s':>10}"
-    print(f"engine benchmark: model={args.model} backend={jax.default_backend()} "
-          f"devices={jax.device_count()} repeats={repeats} (median)")
+    width = max(len(r["model"]) for r in rows)
+    header = f"{'scenario':<32} {'model':<{width}} {'mesh':<5} {'kv_cache_mib':>12} {'tokens':>6} " \
+             f"{'T,S,W':>14} {'step_ms':>9} {'device_ms':>9} {'host_overhead_ms':>16} " \
+             f"{'build_inputs_ms':>15} {'tok_per_s':>10} {'vs_small_cache':>14}"
+    print(f"engine benchmark: model={args.model}, cache sizes: {args.cache_model}; "
+          f"backend={jax.default_backend()} devices={jax.device_count()} repeats={repeats} "
+          f"(median)")
     print(header)
     for r in rows:
-        print(f"{r['scenario']:<32} {r['tokens']:>6} {str(tuple(r['padded_shape'])):>14} "
+        ratio = f"{r['vs_small_cache']:.2f}" if "vs_small_cache" in r else "-"
+        print(f"{r['scenario']:<32} {r['model']:<{width}} {r['mesh']:<5} {r['kv_cache_mib']:>12.1f} "
+              f"{r['tokens']:>6} {str(tuple(r['padded_shape'])):>14} "
               f"{r['step_ms']:>9.2f} {r['device_ms']:>9.2f} {r['host_overhead_ms']:>16.3f} "
-              f"{r['build_inputs_ms']:>15.3f} {r['tok_per_s']:>10.1f}")
+              f"{r['build_inputs_ms']:>15.3f} {r['tok_per_s']:>10.1f} {ratio:>14}")
     if args.json:
         context = {
             "backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind,
             "device_count": jax.device_count(), "jax": jax.__version__,
             "jaxlib": jax.lib.__version__ if hasattr(jax.lib, "__version__") else None,
-            "model": args.model, "dtype": model.config.dtype, "mesh": dict(model.mesh.shape),
+            "model": args.model, "cache_model": args.cache_model, "dtype": model.config.dtype,
+            "mesh": dict(model.mesh.shape),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "repeats": repeats,
         }
         with open(args.json, "w") as f:

@@ -6,6 +6,9 @@ reads `compiled.as_text()` and lists every all-reduce, all-gather, reduce-scatte
 all-to-all and collective-permute with the bytes of its result and how many times it runs
 per call: an instruction inside a while loop (the layer scan) runs once per iteration, so
 its count is the product of the known trip counts of the loops around it.
+
+It also lists the copies a program makes of large arrays (`copies`): a re-layout of the KV
+cache gives the same tokens too, and costs a trip through all of it.
 """
 
 from __future__ import annotations
@@ -75,12 +78,10 @@ def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
     return computations, entry
 
 
-def collectives(hlo_text: str) -> list[Collective]:
-    """Every collective of an optimized HLO module (`jax.stages.Compiled.as_text()`)."""
-    computations, entry = _computations(hlo_text)
-
-    # Runs per call of each computation: the entry once; a while body or condition its
-    # loop's trip count times its caller's runs (1 when XLA did not record a trip count).
+def _runs_per_call(computations: dict[str, list[str]], entry: str) -> dict[str, int]:
+    """Runs per call of each computation reachable from the entry: the entry once; a while
+    body or condition its loop's trip count times its caller's runs (1 when XLA did not
+    record a trip count); a fused or called computation as often as its caller."""
     runs: dict[str, int] = {entry: 1}
     pending = [entry]
     while pending:
@@ -97,7 +98,13 @@ def collectives(hlo_text: str) -> list[Collective]:
                 if callee in computations and callee not in runs:
                     runs[callee] = runs[caller] * factor
                     pending.append(callee)
+    return runs
 
+
+def collectives(hlo_text: str) -> list[Collective]:
+    """Every collective of an optimized HLO module (`jax.stages.Compiled.as_text()`)."""
+    computations, entry = _computations(hlo_text)
+    runs = _runs_per_call(computations, entry)
     found = []
     for name, lines in computations.items():
         for line in lines:
@@ -185,3 +192,37 @@ def async_pairs(instructions: list[Instruction], op: str = "collective-permute"
             start_at = position[done.operands[0]]
             pairs.append((instructions[start_at], done, instructions[start_at + 1:k]))
     return pairs
+
+
+# ------------------------------------------------------------------ copies of large arrays
+
+# Instructions that rewrite their whole result: a re-layout (copy, transpose; copy-start on
+# GPUs) or an update that XLA could not do in place (dynamic-update-slice of a buffer it
+# copied first). A step that runs one of these over the KV cache moves the whole cache.
+COPY_OPS = ("copy", "copy-start", "transpose", "dynamic-update-slice")
+
+
+@dataclasses.dataclass(frozen=True)
+class Copy:
+    """One copying instruction: its kind, result shape text, bytes, runs per call and the
+    computation it is in (a fusion's own computation when fused)."""
+
+    op: str
+    shape: str
+    bytes: int
+    count: int
+    computation: str
+
+
+def copies(hlo_text: str, min_bytes: int = 0) -> list[Copy]:
+    """Every copy, transpose and dynamic-update-slice of an optimized HLO module whose
+    result has at least `min_bytes` bytes, fused ones included."""
+    computations, entry = _computations(hlo_text)
+    runs = _runs_per_call(computations, entry)
+    found = []
+    for name, instructions in scheduled_instructions(hlo_text).items():
+        for i in instructions:
+            if i.op in COPY_OPS and i.bytes >= min_bytes:
+                found.append(Copy(op=i.op, shape=i.shape, bytes=i.bytes,
+                                  count=runs.get(name, 1), computation=name))
+    return found

@@ -50,13 +50,24 @@ def _pad_page_table(page_table: jax.Array, kv_pages_per_block: int) -> jax.Array
     return jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, pad)))
 
 
+def _fold_heads(pages: jax.Array) -> jax.Array:
+    """[num_pages, page_size, kv_heads, head_dim] -> [num_pages, page_size, kv_heads *
+    head_dim], before the loops that read the pages. With one K/V head (per device, after
+    tp) the heads axis has size 1, and XLA is free to lay a size-1 axis out anywhere: a
+    loop that carries the pages with it then copies all of them (the whole KV cache) on
+    the way in. Folded, the pages have no size-1 axis and stay where they are."""
+    num_pages, page_size, kv_heads, head_dim = pages.shape
+    return pages.reshape(num_pages, page_size, kv_heads * head_dim)
+
+
 def _gather_kv_tile(
-    pages: jax.Array,     # [num_pages, page_size, kv_heads, head_dim]
+    pages: jax.Array,     # [num_pages, page_size, kv_heads * head_dim] (`_fold_heads`)
     page_ids: jax.Array,  # int32 [..., pages_per_tile]
+    head_dim: int,
 ) -> jax.Array:           # [..., kv_heads, pages_per_tile * page_size, head_dim]
-    tile = pages[page_ids]                                     # [..., P, page_size, kv, d]
-    *batch, n_pages, page_size, kv_heads, head_dim = tile.shape
-    tile = tile.reshape(*batch, n_pages * page_size, kv_heads, head_dim)
+    tile = pages[page_ids]                                     # [..., P, page_size, kv * d]
+    *batch, n_pages, page_size, features = tile.shape
+    tile = tile.reshape(*batch, n_pages * page_size, features // head_dim, head_dim)
     return jnp.swapaxes(tile, -3, -2)
 
 
@@ -106,8 +117,11 @@ def decode_attention_xla(
         x = jnp.pad(x[order], [(0, num_groups * group - seqs)] + [(0, 0)] * (x.ndim - 1))
         return x.reshape(num_groups, group, *x.shape[1:])
 
+    kv_heads = k_pages.shape[2]
+    k_pages, v_pages = _fold_heads(k_pages), _fold_heads(v_pages)
+
     def attend_group(args):
-        return _decode_group(*args, k_pages, v_pages, sm_scale=sm_scale,
+        return _decode_group(*args, k_pages, v_pages, kv_heads=kv_heads, sm_scale=sm_scale,
                              block_sizes=block_sizes, sliding_window=sliding_window)
 
     out, lse = jax.lax.map(attend_group, (grouped(q), grouped(page_table), grouped(kv_lens)))
@@ -116,13 +130,14 @@ def decode_attention_xla(
             lse.reshape(num_groups * group, q_heads)[unsort])
 
 
-def _decode_group(q, page_table, kv_lens, k_pages, v_pages, *, sm_scale: float,
+def _decode_group(q, page_table, kv_lens, k_pages, v_pages, *, kv_heads: int, sm_scale: float,
                   block_sizes: BlockSizes, sliding_window: int | None):
     """`decode_attention_xla` for one group: one K/V tile of every member per step, up to
     the longest context (tiles shrink with the group to stay in cache:
-    `decode_pages_per_tile`), from the first tile any member's window reaches."""
+    `decode_pages_per_tile`), from the first tile any member's window reaches.
+    k_pages, v_pages: [num_pages, page_size, kv_heads * head_dim]."""
     seqs, q_heads, head_dim = q.shape
-    _, page_size, kv_heads, _ = k_pages.shape
+    page_size = k_pages.shape[1]
     q_per_kv = q_heads // kv_heads
     pages_per_tile = decode_pages_per_tile(
         block_sizes, seqs=seqs, page_size=page_size, kv_heads=kv_heads, head_dim=head_dim,
@@ -136,8 +151,8 @@ def _decode_group(q, page_table, kv_lens, k_pages, v_pages, *, sm_scale: float,
     def tile_step(tile, state):
         page_ids = jax.lax.dynamic_slice_in_dim(page_table, tile * pages_per_tile,
                                                 pages_per_tile, axis=1)
-        k = _gather_kv_tile(k_pages, page_ids)                 # [seqs, kv, keys, d]
-        v = _gather_kv_tile(v_pages, page_ids)
+        k = _gather_kv_tile(k_pages, page_ids, head_dim)       # [seqs, kv, keys, d]
+        v = _gather_kv_tile(v_pages, page_ids, head_dim)
         scores = attention_scores(q_rows, k, sm_scale)        # [seqs, kv, g, keys]
         key_pos = (tile * block_kv + key_offsets)[None, :]
         visible = (key_pos < kv_lens[:, None]) & (key_pos >= starts[:, None])
@@ -171,6 +186,7 @@ def _query_blocks_xla(q, k_pages, v_pages, page_table, plan: QueryBlockPlan, *,
     """
     num_tokens, q_heads, head_dim = q.shape
     _, page_size, kv_heads, _ = k_pages.shape
+    k_pages, v_pages = _fold_heads(k_pages), _fold_heads(v_pages)
     q_per_kv = q_heads // kv_heads
     block_q = block_sizes.block_q
     pages_per_tile = block_sizes.kv_pages_per_block
@@ -201,8 +217,8 @@ def _query_blocks_xla(q, k_pages, v_pages, page_table, plan: QueryBlockPlan, *,
         def tile_step(tile, state):
             page_ids = jax.lax.dynamic_slice_in_dim(seq_pages, tile * pages_per_tile,
                                                     pages_per_tile)
-            k = _gather_kv_tile(k_pages, page_ids)             # [kv, keys, d]
-            v = _gather_kv_tile(v_pages, page_ids)
+            k = _gather_kv_tile(k_pages, page_ids, head_dim)   # [kv, keys, d]
+            v = _gather_kv_tile(v_pages, page_ids, head_dim)
             scores = attention_scores(q_rows, k, sm_scale)    # [kv, rows, keys]
             key_pos = tile * block_kv + key_offsets
             visible = row_live[:, None] & (key_pos[None, :] < row_end[:, None]) & (

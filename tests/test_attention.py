@@ -1,6 +1,7 @@
 """The model's attention wrapper: specs from the rules, the kernel per device, KV shards merged."""
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -87,3 +88,38 @@ def test_shard_map_specs_come_from_the_models_rules(one_device_logits):
 def test_pallas_on_the_cpu_is_a_clear_error():
     with pytest.raises(ValueError, match="'pallas' needs a GPU"):
         load_model("tiny", attention_impl="pallas", verbose=False)
+
+
+# ------------------------------------------------------------- the cache is never copied
+
+def cache_copies(parallel, pages_per_shard):
+    """(bytes of one layer of one device's K cache, the copies, transposes and
+    dynamic-update-slices at least that large) of the engine's compiled decode step."""
+    from medha_jax import hlo
+    from medha_jax.engine import Engine, EngineConfig
+
+    model = load_model("tiny", parallel=parallel, verbose=False)
+    # max_model_len fixes the page tables' width, so only the cache differs between sizes.
+    engine = Engine(model, EngineConfig(page_size=16, num_pages=pages_per_shard,
+                                        max_tokens_per_step=16, max_seqs=8, max_model_len=256))
+    shape, sharding = model.kv_cache_sharding(engine.num_kv_shards * pages_per_shard, 16)
+    local = sharding.shard_shape(shape)                          # [L, pages, page_size, ...]
+    layer_bytes = math.prod(local[1:]) * np.dtype(np.float32).itemsize
+    compiled = engine.executable((16, 8, engine.ladder.width_buckets[0]))
+    return layer_bytes, hlo.copies(compiled.as_text(), min_bytes=layer_bytes)
+
+
+# tiny has 2 K/V heads: tp=2 leaves one K/V head per device, whose size-1 heads axis XLA
+# re-laid out (a copy of the whole cache at the step's entry and exit, and per layer in the
+# scan) before the cache folded heads into its last axis; kvp and cp split the pages as
+# well (cp's ring hands the cache through a cond). The sizes keep one layer of the cache
+# above anything a step of 8 sequences gathers (8 x 16 pages).
+@pytest.mark.parametrize("parallel", [ParallelConfig(), ParallelConfig(tp=2),
+                                      ParallelConfig(kvp=2, tp=2), ParallelConfig(cp=2, tp=2)],
+                         ids=str)
+def test_the_decode_step_never_copies_the_kv_cache(parallel):
+    for pages_per_shard in (256, 1024):
+        layer_bytes, found = cache_copies(parallel, pages_per_shard)
+        # Only the scatters of this step's slots touch the cache; nothing rewrites a layer.
+        assert not found, (pages_per_shard, layer_bytes,
+                           [(c.op, c.shape, c.count, c.computation) for c in found])

@@ -37,3 +37,17 @@ def test_collectives_sizes_and_loop_counts():
 
 def test_array_bytes_of_tuples_and_dtypes():
     assert hlo.array_bytes("(f32[4,8]{1,0}, bf16[3]{0}, s32[])") == 4 * 32 + 2 * 3 + 4
+
+
+def test_copies_lists_transposes_and_copies_with_their_loop_counts():
+    def fn(x, y):                                              # x: [64, 64], y: [4, 4]
+        def step(i, acc):
+            return jnp.sin(acc.T) + i                          # a [64, 64] transpose per trip
+        return jax.lax.fori_loop(0, 3, step, x), y.T           # y.T: under min_bytes
+
+    text = compiled_text(fn, jnp.ones((64, 64), jnp.float32), jnp.ones((4, 4), jnp.float32))
+    found = hlo.copies(text, min_bytes=64 * 64 * 4)
+    assert found and all(c.bytes == 64 * 64 * 4 for c in found), found
+    assert {c.op for c in found} <= set(hlo.COPY_OPS)
+    assert any(c.count == 3 for c in found), found             # inside the loop
+    assert any(c.bytes == 4 * 4 * 4 for c in hlo.copies(text))  # the small one, unfiltered

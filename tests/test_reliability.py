@@ -246,7 +246,7 @@ def test_out_of_memory_at_start_up_says_what_was_asked_and_what_fits(tiny, monke
 
     monkeypatch.setattr(model, "new_kv_cache", exhausted)
     with pytest.raises(MemoryError, match=r"out of memory allocating the KV cache: 128 pages of "
-                                          r"16 tokens \(shape \(2, 128, 16, \d+, \d+\), float32\) "
+                                          r"16 tokens \(shape \(2, 128, 16, \d+\), float32\) "
                                           r"need [\d.]+ GiB on each device, [\d.]+ MiB per page"
                                           r".*lower EngineConfig.max_kv_tokens"):
         Engine(model, EngineConfig(page_size=16, max_kv_tokens=2048))
@@ -279,7 +279,7 @@ def test_the_out_of_memory_message_says_how_many_pages_fit(tiny):
 
     model = tiny
     shape, _ = model.kv_cache_sharding(128, 16)
-    per_page = 2 * 4 * shape[0] * shape[2] * shape[3] * shape[4]       # float32 K and V
+    per_page = 2 * 4 * shape[0] * shape[2] * shape[3]       # float32 K and V
     message = kv_cache_oom_message(model, 128, 16, memory_stats={
         "bytes_limit": 100 * per_page + 2**20, "bytes_in_use": 2**20 + per_page // 2})
     assert "room for about 99 pages per device" in message

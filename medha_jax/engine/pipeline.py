@@ -67,7 +67,7 @@ class PipelinedStep:
     """Runs packed step inputs through SPP stages without blocking.
 
     Owns each stage's KV cache (`kv_caches[s]`, [layers of stage s, pages, page_size,
-    kv_heads, head_dim] on its sub-mesh). `compile`/`warmup` build every stage's program
+    kv_heads * head_dim] on its sub-mesh). `compile`/`warmup` build every stage's program
     per bucket shape ahead of time, as `Engine._compile` does; a shape that was not
     warmed compiles through jit on first use.
     """

@@ -106,8 +106,9 @@ def attention(q, k, v, k_cache, v_cache, layer_id, meta: AttentionMetadata, *,
               sliding_window: int | None = None):
     """Writes K/V of one layer and attends.
 
-    q: [T, H, hd]; k, v: [T, K, hd]; k_cache, v_cache: [L, P, page_size, K, hd] (all layers;
-    P pages over all KV shards); layer_id: int32 []; positions: int32 [T] (read with cp only).
+    q: [T, H, hd]; k, v: [T, K, hd]; k_cache, v_cache: [L, P, page_size, K * hd] (all layers;
+    P pages over all KV shards; K/V heads folded into the last axis, params.KV_CACHE_AXES);
+    layer_id: int32 []; positions: int32 [T] (read with cp only).
     sliding_window: keys older than this many positions are masked (Mistral).
     Returns (out [T, H, hd], k_cache, v_cache).
     """
@@ -162,7 +163,8 @@ def _attend_on_device(q, k, v, positions, k_cache, v_cache, layer_id, meta: Atte
                       *, sm_scale: float, impl: str, kv_shard_axis, num_shards: int, cp: int,
                       cp_axis, sliding_window: int | None = None):
     """The per-device body: this device's heads and tokens, its KV shard's pages ([1, ...]
-    of the metadata's shard dimension)."""
+    of the metadata's shard dimension). k_cache, v_cache: [L, P, page_size, K * hd] here,
+    this device's pages and heads; the kernels read them unfolded, [..., K, hd]."""
     slot_mapping, page_table, kv_lens = meta.slot_mapping[0], meta.page_table[0], meta.kv_lens[0]
     k_cache = _write(k_cache, layer_id, k, slot_mapping)
     v_cache = _write(v_cache, layer_id, v, slot_mapping)
@@ -172,7 +174,8 @@ def _attend_on_device(q, k, v, positions, k_cache, v_cache, layer_id, meta: Atte
     num_pages = k_cache.shape[1]
     layer_pages = page_table + layer_id * num_pages
     attend = functools.partial(ragged_paged_attention, sm_scale=sm_scale, impl=impl)
-    k_all, v_all = _all_layer_pages(k_cache), _all_layer_pages(v_cache)
+    head_dim = k.shape[-1]
+    k_all, v_all = _all_layer_pages(k_cache, head_dim), _all_layer_pages(v_cache, head_dim)
     if cp > 1:
         out = ring_attention(q, k, v, positions, k_all, v_all, layer_pages, kv_lens,
                              meta.rank_cu_q_lens, meta.num_seqs, meta.cp_pass_q,
@@ -265,16 +268,18 @@ def _own_token_pages(cu_q_lens, num_seqs, num_tokens: int, page_size: int):
 def _write(cache, layer_id, new, slot_mapping):
     """Scatters one layer's new K or V into the stacked cache, in place under donation.
 
-    cache: [L, P, page_size, K, hd]; new: [T, K, hd]; slot_mapping: int32 [T]. Padding and
+    cache: [L, P, page_size, K * hd]; new: [T, K, hd]; slot_mapping: int32 [T]. Padding and
     tokens another shard owns carry slot P * page_size, one past the end, which mode="drop"
     discards.
     """
-    num_layers, num_pages, page_size = cache.shape[:3]
-    flat = cache.reshape(num_layers, num_pages * page_size, *cache.shape[3:])
-    flat = flat.at[layer_id, slot_mapping].set(new.astype(flat.dtype), mode="drop")
+    num_layers, num_pages, page_size, features = cache.shape
+    flat = cache.reshape(num_layers, num_pages * page_size, features)
+    new = new.reshape(new.shape[0], features).astype(flat.dtype)
+    flat = flat.at[layer_id, slot_mapping].set(new, mode="drop")
     return flat.reshape(cache.shape)
 
 
-def _all_layer_pages(cache):
-    """[L, P, page_size, K, hd] -> [L * P, page_size, K, hd]: a free, contiguous view."""
-    return cache.reshape(-1, *cache.shape[2:])
+def _all_layer_pages(cache, head_dim: int):
+    """[L, P, page_size, K * hd] -> [L * P, page_size, K, hd]: a free, contiguous view."""
+    num_layers, num_pages, page_size, features = cache.shape
+    return cache.reshape(num_layers * num_pages, page_size, features // head_dim, head_dim)

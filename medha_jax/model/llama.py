@@ -26,8 +26,9 @@ from medha_jax.model.params import MeshLayout, ParamSpec, param_specs
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """Paged K and V for all layers: [layers, num_pages, page_size, kv_heads, head_dim]
-    (num_pages over all KV shards; kv_heads as placed, see MeshLayout)."""
+    """Paged K and V for all layers: [layers, num_pages, page_size, kv_heads * head_dim]
+    (num_pages over all KV shards; kv_heads as placed, see MeshLayout, folded with head_dim:
+    see params.KV_CACHE_AXES)."""
 
     k: jax.Array
     v: jax.Array

@@ -19,7 +19,7 @@ from medha_jax.model import cp_layout
 from medha_jax.model.attention import num_cp_ranks, num_kv_shards
 from medha_jax.model.llama import (KVCache, Llama, init_random_params, numpy_dtype,
                                    one_sequence_metadata)
-from medha_jax.model.params import KV_CACHE_AXES, MeshLayout, param_specs
+from medha_jax.model.params import KV_CACHE_AXES, MeshLayout, kv_cache_shape, param_specs
 from meshes import DEFAULT_RULES, LogicalRules, ParallelConfig, make_mesh, parallel_config_of
 from pallas_kernels.dispatch import describe_impl_choice, resolve_impl
 
@@ -169,9 +169,8 @@ class Model:
 
     def kv_cache_sharding(self, num_pages: int, page_size: int):
         """Shape and sharding of a cache of `num_pages` pages over all KV shards."""
-        c = self.config
-        shape = (c.num_layers, num_pages, page_size,
-                 c.num_kv_heads * self.layout.kv_head_replicas, c.head_dim)
+        shape = kv_cache_shape(self.config, self.layout, self.config.num_layers, num_pages,
+                               page_size)
         return shape, self.layout.sharding(shape, KV_CACHE_AXES)
 
     def new_kv_cache(self, num_pages: int, page_size: int) -> KVCache:

@@ -131,8 +131,13 @@ def param_specs(config: ModelConfig) -> dict[str, ParamSpec]:
     return specs
 
 
-# Logical axes of the paged KV cache: [layers, pages, page_size, kv_heads, head_dim].
-KV_CACHE_AXES = ("layers", "pages", "page_slot", "kv_heads", "head_dim")
+# Logical axes of the paged KV cache: [layers, pages, page_size, kv_heads * head_dim].
+# K/V heads are folded into the last axis (heads-major, so a kv_heads shard holds whole
+# heads): with one K/V head per device a separate heads axis has size 1 on every device,
+# and XLA's layout assignment may move a size-1 axis anywhere, which for the cache is a
+# copy of all of it at the step's entry and exit and of a layer inside the layer scan.
+# A shard_map body unfolds its own part, [..., kv_heads / tp, head_dim], for the kernels.
+KV_CACHE_AXES = ("layers", "pages", "page_slot", "kv_heads")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,6 +261,15 @@ class MeshLayout:
 
 def _degree(mesh: Mesh, mesh_axis: str | None) -> int:
     return 1 if mesh_axis is None else mesh.shape[mesh_axis]
+
+
+def kv_cache_shape(config: ModelConfig, layout: MeshLayout, num_layers: int, num_pages: int,
+                   page_size: int) -> tuple[int, int, int, int]:
+    """[num_layers, num_pages, page_size, kv_heads * head_dim] of a cache on `layout`'s mesh
+    (num_pages over all KV shards; kv_heads as placed, repeated when tp exceeds them)."""
+    kv_heads = config.num_kv_heads * layout.kv_head_replicas
+    return (num_layers, num_pages, page_size, kv_heads * config.head_dim)
+
 
 
 def checkpoint_names(checkpoint_format: str) -> dict[str, str]:

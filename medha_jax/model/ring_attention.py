@@ -65,7 +65,11 @@ def ring_attention(q, k, v, positions, k_all, v_all, layer_pages, kv_lens, rank_
     place among them). Returns out [T, H, hd].
     """
     rank = jax.lax.axis_index(axis)
-    local = _Local(q=q, k=k, v=v, positions=positions, k_all=k_all, v_all=v_all,
+    # The cond's operands are laid out by XLA apart from its branches: the pages cross it
+    # with their heads folded (no size-1 axis at one K/V head per device, which XLA would
+    # otherwise re-lay out, copying the whole cache every layer; params.KV_CACHE_AXES).
+    fold = lambda pages: pages.reshape(*pages.shape[:2], -1)  # noqa: E731
+    local = _Local(q=q, k=k, v=v, positions=positions, k_all=fold(k_all), v_all=fold(v_all),
                    layer_pages=layer_pages, kv_lens=kv_lens, cu=rank_cu_q_lens,
                    num_seqs=num_seqs, rank=rank, kv_pages=kv_pages, kv_index=kv_index)
     kw = dict(axis=axis, num_ranks=num_ranks, sm_scale=sm_scale, impl=impl)
@@ -77,7 +81,8 @@ def ring_attention(q, k, v, positions, k_all, v_all, layer_pages, kv_lens, rank_
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class _Local:
-    """What one rank holds for one layer (see `ring_attention`'s arguments)."""
+    """What one rank holds for one layer (see `ring_attention`'s arguments; k_all, v_all
+    with heads folded, [pages, page_size, K * hd]: `pages` unfolds them)."""
 
     q: jax.Array
     k: jax.Array
@@ -92,6 +97,11 @@ class _Local:
     rank: jax.Array
     kv_pages: jax.Array
     kv_index: jax.Array
+
+    def pages(self) -> tuple[jax.Array, jax.Array]:
+        """k_all, v_all as [pages, page_size, K, hd]."""
+        head_dim = self.k.shape[-1]
+        return tuple(p.reshape(*p.shape[:2], -1, head_dim) for p in (self.k_all, self.v_all))
 
 
 # Name scopes of a ring step's transfer and attention, so that a test can find them in the
@@ -116,9 +126,10 @@ def _pass_kv(x: _Local, *, axis: str, num_ranks: int, sm_scale: float, impl: str
     """Algorithm 2: this rank's queries stay; every rank's K/V visit them."""
     # This rank's real cached K/V of the step's sequences, [C, page_size, K, hd], and where
     # each sequence's pages sit in it: what travels, not [S x W] padded page tables.
+    k_all, v_all = x.pages()
     seq_ids = _token_seqs(x.cu[x.rank], x.num_seqs, x.q.shape[0])
-    message = dict(k=x.k, v=x.v, seq=seq_ids, pos=x.positions, k_cached=x.k_all[x.kv_pages],
-                   v_cached=x.v_all[x.kv_pages], kv_index=x.kv_index, kv_lens=x.kv_lens)
+    message = dict(k=x.k, v=x.v, seq=seq_ids, pos=x.positions, k_cached=k_all[x.kv_pages],
+                   v_cached=v_all[x.kv_pages], kv_index=x.kv_index, kv_lens=x.kv_lens)
     q_seq = seq_ids
     outs, lses = [], []
     for step in range(num_ranks):
@@ -141,6 +152,7 @@ def _pass_q(x: _Local, *, axis: str, num_ranks: int, sm_scale: float, impl: str)
     """Algorithm 3 (and 4 for decodes): the queries travel; partial outputs return by All2All."""
     num_tokens, num_heads, head_dim = x.q.shape
     local_seq = _token_seqs(x.cu[x.rank], x.num_seqs, num_tokens)
+    k_all, v_all = x.pages()
     message = dict(q=x.q, pos=x.positions, src=x.rank)
     partial_out = jnp.zeros((num_ranks, num_tokens, num_heads, head_dim), jnp.float32)
     partial_lse = jnp.full((num_ranks, num_tokens, num_heads), -jnp.inf, jnp.float32)
@@ -150,7 +162,7 @@ def _pass_q(x: _Local, *, axis: str, num_ranks: int, sm_scale: float, impl: str)
         cu_src = x.cu[src]
         with jax.named_scope(f"{RING_ATTEND}{step}"):
             cached = ragged_paged_attention(
-                message["q"], x.k_all, x.v_all, x.layer_pages, cu_src, x.kv_lens, x.num_seqs,
+                message["q"], k_all, v_all, x.layer_pages, cu_src, x.kv_lens, x.num_seqs,
                 sm_scale=sm_scale, impl=impl, causal=False)
             fresh = masked_attention(message["q"], _token_seqs(cu_src, x.num_seqs, num_tokens),
                                      message["pos"], x.k, x.v, local_seq, x.positions,

@@ -31,7 +31,7 @@ from medha_jax.model import layers
 from medha_jax.model.attention import AttentionMetadata
 from medha_jax.model.llama import KVCache, decoder_layers, lm_logits, numpy_dtype
 from medha_jax.model.loading import Model
-from medha_jax.model.params import KV_CACHE_AXES, MeshLayout, param_specs
+from medha_jax.model.params import KV_CACHE_AXES, MeshLayout, kv_cache_shape, param_specs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,10 +88,8 @@ class StageSpec:
         return self.layout.sharding((num_tokens, self.config.hidden_size), ("tokens", "embed"))
 
     def kv_cache_sharding(self, num_pages: int, page_size: int):
-        """Shape [layers of this stage, pages, page_size, kv_heads, head_dim] and sharding."""
-        c = self.config
-        shape = (self.num_layers, num_pages, page_size,
-                 c.num_kv_heads * self.layout.kv_head_replicas, c.head_dim)
+        """Shape [layers of this stage, pages, page_size, kv_heads * head_dim] and sharding."""
+        shape = kv_cache_shape(self.config, self.layout, self.num_layers, num_pages, page_size)
         return shape, self.layout.sharding(shape, KV_CACHE_AXES)
 
 
