@@ -121,6 +121,8 @@ class EngineConfig:
             return self.max_tokens_per_kvp_group
         page = self.page_size * cp
         pool = self.total_pages * page
+        if kvp == 1:       # nothing to spread over: one request may fill the pool, as before
+            return pool
         longest = min(max_model_len, kvp * pool)
         return min(pool, -(-longest // (kvp * page)) * page)
 
