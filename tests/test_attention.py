@@ -105,7 +105,8 @@ def cache_copies(parallel, pages_per_shard):
     shape, sharding = model.kv_cache_sharding(engine.num_kv_shards * pages_per_shard, 16)
     local = sharding.shard_shape(shape)                          # [L, pages, page_size, ...]
     layer_bytes = math.prod(local[1:]) * np.dtype(np.float32).itemsize
-    compiled = engine.executable((16, 8, engine.ladder.width_buckets[0]))
+    # The narrowest 16-token, 8-sequence shape (with cp also its fewest packed pages).
+    compiled = engine.executable(min(s for s in engine.ladder.all_shapes() if s[:2] == (16, 8)))
     return layer_bytes, hlo.copies(compiled.as_text(), min_bytes=layer_bytes)
 
 
