@@ -227,8 +227,8 @@ def test_default_segment_is_the_longest_request_spread_over_the_shards():
     from medha_jax.engine import EngineConfig
 
     config = EngineConfig(page_size=16, num_pages=64)           # a 1024-token pool a shard
-    assert config.tokens_per_kvp_group(2048, kvp=1) == 1024     # one shard: its pool
-    assert config.tokens_per_kvp_group(256, kvp=1) == 256
+    assert config.tokens_per_kvp_group(2048, kvp=1) == 1024     # one shard: its pool,
+    assert config.tokens_per_kvp_group(256, kvp=1) == 1024      # whatever the model's length
     assert config.tokens_per_kvp_group(256, kvp=2) == 128
     assert config.tokens_per_kvp_group(250, kvp=4) == 64        # 62.5 -> a whole page
     assert config.tokens_per_kvp_group(1000, kvp=3) == 336
