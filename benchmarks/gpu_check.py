@@ -290,7 +290,9 @@ def decode_breakdown(plan: Plan, seed: int, log) -> dict:
     heads = kernels.Heads(c.num_heads, c.num_kv_heads, c.head_dim)
     dtype = jnp.dtype(numpy_dtype(c.dtype))
     seqs = inputs.padded_shape[1]
-    k_pages = jnp.zeros(engine.kv_cache.k.shape[1:], dtype)
+    # One layer of the cache as the kernels read it, [pages, page_size, kv_heads, head_dim]
+    # (the engine stores K/V heads folded into the last axis).
+    k_pages = jnp.zeros((*engine.kv_cache.k.shape[1:3], c.num_kv_heads, c.head_dim), dtype)
     q = jax.random.normal(jax.random.key(seed), (seqs, heads.q_heads, heads.head_dim), dtype)
     fn, args = kernels.decode_step(heads, plan.impl, (
         q, k_pages, k_pages, jnp.asarray(inputs.page_table[0]), jnp.asarray(inputs.kv_lens[0])))
