@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import itertools
 import os
 import secrets
@@ -629,3 +630,8 @@ class RayServer(Server):
             unavailable=unavailable, logprobs=delta.logprobs if delta is not None else None,
             prompt_logprobs=delta.prompt_logprobs if delta is not None else None))
         self.metrics.observe_finished(metrics, reason)
+
+
+# Server sets __signature__ for its __new__; this class takes its own arguments.
+RayServer.__signature__ = inspect.signature(RayServer.__init__).replace(
+    parameters=list(inspect.signature(RayServer.__init__).parameters.values())[1:])

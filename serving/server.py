@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import itertools
 import secrets
 import threading
@@ -420,6 +421,12 @@ class Server:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# Server(...) may build a RayServer (`__new__`), but what it takes is __init__'s arguments:
+# say so to inspect.signature (help(), IDEs, tests), which would otherwise read __new__'s.
+Server.__signature__ = inspect.signature(Server.__init__).replace(
+    parameters=list(inspect.signature(Server.__init__).parameters.values())[1:])
 
 
 def sample_params(params: SamplingParams, index: int) -> SamplingParams:
