@@ -2,6 +2,8 @@
 
 import os
 
+import pytest
+
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 # The suite is bound by XLA:CPU compiles (tiny models, many shapes, several meshes), and
@@ -20,3 +22,20 @@ if "MEDHA_CACHE_DIR" not in os.environ:
     import tempfile
 
     os.environ["MEDHA_CACHE_DIR"] = tempfile.mkdtemp(prefix="medha-test-cache-")
+
+
+
+@pytest.fixture
+def record_sessions(monkeypatch):
+    """record_sessions(server) -> the list that collects the session_id of every request
+    submitted to `server` from then on (the front ends' submit calls still go through)."""
+    def install(server):
+        sessions = []
+        submit = server.submit
+
+        def recording_submit(*args, session_id=None, **kwargs):
+            sessions.append(session_id)
+            return submit(*args, session_id=session_id, **kwargs)
+        monkeypatch.setattr(server, "submit", recording_submit)
+        return sessions
+    return install

@@ -396,20 +396,15 @@ def test_clients_cancelling_before_during_and_after_submit_with_reused_ids_leak_
 
 
 def test_session_id_reaches_the_router_and_a_lost_replica_is_unavailable(server, stub,
-                                                                         monkeypatch):
+                                                                         monkeypatch,
+                                                                         record_sessions):
     """GenerateRequest.session_id is the submit's session; a request whose replica failed
     with none to take it over ends the call with UNAVAILABLE, as does one no replica can
     take at all."""
     from medha_jax.cluster.router import NoHealthyReplica
     from serving.outputs import RequestHandle, StreamDelta
 
-    sessions = []
-    submit = server.submit
-
-    def recording_submit(*args, session_id=None, **kwargs):
-        sessions.append(session_id)
-        return submit(*args, session_id=session_id, **kwargs)
-    monkeypatch.setattr(server, "submit", recording_submit)
+    sessions = record_sessions(server)
     final = list(stub.Generate(request([4, 5, 6], max_tokens=2, session_id="chat-3")))[-1]
     list(stub.Generate(request([4, 5, 6], max_tokens=2)))
     assert sessions == ["chat-3", None] and final.metrics.replica == 0

@@ -477,19 +477,14 @@ def test_cli_serves_http_only_with_a_token_and_stops_on_sigterm(model_dir):
             proc.wait()
 
 
-def test_session_from_x_session_id_or_user_and_no_replica_is_503(server, http, monkeypatch):
+def test_session_from_x_session_id_or_user_and_no_replica_is_503(server, http, monkeypatch,
+                                                                 record_sessions):
     """The router's session comes from the X-Session-Id header, else OpenAI's `user`; a
     request no healthy replica can take is 503 "unavailable", before or while it generates."""
     from medha_jax.cluster.router import NoHealthyReplica
     from serving.http_server import _generation_error
 
-    sessions = []
-    submit = server.submit
-
-    def recording_submit(*args, session_id=None, **kwargs):
-        sessions.append(session_id)
-        return submit(*args, session_id=session_id, **kwargs)
-    monkeypatch.setattr(server, "submit", recording_submit)
+    sessions = record_sessions(server)
     body = {"prompt": "hi", "max_tokens": 2, "temperature": 0}
     assert raw(http, "POST", "/v1/completions", {**body, "user": "alice"})[0] == 200
     assert raw(http, "POST", "/v1/completions", {**body, "user": "alice"},
