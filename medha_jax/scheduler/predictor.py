@@ -35,6 +35,8 @@ from medha_jax.request import Batch
 from medha_jax.scheduler.cp_cost import PASS_Q, RingCost
 from medha_jax.scheduler.hardware import HardwareSpec, hardware_preset
 
+_tuple_new = tuple.__new__
+
 
 class BatchFeatures(NamedTuple):
     """What a predictor needs to know about a batch; sums over its chunks.
@@ -87,7 +89,8 @@ class BatchFeatures(NamedTuple):
             i = bisect.bisect_left(token_buckets, tokens)
             padded = token_buckets[i] if i < len(token_buckets) else \
                 padded_size(tokens, token_buckets)    # raises: past the largest bucket
-        return BatchFeatures(
+        # tuple.__new__: the NamedTuple's own __new__ is a Python function (a call more).
+        return _tuple_new(BatchFeatures, (
             tokens, padded, self.seqs + 1,
             self.sum_chunk_x_context + num_tokens * end,
             self.sum_chunk_sq + num_tokens * num_tokens, self.sum_context + end,
@@ -95,7 +98,7 @@ class BatchFeatures(NamedTuple):
             self.prefill_chunks + prefill,
             self.sum_prefill_context + end if prefill else self.sum_prefill_context,
             self.max_decode_context if prefill else max(self.max_decode_context, end),
-            max(self.max_context, end))
+            max(self.max_context, end)))
 
 
 def batch_features(batch: Batch, token_buckets: Sequence[int] | None = None) -> BatchFeatures:
