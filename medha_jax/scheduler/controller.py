@@ -457,7 +457,7 @@ class _KVGate:
         outside the chunks granted so far: they are in flight already)."""
         chunks: list[ScheduledChunk] = []
         append, new_chunk = chunks.append, tuple.__new__    # ScheduledChunk's __new__ is Python
-        held, kv_reserve = self.kv.tokens_held.get, self.kv.reserve
+        held, kv_reserve = self.kv.tokens_held, self.kv.reserve
         in_flight, preempted = self.in_flight, self.preempted
         todo = decodes
         while todo and len(chunks) < seats:
