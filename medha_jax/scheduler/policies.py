@@ -36,6 +36,9 @@ class Policy:
     """Orders prefills: `priority_key(request, now)`, lower goes first."""
 
     name: str = "policy"
+    # Whether every key's slope is 0 (the order does not change as time goes on): the
+    # index then reads the stored offsets as the keys, without a pass over the queue.
+    constant_keys: bool = False
 
     def linear_key(self, request: Request) -> tuple[float, float]:
         """(offset, slope) with priority_key(request, t) = offset - slope * t."""
@@ -67,6 +70,7 @@ class FCFS(Policy):
     """First come, first served: the oldest arrival first."""
 
     name = "fcfs"
+    constant_keys = True
 
     def linear_key(self, request: Request) -> tuple[float, float]:
         return request.arrival_time, 0.0
@@ -76,6 +80,7 @@ class EDF(Policy):
     """Earliest deadline first: the earliest TTFT deadline a + d first."""
 
     name = "edf"
+    constant_keys = True
 
     def linear_key(self, request: Request) -> tuple[float, float]:
         return request.deadline, 0.0
@@ -125,6 +130,7 @@ class SRPT(_WorkPolicy):
     controller's second order, where it looks for short requests to run beside a long one."""
 
     name = "srpt"
+    constant_keys = True
 
     def key_with_work(self, request: Request, work: float) -> tuple[float, float]:
         return work, 0.0
@@ -255,7 +261,8 @@ class PriorityIndex:
         if secondary and self.secondary is None:
             raise ValueError("this index keeps no secondary policy")
         i = int(secondary)
-        keys = self._offset[i, :n] - self._slope[i, :n] * now
+        keys = self._offset[i, :n] if self._policies[i].constant_keys else \
+            self._offset[i, :n] - self._slope[i, :n] * now
         if len(self._class_counts) > 1:
             return self._top_rows_by_class(keys, k)
         rows, self._threshold[i] = _first_rows(keys, self._order[:n], k, self._threshold[i])
