@@ -27,9 +27,11 @@ the first chunk starts); `reserve(chunk)` finds KV space for it, preempting lowe
 priority requests when needed; `reserve_decodes` does that for every decode of the step
 in one call. A chunk the gate refuses is left out of this batch.
 
-Host time: a step is formed in about a hundred microseconds (benchmarks/scheduler_overhead.py).
-The only loop over every decode is the gate's `reserve_decodes`; prefills are read from the
-front of the priority order only as far as the batch has room (`riders` is lazy).
+Host time (benchmarks/scheduler_overhead.py, lars-mp, 64 decodes, 1,000 queued): about 1.3 M
+instructions per batch, a few hundred microseconds on a shared 2-core host. The only loop
+over every decode is the gate's `reserve_decodes`; prefills are read from the front of the
+priority order only as far as the batch has room (`riders` is lazy), and a rider whose whole
+rest fits (most of them) is granted without a search.
 """
 
 from __future__ import annotations
