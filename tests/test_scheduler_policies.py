@@ -81,6 +81,8 @@ def test_priority_index_top_equals_a_full_sort(policy_name):
         now = rng.uniform(0, 100)
         k = rng.randint(1, 20)
         for order, secondary in ((policy, False), (srpt, True)):
+            if order.constant_keys:     # the index then reads offsets as keys
+                assert all(order.linear_key(r)[1] == 0.0 for r in live.values())
             expected = sorted(live.values(), key=lambda r: order.sort_key(r, now))[:k]
             got = index.top(now, k, secondary=secondary)
             assert [r.priority for r in got] == [r.priority for r in expected]
@@ -88,6 +90,20 @@ def test_priority_index_top_equals_a_full_sort(policy_name):
                 [order.priority_key(r, now) for r in expected])
         for r in got:       # the stored key, as the controller sorts its riders by it
             assert index.sort_key(r, now) == pytest.approx(policy.sort_key(r, now))
+        # The controller's candidates: the top, then riders of the secondary order beyond it
+        # in the policy's order, skipping what `runnable` rejects (batches in flight).
+        riders, spare = rng.randint(0, 6), rng.choice([0, 0, 3])
+        blocked = set(rng.sample(sorted(live), min(spare, len(live))))
+        runnable = (lambda r: r.request_id not in blocked) if spare else None
+        top = [r for r in index.top(now, k + spare) if runnable is None or runnable(r)][:k]
+        expected = top
+        if riders and len(live) > k + spare:
+            chosen = {r.request_id for r in top}
+            more = [r for r in index.top(now, k + riders + spare, secondary=True)
+                    if r.request_id not in chosen and (runnable is None or runnable(r))]
+            expected = top + index.in_policy_order(more[:riders], now)
+        got = index.top_with_riders(now, k, riders, spare=spare, runnable=runnable)
+        assert [r.request_id for r in got] == [r.request_id for r in expected]
         assert len(index) == len(live)
 
 
@@ -307,6 +323,17 @@ class _SortedQueue:
         policy = self.secondary if secondary else self.policy
         ranked = sorted(self._queued.values(), key=lambda e: (*policy.sort_key(e[1], now), e[0]))
         return [r for _, r in ranked[:k]]
+
+    def top_with_riders(self, now, k, riders, *, spare=0, runnable=None):
+        top = self.top(now, k + spare)
+        if runnable is not None:
+            top = [r for r in top if runnable(r)][:k]
+        if not riders or len(self) <= k + spare:
+            return top
+        chosen = {r.request_id for r in top}
+        more = [r for r in self.top(now, k + riders + spare, secondary=True)
+                if r.request_id not in chosen and (runnable is None or runnable(r))]
+        return top + self.in_policy_order(more[:riders], now)
 
 
 def _random_requests(rng, n, prefix_groups):

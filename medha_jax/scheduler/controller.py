@@ -24,7 +24,6 @@ Plain Python, single-threaded: the server serialises calls from its own loop thr
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Callable, Iterable, Sequence
 
@@ -297,25 +296,18 @@ class ReplicaController:
         queued, as in a burst. Least remaining work is who most likely fits the long
         one's slack. Those come after the top, so the list stays a subsequence of the
         policy's order and the packer's reading of it holds."""
-        in_flight, k = self._in_flight, self.max_prefill_candidates
+        in_flight = self._in_flight
+        if not in_flight:
+            return self._prefills.top_with_riders(now, self.max_prefill_candidates,
+                                                  self.max_rider_candidates)
 
         def runnable(r: Request) -> bool:
             # A request in flight may get its next prefill chunk, never a second sample.
             return r.request_id not in in_flight or r.num_scheduled_tokens < r.num_tokens
 
-        candidates = self._prefills.top(now, k + len(in_flight))
-        if in_flight:
-            candidates = [r for r in candidates if runnable(r)][:k]
-        extra = self.max_rider_candidates
-        if not extra or len(self._prefills) <= k + len(in_flight):
-            return candidates                        # the top was the whole queue
-        chosen = set(candidates)
-        riders = list(itertools.filterfalse(chosen.__contains__, self._prefills.top(
-            now, k + extra + len(in_flight), secondary=True)))
-        if in_flight:
-            riders = [r for r in riders if runnable(r)]
-        riders = riders[:extra]
-        return candidates + self._prefills.in_policy_order(riders, now)
+        return self._prefills.top_with_riders(now, self.max_prefill_candidates,
+                                              self.max_rider_candidates,
+                                              spare=len(in_flight), runnable=runnable)
 
     def _decode_order(self) -> list[Request]:
         decodes = list(self._decodes.values())
@@ -465,7 +457,7 @@ class _KVGate:
         outside the chunks granted so far: they are in flight already)."""
         chunks: list[ScheduledChunk] = []
         append, new_chunk = chunks.append, tuple.__new__    # ScheduledChunk's __new__ is Python
-        held, kv_reserve = self.kv.tokens_held.get, self.kv.reserve
+        held, kv_reserve = self.kv.tokens_held, self.kv.reserve
         in_flight, preempted = self.in_flight, self.preempted
         todo = decodes
         while todo and len(chunks) < seats:

@@ -10,8 +10,7 @@ interface (the simulator counts pages without page ids).
 
 from __future__ import annotations
 
-import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from medha_jax.request import Request
@@ -73,13 +72,10 @@ class KVReservations:
     def __init__(self, allocator: KVAllocator):
         self.allocator = allocator
         self._reserved_tokens: dict[str, int] = {}    # request_id -> tokens its pages hold
-        self._tokens_held_view = types.MappingProxyType(self._reserved_tokens)
-
-    @property
-    def tokens_held(self) -> Mapping[str, int]:
-        """request_id -> tokens its pages hold (read-only view for the per-decode fast
-        path: a reserve() of at most that many changes nothing)."""
-        return self._tokens_held_view
+        # tokens_held(request_id, default): the tokens its pages hold, for the per-decode
+        # fast path (a reserve() of at most that many changes nothing). The dict's own get,
+        # read-only and a C call: a read-only mapping view's get costs a third more.
+        self.tokens_held: Callable[[str, int], int] = self._reserved_tokens.get
 
     def has(self, request_id: str) -> bool:
         return request_id in self._reserved_tokens

@@ -21,6 +21,7 @@ least remaining work, SRPT, of a queue that LARS orders).
 
 from __future__ import annotations
 
+import itertools
 import operator
 from collections.abc import Callable
 
@@ -35,6 +36,9 @@ class Policy:
     """Orders prefills: `priority_key(request, now)`, lower goes first."""
 
     name: str = "policy"
+    # Whether every key's slope is 0 (the order does not change as time goes on): the
+    # index then reads the stored offsets as the keys, without a pass over the queue.
+    constant_keys: bool = False
 
     def linear_key(self, request: Request) -> tuple[float, float]:
         """(offset, slope) with priority_key(request, t) = offset - slope * t."""
@@ -66,6 +70,7 @@ class FCFS(Policy):
     """First come, first served: the oldest arrival first."""
 
     name = "fcfs"
+    constant_keys = True
 
     def linear_key(self, request: Request) -> tuple[float, float]:
         return request.arrival_time, 0.0
@@ -75,6 +80,7 @@ class EDF(Policy):
     """Earliest deadline first: the earliest TTFT deadline a + d first."""
 
     name = "edf"
+    constant_keys = True
 
     def linear_key(self, request: Request) -> tuple[float, float]:
         return request.deadline, 0.0
@@ -124,6 +130,7 @@ class SRPT(_WorkPolicy):
     controller's second order, where it looks for short requests to run beside a long one."""
 
     name = "srpt"
+    constant_keys = True
 
     def key_with_work(self, request: Request, work: float) -> tuple[float, float]:
         return work, 0.0
@@ -218,18 +225,48 @@ class PriorityIndex:
     def top(self, now: float, k: int, *, secondary: bool = False) -> list[Request]:
         """The k most urgent requests at time `now`, most urgent first (by the secondary
         policy's keys if `secondary`): by priority class, then key, then insertion."""
+        return list(map(self._requests.__getitem__, self._top_rows(now, k, secondary).tolist()))
+
+    def top_with_riders(self, now: float, k: int, riders: int, *, spare: int = 0,
+                        runnable: Callable[[Request], bool] | None = None) -> list[Request]:
+        """top(now, k), then up to `riders` more: the first of the secondary order among the
+        rest, themselves in the policy's order (a stable sort: equal keys keep the
+        secondary order). With `runnable`, requests it rejects are skipped in both; `spare`
+        more of each order are read so that up to that many rejected leave k and `riders`.
+
+        What top(k + spare), top(k + riders + spare, secondary=True) and in_policy_order
+        of the riders give, in row space: one Request list, built at the end."""
+        requests = self._requests
+        rows = self._top_rows(now, k + spare, False).tolist()
+        if runnable is not None:
+            rows = [j for j in rows if runnable(requests[j])][:k]
+        if not riders or len(requests) <= k + spare:
+            return list(map(requests.__getitem__, rows))
+        more = itertools.filterfalse(set(rows).__contains__,
+                                     self._top_rows(now, k + riders + spare, True).tolist())
+        if runnable is not None:
+            more = (j for j in more if runnable(requests[j]))
+        more = list(itertools.islice(more, riders))
+        if len(more) > 1:
+            by = np.lexsort((self._offset[0, more] - self._slope[0, more] * now,
+                             self._klass[more]))
+            more = list(map(more.__getitem__, by.tolist()))
+        return list(map(requests.__getitem__, rows + more))
+
+    def _top_rows(self, now: float, k: int, secondary: bool) -> np.ndarray:
+        """top()'s rows."""
         n = len(self._requests)
         if n == 0 or k <= 0:
-            return []
+            return np.empty(0, dtype=np.int64)
         if secondary and self.secondary is None:
             raise ValueError("this index keeps no secondary policy")
         i = int(secondary)
-        keys = self._offset[i, :n] - self._slope[i, :n] * now
+        keys = self._offset[i, :n] if self._policies[i].constant_keys else \
+            self._offset[i, :n] - self._slope[i, :n] * now
         if len(self._class_counts) > 1:
-            rows = self._top_rows_by_class(keys, k)
-        else:
-            rows, self._threshold[i] = _first_rows(keys, self._order[:n], k, self._threshold[i])
-        return list(map(self._requests.__getitem__, rows.tolist()))
+            return self._top_rows_by_class(keys, k)
+        rows, self._threshold[i] = _first_rows(keys, self._order[:n], k, self._threshold[i])
+        return rows
 
     def _top_rows_by_class(self, keys: np.ndarray, k: int) -> np.ndarray:
         """top()'s rows with several priority classes: every row of the more important

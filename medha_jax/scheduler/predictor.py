@@ -35,6 +35,8 @@ from medha_jax.request import Batch
 from medha_jax.scheduler.cp_cost import PASS_Q, RingCost
 from medha_jax.scheduler.hardware import HardwareSpec, hardware_preset
 
+_tuple_new = tuple.__new__
+
 
 class BatchFeatures(NamedTuple):
     """What a predictor needs to know about a batch; sums over its chunks.
@@ -79,7 +81,9 @@ class BatchFeatures(NamedTuple):
     def plus_chunk(self, num_tokens: int, start: int, samples: bool,
                    token_buckets: Sequence[int] | None = None) -> BatchFeatures:
         """These features with one more chunk of num_tokens tokens starting at `start`."""
-        tokens = self.tokens + num_tokens
+        (base_tokens, _, seqs, sum_cx, sum_sq, sum_context, sampling, prefills, sum_prefill_ctx,
+         max_decode_ctx, max_ctx) = self     # one unpacking, not eleven field reads
+        tokens = base_tokens + num_tokens
         end = start + num_tokens
         prefill = num_tokens > 1
         padded = tokens
@@ -87,15 +91,15 @@ class BatchFeatures(NamedTuple):
             i = bisect.bisect_left(token_buckets, tokens)
             padded = token_buckets[i] if i < len(token_buckets) else \
                 padded_size(tokens, token_buckets)    # raises: past the largest bucket
-        return BatchFeatures(
-            tokens, padded, self.seqs + 1,
-            self.sum_chunk_x_context + num_tokens * end,
-            self.sum_chunk_sq + num_tokens * num_tokens, self.sum_context + end,
-            self.sampling_tokens + num_tokens if samples else self.sampling_tokens,
-            self.prefill_chunks + prefill,
-            self.sum_prefill_context + end if prefill else self.sum_prefill_context,
-            self.max_decode_context if prefill else max(self.max_decode_context, end),
-            max(self.max_context, end))
+        # tuple.__new__: the NamedTuple's own __new__ is a Python function (a call more).
+        return _tuple_new(BatchFeatures, (
+            tokens, padded, seqs + 1, sum_cx + num_tokens * end,
+            sum_sq + num_tokens * num_tokens, sum_context + end,
+            sampling + num_tokens if samples else sampling,
+            prefills + prefill,
+            sum_prefill_ctx + end if prefill else sum_prefill_ctx,
+            max_decode_ctx if prefill else (max_decode_ctx if max_decode_ctx > end else end),
+            max_ctx if max_ctx > end else end))
 
 
 def batch_features(batch: Batch, token_buckets: Sequence[int] | None = None) -> BatchFeatures:
@@ -292,6 +296,11 @@ class AnalyticalPredictor:
         # cp's exposed ring time shrinks as more attention hides it.
         self.chunk_time_grows_with_n = p.cp == 1
         self._folds_chunks = p.kvp == 1 and p.cp == 1      # chunk_time's shortcut applies
+        self._fold_constants = (
+            self._linear_s_per_token, self._head_s_per_seq, self._weights_read_s,
+            self._act_read_s_per_token, self._attn_s_per_pair, self._kv_read_s_per_token,
+            self._chunk_io_s_per_token, self._overhead_s, self._fixed_collectives_s,
+            self._tp_s_per_token, self._p2p_s_per_token)
 
     def predict_features(self, f: BatchFeatures) -> float:
         # Called thousands of times per iteration by the packer's searches: plain
@@ -329,25 +338,28 @@ class AnalyticalPredictor:
         if not self._folds_chunks or token_buckets is None:
             return self.predict_features(base.plus_chunk(n, start, n == remaining,
                                                          token_buckets))
-        tokens = base.tokens + n
+        # One unpacking each of the batch and of the constants instead of a dozen attribute
+        # reads: the packer prices every chunk it considers here.
+        base_tokens, _, seqs, sum_cx, sum_sq, sum_context, _, _, _, _, _ = base
+        (linear_s, head_s, weights_s, act_s, pair_s, kv_s, io_s, overhead_s, fixed_s, tp_s,
+         p2p_s) = self._fold_constants
+        tokens = base_tokens + n
         padded = token_buckets[bisect.bisect_left(token_buckets, tokens)] \
             if tokens <= token_buckets[-1] else padded_size(tokens, token_buckets)
-        compute = self._linear_s_per_token * padded + self._head_s_per_seq * (base.seqs + 1)
-        memory = self._weights_read_s + self._act_read_s_per_token * padded
-        earlier = base.sum_context + start - base.tokens          # sum_context - tokens
-        context = self._attn_s_per_pair * (base.sum_chunk_x_context - base.sum_chunk_sq
-                                           + n * start) * (1.0 if earlier > 0 else 0.0)
-        earlier_kv_s = self._kv_read_s_per_token * earlier        # (/ cp = 1)
+        compute = linear_s * padded + head_s * (seqs + 1)
+        memory = weights_s + act_s * padded
+        earlier = sum_context + start - base_tokens                # sum_context - tokens
+        context = pair_s * (sum_cx - sum_sq + n * start) * (1.0 if earlier > 0 else 0.0)
+        earlier_kv_s = kv_s * earlier                               # (/ cp = 1)
         if earlier_kv_s > context:
             context = earlier_kv_s
-        within = self._attn_s_per_pair * (base.sum_chunk_sq + n * n + tokens) / 2
-        chunk_io = self._chunk_io_s_per_token * tokens
+        within = pair_s * (sum_sq + n * n + tokens) / 2
+        chunk_io = io_s * tokens
         if chunk_io > within:
             within = chunk_io
         # (+ kvp_s * tokens is + 0.0 here, which changes no float.)
-        return (self._overhead_s + (compute if compute > memory else memory) + context + within
-                + (self._fixed_collectives_s + self._tp_s_per_token * padded
-                   + self._p2p_s_per_token * padded))
+        return (overhead_s + (compute if compute > memory else memory) + context + within
+                + (fixed_s + tp_s * padded + p2p_s * padded))
 
     def _busiest_kv_shard(self, earlier_tokens: int, max_context: int) -> float:
         """Earlier-context KV tokens the busiest KV shard reads (all of them at kvp = 1)."""
@@ -484,22 +496,21 @@ class ProfiledPredictor:
         """`predictor.chunk_time`: predict_features of base plus one chunk, the same
         floating-point operations in the same order, without the features."""
         c0, c1, c2, c3, c4, c5, c6, c7 = self.coefficients
-        tokens = base.tokens + n
+        (base_tokens, _, _, sum_cx, sum_sq, sum_context, _, prefills, sum_prefill_ctx,
+         max_decode, _) = base                  # one unpacking, not a read per field
+        tokens = base_tokens + n
         padded = tokens
         if token_buckets is not None and tokens:
             padded = token_buckets[bisect.bisect_left(token_buckets, tokens)] \
                 if tokens <= token_buckets[-1] else padded_size(tokens, token_buckets)
         end = start + n
-        head = (c0 + c1 * padded + c2 * (base.sum_chunk_x_context + n * end)
-                + c3 * (base.sum_chunk_sq + n * n))
+        head = c0 + c1 * padded + c2 * (sum_cx + n * end) + c3 * (sum_sq + n * n)
         if n > 1:                                   # a prefill chunk
-            prefill_ctx = base.sum_prefill_context + end
-            return (head + c4 * (base.prefill_chunks + 1) + c5 * prefill_ctx
-                    + c6 * (base.sum_context + end - prefill_ctx)
-                    + c7 * base.max_decode_context)
-        max_decode = base.max_decode_context
-        return (head + c4 * base.prefill_chunks + c5 * base.sum_prefill_context
-                + c6 * (base.sum_context + end - base.sum_prefill_context)
+            prefill_ctx = sum_prefill_ctx + end
+            return (head + c4 * (prefills + 1) + c5 * prefill_ctx
+                    + c6 * (sum_context + end - prefill_ctx) + c7 * max_decode)
+        return (head + c4 * prefills + c5 * sum_prefill_ctx
+                + c6 * (sum_context + end - sum_prefill_ctx)
                 + c7 * (max_decode if max_decode > end else end))
 
     def to_json(self) -> str:

@@ -105,7 +105,13 @@ class PrefillTimeCache:
 
     def remaining_work(self, request: Request) -> float:
         """w(t) = C[total tokens] - C[computed tokens] (GET_REMAINING_TIME)."""
-        total, computed = self.prefill_time(request.num_tokens), request.num_computed_tokens
+        # The scheduler asks this of every rider it reads and at every index update: a
+        # short prompt's C[l] is read straight from the entries prefill_time filled.
+        num_tokens = request.prompt_len + len(request.output_token_ids)
+        total = self._below_step.get(num_tokens)
+        if total is None:
+            total = self.prefill_time(num_tokens)
+        computed = request.num_computed_tokens
         return total - self.prefill_time(computed) if computed else total     # C[0] = 0
 
     def lone_chunk(self, context_len: int) -> int:
