@@ -285,6 +285,13 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
         rope_theta=10_000.0, max_position_embeddings=2048,
         rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                  original_max_position_embeddings=64)),
+    # Gemma-3's layer kinds in miniature (the window and the RoPE chosen per layer).
+    "tiny-gemma3": ModelConfig(
+        name="tiny-gemma3", family="gemma3", vocab_size=256, hidden_size=64, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=96,
+        rope_theta=1_000_000.0, local_rope_theta=10_000.0, max_position_embeddings=2048,
+        sliding_window=24, layer_types=(SLIDING_LAYER, FULL_LAYER),
+        query_pre_attn_scalar=16, tie_word_embeddings=True),
     "tiny-tied": ModelConfig(
         name="tiny-tied", vocab_size=256, hidden_size=64, num_layers=2, num_heads=4,
         num_kv_heads=4, head_dim=16, intermediate_size=96,

@@ -60,6 +60,11 @@ def test_sliding_window_refuses_kv_shards():
     MeshLayout.create(config, make_mesh(ParallelConfig(tp=2)), DEFAULT_RULES, "xla")
     with pytest.raises(ValueError, match="sliding_window=16 .* kvp = cp = 1"):
         MeshLayout.create(config, make_mesh(ParallelConfig(kvp=2)), DEFAULT_RULES, "xla")
+    # Gemma-3's sliding layers among full ones too, on kvp and on cp.
+    gemma = model_preset("tiny-gemma3")
+    for parallel in (ParallelConfig(kvp=2), ParallelConfig(cp=2)):
+        with pytest.raises(ValueError, match="sliding_window=24 .* kvp = cp = 1"):
+            MeshLayout.create(gemma, make_mesh(parallel), DEFAULT_RULES, "xla")
 
 
 @pytest.mark.parametrize("tp, replicas, padded_vocab", [(1, 1, 257), (2, 1, 258), (4, 2, 260),

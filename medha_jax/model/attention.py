@@ -190,14 +190,18 @@ def _attend_on_device(q, k, v, positions, k_cache, v_cache, layer_id, windowed,
                              axis=cp_axis, num_ranks=cp, sm_scale=sm_scale, impl=impl)
         return out, k_cache, v_cache
     if num_shards == 1:
-        def attend_cache(window):
-            return attend(q, k_all, v_all, layer_pages, meta.cu_q_lens, kv_lens, meta.num_seqs,
-                          num_decodes=meta.num_decodes, sliding_window=window)[0]
+        def attend_cache(window, k_folded, v_folded):
+            return attend(q, _all_layer_pages(k_folded, head_dim),
+                          _all_layer_pages(v_folded, head_dim), layer_pages, meta.cu_q_lens,
+                          kv_lens, meta.num_seqs, num_decodes=meta.num_decodes,
+                          sliding_window=window)[0]
         if per_layer_window:
-            out = jax.lax.cond(windowed, lambda: attend_cache(sliding_window),
-                               lambda: attend_cache(None))
+            # The cond takes the cache folded and each branch unfolds its view: an unfolded
+            # operand with one K/V head per device (a size-1 axis) is copied whole by XLA.
+            out = jax.lax.cond(windowed, functools.partial(attend_cache, sliding_window),
+                               functools.partial(attend_cache, None), k_cache, v_cache)
         else:
-            out = attend_cache(sliding_window)
+            out = attend_cache(sliding_window, k_cache, v_cache)
         return out, k_cache, v_cache
 
     prefix_out, prefix_lse = attend(q, k_all, v_all, layer_pages, meta.cu_q_lens, kv_lens,
