@@ -167,7 +167,10 @@ def per_layer_window_outputs(impl: str, shapes: Shapes, q_lens, contexts, window
                          intermediate_size=8, sliding_window=window)
     layout = MeshLayout.create(config, make_mesh(ParallelConfig()), DEFAULT_RULES, impl)
     num_pages, page_size = batch["k_pages"].shape[:2]
-    fold = lambda pages: jnp.stack([jnp.asarray(pages).reshape(num_pages, page_size, -1)] * 2)  # noqa: E731
+
+    def fold(pages):   # [P, page_size, K, hd] -> two layers of [P, page_size, K * hd]
+        return jnp.stack([jnp.asarray(pages).reshape(num_pages, page_size, -1)] * 2)
+
     meta = AttentionMetadata(
         slot_mapping=jnp.full((1, shapes.num_tokens), num_pages * page_size, jnp.int32),
         page_table=jnp.asarray(batch["page_table"])[None],

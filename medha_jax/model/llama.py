@@ -1,4 +1,5 @@
-"""The Llama-3 decoder and its families' differences (config.FAMILIES) as a Flax NNX module over the ragged paged layout.
+"""The Llama-3 decoder, with its families' differences (config.FAMILIES), as a Flax NNX
+module over the ragged paged layout.
 
 One forward serves one-shot prefill, chunked prefill and decode alike: a flat run of
 tokens [T] from many sequences with their positions, the paged KV cache, and the
