@@ -57,7 +57,9 @@ def test_gguf_of_the_checkpoint_gives_the_same_logits(family_checkpoint, tmp_pat
     config = load_model(path, verbose=False).config
     sd = {k: v.detach().numpy() for k, v in hf_model.state_dict().items()}
     arch = {"qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3"}.get(config.family, "llama")
-    gguf = write_tiny_gguf(tmp_path / "m.gguf", config, sd, arch=arch)
+    # llama.cpp's Gemma-3 converter writes key_length and no rope.dimension_count.
+    gguf = write_tiny_gguf(tmp_path / "m.gguf", config, sd, arch=arch,
+                           skip_metadata=("gemma3.rope.dimension_count",))
     ckpt = load_gguf_checkpoint(gguf)
     assert (ckpt.config.family, ckpt.config.sliding_window, ckpt.config.head_dim) == (
         "llama" if config.family == "mistral" else config.family, config.sliding_window,
@@ -148,3 +150,38 @@ def test_gemma3_pipeline_stages_keep_each_layers_kind(tmp_path):
     ids = np.random.default_rng(2).integers(0, 256, size=PROMPT_LEN).tolist()
     staged = staged_logits(split_stages(model), ids, [29, 1, 31])
     np.testing.assert_array_less(np.abs(staged - hf_logits(hf_model, ids)).max(), 1e-5)
+
+
+@pytest.mark.parametrize("layers, pattern, scalar", [(3, [True, False, True], 32.0),
+                                                     (62, None, 16.0)])
+def test_gemma3_gguf_fields_as_llama_cpp_reads_them(tmp_path, layers, pattern, scalar):
+    """A written sliding_window_pattern (flags per layer) and rope.freq_base_swa are read;
+    without them every 6th layer is full on base 1e4; the 27B's (62 layers) attention scale
+    is hidden / heads, every other size's head_dim; head_dim is key_length (32, not hidden /
+    heads), with no rope.dimension_count written, as the converter writes Gemma-3."""
+    from gguf import GGUFReader, GGUFWriter
+
+    from medha_jax.checkpoint.gguf_file import config_from_gguf
+
+    writer = GGUFWriter(str(tmp_path / "m.gguf"), "gemma3")
+    for key, value in {"block_count": layers, "context_length": 2048, "embedding_length": 64,
+                       "feed_forward_length": 128, "attention.head_count": 4,
+                       "attention.head_count_kv": 2, "attention.key_length": 32,
+                       "attention.sliding_window": 24}.items():
+        writer.add_uint32(f"gemma3.{key}", value)
+    writer.add_float32("gemma3.attention.layer_norm_rms_epsilon", 1e-6)
+    writer.add_float32("gemma3.rope.freq_base", 1e6)
+    if pattern is not None:
+        writer.add_sliding_window_pattern(pattern)
+        writer.add_rope_freq_base_swa(5e3)
+    writer.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(16)])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    config = config_from_gguf(GGUFReader(tmp_path / "m.gguf"))
+    want = pattern or [(i + 1) % 6 != 0 for i in range(layers)]
+    assert config.sliding_layers() == tuple(want)
+    assert config.local_rope_theta == (5e3 if pattern else 1e4)
+    assert config.query_pre_attn_scalar == scalar and config.tie_word_embeddings
+    assert config.head_dim == 32

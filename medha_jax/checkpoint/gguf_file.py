@@ -111,9 +111,11 @@ def config_from_gguf(reader: GGUFReader, name: str = "custom") -> ModelConfig:
     hidden = gguf_field(reader, arch + "embedding_length")
     heads = gguf_field(reader, arch + "attention.head_count")
     # Llama rotates whole heads, so llama.cpp's rotary dimension count is the head size
-    # (transformers reads it that way too); key_length, when written, must agree.
-    rotary_dims = gguf_field(reader, arch + "rope.dimension_count", hidden // heads)
-    head_dim = gguf_field(reader, arch + "attention.key_length", rotary_dims)
+    # (transformers reads it that way too); key_length, when written, must agree. Gemma-3's
+    # converter writes key_length only (its head_dim is not hidden / heads).
+    key_length = gguf_field(reader, arch + "attention.key_length", None)
+    rotary_dims = gguf_field(reader, arch + "rope.dimension_count", key_length or hidden // heads)
+    head_dim = key_length or rotary_dims
     if rotary_dims != head_dim:
         raise CheckpointError(
             f"GGUF {arch}rope.dimension_count={rotary_dims} != {head_dim=}: partial RoPE "
