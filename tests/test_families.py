@@ -8,7 +8,7 @@ import pytest
 from medha_jax import ParallelConfig, load_model
 from medha_jax.checkpoint import CheckpointError, load_gguf_checkpoint
 from medha_jax.checkpoint.hf import config_from_hf
-from medha_jax.config import LinearScaling, YarnScaling
+from medha_jax.config import LinearScaling, YarnScaling, model_preset
 from tests.hf_oracle import (TINY_FAMILY_CONFIGS, greedy_with_logits, hf_greedy, hf_logits,
                              save_tiny_family)
 
@@ -117,6 +117,17 @@ def test_gemma3_config_fields_in_transformers_4_spelling():
                                               if k != "architectures"})
     assert gemma.layer_types == tuple(theirs.layer_types)
     assert gemma == config_from_hf({**theirs.to_dict(), "architectures": ["Gemma3ForCausalLM"]})
+    # Gemma-3-1B's released config.json reads as the preset.
+    released = {
+        "architectures": ["Gemma3ForCausalLM"], "attention_bias": False,
+        "attn_logit_softcapping": None, "final_logit_softcapping": None, "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 1152,
+        "intermediate_size": 6912, "max_position_embeddings": 32768,
+        "num_attention_heads": 4, "num_hidden_layers": 26, "num_key_value_heads": 1,
+        "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000,
+        "rope_scaling": None, "rope_theta": 1000000, "sliding_window": 512,
+        "sliding_window_pattern": 6, "torch_dtype": "bfloat16", "vocab_size": 262144}
+    assert config_from_hf(released, name="gemma3-1b") == model_preset("gemma3-1b")
     for bad, match in (({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
                        ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
                        ({"hidden_activation": "gelu"}, "hidden_activation='gelu'")):
