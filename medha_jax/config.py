@@ -55,6 +55,18 @@ class YarnScaling:
 
 
 @dataclasses.dataclass(frozen=True)
+class LinearScaling:
+    """Linear RoPE scaling (Gemma-3's global layers on 4B and up): positions divided by
+    `factor`, i.e. every inverse frequency is."""
+
+    factor: float
+
+    def __post_init__(self):
+        if self.factor <= 0:
+            raise ValueError(f"rope_scaling.factor must be > 0, got {self.factor}")
+
+
+@dataclasses.dataclass(frozen=True)
 class Family:
     """A decoder family as its differences from the Llama block (DESIGN: one parameter
     table, `model.params.param_specs`, reads these flags)."""
@@ -67,6 +79,13 @@ class Family:
     # llama.cpp's converter permutes Q/K rows for its interleaved RoPE only for the
     # architectures it runs with that RoPE ("llama"); Qwen's use rotate_half ("NEOX").
     gguf_interleaved_qk: bool = True
+    # Gemma-3: RMSNorm scales by (1 + w) in float32 (its norms are stored centred on 0), the
+    # embedding is multiplied by sqrt(hidden_size), attention and MLP outputs are normed
+    # again before their residual add, and the MLP gate is GELU (tanh form), not SiLU.
+    norm_offset: float = 0.0
+    scale_embedding: bool = False
+    post_norms: bool = False
+    mlp_activation: str = "silu"   # "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
 
 
 FAMILIES: dict[str, Family] = {
@@ -76,7 +95,13 @@ FAMILIES: dict[str, Family] = {
                     gguf_interleaved_qk=False),
     "qwen3": Family("qwen3", "Qwen3ForCausalLM", "qwen3", qk_norm=True,
                     gguf_interleaved_qk=False),
+    "gemma3": Family("gemma3", "Gemma3ForCausalLM", "gemma3", qk_norm=True,
+                     gguf_interleaved_qk=False, norm_offset=1.0, scale_embedding=True,
+                     post_norms=True, mlp_activation="gelu_tanh"),
 }
+
+# Layer kinds of `ModelConfig.layer_types` (transformers' names).
+SLIDING_LAYER, FULL_LAYER = "sliding_attention", "full_attention"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -94,11 +119,21 @@ class ModelConfig:
     intermediate_size: int
     rms_norm_eps: float = 1e-5
     rope_theta: float = 500_000.0
-    rope_scaling: RopeScaling | YarnScaling | None = None
+    rope_scaling: RopeScaling | YarnScaling | LinearScaling | None = None
     max_position_embeddings: int = 8192
     # Keys older than this many positions are masked (Mistral): query at p sees keys
     # p - sliding_window + 1 .. p. None: full causal attention.
     sliding_window: int | None = None
+    # Per layer, SLIDING_LAYER or FULL_LAYER (Gemma-3's interleaved local and global layers):
+    # sliding_window then applies to the sliding layers only. None: every layer alike.
+    layer_types: tuple[str, ...] | None = None
+    # RoPE base of the sliding layers, unscaled (Gemma-3's rope_local_base_freq); the full
+    # layers use rope_theta and rope_scaling. None: the same RoPE in every layer.
+    local_rope_theta: float | None = None
+    # Attention scores are scaled by query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5).
+    query_pre_attn_scalar: float | None = None
+    # logits -> c * tanh(logits / c) (Gemma's final_logit_softcapping). None: none.
+    final_logit_softcapping: float | None = None
     tie_word_embeddings: bool = False
     dtype: str = "float32"
 
@@ -110,6 +145,19 @@ class ModelConfig:
                 not isinstance(self.sliding_window, int) or self.sliding_window <= 0):
             raise ValueError(f"ModelConfig.sliding_window must be a positive int or None, got "
                              f"{self.sliding_window!r}")
+        if self.layer_types is not None:
+            if (len(self.layer_types) != self.num_layers
+                    or set(self.layer_types) - {SLIDING_LAYER, FULL_LAYER}):
+                raise ValueError(
+                    f"ModelConfig.layer_types must list {SLIDING_LAYER!r} or {FULL_LAYER!r} for "
+                    f"each of the {self.num_layers} layers, got {self.layer_types!r}")
+            if SLIDING_LAYER in self.layer_types and self.sliding_window is None:
+                raise ValueError(f"ModelConfig.layer_types has {SLIDING_LAYER!r} layers but "
+                                 "sliding_window is None")
+        for field in ("local_rope_theta", "query_pre_attn_scalar", "final_logit_softcapping"):
+            value = getattr(self, field)
+            if value is not None and not value > 0:
+                raise ValueError(f"ModelConfig.{field} must be > 0 or None, got {value!r}")
         for field in ("vocab_size", "hidden_size", "num_layers", "num_heads",
                       "num_kv_heads", "head_dim", "intermediate_size",
                       "max_position_embeddings"):
@@ -133,11 +181,32 @@ class ModelConfig:
     def q_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
 
+    @property
+    def mixed_layers(self) -> bool:
+        """Sliding and full layers interleaved (Gemma-3): the window and the RoPE are chosen
+        per layer inside the layer scan."""
+        return self.layer_types is not None and len(set(self.layer_types)) > 1
+
+    @property
+    def uniform_window(self) -> int | None:
+        """The window of every layer when all layers are alike (not `mixed_layers`)."""
+        return self.sliding_window if all(self.sliding_layers()) else None
+
+    def sliding_layers(self) -> tuple[bool, ...]:
+        """Per layer: whether sliding_window applies to it."""
+        if self.layer_types is None:
+            return (self.sliding_window is not None,) * self.num_layers
+        return tuple(kind == SLIDING_LAYER for kind in self.layer_types)
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
     def num_params(self) -> int:
         """Parameter count (embeddings included, counted once when tied)."""
         d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
         attn = d * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
-        per_layer = attn + 3 * d * f + 2 * d
+        per_layer = attn + 3 * d * f + (4 if self.family_spec.post_norms else 2) * d
         if self.family_spec.qkv_bias:
             per_layer += self.head_dim * (self.num_heads + 2 * self.num_kv_heads)
         if self.family_spec.qk_norm:
@@ -201,6 +270,14 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
         name="mistral-nemo-12b", family="mistral", vocab_size=131_072, hidden_size=5120,
         num_layers=40, num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14_336,
         rope_theta=1_000_000.0, max_position_embeddings=1_024_000, dtype="bfloat16"),
+    # Gemma-3-1B: five sliding layers (window 512, RoPE base 1e4) to one global (1e6).
+    "gemma3-1b": ModelConfig(
+        name="gemma3-1b", family="gemma3", vocab_size=262_144, hidden_size=1152,
+        num_layers=26, num_heads=4, num_kv_heads=1, head_dim=256, intermediate_size=6912,
+        rms_norm_eps=1e-6, rope_theta=1_000_000.0, local_rope_theta=10_000.0,
+        max_position_embeddings=32_768, sliding_window=512,
+        layer_types=tuple(FULL_LAYER if (i + 1) % 6 == 0 else SLIDING_LAYER for i in range(26)),
+        query_pre_attn_scalar=256, tie_word_embeddings=True, dtype="bfloat16"),
     # Tiny shapes for tests: GQA ratio 4 with llama3 rope scaling, and tied embeddings.
     "tiny": ModelConfig(
         name="tiny", vocab_size=256, hidden_size=64, num_layers=2, num_heads=8,
@@ -208,6 +285,13 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
         rope_theta=10_000.0, max_position_embeddings=2048,
         rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                  original_max_position_embeddings=64)),
+    # Gemma-3's layer kinds in miniature (the window and the RoPE chosen per layer).
+    "tiny-gemma3": ModelConfig(
+        name="tiny-gemma3", family="gemma3", vocab_size=256, hidden_size=64, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=96,
+        rope_theta=1_000_000.0, local_rope_theta=10_000.0, max_position_embeddings=2048,
+        sliding_window=24, layer_types=(SLIDING_LAYER, FULL_LAYER),
+        query_pre_attn_scalar=16, tie_word_embeddings=True),
     "tiny-tied": ModelConfig(
         name="tiny-tied", vocab_size=256, hidden_size=64, num_layers=2, num_heads=4,
         num_kv_heads=4, head_dim=16, intermediate_size=96,
@@ -227,5 +311,6 @@ def model_preset(name: str) -> ModelConfig:
 # re-exported here so `from medha_jax.config import ParallelConfig` keeps working.
 from meshes.parallel import MESH_AXES, ParallelConfig  # noqa: E402
 
-__all__ = ["FAMILIES", "MESH_AXES", "MODEL_PRESETS", "Family", "ModelConfig", "ParallelConfig",
-           "RopeScaling", "YarnScaling", "model_preset"]
+__all__ = ["FAMILIES", "FULL_LAYER", "MESH_AXES", "MODEL_PRESETS", "SLIDING_LAYER", "Family",
+           "LinearScaling", "ModelConfig", "ParallelConfig", "RopeScaling", "YarnScaling",
+           "model_preset"]

@@ -146,3 +146,60 @@ def mark_kernels(monkeypatch, module, marks):
         kernel = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _k=kernel, _m=mark, **kw: (
             (lambda out, lse: (out + _m, lse))(*_k(*a, **kw))))
+
+
+def per_layer_window_outputs(impl: str, shapes: Shapes, q_lens, contexts, window: int, *,
+                             seed: int = 0, num_decodes=None, block_sizes=None):
+    """(out of layer 0, out of layer 1, the batch): the model's attention over two layers of
+    one cache (the same K/V in both) under a layer scan whose per-layer flag windows layer 0
+    and not layer 1 (Gemma-3's sliding and full layers). The step's own K/V are dropped
+    (slots past the end): the batch's cache already holds them, as `make_batch` lays it."""
+    import jax
+
+    from medha_jax.config import ModelConfig
+    from medha_jax.model.attention import AttentionMetadata, attention
+    from medha_jax.model.params import MeshLayout
+    from meshes import DEFAULT_RULES, ParallelConfig, make_mesh
+
+    batch = make_batch(seed, shapes, q_lens, contexts)
+    config = ModelConfig(vocab_size=8, hidden_size=8, num_layers=2, num_heads=shapes.q_heads,
+                         num_kv_heads=shapes.kv_heads, head_dim=shapes.head_dim,
+                         intermediate_size=8, sliding_window=window)
+    layout = MeshLayout.create(config, make_mesh(ParallelConfig()), DEFAULT_RULES, impl)
+    num_pages, page_size = batch["k_pages"].shape[:2]
+
+    def fold(pages):   # [P, page_size, K, hd] -> two layers of [P, page_size, K * hd]
+        return jnp.stack([jnp.asarray(pages).reshape(num_pages, page_size, -1)] * 2)
+
+    meta = AttentionMetadata(
+        slot_mapping=jnp.full((1, shapes.num_tokens), num_pages * page_size, jnp.int32),
+        page_table=jnp.asarray(batch["page_table"])[None],
+        cu_q_lens=jnp.asarray(batch["cu_q_lens"]), kv_lens=jnp.asarray(batch["kv_lens"])[None],
+        num_seqs=jnp.asarray(batch["num_seqs"]),
+        num_decodes=None if num_decodes is None else jnp.asarray(num_decodes))
+    q = jnp.asarray(batch["q"])
+    dropped = jnp.zeros((shapes.num_tokens, shapes.kv_heads, shapes.head_dim), q.dtype)
+
+    @jax.jit
+    def layers(k_cache, v_cache):
+        def layer(carry, xs):
+            layer_id, windowed = xs
+            out, k_cache, v_cache = attention(q, dropped, dropped, *carry, layer_id, meta,
+                                              layout=layout, sm_scale=0.2,
+                                              sliding_window=window, windowed=windowed)
+            return (k_cache, v_cache), out
+        return jax.lax.scan(layer, (k_cache, v_cache),
+                            (jnp.arange(2, dtype=jnp.int32), jnp.array([True, False])))[1]
+
+    outs = layers(fold(batch["k_pages"]), fold(batch["v_pages"]))
+    return np.asarray(outs[0]), np.asarray(outs[1]), batch
+
+
+def assert_per_layer_window(impl: str, shapes: Shapes, q_lens, contexts, window: int, **kw):
+    """Layer 0 equals the dense oracle with the window, layer 1 without; and they differ."""
+    windowed, full, batch = per_layer_window_outputs(impl, shapes, q_lens, contexts, window,
+                                                     **kw)
+    for out, w in ((windowed, window), (full, None)):
+        want, _ = dense_attention_oracle(**batch, sm_scale=0.2, sliding_window=w)
+        np.testing.assert_allclose(out, want, atol=2e-5, rtol=1e-4)
+    assert np.abs(windowed - full).max() > 1e-2

@@ -65,6 +65,18 @@ TINY_FAMILY_CONFIGS = {
         num_key_value_heads=2, head_dim=32, intermediate_size=128, rms_norm_eps=1e-5,
         rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
         max_position_embeddings=2048, sliding_window=24, tie_word_embeddings=False)),
+    # Gemma-3: sliding layers (window 24, RoPE base 1e4) around a full one (base 1e6, linear
+    # scaling as on 4B and up), (1 + w) q/k and sandwich norms, GeGLU, the scaled tied
+    # embedding, query_pre_attn_scalar unlike head_dim, and a final soft-cap that bites.
+    "gemma3": ("Gemma3Text", dict(
+        vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, intermediate_size=128, rms_norm_eps=1e-6,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        sliding_window=24, query_pre_attn_scalar=24, final_logit_softcapping=5.0,
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
+        max_position_embeddings=2048, tie_word_embeddings=True)),
 }
 
 
@@ -78,7 +90,7 @@ def save_tiny_family(path, name: str, *, seed: int = 0, **overrides):
     prefix, fields = TINY_FAMILY_CONFIGS[name]
     torch.manual_seed(seed)
     config = getattr(transformers, prefix + "Config")(**{**fields, **overrides})
-    model = getattr(transformers, prefix + "ForCausalLM")(config).eval()
+    model = getattr(transformers, prefix.removesuffix("Text") + "ForCausalLM")(config).eval()
     with torch.no_grad():
         for param_name, param in model.named_parameters():
             if param_name.endswith("norm.weight") or param_name.endswith(".bias"):

@@ -92,13 +92,13 @@ def test_pallas_on_the_cpu_is_a_clear_error():
 
 # ------------------------------------------------------------- the cache is never copied
 
-def cache_copies(parallel, pages_per_shard):
+def cache_copies(parallel, pages_per_shard, preset="tiny"):
     """(bytes of one layer of one device's K cache, the copies, transposes and
     dynamic-update-slices at least that large) of the engine's compiled decode step."""
     from medha_jax import hlo
     from medha_jax.engine import Engine, EngineConfig
 
-    model = load_model("tiny", parallel=parallel, verbose=False)
+    model = load_model(preset, parallel=parallel, verbose=False)
     # max_model_len fixes the page tables' width, so only the cache differs between sizes.
     engine = Engine(model, EngineConfig(page_size=16, num_pages=pages_per_shard,
                                         max_tokens_per_step=16, max_seqs=8, max_model_len=256))
@@ -124,3 +124,11 @@ def test_the_decode_step_never_copies_the_kv_cache(parallel):
         # Only the scatters of this step's slots touch the cache; nothing rewrites a layer.
         assert not found, (pages_per_shard, layer_bytes,
                            [(c.op, c.shape, c.count, c.computation) for c in found])
+
+
+@pytest.mark.parametrize("parallel", [ParallelConfig(), ParallelConfig(tp=2)], ids=str)
+def test_the_per_layer_window_cond_never_copies_the_kv_cache(parallel):
+    """Gemma-3's layers choose windowed or full attention by a lax.cond that reads the
+    whole cache (the layer's pages by offset): no branch copies it."""
+    layer_bytes, found = cache_copies(parallel, 1024, preset="tiny-gemma3")
+    assert not found, (layer_bytes, [(c.op, c.shape, c.count, c.computation) for c in found])

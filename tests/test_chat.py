@@ -1,5 +1,5 @@
 """Chat: the template renderer against transformers' apply_chat_template (the default model's
-template and Llama-3.1-style and Qwen-style ones), and Server.chat end to end on a tiny
+template and Llama-3.1-, Qwen- and Gemma-3-style ones), and Server.chat end to end on a tiny
 checkpoint whose end-of-turn token comes from its generation_config.json."""
 
 import copy
@@ -101,6 +101,49 @@ QWEN_STYLE = """{%- if tools %}
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
 """
 
+# In the style of Gemma-3's: bos_token, the system prompt folded into the first user turn,
+# strict user/model alternation (raise_exception), "assistant" written as "model", content as
+# a string or a list of typed parts, whitespace-control tags throughout.
+GEMMA3_STYLE = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{ '<start_of_turn>model\n' }}
+{%- endif -%}
+"""
+
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city, now.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -145,8 +188,8 @@ def with_template(tokenizer: Tokenizer, template: str) -> Tokenizer:
 
 
 @pytest.mark.hf
-@pytest.mark.parametrize("template", [None, LLAMA31_STYLE, QWEN_STYLE],
-                         ids=["smollm2-gguf", "llama31-style", "qwen-style"])
+@pytest.mark.parametrize("template", [None, LLAMA31_STYLE, QWEN_STYLE, GEMMA3_STYLE],
+                         ids=["smollm2-gguf", "llama31-style", "qwen-style", "gemma3-style"])
 @pytest.mark.parametrize("messages", CONVERSATIONS + [TOOL_CONVERSATION[:1]])
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 @pytest.mark.parametrize("tools", [None, TOOLS], ids=["no-tools", "tools"])
@@ -180,6 +223,25 @@ def test_template_errors_are_raised(ours, theirs):
         theirs.apply_chat_template(bad, chat_template=LLAMA31_STYLE, tokenize=False)
     with pytest.raises(Exception, match="system message may only come first"):
         tok.apply_chat_template(bad)
+
+
+@pytest.mark.hf
+def test_gemma3_style_parts_and_role_order_match_transformers(ours, theirs):
+    tok = with_template(ours, GEMMA3_STYLE)
+    parts = [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+             {"role": "user", "content": [{"type": "text", "text": " Hi "},
+                                          {"type": "text", "text": "there"}]}]
+    want = theirs.apply_chat_template(parts, chat_template=GEMMA3_STYLE, tokenize=False,
+                                      add_generation_prompt=True)
+    assert tok.apply_chat_template(parts) == want
+    assert want.endswith("<start_of_turn>user\nBe brief.\n\nHithere<end_of_turn>\n"
+                         "<start_of_turn>model\n")
+    bad = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+    for render in (lambda: theirs.apply_chat_template(bad, chat_template=GEMMA3_STYLE,
+                                                      tokenize=False),
+                   lambda: tok.apply_chat_template(bad)):
+        with pytest.raises(Exception, match="roles must alternate"):
+            render()
 
 
 # --- Server.chat on a tiny checkpoint -------------------------------------------------------

@@ -8,9 +8,9 @@ from gguf.quants import dequantize, quantize
 
 from medha_jax.checkpoint import (
     CheckpointError, default_model_path, load_gguf_checkpoint)
-from medha_jax.checkpoint.gguf_file import GGUF_NAMES
 from medha_jax.checkpoint.hf import HF_NAMES
-from medha_jax.config import model_preset
+from medha_jax.config import LinearScaling, model_preset
+from medha_jax.model.params import param_specs
 from tests.test_checkpoint_hf import canonical_from_state_dict, random_state_dict
 
 
@@ -23,7 +23,8 @@ def llama_cpp_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
 def write_tiny_gguf(path, config, sd, *, qtype=GGMLQuantizationType.F32, arch="llama",
                     skip_metadata=(), tensor_overrides=None):
     """A GGUF of `sd` (Hugging Face names) as llama.cpp's converter would write it: metadata
-    under `arch`, Q/K rows (and biases) permuted for the interleaved RoPE of "llama"."""
+    under `arch`, Q/K rows (and biases) permuted for the interleaved RoPE of "llama",
+    Gemma-3's norms stored as 1 + w and its full layers' linear RoPE scaling."""
     writer = GGUFWriter(str(path), arch)
     metadata = {
         "block_count": config.num_layers, "context_length": 2048,
@@ -41,16 +42,26 @@ def write_tiny_gguf(path, config, sd, *, qtype=GGMLQuantizationType.F32, arch="l
             writer.add_uint32(f"{arch}.{key}", value)
     writer.add_float32(f"{arch}.rope.freq_base", config.rope_theta)
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", config.rms_norm_eps)
+    if isinstance(config.rope_scaling, LinearScaling):
+        writer.add_string(f"{arch}.rope.scaling.type", "linear")
+        writer.add_float32(f"{arch}.rope.scaling.factor", config.rope_scaling.factor)
     writer.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(config.vocab_size)])
+    if config.final_logit_softcapping is not None:
+        writer.add_float32(f"{arch}.final_logit_softcapping", config.final_logit_softcapping)
     tensors = {}
-    for key, hf_name in HF_NAMES.items():
-        names = ([(hf_name.format(layer=i), GGUF_NAMES[key].format(layer=i))
-                  for i in range(config.num_layers)] if "{layer}" in hf_name
-                 else [(hf_name, GGUF_NAMES[key])])
+    # The config's rows with their own names (Gemma renames Llama's mlp_norm); no lm_head
+    # when tied, as the converter writes (a tied state dict may still hold one).
+    for key, spec in param_specs(config).items():
+        hf_name, gguf_name = spec.hf_name, spec.gguf_name
+        names = ([(hf_name.format(layer=i), gguf_name.format(layer=i))
+                  for i in range(config.num_layers)] if spec.per_layer
+                 else [(hf_name, gguf_name)])
         for hf, gguf_name in names:
             if hf not in sd:
                 continue
             array = sd[hf]
+            if config.family_spec.norm_offset and hf.endswith("norm.weight"):
+                array = array + np.float32(config.family_spec.norm_offset)
             if arch == "llama" and key in ("layers.wq", "layers.bq"):
                 array = llama_cpp_permute(array, config.num_heads)
             elif arch == "llama" and key in ("layers.wk", "layers.bk"):

@@ -40,8 +40,19 @@ def test_families_are_rows_added_to_the_llama_table():
     assert qwen3["layers.k_norm"].shape == (2, 8) and qwen3["layers.k_norm"].init == "ones"
     assert qwen3["layers.q_norm"].gguf_name == "blk.{layer}.attn_q_norm.weight"
     assert param_specs(odd_config(family="mistral")) == llama
-    with pytest.raises(ValueError, match="family='gemma3' is not one of"):
-        odd_config(family="gemma3")
+    gemma = param_specs(odd_config(family="gemma3"))
+    assert set(gemma) - set(llama) == {"layers.q_norm", "layers.k_norm", "layers.post_attn_norm",
+                                       "layers.post_mlp_norm"}
+    # Gemma's norm before the MLP is Llama's mlp_norm under its own name; its (1 + w) norms
+    # start at w = 0.
+    assert gemma["layers.mlp_norm"].hf_name == (
+        "model.layers.{layer}.pre_feedforward_layernorm.weight")
+    assert gemma["layers.post_attn_norm"].hf_name == (
+        "model.layers.{layer}.post_attention_layernorm.weight")
+    assert gemma["layers.post_mlp_norm"].gguf_name == "blk.{layer}.post_ffw_norm.weight"
+    assert {s.init for s in gemma.values()} == {"normal", "zeros"}
+    with pytest.raises(ValueError, match="family='gemma4' is not one of"):
+        odd_config(family="gemma4")
 
 
 def test_sliding_window_refuses_kv_shards():
@@ -49,6 +60,11 @@ def test_sliding_window_refuses_kv_shards():
     MeshLayout.create(config, make_mesh(ParallelConfig(tp=2)), DEFAULT_RULES, "xla")
     with pytest.raises(ValueError, match="sliding_window=16 .* kvp = cp = 1"):
         MeshLayout.create(config, make_mesh(ParallelConfig(kvp=2)), DEFAULT_RULES, "xla")
+    # Gemma-3's sliding layers among full ones too, on kvp and on cp.
+    gemma = model_preset("tiny-gemma3")
+    for parallel in (ParallelConfig(kvp=2), ParallelConfig(cp=2)):
+        with pytest.raises(ValueError, match="sliding_window=24 .* kvp = cp = 1"):
+            MeshLayout.create(gemma, make_mesh(parallel), DEFAULT_RULES, "xla")
 
 
 @pytest.mark.parametrize("tp, replicas, padded_vocab", [(1, 1, 257), (2, 1, 258), (4, 2, 260),

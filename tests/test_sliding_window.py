@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 
 from pallas_kernels import BlockSizes, ragged_paged_attention
 from pallas_kernels.dense_reference import dense_attention_oracle
-from tests.attention_checks import (Shapes, assert_matches_oracle, decodes_first, make_batch,
+from tests.attention_checks import (Shapes, assert_matches_oracle, assert_per_layer_window,
+                                    decodes_first, make_batch,
                                     ragged_batches)
 
 SHAPES = Shapes(q_heads=4, kv_heads=2, head_dim=32, page_size=8, num_tokens=48,
@@ -50,3 +51,12 @@ def test_window_needs_causal_attention():
     with pytest.raises(ValueError, match="sliding_window=8 needs causal=True"):
         ragged_paged_attention(**batch, sm_scale=0.2, impl="xla", causal=False,
                                sliding_window=8)
+
+
+@pytest.mark.parametrize("impl", ["xla", "interpret"])
+def test_per_layer_window_under_the_layer_scan(impl):
+    """Gemma-3's sliding and full layers: one scanned layer body, the window chosen per
+    layer (a lax.cond between the windowed and full kernel), each layer equal to the dense
+    oracle with its own window; decodes and chunks on the decode/prefill split."""
+    q_lens, contexts, num_decodes = decodes_first([1, 13, 1, 9], [70, 37, 3, 0])
+    assert_per_layer_window(impl, SHAPES, q_lens, contexts, 20, num_decodes=num_decodes)

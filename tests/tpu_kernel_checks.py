@@ -27,7 +27,8 @@ from hypothesis import strategies as st
 
 from pallas_kernels import BlockSizes, decode_attention, ragged_paged_attention
 from pallas_kernels.dense_reference import dense_attention_oracle
-from tests.attention_checks import (Shapes, as_bfloat16, assert_matches_oracle, decodes_first,
+from tests.attention_checks import (Shapes, as_bfloat16, assert_matches_oracle,
+                                    assert_per_layer_window, decodes_first,
                                     make_batch, mark_kernels, ragged_batches)
 
 # Page sizes 16..64, GQA 1..8, head dims 64 and 128; 40 tokens, 5 sequences.
@@ -311,3 +312,12 @@ def test_sliding_window_equals_dense_oracle(path):
                                       block_sizes=tiling_of(shapes), num_decodes=num_decodes,
                                       sliding_window=20)
     assert_matches_oracle(out, lse, batch, 0.125, sliding_window=20)
+
+
+def test_per_layer_window_under_the_layer_scan():
+    """Gemma-3's sliding and full layers through the model's attention: the window chosen
+    per layer by a lax.cond between the kernel's windowed and full variants."""
+    shapes = SHAPES[3]
+    q_lens, contexts, num_decodes = decodes_first([1, 13, 1, 9], [50, 37, 3, 0])
+    assert_per_layer_window(IMPL, shapes, q_lens, contexts, 20, num_decodes=num_decodes,
+                            seed=7)

@@ -21,7 +21,7 @@ from gguf.quants import dequantize
 from medha_jax.checkpoint.tensors import (
     Checkpoint, CheckpointError, StoredTensor, canonical_tensors)
 from medha_jax.checkpoint.tokenizer import Tokenizer
-from medha_jax.config import ModelConfig
+from medha_jax.config import FULL_LAYER, SLIDING_LAYER, LinearScaling, ModelConfig
 from medha_jax.model.params import checkpoint_names
 
 # Canonical name -> GGUF tensor name (llama.cpp's names, from the parameter table).
@@ -29,10 +29,14 @@ GGUF_NAMES = checkpoint_names("gguf")
 
 # GGUF general.architecture -> family. llama.cpp writes Mistral as "llama" (with
 # llama.attention.sliding_window where it has one), so "llama" reads as the Llama family.
-SUPPORTED_GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+SUPPORTED_GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+                                "gemma3": "gemma3"}
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _LLAMA_CPP_DEFAULT_ROPE_THETA = 10_000.0
+# What llama.cpp assumes for Gemma-3 where its converter writes nothing: every 6th layer
+# full, the others sliding on RoPE base 1e4.
+_GEMMA3_SLIDING_PATTERN, _GEMMA3_LOCAL_ROPE_THETA = 6, 10_000.0
 
 
 def default_model_path() -> pathlib.Path:
@@ -60,6 +64,11 @@ def load_gguf_checkpoint(path: str | pathlib.Path) -> Checkpoint:
     reader = GGUFReader(path, "r")
     config = config_from_gguf(reader, name=path.stem)
     stored = {t.name: _stored_tensor(t) for t in reader.tensors}
+    offset = config.family_spec.norm_offset
+    if offset:
+        # llama.cpp's converter stores Gemma's (1 + w) norms as 1 + w; the table keeps w.
+        stored = {name: _shifted(t, -offset) if name.endswith("norm.weight") else t
+                  for name, t in stored.items()}
     _check_quantization_types(reader)
     tensors = canonical_tensors(config, stored, "gguf",
                                 rope_interleaved_qk=config.family_spec.gguf_interleaved_qk)
@@ -87,7 +96,10 @@ def config_from_gguf(reader: GGUFReader, name: str = "custom") -> ModelConfig:
     family = SUPPORTED_GGUF_ARCHITECTURES[architecture]
     arch = architecture + "."
     scaling = gguf_field(reader, arch + "rope.scaling.type", "none")
-    if scaling != "none":
+    rope_scaling = None
+    if scaling == "linear" and family == "gemma3":   # its full layers only, as llama.cpp
+        rope_scaling = LinearScaling(float(gguf_field(reader, arch + "rope.scaling.factor")))
+    elif scaling != "none":
         raise CheckpointError(f"GGUF {arch}rope.scaling.type={scaling!r} is not supported")
     if "rope_freqs.weight" in {t.name for t in reader.tensors}:
         # llama.cpp stores Llama-3.1 ("llama3") RoPE scaling only as precomputed per-frequency
@@ -99,9 +111,11 @@ def config_from_gguf(reader: GGUFReader, name: str = "custom") -> ModelConfig:
     hidden = gguf_field(reader, arch + "embedding_length")
     heads = gguf_field(reader, arch + "attention.head_count")
     # Llama rotates whole heads, so llama.cpp's rotary dimension count is the head size
-    # (transformers reads it that way too); key_length, when written, must agree.
-    rotary_dims = gguf_field(reader, arch + "rope.dimension_count", hidden // heads)
-    head_dim = gguf_field(reader, arch + "attention.key_length", rotary_dims)
+    # (transformers reads it that way too); key_length, when written, must agree. Gemma-3's
+    # converter writes key_length only (its head_dim is not hidden / heads).
+    key_length = gguf_field(reader, arch + "attention.key_length", None)
+    rotary_dims = gguf_field(reader, arch + "rope.dimension_count", key_length or hidden // heads)
+    head_dim = key_length or rotary_dims
     if rotary_dims != head_dim:
         raise CheckpointError(
             f"GGUF {arch}rope.dimension_count={rotary_dims} != {head_dim=}: partial RoPE "
@@ -111,13 +125,16 @@ def config_from_gguf(reader: GGUFReader, name: str = "custom") -> ModelConfig:
     else:
         vocab_size = gguf_field(reader, arch + "vocab_size")
     tensor_names = {t.name for t in reader.tensors}
+    num_layers = gguf_field(reader, arch + "block_count")
+    gemma = _gemma3_fields(reader, arch, num_layers, hidden, heads, head_dim) if (
+        family == "gemma3") else {}
     try:
         return ModelConfig(
             name=name,
             family=family,
             vocab_size=vocab_size,
             hidden_size=hidden,
-            num_layers=gguf_field(reader, arch + "block_count"),
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=gguf_field(reader, arch + "attention.head_count_kv", heads),
             head_dim=head_dim,
@@ -125,15 +142,40 @@ def config_from_gguf(reader: GGUFReader, name: str = "custom") -> ModelConfig:
             rms_norm_eps=float(gguf_field(reader, arch + "attention.layer_norm_rms_epsilon")),
             rope_theta=float(gguf_field(reader, arch + "rope.freq_base",
                                         _LLAMA_CPP_DEFAULT_ROPE_THETA)),
-            rope_scaling=None,
+            rope_scaling=rope_scaling,
             max_position_embeddings=gguf_field(reader, arch + "context_length"),
             tie_word_embeddings=GGUF_NAMES["lm_head"] not in tensor_names,
             sliding_window=gguf_field(reader, arch + "attention.sliding_window", None),
+            **gemma,
         )
     except ValueError as e:
         if isinstance(e, CheckpointError):
             raise
         raise CheckpointError(f"GGUF metadata: {e}") from e
+
+
+def _gemma3_fields(reader: GGUFReader, arch: str, num_layers: int, hidden: int, heads: int,
+                   head_dim: int) -> dict[str, Any]:
+    """Gemma-3's fields as llama.cpp reads them: a sliding_window_pattern (a period, or a
+    flag per layer) where written, else every 6th layer full; the sliding layers' RoPE base
+    from rope.freq_base_swa, else 1e4; the attention scale from head_dim, except the 27B
+    (62 layers), whose query_pre_attn_scalar is hidden / heads."""
+    pattern = gguf_field(reader, arch + "attention.sliding_window_pattern",
+                         _GEMMA3_SLIDING_PATTERN)
+    if isinstance(pattern, int):
+        sliding = [(i + 1) % pattern != 0 for i in range(num_layers)]
+    else:
+        sliding = [bool(flag) for flag in pattern]
+    return dict(
+        layer_types=tuple(SLIDING_LAYER if s else FULL_LAYER for s in sliding),
+        local_rope_theta=float(gguf_field(reader, arch + "rope.freq_base_swa",
+                                          _GEMMA3_LOCAL_ROPE_THETA)),
+        query_pre_attn_scalar=float(hidden // heads if num_layers == 62 else head_dim),
+        final_logit_softcapping=gguf_field(reader, arch + "final_logit_softcapping", None))
+
+
+def _shifted(tensor: StoredTensor, shift: float) -> StoredTensor:
+    return StoredTensor(tensor.shape, lambda idx: tensor.read(idx) + shift)
 
 
 def _stored_tensor(tensor) -> StoredTensor:

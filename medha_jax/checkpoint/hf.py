@@ -25,7 +25,8 @@ from safetensors import safe_open
 from medha_jax.checkpoint.tensors import (
     Checkpoint, CheckpointError, StoredTensor, canonical_tensors)
 from medha_jax.checkpoint.tokenizer import Tokenizer
-from medha_jax.config import FAMILIES, ModelConfig, RopeScaling, YarnScaling
+from medha_jax.config import (
+    FAMILIES, FULL_LAYER, SLIDING_LAYER, LinearScaling, ModelConfig, RopeScaling, YarnScaling)
 from medha_jax.model.params import checkpoint_names
 
 # Canonical name -> the tensor name in a *ForCausalLM state dict (from the parameter table).
@@ -34,6 +35,8 @@ HF_NAMES = checkpoint_names("hf")
 # config.json `architectures` -> family (config.FAMILIES).
 SUPPORTED_ARCHITECTURES = {f.hf_architecture: f.name for f in FAMILIES.values()}
 _HF_DEFAULT_ROPE_THETA = 10_000.0   # LlamaConfig's default when config.json omits it
+# Gemma3TextConfig's defaults: the full layers' and the sliding layers' RoPE base.
+_GEMMA_DEFAULT_ROPE_THETA, _GEMMA_DEFAULT_LOCAL_ROPE_THETA = 1_000_000.0, 10_000.0
 
 
 def load_hf_checkpoint(path: str | pathlib.Path) -> Checkpoint:
@@ -64,9 +67,16 @@ def config_from_hf(hf: dict[str, Any], name: str = "custom") -> ModelConfig:
             f"config.json architectures={architectures!r} is not supported; supported: "
             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
     family = families[0]
-    if hf.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(
-            f"config.json hidden_act={hf['hidden_act']!r}: only 'silu' is supported")
+    gemma = family == "gemma3"
+    # Gemma names its activation hidden_activation (GeGLU's tanh GELU); the others hidden_act.
+    act_key, act = (("hidden_activation", "gelu_pytorch_tanh") if gemma else ("hidden_act", "silu"))
+    if hf.get(act_key, act) != act:
+        raise CheckpointError(f"config.json {act_key}={hf[act_key]!r}: only {act!r} is "
+                              f"supported for {family}")
+    for flag in ("attn_logit_softcapping", "use_bidirectional_attention"):
+        if hf.get(flag):
+            raise CheckpointError(f"config.json {flag}={hf[flag]!r} is not supported "
+                                  "(Gemma-3 releases leave it unset)")
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
             raise CheckpointError(f"config.json {flag}=true: biases are not supported "
@@ -81,7 +91,12 @@ def config_from_hf(hf: dict[str, Any], name: str = "custom") -> ModelConfig:
     # transformers 5 keeps theta and scaling in `rope_parameters`; 4 in rope_theta/rope_scaling.
     rope_key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
     rope = hf.get(rope_key) or {}
-    rope_theta = hf.get("rope_theta") or rope.get("rope_theta") or _HF_DEFAULT_ROPE_THETA
+    local_rope_theta, layer_types = None, None
+    if gemma:
+        rope, rope_key, local_rope_theta = _gemma_rope(hf, rope, rope_key)
+        layer_types = _gemma_layer_types(hf, required("num_hidden_layers"))
+    rope_theta = hf.get("rope_theta") or rope.get("rope_theta") or (
+        _GEMMA_DEFAULT_ROPE_THETA if gemma else _HF_DEFAULT_ROPE_THETA)
     dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
     max_positions = hf.get("max_position_embeddings", 2048)
     try:
@@ -100,7 +115,12 @@ def config_from_hf(hf: dict[str, Any], name: str = "custom") -> ModelConfig:
             rope_scaling=_rope_scaling(rope, rope_key, max_positions),
             max_position_embeddings=max_positions,
             sliding_window=_sliding_window(hf, family),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            layer_types=layer_types,
+            local_rope_theta=local_rope_theta,
+            query_pre_attn_scalar=(float(hf.get("query_pre_attn_scalar", 256)) if gemma
+                                   else None),
+            final_logit_softcapping=hf.get("final_logit_softcapping"),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
             dtype=dtype if dtype in ("float32", "bfloat16", "float16") else "float32",
         )
     except ValueError as e:
@@ -115,12 +135,39 @@ def _sliding_window(hf: dict[str, Any], family: str) -> int | None:
     window = hf.get("sliding_window")
     if family == "mistral":
         return window
+    if family == "gemma3":
+        return hf.get("sliding_window", 4096)   # Gemma3TextConfig's default
     if family in ("qwen2", "qwen3") and hf.get("use_sliding_window") and window is not None:
         if hf.get("max_window_layers", 28) < hf.get("num_hidden_layers", 0):
             raise CheckpointError(
                 "config.json use_sliding_window=true: per-layer sliding windows "
                 "(layers from max_window_layers on) are not supported")
     return None
+
+
+def _gemma_rope(hf: dict[str, Any], rope: dict[str, Any],
+                rope_key: str) -> tuple[dict[str, Any], str, float]:
+    """Gemma-3's two RoPEs -> (the full layers' rope dict, its key, the sliding layers'
+    theta). transformers 5: rope_parameters per layer type; 4: rope_theta and rope_scaling
+    for the full layers, rope_local_base_freq for the sliding ones (unscaled)."""
+    if "full_attention" in rope or "sliding_attention" in rope:
+        local = rope.get("sliding_attention") or {}
+        if local.get("rope_type", "default") != "default":
+            raise CheckpointError(
+                f"config.json {rope_key}.sliding_attention.rope_type={local['rope_type']!r}: "
+                "only 'default' is supported for the sliding layers")
+        return (rope.get("full_attention") or {}, f"{rope_key}.full_attention",
+                float(local.get("rope_theta", _GEMMA_DEFAULT_LOCAL_ROPE_THETA)))
+    return rope, rope_key, float(hf.get("rope_local_base_freq", _GEMMA_DEFAULT_LOCAL_ROPE_THETA))
+
+
+def _gemma_layer_types(hf: dict[str, Any], num_layers: int) -> tuple[str, ...]:
+    """layer_types, or transformers 4's sliding_window_pattern (every n-th layer full)."""
+    if hf.get("layer_types") is not None:
+        return tuple(hf["layer_types"])
+    pattern = hf.get("sliding_window_pattern", 6)
+    return tuple(FULL_LAYER if (i + 1) % pattern == 0 else SLIDING_LAYER
+                 for i in range(num_layers))
 
 
 def _yarn(rope: dict[str, Any], key: str, max_positions: int) -> YarnScaling:
@@ -149,16 +196,21 @@ def _yarn(rope: dict[str, Any], key: str, max_positions: int) -> YarnScaling:
 
 
 def _rope_scaling(rope: dict[str, Any], key: str,
-                  max_positions: int) -> RopeScaling | YarnScaling | None:
+                  max_positions: int) -> RopeScaling | YarnScaling | LinearScaling | None:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type == "default":
         return None
     if rope_type == "yarn":
         return _yarn(rope, key, max_positions)
+    if rope_type == "linear":
+        try:
+            return LinearScaling(factor=float(rope["factor"]))
+        except (KeyError, ValueError) as e:
+            raise CheckpointError(f"config.json {key} (linear) needs a factor > 0: {e}") from e
     if rope_type != "llama3":
         raise CheckpointError(
             f"config.json {key}.rope_type={rope_type!r} is not supported "
-            "(only 'llama3', 'yarn' or 'default')")
+            "(only 'llama3', 'yarn', 'linear' or 'default')")
     fields = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     missing = [f for f in fields if f not in rope]
     if missing:

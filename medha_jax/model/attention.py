@@ -103,13 +103,17 @@ def num_cp_ranks(layout: MeshLayout) -> int:
 
 def attention(q, k, v, k_cache, v_cache, layer_id, meta: AttentionMetadata, *,
               layout: MeshLayout, sm_scale: float, positions=None,
-              sliding_window: int | None = None):
+              sliding_window: int | None = None, windowed=None):
     """Writes K/V of one layer and attends.
 
     q: [T, H, hd]; k, v: [T, K, hd]; k_cache, v_cache: [L, P, page_size, K * hd] (all layers;
     P pages over all KV shards; K/V heads folded into the last axis, params.KV_CACHE_AXES);
     layer_id: int32 []; positions: int32 [T] (read with cp only).
     sliding_window: keys older than this many positions are masked (Mistral).
+    windowed: bool [] (traced: the layer scan's per-layer flag) whether sliding_window applies
+      to this layer (Gemma-3's sliding and full layers); None: it applies to every layer.
+      The kernels take the window statically, so a per-layer one runs as a `lax.cond`
+      between the windowed and the full variant of the same kernel.
     Returns (out [T, H, hd], k_cache, v_cache).
     """
     cp = num_cp_ranks(layout)
@@ -128,12 +132,14 @@ def attention(q, k, v, k_cache, v_cache, layer_id, meta: AttentionMetadata, *,
                          "medha_jax.model.cp_layout.build_cp_step make them")
     body = functools.partial(_attend_on_device, sm_scale=sm_scale, impl=layout.attention_impl,
                              sliding_window=sliding_window,
+                             per_layer_window=windowed is not None,
                              kv_shard_axis=layout.rules.mesh_axis("pages"),
                              num_shards=num_kv_shards(layout), cp=cp,
                              cp_axis=layout.rules.mesh_axis("tokens"))
     if positions is None or cp == 1:
         positions = jnp.zeros(q.shape[:1], jnp.int32)   # unread without cp
-    args = (q, k, v, positions, k_cache, v_cache, layer_id, meta)
+    windowed = jnp.asarray(True if windowed is None else windowed)
+    args = (q, k, v, positions, k_cache, v_cache, layer_id, windowed, meta)
     if layout.mesh.size == 1:
         return body(*args)
     spec = layout.rules.spec
@@ -154,14 +160,15 @@ def attention(q, k, v, k_cache, v_cache, layer_id, meta: AttentionMetadata, *,
         num_decodes=None if meta.num_decodes is None else spec((None,)))
     sharded = jax.shard_map(
         body, mesh=layout.mesh, in_specs=(q_spec, kv_spec, kv_spec, spec(("tokens",)),
-                                          cache_spec, cache_spec, spec(()), meta_spec),
+                                          cache_spec, cache_spec, spec(()), spec(()), meta_spec),
         out_specs=(q_spec, cache_spec, cache_spec), check_vma=False)
     return sharded(*args)
 
 
-def _attend_on_device(q, k, v, positions, k_cache, v_cache, layer_id, meta: AttentionMetadata,
-                      *, sm_scale: float, impl: str, kv_shard_axis, num_shards: int, cp: int,
-                      cp_axis, sliding_window: int | None = None):
+def _attend_on_device(q, k, v, positions, k_cache, v_cache, layer_id, windowed,
+                      meta: AttentionMetadata, *, sm_scale: float, impl: str, kv_shard_axis,
+                      num_shards: int, cp: int, cp_axis, sliding_window: int | None = None,
+                      per_layer_window: bool = False):
     """The per-device body: this device's heads and tokens, its KV shard's pages ([1, ...]
     of the metadata's shard dimension). k_cache, v_cache: [L, P, page_size, K * hd] here,
     this device's pages and heads; the kernels read them unfolded, [..., K, hd]."""
@@ -183,8 +190,18 @@ def _attend_on_device(q, k, v, positions, k_cache, v_cache, layer_id, meta: Atte
                              axis=cp_axis, num_ranks=cp, sm_scale=sm_scale, impl=impl)
         return out, k_cache, v_cache
     if num_shards == 1:
-        out, _ = attend(q, k_all, v_all, layer_pages, meta.cu_q_lens, kv_lens, meta.num_seqs,
-                        num_decodes=meta.num_decodes, sliding_window=sliding_window)
+        def attend_cache(window, k_folded, v_folded):
+            return attend(q, _all_layer_pages(k_folded, head_dim),
+                          _all_layer_pages(v_folded, head_dim), layer_pages, meta.cu_q_lens,
+                          kv_lens, meta.num_seqs, num_decodes=meta.num_decodes,
+                          sliding_window=window)[0]
+        if per_layer_window:
+            # The cond takes the cache folded and each branch unfolds its view: an unfolded
+            # operand with one K/V head per device (a size-1 axis) is copied whole by XLA.
+            out = jax.lax.cond(windowed, functools.partial(attend_cache, sliding_window),
+                               functools.partial(attend_cache, None), k_cache, v_cache)
+        else:
+            out = attend_cache(sliding_window, k_cache, v_cache)
         return out, k_cache, v_cache
 
     prefix_out, prefix_lse = attend(q, k_all, v_all, layer_pages, meta.cu_q_lens, kv_lens,

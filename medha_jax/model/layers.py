@@ -1,4 +1,4 @@
-"""Pure functions of one Llama-3 decoder layer: RMSNorm, RoPE, attention, SwiGLU.
+"""Pure functions of one decoder layer: RMSNorm, RoPE, the gated MLP (SwiGLU, GeGLU).
 
 Shapes: T tokens (a flat ragged run from many sequences), D hidden, H query heads,
 K kv heads, hd head dim, F intermediate. Everything here is jittable and free of mesh
@@ -13,26 +13,51 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from medha_jax.config import ModelConfig, YarnScaling
+from medha_jax.config import LinearScaling, ModelConfig, YarnScaling
 
 
-def rms_norm(x, weight, eps: float):
+def rms_norm(x, weight, eps: float, offset: float = 0.0):
     """x: [..., D], weight: [D] (D: hidden, or head_dim for q/k norms). Computed in float32
-    as transformers does."""
+    as transformers does. offset: Gemma's (1 + w), whose product is taken in float32 before
+    the cast (Llama casts first, then scales)."""
     x32 = x.astype(jnp.float32)
     variance = jnp.mean(x32 * x32, axis=-1, keepdims=True)
-    return weight * (x32 * jax.lax.rsqrt(variance + eps)).astype(x.dtype)
+    normed = x32 * jax.lax.rsqrt(variance + eps)
+    if offset:
+        return (normed * (offset + weight.astype(jnp.float32))).astype(x.dtype)
+    return weight * normed.astype(x.dtype)
+
+
+def embed_tokens(embed, token_ids, config: ModelConfig):
+    """embed: [V, D], token_ids: int32 [T] -> [T, D]; Gemma scales by sqrt(D) rounded to the
+    embedding's dtype, as transformers does."""
+    x = jnp.take(embed, token_ids, axis=0)
+    if config.family_spec.scale_embedding:
+        x = x * jnp.asarray(config.hidden_size ** 0.5, dtype=embed.dtype)
+    return x
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
-    """Inverse frequencies [hd / 2], with Llama-3 or YaRN scaling if configured."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
-    scaling = config.rope_scaling
+    """Inverse frequencies [hd / 2] of every layer; with layers of two kinds (Gemma-3's
+    sliding layers on their own base), [2, hd / 2]: the full layers' then the sliding ones'."""
+    full = _inv_freq(config.rope_theta, config.rope_scaling, config.head_dim)
+    if config.local_rope_theta is None:
+        return full
+    local = _inv_freq(config.local_rope_theta, None, config.head_dim)
+    if not config.mixed_layers:
+        return local if all(config.sliding_layers()) else full
+    return np.stack([full, local])
+
+
+def _inv_freq(theta: float, scaling, dim: int) -> np.ndarray:
+    """Inverse frequencies [dim / 2] of base `theta`, with Llama-3, YaRN or linear scaling."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
     if scaling is None:
         return inv_freq.astype(np.float32)
     if isinstance(scaling, YarnScaling):
-        return _yarn_inv_freq(inv_freq, scaling, config.rope_theta, dim)
+        return _yarn_inv_freq(inv_freq, scaling, theta, dim)
+    if isinstance(scaling, LinearScaling):
+        return (inv_freq / scaling.factor).astype(np.float32)
     old_len = scaling.original_max_position_embeddings
     low_freq_wavelen = old_len / scaling.low_freq_factor
     high_freq_wavelen = old_len / scaling.high_freq_factor
@@ -68,7 +93,8 @@ def _yarn_inv_freq(inv_freq: np.ndarray, scaling: YarnScaling, theta: float,
 
 
 def rope_attention_factor(config: ModelConfig) -> float:
-    """The factor YaRN multiplies cos and sin by (1 otherwise)."""
+    """The factor YaRN multiplies cos and sin by (1 otherwise) in the full layers (the sliding
+    layers of `local_rope_theta` are unscaled)."""
     scaling = config.rope_scaling
     return scaling.attention_factor if isinstance(scaling, YarnScaling) else 1.0
 
@@ -88,8 +114,10 @@ def apply_rope(x, positions, inv_freq, scale: float = 1.0):
     return rotated.astype(x.dtype)
 
 
-def swiglu_mlp(x, w_gate, w_up, w_down):
-    """x: [T, D]; w_gate, w_up: [D, F]; w_down: [F, D]."""
+def gated_mlp(x, w_gate, w_up, w_down, activation: str = "silu"):
+    """x: [T, D]; w_gate, w_up: [D, F]; w_down: [F, D]. activation: "silu" (SwiGLU) or
+    "gelu_tanh" (GeGLU, transformers' gelu_pytorch_tanh)."""
     gate = jnp.einsum("td,df->tf", x, w_gate)
     up = jnp.einsum("td,df->tf", x, w_up)
-    return jnp.einsum("tf,fd->td", jax.nn.silu(gate) * up, w_down)
+    act = jax.nn.silu(gate) if activation == "silu" else jax.nn.gelu(gate, approximate=True)
+    return jnp.einsum("tf,fd->td", act * up, w_down)

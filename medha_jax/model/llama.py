@@ -1,4 +1,5 @@
-"""The Llama-3 family decoder as a Flax NNX module over the ragged paged layout.
+"""The Llama-3 decoder, with its families' differences (config.FAMILIES), as a Flax NNX
+module over the ragged paged layout.
 
 One forward serves one-shot prefill, chunked prefill and decode alike: a flat run of
 tokens [T] from many sequences with their positions, the paged KV cache, and the
@@ -84,39 +85,50 @@ class Llama(nnx.Module):
     def __call__(self, token_ids, positions, kv_cache: KVCache, meta: AttentionMetadata):
         """token_ids, positions: int32 [T] -> (hidden [T, D], updated KVCache)."""
         config = self.config
-        x = jnp.take(self.embed[...], token_ids, axis=0)
+        x = layers.embed_tokens(self.embed[...], token_ids, config)
         stacked = {name: p[...] for name, p in self.layers.items()}
         x, kv_cache = decoder_layers(x, stacked, kv_cache, positions, meta, config=config,
                                      layout=self.layout, inv_freq=self.inv_freq[...])
-        x = layers.rms_norm(x, self.final_norm[...], config.rms_norm_eps)
+        x = layers.rms_norm(x, self.final_norm[...], config.rms_norm_eps,
+                            config.family_spec.norm_offset)
         return x, kv_cache
 
     def logits(self, hidden):
         """hidden: [S, D] (already final-normed) -> float32 logits [S, vocab_size]."""
         return lm_logits(hidden, self.embed[...] if self.lm_head is None else None,
                          None if self.lm_head is None else self.lm_head[...],
-                         self.config.vocab_size)
+                         self.config.vocab_size, self.config.final_logit_softcapping)
 
 
-def lm_logits(hidden, embed, lm_head, vocab_size: int):
+def lm_logits(hidden, embed, lm_head, vocab_size: int, softcap: float | None = None):
     """hidden [S, D] -> float32 logits [S, vocab_size] through lm_head [D, V_padded], or the
     tied embedding [V_padded, D] when lm_head is None. The padded vocabulary columns are cut
-    here, so they never reach sampling or a user."""
+    here, so they never reach sampling or a user. softcap: c * tanh(logits / c) (Gemma)."""
     head = embed.T if lm_head is None else lm_head
     logits = jnp.einsum("sd,dv->sv", hidden, head, preferred_element_type=jnp.float32)
-    return logits[:, :vocab_size]
+    logits = logits[:, :vocab_size]
+    if softcap is not None:
+        logits = softcap * jnp.tanh(logits / softcap)
+    return logits
 
 
 def decoder_layers(x, stacked: dict[str, jax.Array], kv_cache: KVCache, positions,
-                   meta: AttentionMetadata, *, config: ModelConfig, layout: MeshLayout, inv_freq):
+                   meta: AttentionMetadata, *, config: ModelConfig, layout: MeshLayout, inv_freq,
+                   first_layer: int = 0):
     """Runs the decoder layers whose weights are stacked in `stacked` ([layers, ...] each)
-    over x [T, D], under a scan; kv_cache holds exactly those layers. -> (x, kv_cache).
+    over x [T, D], under a scan; kv_cache holds exactly those layers, the model's layers
+    first_layer, first_layer + 1, ... -> (x, kv_cache).
 
-    Any contiguous range of layers works the same way (a pipeline stage runs its own)."""
+    Any contiguous range of layers works the same way (a pipeline stage runs its own).
+    inv_freq: [hd / 2], or [2, hd / 2] with layers of two kinds (`layers.rope_inv_freq`)."""
     layer_body = functools.partial(_decoder_layer, config=config, layout=layout,
                                    positions=positions, meta=meta, inv_freq=inv_freq)
-    layer_ids = jnp.arange(kv_cache.k.shape[0], dtype=jnp.int32)
-    (x, k, v), _ = jax.lax.scan(layer_body, (x, kv_cache.k, kv_cache.v), (stacked, layer_ids))
+    num_layers = kv_cache.k.shape[0]
+    layer_ids = jnp.arange(num_layers, dtype=jnp.int32)
+    # Sliding or full, per layer: scanned data, so one layer body serves both kinds.
+    sliding = jnp.asarray(config.sliding_layers()[first_layer:first_layer + num_layers])
+    (x, k, v), _ = jax.lax.scan(layer_body, (x, kv_cache.k, kv_cache.v),
+                                (stacked, layer_ids, sliding))
     return x, KVCache(k=k, v=v)
 
 
@@ -125,26 +137,41 @@ def _decoder_layer(carry, layer, *, config: ModelConfig, layout: MeshLayout, pos
     """One decoder layer inside the scan. The whole cache rides in the carry so the K/V
     write is an in-place scatter at [layer, slot] rather than a copy of a layer's pages."""
     x, k_cache, v_cache = carry
-    p, layer_id = layer
-    h = layers.rms_norm(x, p["attn_norm"], config.rms_norm_eps)
+    p, layer_id, sliding = layer
+    family = config.family_spec
+    norm = functools.partial(layers.rms_norm, eps=config.rms_norm_eps,
+                             offset=family.norm_offset)
+    h = norm(x, p["attn_norm"])
     q = jnp.einsum("td,dhk->thk", h, p["wq"])
     k = jnp.einsum("td,dhk->thk", h, p["wk"])
     v = jnp.einsum("td,dhk->thk", h, p["wv"])
-    if config.family_spec.qkv_bias:                          # Qwen2
+    if family.qkv_bias:                                      # Qwen2
         q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
-    if config.family_spec.qk_norm:                           # Qwen3: per head, before RoPE
-        q = layers.rms_norm(q, p["q_norm"], config.rms_norm_eps)
-        k = layers.rms_norm(k, p["k_norm"], config.rms_norm_eps)
+    if family.qk_norm:                                       # Qwen3, Gemma-3: before RoPE
+        q, k = norm(q, p["q_norm"]), norm(k, p["k_norm"])
     rope_scale = layers.rope_attention_factor(config)
+    if config.mixed_layers:
+        # Gemma-3: the sliding layers' RoPE has its own base and no scaling.
+        if inv_freq.ndim == 2:
+            inv_freq = inv_freq[sliding.astype(jnp.int32)]
+        rope_scale = jnp.where(sliding, 1.0 if config.local_rope_theta else rope_scale,
+                               rope_scale)
     q = layers.apply_rope(q, positions, inv_freq, rope_scale)
     k = layers.apply_rope(k, positions, inv_freq, rope_scale)
-    attn, k_cache, v_cache = attention(q, k, v, k_cache, v_cache, layer_id, meta, layout=layout,
-                                       sm_scale=config.head_dim ** -0.5, positions=positions,
-                                       sliding_window=config.sliding_window)
-    x = x + jnp.einsum("thk,hkd->td", attn.astype(x.dtype), p["wo"])
-    h = layers.rms_norm(x, p["mlp_norm"], config.rms_norm_eps)
-    x = x + layers.swiglu_mlp(h, p["w_gate"], p["w_up"], p["w_down"])
-    return (x, k_cache, v_cache), None
+    attn, k_cache, v_cache = attention(
+        q, k, v, k_cache, v_cache, layer_id, meta, layout=layout,
+        sm_scale=config.attention_scale, positions=positions,
+        sliding_window=config.sliding_window if config.mixed_layers else config.uniform_window,
+        windowed=sliding if config.mixed_layers else None)
+    out = jnp.einsum("thk,hkd->td", attn.astype(x.dtype), p["wo"])
+    if family.post_norms:
+        out = norm(out, p["post_attn_norm"])
+    x = x + out
+    out = layers.gated_mlp(norm(x, p["mlp_norm"]), p["w_gate"], p["w_up"], p["w_down"],
+                           family.mlp_activation)
+    if family.post_norms:
+        out = norm(out, p["post_mlp_norm"])
+    return (x + out, k_cache, v_cache), None
 
 
 def one_sequence_metadata(start: int, end: int, padded_tokens: int, *, page_size: int,
@@ -189,8 +216,8 @@ def init_random_params(config: ModelConfig, layout: MeshLayout, key) -> dict[str
 
 
 def _random_param(spec: ParamSpec, layout: MeshLayout, dtype, key):
-    if spec.init == "ones":
-        canonical = jnp.ones(spec.shape, dtype)
+    if spec.init in ("ones", "zeros"):
+        canonical = (jnp.ones if spec.init == "ones" else jnp.zeros)(spec.shape, dtype)
     else:
         canonical = (0.02 * jax.random.normal(key, spec.shape)).astype(dtype)
     return layout.expand(spec, canonical)

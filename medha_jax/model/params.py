@@ -51,7 +51,7 @@ class ParamSpec:
 
     shape: tuple[int, ...]                  # canonical shape, from the config
     logical_axes: tuple[str | None, ...]
-    init: str                               # "normal" (std 0.02) or "ones"
+    init: str                               # "normal" (std 0.02), "ones" or "zeros"
     hf_name: str                            # name in a *ForCausalLM state dict
     gguf_name: str                          # llama.cpp's name
     stored_layout: str                      # one of STORED_LAYOUTS
@@ -59,8 +59,8 @@ class ParamSpec:
     def __post_init__(self):
         if len(self.shape) != len(self.logical_axes):
             raise ValueError(f"{self.shape=} and {self.logical_axes=} differ in rank")
-        if self.init not in ("normal", "ones"):
-            raise ValueError(f"{self.init=} must be 'normal' or 'ones'")
+        if self.init not in ("normal", "ones", "zeros"):
+            raise ValueError(f"{self.init=} must be 'normal', 'ones' or 'zeros'")
         if self.stored_layout not in STORED_LAYOUTS:
             raise ValueError(f"{self.stored_layout=} must be one of {STORED_LAYOUTS}")
 
@@ -126,6 +126,20 @@ def param_specs(config: ModelConfig) -> dict[str, ParamSpec]:
             specs[f"layers.{key}_norm"] = ParamSpec(
                 (L, hd), ("layers", "head_dim"), "ones", hf_layer + f"self_attn.{key}_norm.weight",
                 gguf_layer + f"attn_{key}_norm.weight", "as_is")
+    if family.post_norms:
+        # Gemma-3: its post_attention_layernorm norms the attention's output, and the norm
+        # before the MLP (Llama's mlp_norm) is its pre_feedforward_layernorm.
+        specs["layers.mlp_norm"] = dataclasses.replace(
+            specs["layers.mlp_norm"], hf_name=hf_layer + "pre_feedforward_layernorm.weight")
+        for key, hf, gguf in (("post_attn_norm", "post_attention_layernorm", "post_attention_norm"),
+                              ("post_mlp_norm", "post_feedforward_layernorm", "post_ffw_norm")):
+            specs[f"layers.{key}"] = ParamSpec((L, D), ("layers", "embed"), "ones",
+                                               hf_layer + f"{hf}.weight",
+                                               gguf_layer + f"{gguf}.weight", "as_is")
+    if family.norm_offset:
+        # (offset + w) norms: the identity scale is w = 0.
+        specs = {name: dataclasses.replace(spec, init="zeros") if spec.init == "ones" else spec
+                 for name, spec in specs.items()}
     if config.tie_word_embeddings:
         del specs["lm_head"]
     return specs
@@ -164,7 +178,7 @@ class MeshLayout:
                 f"rules map kv_heads -> {kv_heads_axis!r} but heads -> {heads_axis!r}: a device "
                 "must hold the K/V heads of its own query heads (map both to the same axis, or "
                 "kv_heads to None to replicate them)")
-        if config.sliding_window is not None and rules.degree(mesh, "pages") > 1:
+        if any(config.sliding_layers()) and rules.degree(mesh, "pages") > 1:
             raise ValueError(
                 f"sliding_window={config.sliding_window} ({config.name}) with the cache's pages "
                 f"over {rules.degree(mesh, 'pages')} shards (kvp or cp): a sliding window runs "
@@ -276,11 +290,13 @@ def checkpoint_names(checkpoint_format: str) -> dict[str, str]:
     """Canonical name -> its name in an "hf" or "gguf" checkpoint ("{layer}" in per-layer ones),
     over every family."""
     # Names do not depend on shapes: untied configs of every family list every parameter.
+    # A row a family renames (Gemma's mlp_norm) keeps the Llama table's name here; a loader
+    # reads each config's own names from `param_specs`.
     names = {}
     for family in FAMILIES:
         config = ModelConfig(name="names", family=family, vocab_size=1, hidden_size=1,
                              num_layers=1, num_heads=1, num_kv_heads=1, head_dim=2,
                              intermediate_size=1)
-        names.update({key: spec.checkpoint_name(checkpoint_format)
-                      for key, spec in param_specs(config).items()})
+        for key, spec in param_specs(config).items():
+            names.setdefault(key, spec.checkpoint_name(checkpoint_format))
     return names

@@ -222,16 +222,18 @@ def stage_forward(spec: StageSpec, params: dict[str, jax.Array], kv_cache: KVCac
     """
     config = spec.config
     if spec.is_first:
-        x = jnp.take(params["embed"], x, axis=0)
+        x = layers.embed_tokens(params["embed"], x, config)
     stacked = {name.split(".", 1)[1]: array for name, array in params.items()
                if name.startswith("layers.")}
     x, kv_cache = decoder_layers(x, stacked, kv_cache, positions, meta, config=config,
                                  layout=spec.layout,
-                                 inv_freq=jnp.asarray(layers.rope_inv_freq(config)))
+                                 inv_freq=jnp.asarray(layers.rope_inv_freq(config)),
+                                 first_layer=spec.layer_start)
     if not spec.is_last:
         return x, kv_cache
     # The norm is per row, so norming all rows and taking some equals the other order.
-    hidden = layers.rms_norm(x, params["final_norm"], config.rms_norm_eps)
+    hidden = layers.rms_norm(x, params["final_norm"], config.rms_norm_eps,
+                             config.family_spec.norm_offset)
     if logits_indices is None:
         return hidden, kv_cache
     return stage_logits(spec, params, hidden[logits_indices]), kv_cache
@@ -241,4 +243,5 @@ def stage_logits(spec: StageSpec, params: dict[str, jax.Array], hidden):
     """The last stage's LM head: final-normed hidden [R, D] -> float32 logits [R, vocab]."""
     if not spec.is_last:
         raise ValueError(f"stage {spec.index} is not the last: it holds no LM head")
-    return lm_logits(hidden, params.get("embed"), params.get("lm_head"), spec.config.vocab_size)
+    return lm_logits(hidden, params.get("embed"), params.get("lm_head"), spec.config.vocab_size,
+                     spec.config.final_logit_softcapping)
