@@ -308,6 +308,8 @@ class _Pool:
             return None
         if prev:
             start = prev[0] // s * s
+            if start + s > self.n:   # a pool of 24 has one block of 16: [0, 16)
+                return None
             group = tuple(range(start, start + s))
         else:   # the aligned block whose longest queue is shortest
             best = min(range(0, self.n - s + 1, s), key=lambda b: max(self.q[b:b + s]))
@@ -387,9 +389,6 @@ class CdspScheduler:
         if not self.sp_sizes:
             raise ValueError(f"no SP size of {config.sp_sizes} has a model "
                              f"({sorted(models)}) and fits {num_instances} instances")
-        if config.aligned and num_instances % self.sp_sizes[-1]:
-            raise ValueError(f"aligned groups need num_instances ({num_instances}) to be a "
-                             f"multiple of the largest SP size {self.sp_sizes[-1]}")
 
     def plan(self, tokens: int, queues: Sequence[float],
              improvement_rate: float | None = None) -> Plan:
