@@ -117,17 +117,28 @@ def test_extend_follows_the_papers_two_rules():
     # Three nodes of 4: node 0 has one idle instance, node 1 is free in 1 s, node 2 in 2 s.
     queues = [0.0, 5.0, 5.0, 5.0, 1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 0.5]
     pool = _Pool(queues, node_size=4, aligned=False)
+
+    def grow(*sizes):
+        """Extend from the empty group through `sizes`: (members, longest added queue)."""
+        key, added = (), None
+        for s in sizes:
+            out = pool.extend(key, s)
+            if out is None:
+                return None
+            key, added = out
+        return pool.members(key), added
+
     # (1) first chunk within a node: the node whose s-th shortest queue is shortest.
-    assert pool.extend((), 1) == ((0,), 0.0)
-    assert pool.extend((), 2) == ((4, 5), 1.0)
+    assert grow(1) == ((0,), 0.0)
+    assert grow(2) == ((4, 5), 1.0)
     # ... spanning nodes: whole nodes by their longest queue, the rest by the rule above.
-    assert pool.extend((), 8) == ((4, 5, 6, 7, 8, 9, 10, 11), 2.0)
-    assert pool.extend((), 5) == ((0, 4, 5, 6, 7), 1.0)
+    assert grow(8) == ((4, 5, 6, 7, 8, 9, 10, 11), 2.0)
+    assert grow(5) == ((0, 4, 5, 6, 7), 1.0)
     # (2) growing a group: its own nodes first, even where other nodes are free sooner.
-    assert pool.extend((0,), 2) == ((0, 1), 5.0)
-    assert pool.extend((0,), 6) == ((0, 1, 2, 3, 4, 5), 5.0)
-    assert pool.extend((0, 1, 2, 3), 12)[0] == tuple(range(12))
-    assert pool.extend((), 16) is None
+    assert grow(1, 2) == ((0, 1), 5.0)
+    assert grow(1, 6) == ((0, 1, 2, 3, 4, 5), 5.0)
+    assert grow(1, 4, 12)[0] == tuple(range(12))
+    assert grow(16) is None
 
 
 @st.composite
@@ -207,11 +218,12 @@ def test_improvement_rate_follows_the_sliding_window_every_update_period():
     adaptive = AdaptiveImprovementRate(table, window_s=60, update_every_s=30)
     rates = [adaptive.observe(t / 2) for t in range(0, 200)]   # 2 req/s for 100 s
     assert rates[0] == 0.1                  # nothing observed yet: the lightest load's
-    assert rates[59] == 0.1                 # t = 29.5 s: no update before 30 s
+    assert rates[1] == rates[59] == 0.7     # cold start: 2 req/s from the arrivals so far
     assert rates[60] == 0.7                 # t = 30 s: 61 arrivals in 30 s, about 2 req/s
-    # Then one arrival per 10 s: the rate is updated at the next period boundary.
+    # Then one arrival per 10 s: the window keeps the old rate until it is updated at a
+    # period boundary (every 30 s), after which the 60 s window sees about 0.1 req/s.
     rates = [adaptive.observe(100 + 10 * k) for k in range(1, 13)]
-    assert rates[-1] == 0.1
+    assert rates[0] == 0.7 and rates[-1] == 0.1
     with pytest.raises(ValueError, match="ascending"):
         ImprovementRateTable((2.0, 1.0), (0.1, 0.2))
 

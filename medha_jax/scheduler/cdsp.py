@@ -17,7 +17,7 @@ the prose ([R] there). Implemented as written there:
          is free and holds all members until it ends.
   Alg. 1 recursive chunk search (`CdspScheduler.plan` / `_search`); Alg. 2 single-chunk
          scheduling with the improvement rate (`_single_chunk`); Alg. 3 the chunk that fills
-         the gap until the next group is free (`_solve_chunk`); `Extend` (`_Pool.extend`).
+         the gap until the next group is free (in `_search`); `Extend` (`_Pool.extend`).
 
 Choices the paper leaves open (A.4), each made here and named where it is made:
   - Gain in Alg. 2 is relative to the best plan so far: (ttft_best - ttft_s) / ttft_best > r.
@@ -281,95 +281,127 @@ class CdspConfig:
 
 
 class _Pool:
-    """One `plan` call's view of the instances: Extend over queues that stay fixed outside
-    the group being grown (Eq. 2 only touches group members, which Extend never adds again),
-    so each node is sorted once per call."""
+    """One `plan` call's view of the instances, for Extend.
+
+    Queues outside the group being grown stay fixed through the search (Eq. 2 only touches
+    group members, which Extend never adds again), so each node is sorted once per call.
+    Both rules of Extend take a node's instances shortest-queue first, so a group is a
+    prefix of each node's sorted order: a group is keyed by its (node, count) pairs (free
+    mode) or by its (start, size) block (aligned mode), and materialised only for the plan.
+    """
 
     def __init__(self, queues: Sequence[float], node_size: int, aligned: bool):
-        self.q = list(queues)
-        self.n = len(self.q)
+        self.q = queues
+        self.n = n = len(queues)
         self.node_size = node_size
         self.aligned = aligned
-        self.nodes = [sorted(range(b, min(b + node_size, self.n)), key=self.q.__getitem__)
-                      for b in range(0, self.n, node_size)]
-        self._cache: dict[tuple[tuple[int, ...], int], tuple[tuple[int, ...], float] | None] = {}
+        self._cache: dict[tuple, tuple[tuple, float] | None] = {}
+        if aligned:
+            self._levels: dict[int, list[float]] = {1: list(queues)}
+            return
+        num_nodes = -(-n // node_size)
+        self.ids: list[list[int]] = [[] for _ in range(num_nodes)]
+        self.qs: list[list[float]] = [[] for _ in range(num_nodes)]
+        for i in sorted(range(n), key=queues.__getitem__):
+            node = i // node_size
+            self.ids[node].append(i)
+            self.qs[node].append(queues[i])
+        self._by_kth: dict[int, list[int]] = {}
 
-    def extend(self, prev: tuple[int, ...], s: int) -> tuple[tuple[int, ...], float] | None:
-        """Extend(G_prev, s): a group of s instances containing prev, and the longest queue of
-        the instances it adds (-inf if none); None if the pool cannot make one."""
-        key = (prev, s)
-        if key not in self._cache:
-            self._cache[key] = (self._extend_aligned(prev, s) if self.aligned
-                                else self._extend(prev, s))
-        return self._cache[key]
+    def size(self, key: tuple) -> int:
+        if self.aligned:
+            return key[1] if key else 0
+        return sum(k for _, k in key)
 
-    def _extend_aligned(self, prev, s):
+    def members(self, key: tuple) -> tuple[int, ...]:
+        if self.aligned:
+            return tuple(range(key[0], key[0] + key[1])) if key else ()
+        return tuple(sorted(i for node, k in key for i in self.ids[node][:k]))
+
+    def extend(self, key: tuple, s: int) -> tuple[tuple, float] | None:
+        """Extend(G_prev, s): the key of a group of s instances containing the group `key`,
+        and the longest queue of the instances it adds (-inf if none); None if the pool
+        cannot make one."""
+        k = (key, s)
+        try:
+            return self._cache[k]
+        except KeyError:
+            out = self._cache[k] = (self._extend_aligned(key, s) if self.aligned
+                                    else self._extend(key, s))
+            return out
+
+    def _level(self, s: int) -> list[float]:
+        """The longest queue of each aligned block of size s (a power of two)."""
+        if s not in self._levels:
+            half = self._level(s // 2)
+            self._levels[s] = [max(half[2 * b], half[2 * b + 1]) for b in range(self.n // s)]
+        return self._levels[s]
+
+    def _extend_aligned(self, key, s):
         if s > self.n:
             return None
-        if prev:
-            start = prev[0] // s * s
-            if start + s > self.n:   # a pool of 24 has one block of 16: [0, 16)
-                return None
-            group = tuple(range(start, start + s))
-        else:   # the aligned block whose longest queue is shortest
-            best = min(range(0, self.n - s + 1, s), key=lambda b: max(self.q[b:b + s]))
-            group = tuple(range(best, best + s))
-        members = set(prev)
-        added = [self.q[i] for i in group if i not in members]
-        return group, max(added, default=-math.inf)
+        if not key:   # the aligned block whose longest queue is shortest
+            level = self._level(s)
+            b = min(range(len(level)), key=level.__getitem__)
+            return (b * s, s), level[b]
+        start, size = key
+        if size == s:
+            return key, -math.inf
+        new_start = start // s * s
+        if new_start + s > self.n:   # a pool of 24 has one block of 16: [0, 16)
+            return None
+        added, t = -math.inf, size
+        while t < s:   # the sibling block at each level up to s
+            added = max(added, self._level(t)[(start // t) ^ 1])
+            start, t = start // (2 * t) * (2 * t), 2 * t
+        return (new_start, s), added
 
-    def _extend(self, prev, s):
-        need = s - len(prev)
+    def _nodes_by_kth(self, k: int) -> list[int]:
+        """Nodes with >= k instances, by their k-th shortest queue (ties: lower node)."""
+        if k not in self._by_kth:
+            self._by_kth[k] = sorted((nd for nd in range(len(self.qs)) if len(self.qs[nd]) >= k),
+                                     key=lambda nd: (self.qs[nd][k - 1], nd))
+        return self._by_kth[k]
+
+    def _extend(self, key, s):
+        need = s - self.size(key)
         if need < 0 or s > self.n:
             return None
-        members = set(prev)
-        touched = {i // self.node_size for i in prev}
-        # (2) first the shortest-queued instances of the nodes prev already uses...
-        inside = sorted((i for node in touched for i in self.nodes[node] if i not in members),
-                        key=self.q.__getitem__)[:need]
-        picked = list(inside)
-        need -= len(picked)
-        if need:   # ...then rule (1) on the nodes it does not use
-            rest = self._rule1([node for node in range(len(self.nodes)) if node not in touched],
-                               need)
-            if rest is None:
-                return None
-            picked += rest
-        return (tuple(sorted(prev + tuple(picked))),
-                max((self.q[i] for i in picked), default=-math.inf))
-
-    def _rule1(self, free_nodes: list[int], need: int) -> list[int] | None:
-        """Rule (1) of Extend on untouched nodes: whole nodes with the shortest (longest-member)
-        queue first while `need` spans a node, then the node whose need-th shortest queue is
-        shortest gives its `need` shortest-queued instances."""
-        picked: list[int] = []
-        full = [node for node in free_nodes if len(self.nodes[node]) == self.node_size]
+        if need == 0:
+            return key, -math.inf
+        counts = dict(key)
+        added = -math.inf
+        if counts:
+            # Rule (2): first the shortest-queued instances of the nodes the group uses.
+            cand = [(q, node) for node, k in counts.items() for q in self.qs[node][k:]]
+            if len(cand) > need:
+                cand.sort()
+                cand = cand[:need]
+            for q, node in cand:
+                counts[node] += 1
+                added = q if q > added else added
+            need -= len(cand)
         whole = need // self.node_size
-        if whole:
-            if whole > len(full):
+        if whole:   # rule (1) across nodes: whole nodes, longest queue shortest first
+            for node in self._nodes_by_kth(self.node_size):
+                if node not in counts:
+                    counts[node] = self.node_size
+                    added = max(added, self.qs[node][-1])
+                    whole -= 1
+                    if not whole:
+                        break
+            if whole:
                 return None
-            full.sort(key=lambda node: (self.q[self.nodes[node][-1]], node))
-            for node in full[:whole]:
-                picked += self.nodes[node]
-            free_nodes = [node for node in free_nodes if node not in set(full[:whole])]
-            need -= whole * self.node_size
-        if need:
-            fits = [node for node in free_nodes if len(self.nodes[node]) >= need]
-            if not fits:
+            need %= self.node_size
+        if need:    # rule (1) in a node: the node whose need-th shortest queue is shortest
+            for node in self._nodes_by_kth(need):
+                if node not in counts:
+                    counts[node] = need
+                    added = max(added, self.qs[node][need - 1])
+                    break
+            else:
                 return None
-            node = min(fits, key=lambda nd: (self.q[self.nodes[nd][need - 1]], nd))
-            picked += self.nodes[node][:need]
-        return picked
-
-
-@dataclasses.dataclass
-class _Partial:
-    """A search state: the chunks so far and the group / end time of the last."""
-
-    chunks: tuple[Chunk, ...]
-    group: tuple[int, ...]
-    end: float       # when the last chunk ends (every member of `group` is free then)
-    history: int
+        return tuple(sorted(counts.items())), added
 
 
 class CdspScheduler:
@@ -400,71 +432,65 @@ class CdspScheduler:
             raise ValueError(f"queues has {len(queues)} entries, the pool {self.num_instances}")
         r = self.config.improvement_rate if improvement_rate is None else improvement_rate
         pool = _Pool(queues, self.config.node_size, self.config.aligned)
-        start = _Partial((), (), 0.0, 0)
-        plan = self._search(pool, tokens, start, self.sp_sizes, r)
-        if plan is None:
+        found = self._search(pool, tokens, (), (), 0, 0.0, 0, 0, r)
+        if found is None:
             raise RuntimeError(f"no group of any size in {self.sp_sizes} fits the pool")
-        return Plan(plan[0])
+        return Plan(tuple(Chunk(t, h, pool.members(g), start, end)
+                          for t, h, g, start, end in found[0]))
 
-    def _single_chunk(self, pool: _Pool, tokens: int, at: _Partial, sizes, r):
+    def _single_chunk(self, pool: _Pool, tokens: int, chunks, group, size, end_prev, history,
+                      first, r):
         """Algorithm 2: all remaining tokens as one chunk on the group grown from the last; a
         larger SP is taken only if it cuts TTFT by more than r relative to the best so far."""
         best = None
-        for s in sizes:
-            if s < len(at.group):
+        for s in self.sp_sizes[first:]:
+            if s < size:
                 continue
-            ext = pool.extend(at.group, s)
+            ext = pool.extend(group, s)
             if ext is None:
                 continue
-            group, added = ext
-            start = max(at.end, added)
-            end = start + self.models[s].seconds(at.history, tokens)
+            start = end_prev if end_prev > ext[1] else ext[1]
+            end = start + self.models[s].seconds(history, tokens)
             if best is None or (best[1] - end) > r * best[1]:
-                best = (group, end, start)
+                best = (ext[0], end, start, s)
         if best is None:
             return None
-        group, end, start = best
-        return at.chunks + (Chunk(tokens, at.history, group, start, end),), end
+        g, end, start, s = best
+        return chunks + ((tokens, history, g, start, end),), end, s
 
-    def _solve_chunk(self, pool: _Pool, tokens: int, at: _Partial, s_cur: int, s_next: int):
-        """Algorithm 3: the chunk on G_cur that ends when G_next is free. None if illegal."""
-        cur = pool.extend(at.group, s_cur)
-        if cur is None:
-            return None
-        g_cur, added = cur
-        nxt = pool.extend(g_cur, s_next)
-        if nxt is None:
-            return None
-        start = max(at.end, added)
-        budget = max(start, nxt[1]) - start
-        if budget <= 0:
-            return None
-        model = self.models[s_cur]
-        m = self.config.chunk_multiple
-        l_c = int(min(model.tokens_within(at.history, budget), tokens) // m * m)
-        # Lines 11-12: too short to pay for a chunk, or leaving too little for the next.
-        if l_c < self.config.min_chunk_tokens or tokens - l_c < self.config.min_chunk_tokens:
-            return None
-        end = start + model.seconds(at.history, l_c)
-        return Chunk(l_c, at.history, g_cur, start, end)
-
-    def _search(self, pool: _Pool, tokens: int, at: _Partial, sizes: tuple[int, ...], r):
-        """Algorithm 1 from state `at` with candidate sizes `sizes`: (chunks, ttft) or None."""
-        best = self._single_chunk(pool, tokens, at, sizes, r)         # line 3
-        if best is None or not self.config.chunking or len(sizes) == 1:
+    def _search(self, pool: _Pool, tokens: int, chunks, group, size: int, end_prev: float,
+                history: int, first: int, r: float):
+        """Algorithm 1 after `chunks` (the last on `group` of `size` instances, ending at
+        end_prev), with candidate sizes sp_sizes[first:]: (chunks, ttft, sp of the
+        single-chunk plan) or None."""
+        best = self._single_chunk(pool, tokens, chunks, group, size, end_prev, history, first,
+                                  r)                                   # line 3
+        if best is None or not self.config.chunking or first == len(self.sp_sizes) - 1:
             return best                                                # line 5
-        sp_max = len(best[0][-1].group)                                # line 4
-        usable = [s for s in sizes if len(at.group) <= s <= sp_max]
-        for i, s_cur in enumerate(usable):                             # lines 6-7
-            for s_next in usable[i + 1:]:
-                chunk = self._solve_chunk(pool, tokens, at, s_cur, s_next)   # line 10
-                if chunk is None:                                      # lines 11-12
+        sp_max = best[2]                                               # line 4
+        usable = [(j, s) for j, s in enumerate(self.sp_sizes) if j >= first and size <= s <= sp_max]
+        multiple, min_tokens = self.config.chunk_multiple, self.config.min_chunk_tokens
+        for i, (_, s_cur) in enumerate(usable):                        # lines 6-7
+            # Algorithm 3 (line 10): the chunk on G_cur that ends when G_next is free.
+            cur = pool.extend(group, s_cur)
+            if cur is None:
+                continue
+            start = end_prev if end_prev > cur[1] else cur[1]
+            model = self.models[s_cur]
+            for j, s_next in usable[i + 1:]:
+                nxt = pool.extend(cur[0], s_next)
+                if nxt is None or nxt[1] <= start:
                     continue
-                # Lines 14-18: Eq. 2 for the chunk (its group is busy until it ends), recurse.
-                after = _Partial(at.chunks + (chunk,), chunk.group, chunk.end_s,
-                                 at.history + chunk.tokens)
-                rest = self._search(pool, tokens - chunk.tokens, after,
-                                    tuple(s for s in sizes if s >= s_next), r)
+                l_c = int(min(model.tokens_within(history, nxt[1] - start), tokens)
+                          // multiple * multiple)
+                # Lines 11-12: too short to pay for a chunk, or leaving too little after it.
+                if l_c < min_tokens or tokens - l_c < min_tokens:
+                    continue
+                chunk = (l_c, history, cur[0], start, start + model.seconds(history, l_c))
+                # Lines 14-18: Eq. 2 for the chunk (its group is busy until it ends), then
+                # the rest with the sizes >= s_next.
+                rest = self._search(pool, tokens - l_c, chunks + (chunk,), cur[0], s_cur,
+                                    chunk[4], history + l_c, j, r)
                 if rest is not None and rest[1] < best[1]:             # lines 20-21
                     best = rest
         return best                                                    # line 22
@@ -518,8 +544,9 @@ class AdaptiveImprovementRate:
     """Online: the arrival rate over a sliding window, looked up every `update_every_s`.
 
     The paper updates "every 30 seconds"; the window's length it does not give: we use 60 s
-    (two update periods), and the rate before the first update is the table's lowest-load
-    entry's (an empty system is at light load).
+    (two update periods). Before the first update (a cold start), the rate is looked up at
+    every arrival from the arrivals so far ((count - 1) / span), and the first arrival gets
+    the table's lowest-load entry (an empty system is at light load).
     """
 
     def __init__(self, table: ImprovementRateTable, *, window_s: float = 60.0,
@@ -531,17 +558,22 @@ class AdaptiveImprovementRate:
         self._arrivals: list[float] = []
         self._first: float | None = None
         self._next_update: float | None = None
+        self._updated = False
 
     def observe(self, now: float) -> float:
         """Records an arrival at `now` and returns the improvement rate to plan it with."""
         if self._first is None:
             self._first, self._next_update = now, now + self.update_every_s
         self._arrivals.append(now)
-        if now >= self._next_update:
+        if now < self._next_update:
+            if not self._updated and now > self._first:   # cold start: every arrival so far
+                self.current = self.table.lookup((len(self._arrivals) - 1) / (now - self._first))
+        else:
             cut = bisect.bisect_left(self._arrivals, now - self.window_s)
             del self._arrivals[:cut]
             span = min(self.window_s, now - self._first)
             self.current = self.table.lookup(len(self._arrivals) / span)
+            self._updated = True
             while self._next_update <= now:
                 self._next_update += self.update_every_s
         return self.current
