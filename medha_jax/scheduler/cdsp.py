@@ -299,13 +299,10 @@ class _Pool:
         if aligned:
             self._levels: dict[int, list[float]] = {1: list(queues)}
             return
-        num_nodes = -(-n // node_size)
-        self.ids: list[list[int]] = [[] for _ in range(num_nodes)]
-        self.qs: list[list[float]] = [[] for _ in range(num_nodes)]
-        for i in sorted(range(n), key=queues.__getitem__):
-            node = i // node_size
-            self.ids[node].append(i)
-            self.qs[node].append(queues[i])
+        key = queues.__getitem__
+        self.ids: list[list[int]] = [sorted(range(b, min(b + node_size, n)), key=key)
+                                     for b in range(0, n, node_size)]
+        self.qs: list[list[float]] = [[queues[i] for i in node] for node in self.ids]
         self._by_kth: dict[int, list[int]] = {}
 
     def size(self, key: tuple) -> int:
@@ -359,8 +356,9 @@ class _Pool:
     def _nodes_by_kth(self, k: int) -> list[int]:
         """Nodes with >= k instances, by their k-th shortest queue (ties: lower node)."""
         if k not in self._by_kth:
-            self._by_kth[k] = sorted((nd for nd in range(len(self.qs)) if len(self.qs[nd]) >= k),
-                                     key=lambda nd: (self.qs[nd][k - 1], nd))
+            kth = [(q[k - 1], nd) for nd, q in enumerate(self.qs) if len(q) >= k]
+            kth.sort()
+            self._by_kth[k] = [nd for _, nd in kth]
         return self._by_kth[k]
 
     def _extend(self, key, s):
