@@ -13,11 +13,11 @@ The paper's setup (section 7.1), simulated with `medha_jax.cluster.prefill_pool_
     (beta by parameters / 4, gamma and delta by layers x hidden / 4, alpha by layers) -- an
     estimate, marked "scaled" below. Fixed SP 8 and 16 GPUs are 2 and 4 instances there.
   - Prompts: the Short / Medium / Long ranges and averages of section 7.1 as clipped
-    lognormals (`workloads.TETRIS_*_PROMPT`); Poisson arrivals at rates in steps of
-    `--rate-step` (0.5 req/s, the paper's grid).
+    lognormals (`workloads.TETRIS_*_PROMPT`); Poisson arrivals at `--rate-points` rates up
+    to the pool's capacity (or in steps of `--rate-step`; the paper profiles per 0.5 req/s).
   - Systems: CDSP with the improvement rate chosen per arrival rate by the offline search
-    (profiled on other samples of the same distribution) and applied from a 60 s sliding
-    window every 30 s; CDSP restricted to aligned power-of-two groups (its own profile);
+    (profiled on other samples of the same distribution, least mean TTFT) and applied from a
+    60 s sliding window every 30 s; CDSP restricted to aligned power-of-two groups;
     CDSP without chunking (the paper's single-chunk ablation); request-level elastic SP
     (LoongServe-style: one SP size per request at arrival, for its own least TTFT); fixed
     SP 8 and 16 (independent groups, each request to the group that finishes it first).
@@ -56,7 +56,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", default=None, help="write every figure and the context here")
     p.add_argument("--requests", type=int, default=None,
                    help="requests per simulation (default 2000; --quick 500)")
-    p.add_argument("--rate-step", type=float, default=0.5, help="arrival-rate grid, req/s")
+    p.add_argument("--rate-step", type=float, default=None,
+                   help="arrival-rate grid step, req/s (default: the pool's capacity / "
+                        "--rate-points, so every setup and trace gets the same resolution)")
+    p.add_argument("--rate-points", type=int, default=None,
+                   help="rates up to the pool's capacity (default 16; --quick 8)")
     p.add_argument("--traces", default=None,
                    help="comma-separated of short,medium,long (default all; --quick short)")
     p.add_argument("--setups", default=None, help="8b,70b (default both; --quick 8b)")
@@ -121,13 +125,15 @@ def systems(setup: Setup, tables: dict):
     return out
 
 
-def rate_grid(setup: Setup, dist, step: float) -> list[float]:
-    """Rates from `step` up to the pool's capacity at its most efficient SP size (no request
-    is served in fewer instance-seconds; no system sustains more)."""
+def rate_grid(setup: Setup, dist, step: float | None, points: int) -> list[float]:
+    """Rates in steps up to the pool's capacity at its most efficient SP size (no request is
+    served in fewer instance-seconds; no system sustains more): `points` of them, or steps
+    of `step` req/s (the paper profiles in steps of 0.5)."""
     mean_len = float(np.mean(dist.sample(np.random.default_rng(99), 20000)))
     best_per_instance = min(s * m.seconds(0, mean_len) for s, m in setup.models.items())
     top = setup.instances / best_per_instance
-    return [round(step * k, 6) for k in range(1, int(top / step) + 1)]
+    step = step or float(f"{top / points:.2g}")
+    return [round(step * k, 6) for k in range(1, int(top / step + 1e-9) + 1)]
 
 
 def run_setup(args, setup: Setup, trace: str, dist, num_requests: int):
@@ -136,19 +142,20 @@ def run_setup(args, setup: Setup, trace: str, dist, num_requests: int):
                                                     simulate_prefill_pool)
     from medha_jax.scheduler.cdsp import CdspConfig, CdspScheduler
 
-    rates = rate_grid(setup, dist, args.rate_step)
+    rates = rate_grid(setup, dist, args.rate_step, args.rate_points)
 
     def sample(n, seed):
         return dist.sample(np.random.default_rng(seed), n)
 
-    tables = {}
-    for name, kw in (("cdsp", {}), ("cdsp-aligned", {"aligned": True}),
-                     ("cdsp-single-chunk", {"chunking": False})):
-        tables[name] = profile_improvement_rates(
-            sample, rates, RATE_CANDIDATES,
-            lambda kw=kw: CdspScheduler(setup.instances, setup.models,
-                                        CdspConfig(node_size=setup.node_size, **kw)),
-            num_requests=num_requests, seed=args.seed + 7919)   # not the evaluation's samples
+    # The offline search, on other samples than the evaluation's; the aligned and
+    # single-chunk variants reuse CDSP's table (one profile per setup and trace keeps the run
+    # short; their own would suit them a little better).
+    table_ = profile_improvement_rates(
+        sample, rates, RATE_CANDIDATES,
+        lambda: CdspScheduler(setup.instances, setup.models,
+                              CdspConfig(node_size=setup.node_size)),
+        num_requests=num_requests, seed=args.seed + 7919)
+    tables = {"cdsp": table_, "cdsp-aligned": table_, "cdsp-single-chunk": table_}
     results = {}   # (system, rate) -> PoolResult
     sweep = {}     # (r, rate) -> p50 with a fixed improvement rate
     for k, rate in enumerate(rates):
@@ -197,8 +204,7 @@ def run_setup(args, setup: Setup, trace: str, dist, num_requests: int):
                               for r in RATE_CANDIDATES}})
     return rows, curves, sweep_rows, {"slo_p99_s": slo, "best_fixed": best_fixed,
                                       "critical_rate": critical, "rates": rates,
-                                      "tables": {k: dataclasses.asdict(v)
-                                                 for k, v in tables.items()}}
+                                      "profile": dataclasses.asdict(table_)}
 
 
 def timing_models():
@@ -271,6 +277,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     setup_names = (args.setups.split(",") if args.setups
                    else ["8b"] if args.quick else ["8b", "70b"])
     trials = args.trials or (200 if args.quick else 1000)
+    args.rate_points = args.rate_points or (8 if args.quick else 16)
     all_setups, all_traces = setups(), traces()
     rows, curves, sweeps, info = [], [], [], {}
     if "a" not in skip or "b" not in skip:
@@ -293,7 +300,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         for key, inf in info.items():
             print(f"{key}: SLO p99 TTFT {inf['slo_p99_s']:.2f} s; best fixed "
                   f"{inf['best_fixed']}, critical rate {inf['critical_rate']} req/s; "
-                  f"profiled r per rate {inf['tables']['cdsp']}")
+                  f"profiled r per rate {inf['profile']}")
         table(f"(a) simulated (prefill pool, Eq. 1 chunk times, {num_requests} Poisson "
               "requests per point): max sustainable rate (p99 TTFT <= SLO) and TTFT at the "
               "best fixed SP's max sustainable rate", rows)
@@ -304,6 +311,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                                    "predictor": "Eq. 1 fitted to seed 001 Table 1 (A100); "
                                                 "70B scaled by FLOPs",
                                    "requests": num_requests, "rate_step": args.rate_step,
+                                   "rate_points": args.rate_points,
                                    "seed": args.seed},
                        "summary": rows, "curves": curves, "improvement_rate_sweep": sweeps,
                        "scheduler_latency": latency, "setups": info}, f, indent=2)
