@@ -367,6 +367,22 @@ class _Pool:
             return None
         if need == 0:
             return key, -math.inf
+        if not key:   # rule (1) from nothing: the common case, without the general merge
+            whole, part = divmod(s, self.node_size)
+            nodes = self._nodes_by_kth(self.node_size)[:whole] if whole else []
+            if len(nodes) < whole:
+                return None
+            added = self.qs[nodes[-1]][-1] if nodes else -math.inf
+            pairs = [(node, self.node_size) for node in nodes]
+            if part:
+                taken = set(nodes)
+                node = next((nd for nd in self._nodes_by_kth(part) if nd not in taken), None)
+                if node is None:
+                    return None
+                pairs.append((node, part))
+                added = max(added, self.qs[node][part - 1])
+            pairs.sort()
+            return tuple(pairs), added
         counts = dict(key)
         added = -math.inf
         if counts:
