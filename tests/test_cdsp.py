@@ -243,3 +243,53 @@ def test_decode_router_counts_transfers_as_virtual_usage():
     assert router.freeness(1) == math.inf
     router.finish("c")                          # finished before landing: virtual freed
     assert router.virtual == [0, 0] and router.used == [40, 0]
+
+
+def _pinned_plans_digest(aligned: bool, trials: int = 60) -> str:
+    """A digest of every plan (tokens, history, group, start, end, exact floats) over random
+    queue states at pools of 8..128 (and 24, 96: pools that are no power of two): uniform
+    queues, queues with many ties (few distinct values, idle instances) and the queues a
+    pool has after booking the plans before. Hand-set Eq. 1 coefficients (no fit, so no
+    BLAS in the numbers), SP 1..128, each doubling as in benchmarks.cdsp's timing models."""
+    import hashlib
+
+    models = {1: LatencyModel(1, 0.03, 5.6e-05, 2.5e-09, 1.3e-09),
+              2: LatencyModel(2, 0.026, 3.0e-05, 1.2e-09, 6.1e-10),
+              4: LatencyModel(4, 0.058, 1.6e-05, 6.1e-10, 3.0e-10),
+              8: LatencyModel(8, 0.17, 6.7e-06, 3.3e-10, 1.6e-10),
+              16: LatencyModel(16, 0.39, 2.5e-06, 1.8e-10, 9.0e-11)}
+    for s in (32, 64, 128):
+        m = models[s // 2]
+        models[s] = LatencyModel(s, m.alpha * 1.5, m.beta / 2, m.gamma / 2, m.delta / 2)
+    digest = hashlib.sha256()
+    for n in (8, 16, 24, 32, 64, 96, 128):
+        rng = random.Random(n * 7 + aligned)
+        scheduler = CdspScheduler(n, models, CdspConfig(aligned=aligned))
+        booked = [0.0] * n
+        for k in range(trials):
+            kind = k % 3
+            if kind == 0:
+                queues = [rng.uniform(0, 5) for _ in range(n)]
+            elif kind == 1:
+                queues = [rng.choice((0.0, 0.0, 0.5, 1.0, 2.5)) for _ in range(n)]
+            else:
+                queues = booked
+            tokens = rng.randint(1, 260_000)
+            r = rng.choice((0.0, 0.05, 0.1, 0.3, 0.75))
+            plan = scheduler.plan(tokens, queues, r)
+            digest.update(repr((n, k, [(c.tokens, c.history, c.group, c.start_s, c.end_s)
+                                       for c in plan.chunks])).encode())
+            if kind == 2:
+                book_plan(booked, plan)
+                dt = rng.uniform(0, 3)
+                booked = [max(0.0, q - dt) for q in booked]
+    return digest.hexdigest()
+
+
+@pytest.mark.parametrize("aligned, expected", [
+    (False, "f4fd1381046a3f26ce56108466f51d53eebdf8cfc9af16f3e8b4ca68bddf7923"),
+    (True, "51eedccb8fe3207d8f4dd13ce89612643e5a5a1550df408f3f9360783513e756")])
+def test_plans_are_pinned_across_scheduler_optimisations(aligned, expected):
+    # The plans of the scheduler as first written (commit c90875f), pinned so a faster
+    # search is proven to return the same plan, chunk for chunk, to the last bit.
+    assert _pinned_plans_digest(aligned) == expected
