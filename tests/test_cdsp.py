@@ -120,7 +120,7 @@ def test_extend_follows_the_papers_two_rules():
 
     def grow(*sizes):
         """Extend from the empty group through `sizes`: (members, longest added queue)."""
-        key, added = (), None
+        key, added = pool.EMPTY, None
         for s in sizes:
             out = pool.extend(key, s)
             if out is None:

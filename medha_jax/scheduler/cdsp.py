@@ -284,47 +284,60 @@ class _Pool:
     """One `plan` call's view of the instances, for Extend.
 
     Queues outside the group being grown stay fixed through the search (Eq. 2 only touches
-    group members, which Extend never adds again), so each node is sorted once per call.
-    Both rules of Extend take a node's instances shortest-queue first, so a group is a
-    prefix of each node's sorted order: a group is keyed by its (node, count) pairs (free
-    mode) or by its (start, size) block (aligned mode), and materialised only for the plan.
+    group members, which Extend never adds again), so each node's queues are sorted once per
+    call. Both rules of Extend take a node's instances shortest-queue first, so a group is a
+    prefix of each node's sorted order: a group is its (node, count) pairs (free mode) or
+    its (start, size) block (aligned mode). The search passes groups around as small ints
+    (an index into the pairs seen this call, or start * (n + 1) + size), so Extend's memo is
+    keyed by ints; 0 is the empty group in both modes. Instances are named (sorting a
+    node's indices, ties to the lower index) only for the groups of the plan returned.
     """
+
+    EMPTY = 0
 
     def __init__(self, queues: Sequence[float], node_size: int, aligned: bool):
         self.q = queues
         self.n = n = len(queues)
+        self.stride = n + 1
         self.node_size = node_size
         self.aligned = aligned
-        self._cache: dict[tuple, tuple[tuple, float] | None] = {}
+        self.memo: dict[int, tuple[int, float] | None] = {}
         if aligned:
             self._levels: dict[int, list[float]] = {1: list(queues)}
             return
-        key = queues.__getitem__
-        self.ids: list[list[int]] = [sorted(range(b, min(b + node_size, n)), key=key)
-                                     for b in range(0, n, node_size)]
-        self.qs: list[list[float]] = [[queues[i] for i in node] for node in self.ids]
+        # Sorting values (not indices by value) is a third of the cost; members() names them.
+        self.qs: list[list[float]] = [sorted(queues[b:b + node_size])
+                                      for b in range(0, n, node_size)]
+        # Free-mode groups: (node, count) pairs ascending, size, nodes not taken whole.
+        self._pairs: list[tuple[tuple[int, int], ...]] = [()]
+        self._sizes: list[int] = [0]
+        self._partial: list[tuple[int, ...]] = [()]
+        self._ids: dict[tuple, int] = {(): 0}
         self._by_kth: dict[int, list[int]] = {}
 
-    def size(self, key: tuple) -> int:
-        if self.aligned:
-            return key[1] if key else 0
-        return sum(k for _, k in key)
+    def size(self, group: int) -> int:
+        return group % self.stride if self.aligned else self._sizes[group]
 
-    def members(self, key: tuple) -> tuple[int, ...]:
+    def members(self, group: int) -> tuple[int, ...]:
         if self.aligned:
-            return tuple(range(key[0], key[0] + key[1])) if key else ()
-        return tuple(sorted(i for node, k in key for i in self.ids[node][:k]))
+            start, size = divmod(group, self.stride)
+            return tuple(range(start, start + size))
+        out = []
+        for node, k in self._pairs[group]:
+            b = node * self.node_size
+            ids = range(b, min(b + self.node_size, self.n))
+            out += ids if k == len(ids) else sorted(ids, key=self.q.__getitem__)[:k]
+        return tuple(sorted(out))
 
-    def extend(self, key: tuple, s: int) -> tuple[tuple, float] | None:
-        """Extend(G_prev, s): the key of a group of s instances containing the group `key`,
-        and the longest queue of the instances it adds (-inf if none); None if the pool
-        cannot make one."""
-        k = (key, s)
+    def extend(self, group: int, s: int) -> tuple[int, float] | None:
+        """Extend(G_prev, s): a group of s instances containing `group`, and the longest
+        queue of the instances it adds (-inf if none); None if the pool cannot make one."""
+        k = group * self.stride + s
         try:
-            return self._cache[k]
+            return self.memo[k]
         except KeyError:
-            out = self._cache[k] = (self._extend_aligned(key, s) if self.aligned
-                                    else self._extend(key, s))
+            out = self.memo[k] = (self._extend_aligned(group, s) if self.aligned
+                                  else self._extend(group, s))
             return out
 
     def _level(self, s: int) -> list[float]:
@@ -334,16 +347,16 @@ class _Pool:
             self._levels[s] = [max(half[2 * b], half[2 * b + 1]) for b in range(self.n // s)]
         return self._levels[s]
 
-    def _extend_aligned(self, key, s):
+    def _extend_aligned(self, group, s):
         if s > self.n:
             return None
-        if not key:   # the aligned block whose longest queue is shortest
+        if not group:   # the aligned block whose longest queue is shortest
             level = self._level(s)
             b = min(range(len(level)), key=level.__getitem__)
-            return (b * s, s), level[b]
-        start, size = key
+            return b * s * self.stride + s, level[b]
+        start, size = divmod(group, self.stride)
         if size == s:
-            return key, -math.inf
+            return group, -math.inf
         new_start = start // s * s
         if new_start + s > self.n:   # a pool of 24 has one block of 16: [0, 16)
             return None
@@ -351,7 +364,7 @@ class _Pool:
         while t < s:   # the sibling block at each level up to s
             added = max(added, self._level(t)[(start // t) ^ 1])
             start, t = start // (2 * t) * (2 * t), 2 * t
-        return (new_start, s), added
+        return new_start * self.stride + s, added
 
     def _nodes_by_kth(self, k: int) -> list[int]:
         """Nodes with >= k instances, by their k-th shortest queue (ties: lower node)."""
@@ -361,33 +374,51 @@ class _Pool:
             self._by_kth[k] = [nd for _, nd in kth]
         return self._by_kth[k]
 
-    def _extend(self, key, s):
-        need = s - self.size(key)
+    def _intern(self, counts: dict[int, int], size: int) -> int:
+        pairs = tuple(sorted(counts.items()))
+        group = self._ids.get(pairs)
+        if group is None:
+            group = self._ids[pairs] = len(self._pairs)
+            self._pairs.append(pairs)
+            self._sizes.append(size)
+            self._partial.append(tuple(nd for nd, k in pairs if k < len(self.qs[nd])))
+        return group
+
+    def _extend(self, group, s):
+        need = s - self._sizes[group]
         if need < 0 or s > self.n:
             return None
         if need == 0:
-            return key, -math.inf
-        if not key:   # rule (1) from nothing: the common case, without the general merge
-            whole, part = divmod(s, self.node_size)
-            nodes = self._nodes_by_kth(self.node_size)[:whole] if whole else []
+            return group, -math.inf
+        qs, node_size = self.qs, self.node_size
+        if not group:   # rule (1) from nothing: the common case, without the general merge
+            whole, part = divmod(s, node_size)
+            nodes = self._nodes_by_kth(node_size)[:whole] if whole else []
             if len(nodes) < whole:
                 return None
-            added = self.qs[nodes[-1]][-1] if nodes else -math.inf
-            pairs = [(node, self.node_size) for node in nodes]
+            added = qs[nodes[-1]][-1] if nodes else -math.inf
+            counts = dict.fromkeys(nodes, node_size)
             if part:
-                taken = set(nodes)
-                node = next((nd for nd in self._nodes_by_kth(part) if nd not in taken), None)
+                node = next((nd for nd in self._nodes_by_kth(part) if nd not in counts), None)
                 if node is None:
                     return None
-                pairs.append((node, part))
-                added = max(added, self.qs[node][part - 1])
-            pairs.sort()
-            return tuple(pairs), added
-        counts = dict(key)
+                counts[node] = part
+                added = max(added, qs[node][part - 1])
+            return self._intern(counts, s), added
+        counts = dict(self._pairs[group])
         added = -math.inf
-        if counts:
-            # Rule (2): first the shortest-queued instances of the nodes the group uses.
-            cand = [(q, node) for node, k in counts.items() for q in self.qs[node][k:]]
+        partial = self._partial[group]
+        # Rule (2): first the shortest-queued instances of the nodes the group uses (only
+        # its partly taken nodes have any left).
+        if len(partial) == 1:   # one node's sorted tail: a prefix of it, no merge
+            node = partial[0]
+            k = counts[node]
+            take = min(need, len(qs[node]) - k)
+            counts[node] = k + take
+            added = qs[node][k + take - 1]
+            need -= take
+        elif partial:
+            cand = [(q, node) for node in partial for q in qs[node][counts[node]:]]
             if len(cand) > need:
                 cand.sort()
                 cand = cand[:need]
@@ -395,27 +426,27 @@ class _Pool:
                 counts[node] += 1
                 added = q if q > added else added
             need -= len(cand)
-        whole = need // self.node_size
+        whole = need // node_size
         if whole:   # rule (1) across nodes: whole nodes, longest queue shortest first
-            for node in self._nodes_by_kth(self.node_size):
+            for node in self._nodes_by_kth(node_size):
                 if node not in counts:
-                    counts[node] = self.node_size
-                    added = max(added, self.qs[node][-1])
+                    counts[node] = node_size
+                    added = max(added, qs[node][-1])
                     whole -= 1
                     if not whole:
                         break
             if whole:
                 return None
-            need %= self.node_size
+            need %= node_size
         if need:    # rule (1) in a node: the node whose need-th shortest queue is shortest
             for node in self._nodes_by_kth(need):
                 if node not in counts:
                     counts[node] = need
-                    added = max(added, self.qs[node][need - 1])
+                    added = max(added, qs[node][need - 1])
                     break
             else:
                 return None
-        return tuple(sorted(counts.items())), added
+        return self._intern(counts, s), added
 
 
 class CdspScheduler:
@@ -435,6 +466,9 @@ class CdspScheduler:
         if not self.sp_sizes:
             raise ValueError(f"no SP size of {config.sp_sizes} has a model "
                              f"({sorted(models)}) and fits {num_instances} instances")
+        # Per SP-size index, bound once: the search evaluates them in its inner loop.
+        self._seconds = tuple(self.models[s].seconds for s in self.sp_sizes)
+        self._tokens_within = tuple(self.models[s].tokens_within for s in self.sp_sizes)
 
     def plan(self, tokens: int, queues: Sequence[float],
              improvement_rate: float | None = None) -> Plan:
@@ -446,67 +480,88 @@ class CdspScheduler:
             raise ValueError(f"queues has {len(queues)} entries, the pool {self.num_instances}")
         r = self.config.improvement_rate if improvement_rate is None else improvement_rate
         pool = _Pool(queues, self.config.node_size, self.config.aligned)
-        found = self._search(pool, tokens, (), (), 0, 0.0, 0, 0, r)
+        found = self._search(pool, tokens, _Pool.EMPTY, 0, 0.0, 0, 0, r, math.inf)
         if found is None:
             raise RuntimeError(f"no group of any size in {self.sp_sizes} fits the pool")
         return Plan(tuple(Chunk(t, h, pool.members(g), start, end)
-                          for t, h, g, start, end in found[0]))
+                          for t, h, g, start, end in found[2]))
 
-    def _single_chunk(self, pool: _Pool, tokens: int, chunks, group, size, end_prev, history,
-                      first, r):
+    def _single_chunk(self, pool: _Pool, tokens: int, group: int, size: int, end_prev: float,
+                      history: int, first: int, r: float):
         """Algorithm 2: all remaining tokens as one chunk on the group grown from the last; a
-        larger SP is taken only if it cuts TTFT by more than r relative to the best so far."""
+        larger SP is taken only if it cuts TTFT by more than r relative to the best so far.
+        (ttft, index of its SP size, (chunk,)) or None."""
         best = None
-        for s in self.sp_sizes[first:]:
+        sizes, seconds, extend = self.sp_sizes, self._seconds, pool.extend
+        for i in range(first, len(sizes)):
+            s = sizes[i]
             if s < size:
                 continue
-            ext = pool.extend(group, s)
+            ext = extend(group, s)
             if ext is None:
                 continue
             start = end_prev if end_prev > ext[1] else ext[1]
-            end = start + self.models[s].seconds(history, tokens)
+            end = start + seconds[i](history, tokens)
             if best is None or (best[1] - end) > r * best[1]:
-                best = (ext[0], end, start, s)
+                best = (ext[0], end, start, i)
         if best is None:
             return None
-        g, end, start, s = best
-        return chunks + ((tokens, history, g, start, end),), end, s
+        g, end, start, i = best
+        return end, i, ((tokens, history, g, start, end),)
 
-    def _search(self, pool: _Pool, tokens: int, chunks, group, size: int, end_prev: float,
-                history: int, first: int, r: float):
-        """Algorithm 1 after `chunks` (the last on `group` of `size` instances, ending at
-        end_prev), with candidate sizes sp_sizes[first:]: (chunks, ttft, sp of the
-        single-chunk plan) or None."""
-        best = self._single_chunk(pool, tokens, chunks, group, size, end_prev, history, first,
+    def _search(self, pool: _Pool, tokens: int, group: int, size: int, end_prev: float,
+                history: int, first: int, r: float, bound: float):
+        """Algorithm 1 for the last `tokens` tokens after `history`, the previous chunk on
+        `group` of `size` instances ending at end_prev, with candidate sizes
+        sp_sizes[first:]: (ttft, index of the single-chunk plan's SP size, the chunks) or
+        None.
+
+        `bound`: the caller takes the result only if its TTFT is below this, so a chunked
+        candidate that cannot end before min(bound, best so far) is skipped unexplored --
+        exact, since a chunk's seconds are >= 0 and every later chunk starts after it ends,
+        so no plan through it ends sooner than it does; the first plan at the least TTFT is
+        still the one kept (only strictly larger ones are skipped). Alg. 2's plan is always
+        computed: it sets sp_max."""
+        best = self._single_chunk(pool, tokens, group, size, end_prev, history, first,
                                   r)                                   # line 3
-        if best is None or not self.config.chunking or first == len(self.sp_sizes) - 1:
+        sizes = self.sp_sizes
+        if best is None or not self.config.chunking or first == len(sizes) - 1:
             return best                                                # line 5
-        sp_max = best[2]                                               # line 4
-        usable = [(j, s) for j, s in enumerate(self.sp_sizes) if j >= first and size <= s <= sp_max]
+        top = best[1]                                                  # line 4: sp_max
+        lo = first
+        while sizes[lo] < size:
+            lo += 1
         multiple, min_tokens = self.config.chunk_multiple, self.config.min_chunk_tokens
-        for i, (_, s_cur) in enumerate(usable):                        # lines 6-7
+        extend, seconds, within = pool.extend, self._seconds, self._tokens_within
+        limit = best[0] if best[0] < bound else bound
+        for i in range(lo, top + 1):                                   # lines 6-7
             # Algorithm 3 (line 10): the chunk on G_cur that ends when G_next is free.
-            cur = pool.extend(group, s_cur)
+            cur = extend(group, sizes[i])
             if cur is None:
                 continue
             start = end_prev if end_prev > cur[1] else cur[1]
-            model = self.models[s_cur]
-            for j, s_next in usable[i + 1:]:
-                nxt = pool.extend(cur[0], s_next)
+            if start >= limit:
+                continue
+            g = cur[0]
+            for j in range(i + 1, top + 1):
+                nxt = extend(g, sizes[j])
                 if nxt is None or nxt[1] <= start:
                     continue
-                l_c = int(min(model.tokens_within(history, nxt[1] - start), tokens)
+                l_c = int(min(within[i](history, nxt[1] - start), tokens)
                           // multiple * multiple)
                 # Lines 11-12: too short to pay for a chunk, or leaving too little after it.
                 if l_c < min_tokens or tokens - l_c < min_tokens:
                     continue
-                chunk = (l_c, history, cur[0], start, start + model.seconds(history, l_c))
+                end = start + seconds[i](history, l_c)
+                if end >= limit:
+                    continue
                 # Lines 14-18: Eq. 2 for the chunk (its group is busy until it ends), then
                 # the rest with the sizes >= s_next.
-                rest = self._search(pool, tokens - l_c, chunks + (chunk,), cur[0], s_cur,
-                                    chunk[4], history + l_c, j, r)
-                if rest is not None and rest[1] < best[1]:             # lines 20-21
-                    best = rest
+                rest = self._search(pool, tokens - l_c, g, sizes[i], end, history + l_c, j, r,
+                                    limit)
+                if rest is not None and rest[0] < best[0]:             # lines 20-21
+                    best = (rest[0], best[1], ((l_c, history, g, start, end),) + rest[2])
+                    limit = best[0] if best[0] < bound else bound
         return best                                                    # line 22
 
 
