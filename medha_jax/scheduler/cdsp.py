@@ -288,7 +288,7 @@ class _Pool:
     call. Both rules of Extend take a node's instances shortest-queue first, so a group is a
     prefix of each node's sorted order: a group is its (node, count) pairs (free mode) or
     its (start, size) block (aligned mode). The search passes groups around as small ints
-    (an index into the pairs seen this call, or start * (n + 1) + size), so Extend's memo is
+    (an index into this call's Extend results, or start * (n + 1) + size), so Extend's memo is
     keyed by ints; 0 is the empty group in both modes. Instances are named (sorting a
     node's indices, ties to the lower index) only for the groups of the plan returned.
     """
@@ -308,11 +308,10 @@ class _Pool:
         # Sorting values (not indices by value) is a third of the cost; members() names them.
         self.qs: list[list[float]] = [sorted(queues[b:b + node_size])
                                       for b in range(0, n, node_size)]
-        # Free-mode groups: (node, count) pairs ascending, size, nodes not taken whole.
-        self._pairs: list[tuple[tuple[int, int], ...]] = [()]
+        # Free-mode groups by id: {node: count}, size, nodes not taken whole (ascending).
+        self._counts: list[dict[int, int]] = [{}]
         self._sizes: list[int] = [0]
-        self._partial: list[tuple[int, ...]] = [()]
-        self._ids: dict[tuple, int] = {(): 0}
+        self._partial: list[list[int]] = [[]]
         self._by_kth: dict[int, list[int]] = {}
 
     def size(self, group: int) -> int:
@@ -323,7 +322,7 @@ class _Pool:
             start, size = divmod(group, self.stride)
             return tuple(range(start, start + size))
         out = []
-        for node, k in self._pairs[group]:
+        for node, k in sorted(self._counts[group].items()):
             b = node * self.node_size
             ids = range(b, min(b + self.node_size, self.n))
             out += ids if k == len(ids) else sorted(ids, key=self.q.__getitem__)[:k]
@@ -344,7 +343,8 @@ class _Pool:
         """The longest queue of each aligned block of size s (a power of two)."""
         if s not in self._levels:
             half = self._level(s // 2)
-            self._levels[s] = [max(half[2 * b], half[2 * b + 1]) for b in range(self.n // s)]
+            # Pairs of halves; a pool of 24 at s = 16 drops the odd half ([0, 16) only).
+            self._levels[s] = list(map(max, half[0:2 * (self.n // s):2], half[1::2]))
         return self._levels[s]
 
     def _extend_aligned(self, group, s):
@@ -367,22 +367,23 @@ class _Pool:
         return new_start * self.stride + s, added
 
     def _nodes_by_kth(self, k: int) -> list[int]:
-        """Nodes with >= k instances, by their k-th shortest queue (ties: lower node)."""
+        """Nodes with >= k instances, by their k-th shortest queue (ties: lower node, as
+        the sort is stable; only the last node can be short)."""
         if k not in self._by_kth:
-            kth = [(q[k - 1], nd) for nd, q in enumerate(self.qs) if len(q) >= k]
-            kth.sort()
-            self._by_kth[k] = [nd for _, nd in kth]
+            qs = self.qs
+            kth = [q[k - 1] for q in qs] if len(qs[-1]) >= k else [q[k - 1] for q in qs[:-1]]
+            self._by_kth[k] = sorted(range(len(kth)), key=kth.__getitem__)
         return self._by_kth[k]
 
     def _intern(self, counts: dict[int, int], size: int) -> int:
-        pairs = tuple(sorted(counts.items()))
-        group = self._ids.get(pairs)
-        if group is None:
-            group = self._ids[pairs] = len(self._pairs)
-            self._pairs.append(pairs)
-            self._sizes.append(size)
-            self._partial.append(tuple(nd for nd, k in pairs if k < len(self.qs[nd])))
-        return group
+        """A new group id per Extend result: the memo is keyed by (parent, size), and the
+        few groups reached twice by different paths cost less to extend again than every
+        group costs to canonicalise."""
+        self._counts.append(counts)
+        self._sizes.append(size)
+        qs = self.qs
+        self._partial.append([nd for nd, k in counts.items() if k < len(qs[nd])])
+        return len(self._counts) - 1
 
     def _extend(self, group, s):
         need = s - self._sizes[group]
@@ -405,7 +406,7 @@ class _Pool:
                 counts[node] = part
                 added = max(added, qs[node][part - 1])
             return self._intern(counts, s), added
-        counts = dict(self._pairs[group])
+        counts = dict(self._counts[group])
         added = -math.inf
         partial = self._partial[group]
         # Rule (2): first the shortest-queued instances of the nodes the group uses (only
