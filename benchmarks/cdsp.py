@@ -29,7 +29,8 @@ The paper's setup (section 7.1), simulated with `medha_jax.cluster.prefill_pool_
 Tables: (a) TTFT and max rate per trace and system; (b) the improvement-rate sweep (p50
 TTFT of each fixed r over the dynamic one); (c) scheduler latency (CPU time of one
 `CdspScheduler.plan` on this CPU, Python) over random trials at pools of 8..128 instances,
-on queue states drawn uniformly and on states taken from simulated runs.
+on queue states drawn uniformly and on states taken from simulated runs; with --baseline REF
+also the scheduler as of a git ref, timed on the same trials and checked to plan the same.
 """
 
 from __future__ import annotations
@@ -66,6 +67,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--setups", default=None, help="8b,70b (default both; --quick 8b)")
     p.add_argument("--trials", type=int, default=None,
                    help="scheduler-latency trials per pool size (default 1000; --quick 200)")
+    p.add_argument("--repeats", type=int, default=5,
+                   help="scheduler latency: calls per trial for the min-of-repeats column "
+                        "(a shared, noisy CPU inflates single calls)")
+    p.add_argument("--baseline", default=None,
+                   help="scheduler latency: also time CdspScheduler as of this git ref, on "
+                        "the same trials interleaved, and check it returns the same plans")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip", default="", help="comma-separated parts to skip (a, b, c)")
     return p.parse_args(argv)
@@ -219,11 +226,35 @@ def timing_models():
     return models
 
 
+def baseline_scheduler_module(ref: str):
+    """medha_jax/scheduler/cdsp.py as of git `ref`, imported under another name (for the
+    before/after latency table; not a second implementation anyone calls)."""
+    import subprocess
+    import sys
+    import types
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    source = subprocess.run(["git", "show", f"{ref}:medha_jax/scheduler/cdsp.py"], cwd=root,
+                            check=True, capture_output=True, text=True).stdout
+    name = f"_cdsp_at_{ref}".replace("-", "_").replace("~", "_").replace("^", "_")
+    module = sys.modules[name] = types.ModuleType(name)   # dataclasses look the module up
+    exec(compile(source, f"{ref}:medha_jax/scheduler/cdsp.py", "exec"), module.__dict__)
+    return module
+
+
+def _chunks(plan) -> list[tuple]:
+    return [(c.tokens, c.history, c.group, c.start_s, c.end_s) for c in plan.chunks]
+
+
 def scheduler_latency(args, trials: int) -> list[dict]:
     from medha_jax.cluster.prefill_pool_sim import poisson_arrivals
+    from medha_jax.scheduler import cdsp
     from medha_jax.scheduler.cdsp import CdspConfig, CdspScheduler, book_plan
     from medha_jax.workloads import TETRIS_LONG_PROMPT
 
+    impls = {"current": cdsp}
+    if args.baseline:
+        impls[args.baseline] = baseline_scheduler_module(args.baseline)
     models = timing_models()
     rows = []
     for states in ("uniform", "simulated"):
@@ -249,22 +280,41 @@ def scheduler_latency(args, trials: int) -> list[dict]:
                         book_plan(queues, scheduler.plan(int(lengths[k]), queues, r))
                         dt = gaps[k] / (load * capacity)
                         queues = [max(0.0, q - dt) for q in queues]
-                cpu, wall = [], []
-                for q, tokens, r in cases:
-                    t0, c0 = time.perf_counter(), time.thread_time()
-                    scheduler.plan(tokens, q, r)
-                    c1, t1 = time.thread_time(), time.perf_counter()
-                    cpu.append(c1 - c0)
-                    wall.append(t1 - t0)
-                cpu_us, wall_us = np.array(cpu) * 1e6, np.array(wall) * 1e6
-                rows.append({"states": states, "groups": "aligned" if aligned else "free",
-                             "max_sp": n, "trials": trials,
-                             "cpu_p50_us": float(np.percentile(cpu_us, 50)),
-                             "cpu_p99_us": float(np.percentile(cpu_us, 99)),
-                             "cpu_mean_us": float(cpu_us.mean()),
-                             "cpu_max_us": float(cpu_us.max()),
-                             "wall_p50_us": float(np.percentile(wall_us, 50)),
-                             "wall_p99_us": float(np.percentile(wall_us, 99))})
+                schedulers = {name: m.CdspScheduler(n, models, m.CdspConfig(aligned=aligned))
+                              for name, m in impls.items()}
+                cpu = {name: [] for name in impls}
+                wall = {name: [] for name in impls}
+                least = {name: [] for name in impls}
+                for q, tokens, r in cases:   # implementations interleaved, trial by trial
+                    plans = {}
+                    for name, sched in schedulers.items():
+                        t0, c0 = time.perf_counter(), time.thread_time()
+                        plans[name] = sched.plan(tokens, q, r)
+                        c1, t1 = time.thread_time(), time.perf_counter()
+                        cpu[name].append(c1 - c0)
+                        wall[name].append(t1 - t0)
+                        best = c1 - c0
+                        for _ in range(args.repeats - 1):
+                            c0 = time.thread_time()
+                            sched.plan(tokens, q, r)
+                            best = min(best, time.thread_time() - c0)
+                        least[name].append(best)
+                    if len({repr(_chunks(p)) for p in plans.values()}) != 1:
+                        raise AssertionError(f"{states} n={n} aligned={aligned}: plans differ "
+                                             f"from the baseline's for {tokens} tokens")
+                for name in impls:
+                    cpu_us, wall_us = np.array(cpu[name]) * 1e6, np.array(wall[name]) * 1e6
+                    min_us = np.array(least[name]) * 1e6
+                    rows.append({"impl": name, "states": states,
+                                 "groups": "aligned" if aligned else "free",
+                                 "max_sp": n, "trials": trials,
+                                 "cpu_p50_us": float(np.percentile(cpu_us, 50)),
+                                 "cpu_p99_us": float(np.percentile(cpu_us, 99)),
+                                 "cpu_mean_us": float(cpu_us.mean()),
+                                 "min_p50_us": float(np.percentile(min_us, 50)),
+                                 "min_p99_us": float(np.percentile(min_us, 99)),
+                                 "wall_p50_us": float(np.percentile(wall_us, 50)),
+                                 "wall_p99_us": float(np.percentile(wall_us, 99))})
     return rows
 
 
@@ -294,8 +344,10 @@ def main(argv: Sequence[str] | None = None) -> None:
               "dynamic rate's (Eq. 1 per setup as in (a))", sweeps)
     if latency:
         table(f"(c) measured: CdspScheduler.plan latency on this CPU (Python), {trials} random "
-              "trials per max SP (node size 8, SP candidates powers of two up to the pool)",
-              latency)
+              "trials per max SP (node size 8, SP candidates powers of two up to the pool); "
+              f"cpu: one call's thread CPU time; min: the least of {args.repeats} calls "
+              "per trial" + (f"; {args.baseline}: the scheduler at that git ref, same trials, "
+                             "same plans" if args.baseline else ""), latency)
     if rows and "a" not in skip:
         for key, inf in info.items():
             print(f"{key}: SLO p99 TTFT {inf['slo_p99_s']:.2f} s; best fixed "
