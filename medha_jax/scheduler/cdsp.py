@@ -286,8 +286,8 @@ class _Pool:
     Queues outside the group being grown stay fixed through the search (Eq. 2 only touches
     group members, which Extend never adds again), so each node's queues are sorted once per
     call. Both rules of Extend take a node's instances shortest-queue first, so a group is a
-    prefix of each node's sorted order: a group is its (node, count) pairs (free mode) or
-    its (start, size) block (aligned mode). The search passes groups around as small ints
+    prefix of each node's sorted order: a group is its nodes (a bit mask) and the counts of
+    the nodes it takes in part (free mode), or its (start, size) block (aligned mode). The search passes groups around as small ints
     (an index into this call's Extend results, or start * (n + 1) + size), so Extend's memo is
     keyed by ints; 0 is the empty group in both modes. Instances are named (sorting a
     node's indices, ties to the lower index) only for the groups of the plan returned.
@@ -308,24 +308,24 @@ class _Pool:
         # Sorting values (not indices by value) is a third of the cost; members() names them.
         self.qs: list[list[float]] = [sorted(queues[b:b + node_size])
                                       for b in range(0, n, node_size)]
-        # Free-mode groups by id: {node: count}, size, nodes not taken whole (ascending).
-        self._counts: list[dict[int, int]] = [{}]
-        self._sizes: list[int] = [0]
-        self._partial: list[list[int]] = [[]]
+        # Free-mode groups by id: (size, nodes as bits, {node: count} of nodes taken in part).
+        self._groups: list[tuple[int, int, dict[int, int]]] = [(0, 0, {})]
         self._by_kth: dict[int, list[int]] = {}
 
     def size(self, group: int) -> int:
-        return group % self.stride if self.aligned else self._sizes[group]
+        return group % self.stride if self.aligned else self._groups[group][0]
 
     def members(self, group: int) -> tuple[int, ...]:
         if self.aligned:
             start, size = divmod(group, self.stride)
             return tuple(range(start, start + size))
+        _, mask, part = self._groups[group]
         out = []
-        for node, k in sorted(self._counts[group].items()):
-            b = node * self.node_size
-            ids = range(b, min(b + self.node_size, self.n))
-            out += ids if k == len(ids) else sorted(ids, key=self.q.__getitem__)[:k]
+        for node in range(len(self.qs)):
+            if mask >> node & 1:
+                b = node * self.node_size
+                ids = range(b, min(b + self.node_size, self.n))
+                out += sorted(ids, key=self.q.__getitem__)[:part[node]] if node in part else ids
         return tuple(sorted(out))
 
     def extend(self, group: int, s: int) -> tuple[int, float] | None:
@@ -375,64 +375,42 @@ class _Pool:
             self._by_kth[k] = sorted(range(len(kth)), key=kth.__getitem__)
         return self._by_kth[k]
 
-    def _intern(self, counts: dict[int, int], size: int) -> int:
-        """A new group id per Extend result: the memo is keyed by (parent, size), and the
-        few groups reached twice by different paths cost less to extend again than every
-        group costs to canonicalise."""
-        self._counts.append(counts)
-        self._sizes.append(size)
-        qs = self.qs
-        self._partial.append([nd for nd, k in counts.items() if k < len(qs[nd])])
-        return len(self._counts) - 1
-
     def _extend(self, group, s):
-        need = s - self._sizes[group]
+        size, mask, part = self._groups[group]
+        need = s - size
         if need < 0 or s > self.n:
             return None
         if need == 0:
             return group, -math.inf
         qs, node_size = self.qs, self.node_size
-        if not group:   # rule (1) from nothing: the common case, without the general merge
-            whole, part = divmod(s, node_size)
-            nodes = self._nodes_by_kth(node_size)[:whole] if whole else []
-            if len(nodes) < whole:
-                return None
-            added = qs[nodes[-1]][-1] if nodes else -math.inf
-            counts = dict.fromkeys(nodes, node_size)
-            if part:
-                node = next((nd for nd in self._nodes_by_kth(part) if nd not in counts), None)
-                if node is None:
-                    return None
-                counts[node] = part
-                added = max(added, qs[node][part - 1])
-            return self._intern(counts, s), added
-        counts = dict(self._counts[group])
         added = -math.inf
-        partial = self._partial[group]
-        # Rule (2): first the shortest-queued instances of the nodes the group uses (only
-        # its partly taken nodes have any left).
-        if len(partial) == 1:   # one node's sorted tail: a prefix of it, no merge
-            node = partial[0]
-            k = counts[node]
-            take = min(need, len(qs[node]) - k)
-            counts[node] = k + take
-            added = qs[node][k + take - 1]
-            need -= take
-        elif partial:
-            cand = [(q, node) for node in partial for q in qs[node][counts[node]:]]
-            if len(cand) > need:
-                cand.sort()
-                cand = cand[:need]
-            for q, node in cand:
-                counts[node] += 1
-                added = q if q > added else added
-            need -= len(cand)
+        if part:
+            # Rule (2): first the shortest-queued instances of the nodes the group uses (only
+            # those it takes in part have any left).
+            part = dict(part)
+            if len(part) == 1:   # one node's sorted tail: a prefix of it, no merge
+                (node, k), = part.items()
+                take = min(need, len(qs[node]) - k)
+                added = qs[node][k + take - 1]
+                need -= take
+                part[node] = k + take
+            else:
+                cand = [(q, node) for node, k in part.items() for q in qs[node][k:]]
+                if len(cand) > need:
+                    cand.sort()
+                    cand = cand[:need]
+                for q, node in cand:
+                    part[node] += 1
+                    added = q if q > added else added
+                need -= len(cand)
+            part = {node: k for node, k in part.items() if k < len(qs[node])}
         whole = need // node_size
         if whole:   # rule (1) across nodes: whole nodes, longest queue shortest first
             for node in self._nodes_by_kth(node_size):
-                if node not in counts:
-                    counts[node] = node_size
-                    added = max(added, qs[node][-1])
+                if not mask >> node & 1:
+                    mask |= 1 << node
+                    last = qs[node][-1]
+                    added = last if last > added else added
                     whole -= 1
                     if not whole:
                         break
@@ -441,13 +419,17 @@ class _Pool:
             need %= node_size
         if need:    # rule (1) in a node: the node whose need-th shortest queue is shortest
             for node in self._nodes_by_kth(need):
-                if node not in counts:
-                    counts[node] = need
-                    added = max(added, qs[node][need - 1])
+                if not mask >> node & 1:
+                    mask |= 1 << node
+                    if need < len(qs[node]):
+                        part = {**part, node: need}
+                    kth = qs[node][need - 1]
+                    added = kth if kth > added else added
                     break
             else:
                 return None
-        return self._intern(counts, s), added
+        self._groups.append((s, mask, part))
+        return len(self._groups) - 1, added
 
 
 class CdspScheduler:
