@@ -311,6 +311,7 @@ class _Pool:
         # Free-mode groups by id: (size, nodes as bits, {node: count} of nodes taken in part).
         self._groups: list[tuple[int, int, dict[int, int]]] = [(0, 0, {})]
         self._by_kth: dict[int, list[int]] = {}
+        self._prefix: tuple[list[int], list[int]] | None = None
 
     def size(self, group: int) -> int:
         return group % self.stride if self.aligned else self._groups[group][0]
@@ -375,6 +376,16 @@ class _Pool:
             self._by_kth[k] = sorted(range(len(kth)), key=kth.__getitem__)
         return self._by_kth[k]
 
+    def _whole_ranking(self) -> tuple[list[int], list[int]]:
+        """Whole nodes by longest queue, and prefix[t]: the bit mask of its first t."""
+        if self._prefix is None:
+            ranking = self._nodes_by_kth(self.node_size)
+            prefix = [0]
+            for node in ranking:
+                prefix.append(prefix[-1] | 1 << node)
+            self._prefix = ranking, prefix
+        return self._prefix
+
     def _extend(self, group, s):
         size, mask, part = self._groups[group]
         need = s - size
@@ -406,16 +417,22 @@ class _Pool:
             part = {node: k for node, k in part.items() if k < len(qs[node])}
         whole = need // node_size
         if whole:   # rule (1) across nodes: whole nodes, longest queue shortest first
-            for node in self._nodes_by_kth(node_size):
-                if not mask >> node & 1:
-                    mask |= 1 << node
-                    last = qs[node][-1]
-                    added = last if last > added else added
-                    whole -= 1
-                    if not whole:
-                        break
-            if whole:
+            # The first `whole` nodes of the ranking outside the group: the least t with
+            # `whole` of the first t outside (the count grows by at most one per node, so
+            # stepping by the shortfall never passes it); the last of them has the longest
+            # queue added.
+            ranking, prefix = self._whole_ranking()
+            t = whole
+            while t < len(prefix):
+                short = whole - t + (mask & prefix[t]).bit_count()
+                if not short:
+                    break
+                t += short
+            else:
                 return None
+            mask |= prefix[t]
+            last = qs[ranking[t - 1]][-1]
+            added = last if last > added else added
             need %= node_size
         if need:    # rule (1) in a node: the node whose need-th shortest queue is shortest
             for node in self._nodes_by_kth(need):
