@@ -303,7 +303,14 @@ class _Pool:
         self.aligned = aligned
         self.memo: dict[int, tuple[int, float] | None] = {}
         if aligned:
-            self._levels: dict[int, list[float]] = {1: list(queues)}
+            # The longest queue of each aligned block of size s (powers of two up to n):
+            # pairs of halves; a pool of 24 at s = 16 drops the odd half ([0, 16) only).
+            level = list(queues)
+            self._levels: dict[int, list[float]] = {1: level}
+            s = 2
+            while s <= n:
+                level = self._levels[s] = list(map(max, level[0:2 * (n // s):2], level[1::2]))
+                s *= 2
             return
         # Sorting values (not indices by value) is a third of the cost; members() names them.
         self.qs: list[list[float]] = [sorted(queues[b:b + node_size])
@@ -340,20 +347,13 @@ class _Pool:
                                   else self._extend(group, s))
             return out
 
-    def _level(self, s: int) -> list[float]:
-        """The longest queue of each aligned block of size s (a power of two)."""
-        if s not in self._levels:
-            half = self._level(s // 2)
-            # Pairs of halves; a pool of 24 at s = 16 drops the odd half ([0, 16) only).
-            self._levels[s] = list(map(max, half[0:2 * (self.n // s):2], half[1::2]))
-        return self._levels[s]
-
     def _extend_aligned(self, group, s):
         if s > self.n:
             return None
-        if not group:   # the aligned block whose longest queue is shortest
-            level = self._level(s)
-            b = min(range(len(level)), key=level.__getitem__)
+        levels = self._levels
+        if not group:   # the aligned block whose longest queue is shortest (ties: lower)
+            level = levels[s]
+            b = level.index(min(level))
             return b * s * self.stride + s, level[b]
         start, size = divmod(group, self.stride)
         if size == s:
@@ -363,7 +363,8 @@ class _Pool:
             return None
         added, t = -math.inf, size
         while t < s:   # the sibling block at each level up to s
-            added = max(added, self._level(t)[(start // t) ^ 1])
+            sibling = levels[t][(start // t) ^ 1]
+            added = sibling if sibling > added else added
             start, t = start // (2 * t) * (2 * t), 2 * t
         return new_start * self.stride + s, added
 
