@@ -491,18 +491,25 @@ class CdspScheduler:
                       history: int, first: int, r: float):
         """Algorithm 2: all remaining tokens as one chunk on the group grown from the last; a
         larger SP is taken only if it cuts TTFT by more than r relative to the best so far.
-        (ttft, index of its SP size, (chunk,)) or None."""
+        (ttft, index of its SP size, (chunk,)) or None.
+
+        A size whose chunk could not pass even starting at end_prev is skipped before its
+        group is built: it starts no sooner, and float addition and subtraction are
+        monotone, so the test fails on its real end too."""
         best = None
         sizes, seconds, extend = self.sp_sizes, self._seconds, pool.extend
         for i in range(first, len(sizes)):
             s = sizes[i]
             if s < size:
                 continue
+            t = seconds[i](history, tokens)
+            if best is not None and (best[1] - (end_prev + t)) <= r * best[1]:
+                continue
             ext = extend(group, s)
             if ext is None:
                 continue
             start = end_prev if end_prev > ext[1] else ext[1]
-            end = start + seconds[i](history, tokens)
+            end = start + t
             if best is None or (best[1] - end) > r * best[1]:
                 best = (ext[0], end, start, i)
         if best is None:
