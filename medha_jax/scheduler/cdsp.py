@@ -399,14 +399,17 @@ class _Pool:
         if part:
             # Rule (2): first the shortest-queued instances of the nodes the group uses (only
             # those it takes in part have any left).
-            part = dict(part)
             if len(part) == 1:   # one node's sorted tail: a prefix of it, no merge
                 (node, k), = part.items()
-                take = min(need, len(qs[node]) - k)
-                added = qs[node][k + take - 1]
-                need -= take
-                part[node] = k + take
+                left = len(qs[node]) - k
+                if need < left:
+                    self._groups.append((s, mask, {node: k + need}))
+                    return len(self._groups) - 1, qs[node][k + need - 1]
+                added = qs[node][-1]
+                need -= left
+                part = {}
             else:
+                part = dict(part)
                 cand = [(q, node) for node, k in part.items() for q in qs[node][k:]]
                 if len(cand) > need:
                     cand.sort()
@@ -415,14 +418,14 @@ class _Pool:
                     part[node] += 1
                     added = q if q > added else added
                 need -= len(cand)
-            part = {node: k for node, k in part.items() if k < len(qs[node])}
+                part = {node: k for node, k in part.items() if k < len(qs[node])}
         whole = need // node_size
         if whole:   # rule (1) across nodes: whole nodes, longest queue shortest first
             # The first `whole` nodes of the ranking outside the group: the least t with
             # `whole` of the first t outside (the count grows by at most one per node, so
             # stepping by the shortfall never passes it); the last of them has the longest
             # queue added.
-            ranking, prefix = self._whole_ranking()
+            ranking, prefix = self._prefix or self._whole_ranking()
             t = whole
             while t < len(prefix):
                 short = whole - t + (mask & prefix[t]).bit_count()
@@ -436,7 +439,7 @@ class _Pool:
             added = last if last > added else added
             need %= node_size
         if need:    # rule (1) in a node: the node whose need-th shortest queue is shortest
-            for node in self._nodes_by_kth(need):
+            for node in self._by_kth.get(need) or self._nodes_by_kth(need):
                 if not mask >> node & 1:
                     mask |= 1 << node
                     if need < len(qs[node]):
