@@ -280,6 +280,9 @@ class CdspConfig:
                              f"chunk_multiple ({self.chunk_multiple}) must be >= 1")
 
 
+_MISSING = object()
+
+
 class _Pool:
     """One `plan` call's view of the instances, for Extend.
 
@@ -501,6 +504,7 @@ class CdspScheduler:
         monotone, so the test fails on its real end too."""
         best = None
         sizes, seconds, extend = self.sp_sizes, self._seconds, pool.extend
+        memo, key = pool.memo, group * pool.stride   # Extend's memo, read inline
         for i in range(first, len(sizes)):
             s = sizes[i]
             if s < size:
@@ -508,7 +512,9 @@ class CdspScheduler:
             t = seconds[i](history, tokens)
             if best is not None and (best[1] - (end_prev + t)) <= r * best[1]:
                 continue
-            ext = extend(group, s)
+            ext = memo.get(key + s, _MISSING)
+            if ext is _MISSING:
+                ext = extend(group, s)
             if ext is None:
                 continue
             start = end_prev if end_prev > ext[1] else ext[1]
@@ -544,10 +550,13 @@ class CdspScheduler:
             lo += 1
         multiple, min_tokens = self.config.chunk_multiple, self.config.min_chunk_tokens
         extend, seconds, within = pool.extend, self._seconds, self._tokens_within
+        memo, stride = pool.memo, pool.stride
         limit = best[0] if best[0] < bound else bound
         for i in range(lo, top + 1):                                   # lines 6-7
             # Algorithm 3 (line 10): the chunk on G_cur that ends when G_next is free.
-            cur = extend(group, sizes[i])
+            cur = memo.get(group * stride + sizes[i], _MISSING)
+            if cur is _MISSING:
+                cur = extend(group, sizes[i])
             if cur is None:
                 continue
             start = end_prev if end_prev > cur[1] else cur[1]
@@ -555,7 +564,9 @@ class CdspScheduler:
                 continue
             g = cur[0]
             for j in range(i + 1, top + 1):
-                nxt = extend(g, sizes[j])
+                nxt = memo.get(g * stride + sizes[j], _MISSING)
+                if nxt is _MISSING:
+                    nxt = extend(g, sizes[j])
                 if nxt is None or nxt[1] <= start:
                     continue
                 l_c = int(min(within[i](history, nxt[1] - start), tokens)
