@@ -312,7 +312,8 @@ class _Pool:
             self._levels: dict[int, list[float]] = {1: level}
             s = 2
             while s <= n:
-                level = self._levels[s] = list(map(max, level[0:2 * (n // s):2], level[1::2]))
+                level = self._levels[s] = [b if b > a else a for a, b in
+                                           zip(level[0:2 * (n // s):2], level[1::2])]
                 s *= 2
             return
         # Sorting values (not indices by value) is a third of the cost; members() names them.
@@ -331,13 +332,14 @@ class _Pool:
             start, size = divmod(group, self.stride)
             return tuple(range(start, start + size))
         _, mask, part = self._groups[group]
-        out = []
+        out = []   # node by node, each ascending: the whole group ascending
         for node in range(len(self.qs)):
             if mask >> node & 1:
                 b = node * self.node_size
                 ids = range(b, min(b + self.node_size, self.n))
-                out += sorted(ids, key=self.q.__getitem__)[:part[node]] if node in part else ids
-        return tuple(sorted(out))
+                out += (sorted(sorted(ids, key=self.q.__getitem__)[:part[node]])
+                        if node in part else ids)
+        return tuple(out)
 
     def extend(self, group: int, s: int) -> tuple[int, float] | None:
         """Extend(G_prev, s): a group of s instances containing `group`, and the longest
