@@ -333,12 +333,14 @@ class _Pool:
             return tuple(range(start, start + size))
         _, mask, part = self._groups[group]
         out = []   # node by node, each ascending: the whole group ascending
-        for node in range(len(self.qs)):
-            if mask >> node & 1:
-                b = node * self.node_size
-                ids = range(b, min(b + self.node_size, self.n))
-                out += (sorted(sorted(ids, key=self.q.__getitem__)[:part[node]])
-                        if node in part else ids)
+        node_size, b = self.node_size, 0
+        while mask:
+            if mask & 1:
+                ids = range(b, min(b + node_size, self.n))
+                out += (sorted(sorted(ids, key=self.q.__getitem__)[:part[b // node_size]])
+                        if part and b // node_size in part else ids)
+            mask >>= 1
+            b += node_size
         return tuple(out)
 
     def extend(self, group: int, s: int) -> tuple[int, float] | None:
@@ -443,6 +445,13 @@ class _Pool:
             last = qs[ranking[t - 1]][-1]
             added = last if last > added else added
             need %= node_size
+        if need and not mask:   # rule (1) from nothing: the first such node, no ranking
+            kth = [q[need - 1] for q in (qs if len(qs[-1]) >= need else qs[:-1])]
+            if not kth:
+                return None
+            node = kth.index(min(kth))
+            self._groups.append((s, 1 << node, {node: need} if need < len(qs[node]) else {}))
+            return len(self._groups) - 1, kth[node]
         if need:    # rule (1) in a node: the node whose need-th shortest queue is shortest
             for node in self._by_kth.get(need) or self._nodes_by_kth(need):
                 if not mask >> node & 1:
