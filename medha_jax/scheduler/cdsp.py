@@ -545,11 +545,14 @@ class CdspScheduler:
         None.
 
         `bound`: the caller takes the result only if its TTFT is below this, so a chunked
-        candidate that cannot end before min(bound, best so far) is skipped unexplored --
-        exact, since a chunk's seconds are >= 0 and every later chunk starts after it ends,
-        so no plan through it ends sooner than it does; the first plan at the least TTFT is
-        still the one kept (only strictly larger ones are skipped). Alg. 2's plan is always
-        computed: it sets sp_max."""
+        candidate whose chunk cannot end before min(bound, best so far) is skipped
+        unexplored: a chunk's seconds are >= 0 and every later chunk starts after it ends,
+        so no plan through it ends sooner. Exact by induction on the recursion: where the
+        unpruned search's plan ends before `bound`, this returns that same plan (the first
+        plan at the least TTFT; only TTFTs above it are skipped); elsewhere it returns a
+        plan ending no sooner than the unpruned one, so not before `bound` either. At the
+        top, bound is inf (tests/test_cdsp.py pins the plans). Alg. 2's plan is always computed: it sets
+        sp_max."""
         best = self._single_chunk(pool, tokens, group, size, end_prev, history, first,
                                   r)                                   # line 3
         sizes = self.sp_sizes
