@@ -304,7 +304,9 @@ class _Pool:
         self.stride = n + 1
         self.node_size = node_size
         self.aligned = aligned
+        # Extend's memo, keyed group * (n + 1) + s; the search reads and fills it inline.
         self.memo: dict[int, tuple[int, float] | None] = {}
+        self.extend_unmemoised = self._extend_aligned if aligned else self._extend
         if aligned:
             # The longest queue of each aligned block of size s (powers of two up to n):
             # pairs of halves; a pool of 24 at s = 16 drops the odd half ([0, 16) only).
@@ -350,8 +352,7 @@ class _Pool:
         try:
             return self.memo[k]
         except KeyError:
-            out = self.memo[k] = (self._extend_aligned(group, s) if self.aligned
-                                  else self._extend(group, s))
+            out = self.memo[k] = self.extend_unmemoised(group, s)
             return out
 
     def _extend_aligned(self, group, s):
@@ -514,7 +515,7 @@ class CdspScheduler:
         group is built: it starts no sooner, and float addition and subtraction are
         monotone, so the test fails on its real end too."""
         best = None
-        sizes, seconds, extend = self.sp_sizes, self._seconds, pool.extend
+        sizes, seconds, extend = self.sp_sizes, self._seconds, pool.extend_unmemoised
         memo, key = pool.memo, group * pool.stride   # Extend's memo, read inline
         for i in range(first, len(sizes)):
             s = sizes[i]
@@ -525,7 +526,7 @@ class CdspScheduler:
                 continue
             ext = memo.get(key + s, _MISSING)
             if ext is _MISSING:
-                ext = extend(group, s)
+                ext = memo[key + s] = extend(group, s)
             if ext is None:
                 continue
             start = end_prev if end_prev > ext[1] else ext[1]
@@ -563,14 +564,14 @@ class CdspScheduler:
         while sizes[lo] < size:
             lo += 1
         multiple, min_tokens = self.config.chunk_multiple, self.config.min_chunk_tokens
-        extend, seconds, within = pool.extend, self._seconds, self._tokens_within
+        extend, seconds, within = pool.extend_unmemoised, self._seconds, self._tokens_within
         memo, stride = pool.memo, pool.stride
         limit = best[0] if best[0] < bound else bound
         for i in range(lo, top + 1):                                   # lines 6-7
             # Algorithm 3 (line 10): the chunk on G_cur that ends when G_next is free.
             cur = memo.get(group * stride + sizes[i], _MISSING)
             if cur is _MISSING:
-                cur = extend(group, sizes[i])
+                cur = memo[group * stride + sizes[i]] = extend(group, sizes[i])
             if cur is None:
                 continue
             start = end_prev if end_prev > cur[1] else cur[1]
@@ -580,7 +581,7 @@ class CdspScheduler:
             for j in range(i + 1, top + 1):
                 nxt = memo.get(g * stride + sizes[j], _MISSING)
                 if nxt is _MISSING:
-                    nxt = extend(g, sizes[j])
+                    nxt = memo[g * stride + sizes[j]] = extend(g, sizes[j])
                 if nxt is None or nxt[1] <= start:
                     continue
                 l_c = int(min(within[i](history, nxt[1] - start), tokens)
