@@ -290,9 +290,10 @@ class _Pool:
     group members, which Extend never adds again), so each node's queues are sorted once per
     call. Both rules of Extend take a node's instances shortest-queue first, so a group is a
     prefix of each node's sorted order: a group is its nodes (a bit mask) and the counts of
-    the nodes it takes in part (free mode), or its (start, size) block (aligned mode). The search passes groups around as small ints
-    (an index into this call's Extend results, or start * (n + 1) + size), so Extend's memo is
-    keyed by ints; 0 is the empty group in both modes. Instances are named (sorting a
+    the nodes it takes in part (free mode), or its (start, size) block (aligned mode). The
+    search passes groups around as small ints (an index into this call's Extend results,
+    or start * (n + 1) + size), so Extend's memo is keyed by ints; 0 is the empty group in
+    both modes. Instances are named (sorting a
     node's indices, ties to the lower index) only for the groups of the plan returned.
     """
 
@@ -552,8 +553,8 @@ class CdspScheduler:
         unpruned search's plan ends before `bound`, this returns that same plan (the first
         plan at the least TTFT; only TTFTs above it are skipped); elsewhere it returns a
         plan ending no sooner than the unpruned one, so not before `bound` either. At the
-        top, bound is inf (tests/test_cdsp.py pins the plans). Alg. 2's plan is always computed: it sets
-        sp_max."""
+        top, bound is inf (tests/test_cdsp.py pins the plans). Alg. 2's plan is always
+        computed: it sets sp_max."""
         best = self._single_chunk(pool, tokens, group, size, end_prev, history, first,
                                   r)                                   # line 3
         sizes = self.sp_sizes
