@@ -293,8 +293,8 @@ class _Pool:
     the nodes it takes in part (free mode), or its (start, size) block (aligned mode). The
     search passes groups around as small ints (an index into this call's Extend results,
     or start * (n + 1) + size), so Extend's memo is keyed by ints; 0 is the empty group in
-    both modes. Instances are named (sorting a
-    node's indices, ties to the lower index) only for the groups of the plan returned.
+    both modes. Instances are named (sorting a node's indices, ties to the lower index)
+    only for the groups of the plan returned.
     """
 
     EMPTY = 0
