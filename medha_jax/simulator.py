@@ -22,6 +22,10 @@ policies are compared on the cache hits they earn; otherwise pages are only coun
     result = simulate(requests, scheduler="lars-mp", model=model_preset("llama3-8b"),
                       parallel=ParallelConfig(tp=8, spp=2), hardware="a100")
     result.requests   # copies of the inputs with their timestamps, in input order
+
+A disaggregated prefill pool under chunkwise dynamic sequence parallelism (seed 001, Tetris:
+one SP ring over the pool, each chunk of a prompt on its own nested group) is simulated by
+`simulate_prefill_pool` (medha_jax/cluster/prefill_pool_sim.py), re-exported here.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import math
 import time
 from collections.abc import Sequence
 
+from medha_jax.cluster.prefill_pool_sim import PoolResult, simulate_prefill_pool  # noqa: F401
 from medha_jax.cluster.router import ReplicaStatus, RouteRequest, Router, RoutingConfig
 from medha_jax.config import ModelConfig, ParallelConfig
 from medha_jax.kv_cache.allocator import BlockAllocator, prefix_page_hashes

@@ -32,6 +32,20 @@ from medha_jax.sampling_params import SamplingParams
 
 # z such that Phi(z) = 0.9: a lognormal's p90 is exp(mu + Z90 * sigma).
 _Z90 = 1.2815515655446004
+# z such that Phi(z) = 0.995: a range taken as a lognormal's central 99% spans 2 x Z995 sigma.
+_Z995 = 2.5758293035489004
+
+
+def _normal_cdf(x: float) -> float:
+    return 0.5 * (1 + math.erf(x / math.sqrt(2)))
+
+
+def _clipped_lognormal_mean(mu: float, sigma: float, a: float, b: float) -> float:
+    """E[clip(X, a, b)] for ln X ~ N(mu, sigma²): the mass below a at a, above b at b, and
+    the partial expectation in between."""
+    za, zb = (math.log(a) - mu) / sigma, (math.log(b) - mu) / sigma
+    inside = math.exp(mu + sigma * sigma / 2) * (_normal_cdf(zb - sigma) - _normal_cdf(za - sigma))
+    return a * _normal_cdf(za) + b * (1 - _normal_cdf(zb)) + inside
 
 
 # ---------------------------------------------------------------------------------------
@@ -87,6 +101,27 @@ class LengthDistribution:
                    min_tokens=int(min_tokens if min_tokens is not None else values.min()),
                    max_tokens=int(max_tokens if max_tokens is not None else values.max()))
 
+    @classmethod
+    def from_range_and_mean(cls, min_tokens: int, max_tokens: int,
+                            mean: float) -> "LengthDistribution":
+        """A lognormal clipped to [min_tokens, max_tokens] whose clipped mean is `mean`: the
+        range is taken as its central 99% (sigma = ln(max/min) / (2 x 2.576)) and the median
+        solved (bisection on the exact clipped mean) for the mean. For traces known only by
+        their range and average (Tetris's, seed 001 section 7.1)."""
+        if not 1 <= min_tokens < mean < max_tokens:
+            raise ValueError(f"need 1 <= min_tokens < mean < max_tokens, got {min_tokens=} "
+                             f"{mean=} {max_tokens=}")
+        sigma = math.log(max_tokens / min_tokens) / (2 * _Z995)
+        lo, hi = math.log(min_tokens), math.log(max_tokens)
+        for _ in range(100):
+            mu = (lo + hi) / 2
+            if _clipped_lognormal_mean(mu, sigma, min_tokens, max_tokens) < mean:
+                lo = mu
+            else:
+                hi = mu
+        return cls(median=math.exp((lo + hi) / 2), sigma=sigma, min_tokens=min_tokens,
+                   max_tokens=max_tokens)
+
     def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
         """n token counts: int64 [n], each in [min_tokens, max_tokens]."""
         draw = rng.lognormal(math.log(self.median), self.sigma, size=n)
@@ -110,6 +145,12 @@ MEDHA_SWE_PROMPT = LengthDistribution.from_percentiles(393_000, 839_000, min_tok
                                                        max_tokens=1_000_000)
 MEDHA_SWE_OUTPUT = LengthDistribution.from_percentiles(518, 808, min_tokens=16,
                                                        max_tokens=4096)
+
+# Tetris (seed 001, section 7.1): private production traces known by range and average only.
+TETRIS_SHORT_PROMPT = LengthDistribution.from_range_and_mean(4_000, 95_000, 23_600)
+TETRIS_MEDIUM_PROMPT = LengthDistribution.from_range_and_mean(8_000, 142_000, 32_800)
+TETRIS_LONG_PROMPT = LengthDistribution.from_range_and_mean(16_000, 190_000, 50_100)
+
 
 
 # ---------------------------------------------------------------------------------------

@@ -195,3 +195,17 @@ def test_prompt_ids_from_blocks_share_exactly_the_blocks_the_trace_shares():
     assert small[0][:8] == small[1][:8] and small[0][8:10] != small[1][8:10]
     with pytest.raises(ValueError, match="block_tokens"):
         TraceRequest(0.0, 5, 1, prefix_blocks=(1,))
+
+
+def test_tetris_lengths_have_the_papers_range_and_mean():
+    from medha_jax.workloads import (TETRIS_LONG_PROMPT, TETRIS_MEDIUM_PROMPT,
+                                     TETRIS_SHORT_PROMPT, LengthDistribution)
+    rng = np.random.default_rng(0)
+    for dist, lo, hi, mean in ((TETRIS_SHORT_PROMPT, 4_000, 95_000, 23_600),
+                               (TETRIS_MEDIUM_PROMPT, 8_000, 142_000, 32_800),
+                               (TETRIS_LONG_PROMPT, 16_000, 190_000, 50_100)):
+        x = dist.sample(rng, 100_000)
+        assert x.min() == lo and x.max() == hi
+        assert x.mean() == pytest.approx(mean, rel=0.01)
+    with pytest.raises(ValueError, match="min_tokens < mean < max_tokens"):
+        LengthDistribution.from_range_and_mean(10, 100, 200)
