@@ -219,6 +219,25 @@ class KVTransfers:
             self._release_reservation(t, register_landed=True)
         return False
 
+    def replica_down(self, replica: int) -> None:
+        """On the dead replica's loop thread (its on_down): returns what the hand-offs hold
+        in its pool (reservations, handshakes waiting there, holds) to that pool."""
+        allocator = self.set.replicas[replica].engine.allocator
+        for res_id in list(self._reservations[replica]):
+            del self._reservations[replica][res_id]
+            if allocator.has(res_id):
+                allocator.free(res_id)
+        self._queues[replica].clear()
+        with self._lock:
+            held = [t for t in self._by_id.values() if t.prefill == replica and t.hold]
+            for t in held:
+                if t.state == "handing":          # the decode side has everything: done
+                    self._drop(t)
+        for t in held:
+            hold, t.hold = t.hold, None
+            if allocator.has(hold):
+                allocator.free(hold)
+
     def close(self) -> None:
         self._stop.set()
 
@@ -453,7 +472,7 @@ class KVTransfers:
                 allocator.commit(res_id, res.tokens, res.landed * allocator.page_size)
             allocator.free(res_id)
             self._admit(decode)
-        self.set.replicas[decode].loop.call(release)
+        self._on_loop(decode, release)
 
     # ------------------------------------------------------------------ faults, timeouts
 
@@ -492,7 +511,7 @@ class KVTransfers:
         hold, t.hold = t.hold, None
         if hold is not None:
             allocator = self.set.replicas[t.prefill].engine.allocator
-            self.set.replicas[t.prefill].loop.call(lambda: allocator.free(hold))
+            self._on_loop(t.prefill, lambda: allocator.has(hold) and allocator.free(hold))
 
     def _sweep_forever(self) -> None:
         while not self._stop.wait(0.05):
@@ -531,11 +550,23 @@ class KVTransfers:
             self._abort(t)
         for t in fallback:
             self._release_reservation(t, register_landed=False)
-            if t.resumed is not None:
-                t.stream.resume(t.resumed, t.stream.replica)
             self.set.rerun(t.stream, "the KV hand-off timed out", colocated=t.prefill)
         for decode in {d for d, q in enumerate(self._queues) if q} | settle:
             self.set.replicas[decode].loop.call(lambda d=decode: self._settle(d))
+
+    def _on_loop(self, replica: int, fn) -> None:
+        """Runs fn on the replica's loop thread; on a loop that went down, here once its
+        thread has ended (nothing else touches its allocator then), so a dead replica's
+        pool is returned too."""
+        loop = self.set.replicas[replica].loop
+        if loop.call(fn) or loop.closing:
+            return
+        if threading.current_thread() is not loop.thread:
+            loop.thread.join(5.0)
+            if loop.thread.is_alive():
+                logger.error("replica %d: its loop thread did not end; %s not run", replica, fn)
+                return
+        fn()
 
     def _copier(self, source: int, destination: int) -> PageCopier:
         key = (source, destination)

@@ -150,16 +150,17 @@ class ServingLoop:
             self._lock.notify()
         return True
 
-    def call(self, fn) -> None:
+    def call(self, fn) -> bool:
         """Runs fn() on the loop thread before its next iteration, in order with adds and
         cancels (the KV hand-off writes pages into this engine's cache and books them in
-        its allocator, which only this thread touches). Dropped once the loop stopped or
-        went down; what it raises is logged."""
+        its allocator, which only this thread touches). False (not queued) once the loop
+        stopped or went down; what fn raises is logged."""
         with self._lock:
             if self._closing or self.down_reason is not None:
-                return
+                return False
             self._inbox.append(("call", fn))
             self._lock.notify()
+        return True
 
     def close(self, *, drain: bool = False, timeout: float | None = None) -> None:
         """Stops the loop: cancels what is in flight (or with drain=True lets it finish)
@@ -198,19 +199,25 @@ class ServingLoop:
                 self._lock.wait()
             commands, self._inbox = self._inbox, []
             closing, drain = self._closing, self._drain_on_close
-        for kind, arg in commands:
-            if kind == "add":
+        for i, (kind, arg) in enumerate(commands):
+            if kind == "call":
+                try:
+                    arg()
+                except Exception:
+                    logger.exception("replica %d: a posted call failed", self.replica)
+                except BaseException:
+                    # The thread dies in it: what is left goes back to the inbox, which
+                    # going down hands on (no add is lost).
+                    with self._lock:
+                        self._inbox[:0] = commands[i + 1:]
+                    raise
+            elif kind == "add":
                 stream, held = arg
                 if held:
                     group = _SampleGroup(stream.request_id, list(held))
                     self._groups.update(dict.fromkeys(
                         [stream.request_id, *(h.request_id for h in held)], group))
                 self._add(stream)
-            elif kind == "call":
-                try:
-                    arg()
-                except Exception:
-                    logger.exception("replica %d: a posted call failed", self.replica)
             else:
                 self._end(arg, FinishReason.CANCELLED)
         if commands:

@@ -351,6 +351,8 @@ class ReplicaSet:
         when it went down); each is re-run elsewhere or ends as unavailable."""
         if loop.down_reason is not None:
             self._mark_down(loop.replica)
+            if self.transfers is not None:
+                self.transfers.replica_down(loop.replica)
         for stream in streams:
             if self.transfers is not None and self.transfers.take_back(stream, loop.replica):
                 continue                  # its pages go to another decode replica
