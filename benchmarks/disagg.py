@@ -22,9 +22,11 @@ Four tables:
     each request's mean seconds per output token after the first), requests offloaded.
 (d) H6: the next turn's cached share of its prompt after a disaggregated turn vs after a
     co-located one (turns of (c)).
-
-Not here: the same at 16 replicas in the simulator (the simulator does not model the
-transfer or the handshake yet).
+(e) the same experiment simulated at --sim-replicas replicas (llama3-8b, one H100 each,
+    the analytical predictor, real prefix caches; `simulate(offload=...)` models the
+    handshake and the transfer): sessions whose first turn is HEAVY (20K cold tokens) or
+    WARM (2K), later turns +500 tokens, 200-token answers; per gate and link (NVLink
+    450 GB/s a direction, 200 Gb/s = 25 GB/s): TTFT p50, TPOT p90, offloaded.
 """
 
 from __future__ import annotations
@@ -59,6 +61,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=None, help="(a), (b) repetitions")
     p.add_argument("--gates", default="never,always,cached-fraction,time",
                    help="(c) gates, comma-separated")
+    p.add_argument("--sim-replicas", type=int, default=16, help="(e) simulated replicas")
+    p.add_argument("--sim-sessions", type=int, default=None,
+                   help="(e) sessions (default 96; --quick 48)")
     p.add_argument("--skip", default="", help="parts to skip, e.g. a,b")
     return p.parse_args(argv)
 
@@ -235,6 +240,48 @@ def h8(args, server) -> tuple[list[dict], list[dict]]:
     return rows, cache_rows
 
 
+def simulated(args) -> list[dict]:
+    """Part (e)."""
+    from medha_jax.cluster.offload import OffloadConfig
+    from medha_jax.config import ParallelConfig, model_preset
+    from medha_jax.simulator import simulate
+    from medha_jax.workloads import TraceRequest, to_requests
+
+    rng = random.Random(0)
+    trace = []
+    for s in range(args.sim_sessions):
+        heavy = s % 3 == 0
+        t, length = rng.uniform(0, 60), (20_000 if heavy else 2_000)
+        for _ in range(4):
+            trace.append(TraceRequest(t, length, 200, f"s{s}"))
+            t += 5.0 + rng.expovariate(0.5)
+            length += 500
+    requests = to_requests(sorted(trace, key=lambda r: r.arrival_s), vocab_size=32_000)
+    model = model_preset("llama3-8b")
+    rows = []
+    runs = [("never", None)] + [(g, link) for link in ("nvlink", "200Gb/s")
+                                for g in ("always", "cached-fraction", "time")]
+    for gate, link in runs:
+        bandwidth = {"nvlink": 450e9, "200Gb/s": 25e9, None: 450e9}[link]
+        offload = (OffloadConfig("always-heavy", heavy_new_tokens=1, link_bytes_per_s=bandwidth)
+                   if gate == "always" else
+                   OffloadConfig(gate, link_bytes_per_s=bandwidth, handshake_s=0.0005))
+        result = simulate(requests, scheduler="lars-mp", model=model,
+                          parallel=ParallelConfig(), hardware="h100",
+                          num_replicas=args.sim_replicas, prefix_caching=True, offload=offload)
+        done = [r for r in result.requests if r.finish_time is not None]
+        ttft = [r.first_token_time - r.arrival_time for r in done]
+        tpot = [(r.finish_time - r.first_token_time) / (len(r.output_token_ids) - 1)
+                for r in done if len(r.output_token_ids) > 1]
+        rows.append({"gate": gate, "link": link or "-", "requests": len(done),
+                     "offloaded": len(result.decoded_on),
+                     "ttft_p50_s": percentile(ttft, 50), "ttft_p90_s": percentile(ttft, 90),
+                     "tpot_p90_s": percentile(tpot, 90),
+                     "hit_rate": sum(r.num_cached_tokens for r in done)
+                     / sum(r.prompt_len for r in done)})
+    return rows
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
@@ -247,8 +294,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     args.output_tokens = args.output_tokens or (16 if args.quick else 32)
     args.prompt_tokens = args.prompt_tokens or (1024 if args.quick else 1536)
     args.repeats = args.repeats or (3 if args.quick else 5)
+    args.sim_sessions = args.sim_sessions or (48 if args.quick else 96)
     skip = set(args.skip.split(",")) - {""}
-    band = gaps = runs = cached = []
+    band = gaps = runs = cached = sim = []
+    if "e" not in skip:
+        sim = simulated(args)
+        table(f"(e) simulated: {args.sim_replicas} replicas of llama3-8b (one H100 each), "
+              f"{args.sim_sessions} sessions x 4 turns, a third HEAVY (20K cold tokens)", sim)
+    if not {"a", "b", "c"} - skip:
+        return _write(args, band, gaps, runs, cached, sim)
     with make_server(args) as server:
         if "a" not in skip:
             band = bandwidth(args, server)
@@ -265,11 +319,19 @@ def main(argv: Sequence[str] | None = None) -> None:
                   f"third HEAVY ({args.heavy_tokens} cold tokens), 2 mixed replicas, "
                   "predicted-time router, per offload gate", runs)
             table("(d) H6: the next turn's cached share of its prompt", cached)
+    if sim:
+        table(f"(e) simulated: {args.sim_replicas} replicas of llama3-8b (one H100 each), "
+              f"{args.sim_sessions} sessions x 4 turns, a third HEAVY (20K cold tokens)", sim)
+    _write(args, band, gaps, runs, cached, sim)
+
+
+def _write(args, band, gaps, runs, cached, sim) -> None:
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"context": {**environment(), **vars(args)}, "bandwidth": band,
-                       "gap": gaps, "h8": runs, "next_turn_cache": cached}, f, indent=2)
+                       "gap": gaps, "h8": runs, "next_turn_cache": cached,
+                       "simulated": sim}, f, indent=2)
 
 
 if __name__ == "__main__":

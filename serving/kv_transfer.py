@@ -94,12 +94,14 @@ class DisaggConfig:
     freed and the request decodes where it prefilled. ack_timeout_s: a decode side that
     has not acknowledged by then is given up and the pages go to another one.
     stream_chunks: False ships every page only after the prefill (the baseline the
-    benchmark compares against)."""
+    benchmark compares against). sweep_interval_s: how often timeouts and ends the loops
+    did not report are looked for (None: only when `KVTransfers.sweep` is called)."""
 
     handshake_timeout_s: float = 30.0
     transfer_timeout_s: float = 300.0
     ack_timeout_s: float = 30.0
     stream_chunks: bool = True
+    sweep_interval_s: float | None = 0.05
 
     def __post_init__(self):
         for name in ("handshake_timeout_s", "transfer_timeout_s", "ack_timeout_s"):
@@ -173,9 +175,9 @@ class KVTransfers:
         self.records: list[TransferRecord] = []
         self._record_of: dict[int, TransferRecord] = {}
         self._stop = threading.Event()
-        self._sweeper = threading.Thread(target=self._sweep_forever, daemon=True,
-                                         name="medha-kv-transfers")
-        self._sweeper.start()
+        if config.sweep_interval_s is not None:
+            threading.Thread(target=self._sweep_forever, daemon=True,
+                             name="medha-kv-transfers").start()
 
     # ------------------------------------------------------------------ any thread
 
@@ -514,7 +516,7 @@ class KVTransfers:
             self._on_loop(t.prefill, lambda: allocator.has(hold) and allocator.free(hold))
 
     def _sweep_forever(self) -> None:
-        while not self._stop.wait(0.05):
+        while not self._stop.wait(self.config.sweep_interval_s):
             try:
                 self.sweep(time.monotonic())
             except Exception:
@@ -561,12 +563,14 @@ class KVTransfers:
         loop = self.set.replicas[replica].loop
         if loop.call(fn) or loop.closing:
             return
-        if threading.current_thread() is not loop.thread:
-            loop.thread.join(5.0)
-            if loop.thread.is_alive():
-                logger.error("replica %d: its loop thread did not end; %s not run", replica, fn)
-                return
-        fn()
+        if threading.current_thread() is loop.thread or not loop.thread.is_alive():
+            fn()
+            return
+
+        def after_the_thread():                   # not under our lock: it may be waiting on it
+            loop.thread.join()
+            fn()
+        threading.Thread(target=after_the_thread, daemon=True).start()
 
     def _copier(self, source: int, destination: int) -> PageCopier:
         key = (source, destination)

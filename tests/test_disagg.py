@@ -242,3 +242,77 @@ def test_page_copier_moves_pages_between_meshes(source, destination):
     untouched = np.setdiff1d(np.arange(k.shape[1]), dst_ids)
     assert not k[:, untouched].any()
     assert dst.kv_cache.k.sharding == dst._kv_cache_spec.k.sharding
+
+
+class _InlineLoop:
+    """A replica loop that runs posted calls at once and records added streams."""
+
+    healthy, closing, down_reason = True, False, None
+
+    def __init__(self):
+        self.added = []
+        self.thread = threading.current_thread()
+
+    def call(self, fn):
+        fn()
+        return True
+
+    def add(self, stream):
+        self.added.append(stream.request_id)
+
+
+class _Set:
+    """The ReplicaSet surface KVTransfers uses: two replicas' allocators and loops."""
+
+    page_size = 16
+
+    def __init__(self, pages):
+        from types import SimpleNamespace
+
+        from medha_jax.kv_cache.allocator import BlockAllocator
+        self.replicas = [SimpleNamespace(engine=SimpleNamespace(
+            allocator=BlockAllocator(n, 16)), loop=_InlineLoop()) for n in pages]
+        self.reruns = []
+
+    def rerun(self, stream, reason, colocated=None):
+        self.reruns.append((stream.request_id, colocated))
+
+
+def _stream(rid, prompt_len):
+    from types import SimpleNamespace
+
+    from medha_jax.request import Request
+    request = Request(request_id=rid, prompt_len=prompt_len, max_new_tokens=4,
+                      arrival_time=0.0, prompt_token_ids=list(range(1, prompt_len + 1)))
+    return SimpleNamespace(request=request, request_id=rid)
+
+
+def test_handshakes_are_granted_in_arrival_order_and_time_out_to_colocated():
+    """The decode side has 10 pages, 6 taken: A (8 pages) waits, and B (2 pages), which
+    would fit, waits behind it; when the pages come back both are granted, A first, and
+    only then reach the prefill replica. A handshake past its timeout goes co-located and
+    its reservation is never taken."""
+    from serving.kv_transfer import DisaggConfig, KVTransfers
+
+    replica_set = _Set([64, 10])
+    decode = replica_set.replicas[1].engine.allocator
+    decode.allocate("blocker")
+    assert decode.reserve("blocker", 6 * 16)
+    transfers = KVTransfers(replica_set, DisaggConfig(handshake_timeout_s=5.0,
+                                                      sweep_interval_s=None))
+    transfers.begin(_stream("A", 8 * 16 + 3), 0, 1)
+    transfers.begin(_stream("B", 2 * 16 + 3), 0, 1)
+    assert replica_set.replicas[0].loop.added == []
+    assert decode.num_free_pages == 4                    # B did not pass A
+    decode.free("blocker")
+    transfers._settle(1)
+    assert replica_set.replicas[0].loop.added == ["A", "B"]
+    assert decode.num_free_pages == 0
+    # C waits for pages no one gives back: past its timeout it runs co-located.
+    transfers.begin(_stream("C", 16 + 3), 0, 1)
+    transfers.sweep(time.monotonic() + 6.0)
+    assert replica_set.reruns == [("C", 0)]
+    assert transfers.in_flight == 2                     # A and B stream on
+    for rid in ("A", "B"):
+        transfers._abort(transfers._by_id[rid])
+    assert decode.num_free_pages == 10 and transfers.in_flight == 0
