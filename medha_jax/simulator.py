@@ -194,8 +194,11 @@ class SimulationResult:
     busy_s: list[float] = dataclasses.field(default_factory=list)  # per replica: stage seconds
     routing: str = ""               # the router's policy
     decision_s: list[float] = dataclasses.field(default_factory=list)  # router wall seconds
-    # With offload: request_id -> the replica that decoded it (prefilled at replica_of).
+    # With offload: request_id -> the replica that decoded it (prefilled at replica_of),
+    # and the prompt tokens its prefill found cached there (the request's own
+    # num_cached_tokens counts the moved pages the decode side reused).
     decoded_on: dict[str, int] = dataclasses.field(default_factory=dict)
+    prefill_cached_tokens: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def finished(self) -> list[Request]:
@@ -416,7 +419,8 @@ def simulate(requests: list[Request], *, scheduler: str | SchedulerConfig, model
         wall_s=time.perf_counter() - wall_start, replica_of=replica_of,
         busy_s=[runner.executor.busy_s for runner in runners], routing=routing.policy,
         decision_s=router.decision_seconds,
-        decoded_on=handoffs.decoded_on if handoffs is not None else {})
+        decoded_on=handoffs.decoded_on if handoffs is not None else {},
+        prefill_cached_tokens=handoffs.prefill_cached if handoffs is not None else {})
 
 
 class SimulatedHandoffs:
@@ -434,6 +438,7 @@ class SimulatedHandoffs:
         self._ready: dict[str, tuple] = {}
         self._to_free: list[list[str]] = [[] for _ in controllers]
         self.decoded_on: dict[str, int] = {}
+        self.prefill_cached: dict[str, int] = {}
 
     @property
     def pending(self) -> bool:
@@ -490,6 +495,7 @@ class SimulatedHandoffs:
                 continue
             del self._waiting[rid]
             controller.finished.pop(rid, None)
+            self.prefill_cached[rid] = copy.num_cached_tokens
             transfer = pages * self.page_bytes / self.config.link_bytes_per_s
             prefill_s = copy.first_token_time - (copy.first_scheduled_time or copy.arrival_time)
             hidden = (max(0.0, prefill_s - self._chunk_step_s(controller))

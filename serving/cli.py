@@ -74,6 +74,12 @@ def _make_server(args, *, warmup: bool, calibrate: bool):
     router = RoutingConfig(getattr(args, "router", PREDICTED_TIME))
     if replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {replicas}")
+    if getattr(args, "roles", None) is not None:       # named before the model loads
+        from serving.kv_transfer import parse_roles
+        parse_roles(args.roles, replicas)
+    if getattr(args, "offload", None) is not None:
+        from medha_jax.cluster.offload import OffloadConfig
+        OffloadConfig(args.offload)
     parallel = ParallelConfig.parse(args.parallel)
     sizes = {f: getattr(args, f) for f in ENGINE_FLAGS if getattr(args, f) is not None}
     limits = {f: getattr(args, f) for f in LIMIT_FLAGS if getattr(args, f, None) is not None}

@@ -143,7 +143,8 @@ class _Reservation:
 class TransferRecord:
     """One completed hand-off, for benchmarks: pages moved, their bytes, when the prefill
     side sent its first and last pages and sampled the first token, and when the decode
-    side registered them (time.perf_counter())."""
+    side registered them (time.perf_counter()); the prompt tokens the prefill found cached
+    (the decode side's request counts the moved pages as cached)."""
 
     request_id: str
     prefill: int
@@ -155,6 +156,7 @@ class TransferRecord:
     last_send: float | None
     prefilled: float
     registered: float | None = None
+    prefill_cached_tokens: int = 0
 
 
 class KVTransfers:
@@ -340,6 +342,7 @@ class KVTransfers:
         record = self._record_of.get(t.tid)
         if record is not None:
             record.prefilled = time.perf_counter()
+            record.prefill_cached_tokens = stream.request.num_cached_tokens
         hold = f"kv-out:{t.request_id}:{t.tid}"
         allocator.allocate(hold, t.tokens[:t.num_pages * ps + 1])
         t.hold = hold
