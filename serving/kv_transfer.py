@@ -556,7 +556,11 @@ class KVTransfers:
         for t in fallback:
             self._release_reservation(t, register_landed=False)
             self.set.rerun(t.stream, "the KV hand-off timed out", colocated=t.prefill)
-        for decode in {d for d, q in enumerate(self._queues) if q} | settle:
+        # Reservations a decode request has taken (or that it will never take: cancelled
+        # there before its first step) are freed even when that loop runs no more steps.
+        waiting = {d for d, q in enumerate(self._queues) if q}
+        holding = {d for d, r in enumerate(self._reservations) if r}
+        for decode in waiting | holding | settle:
             self.set.replicas[decode].loop.call(lambda d=decode: self._settle(d))
 
     def _on_loop(self, replica: int, fn) -> None:
