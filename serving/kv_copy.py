@@ -51,12 +51,48 @@ def _scatter(cache: KVCache, page_ids: jax.Array, chunk: KVCache) -> KVCache:
     return KVCache(k=put(cache.k, chunk.k), v=put(cache.v, chunk.v))
 
 
+def page_scatter(engine):
+    """The jitted write of a chunk into `engine`'s cache (donated, its sharding kept):
+    one per destination engine, shared by every source's PageCopier."""
+    shardings = jax.tree.map(lambda a: a.sharding, engine.kv_cache)
+    return jax.jit(_scatter, donate_argnums=0, out_shardings=shardings)
+
+
+def warm_up(engine, scatter, max_pages: int) -> int:
+    """Compiles the gather and the scatter of every padded page count up to max_pages on
+    `engine`'s cache, by copies that read nothing and write nothing (every id out of
+    range), so no hand-off waits for a compile. Only while no step of the engine runs.
+    Returns the shapes compiled."""
+    cache = engine.kv_cache
+    mesh = cache.k.sharding.mesh
+    n, count = 1, 0
+    while True:
+        ids = jax.device_put(np.full(n, cache.num_pages, np.int32),
+                             NamedSharding(mesh, PartitionSpec()))
+        chunk = gather_pages(cache, ids)
+        chunk = jax.device_put(chunk, _chunk_sharding(cache.k.sharding))
+        cache = scatter(cache, ids, chunk)
+        count += 1
+        if n >= max_pages:
+            break
+        n *= 2
+    engine.kv_cache = jax.block_until_ready(cache)
+    return count
+
+
+def _chunk_sharding(cache_sharding) -> NamedSharding:
+    # The chunk's pages are not split like the cache's page axis (kvp): replicated there.
+    spec = tuple(cache_sharding.spec) + (None,) * (4 - len(cache_sharding.spec))
+    return NamedSharding(cache_sharding.mesh, PartitionSpec(spec[0], None, spec[2], spec[3]))
+
+
 class PageCopier:
     """Copies pages from one engine's cache into another's. One per (source, destination)
     pair of engines; the caller runs `read` on the source's loop thread and `write` on the
     destination's (each thread owns its engine's cache)."""
 
-    def __init__(self, source, destination):
+    def __init__(self, source, destination, scatter=None):
+        """scatter: `page_scatter(destination)` to share (made here when None)."""
         for name, engine in (("source", source), ("destination", destination)):
             if engine.kv_cache is None:
                 raise ValueError(f"the {name} replica runs spp > 1 stages: its KV cache is "
@@ -71,14 +107,9 @@ class PageCopier:
                              f"{src.shape} {src.dtype} vs {dst.shape} {dst.dtype} (layers, "
                              "page_size, folded K/V heads and dtype must match)")
         self.source, self.destination = source, destination
-        spec = dst.sharding.spec
-        spec = tuple(spec) + (None,) * (4 - len(spec))
-        # The chunk's pages are not split like the cache's page axis (kvp): replicated there.
-        self._chunk_sharding = NamedSharding(dst.sharding.mesh,
-                                             PartitionSpec(spec[0], None, spec[2], spec[3]))
+        self._chunk_sharding = _chunk_sharding(dst.sharding)
         self._ids_sharding = NamedSharding(dst.sharding.mesh, PartitionSpec())
-        cache_shardings = jax.tree.map(lambda a: a.sharding, destination.kv_cache)
-        self._scatter = jax.jit(_scatter, donate_argnums=0, out_shardings=cache_shardings)
+        self._scatter = scatter or page_scatter(destination)
 
     def read(self, page_ids: np.ndarray) -> KVCache:
         """Source loop thread: starts copying the pages (global ids) to the destination's

@@ -46,7 +46,7 @@ import time
 import numpy as np
 
 from medha_jax.request import RequestState
-from serving.kv_copy import PageCopier
+from serving.kv_copy import PageCopier, page_scatter, warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -173,6 +173,7 @@ class KVTransfers:
         self._queues: list[collections.deque] = [collections.deque()
                                                  for _ in replica_set.replicas]
         self._copiers: dict[tuple[int, int], PageCopier] = {}
+        self._scatters: dict[int, object] = {}
         self.stale_writes = 0           # writes that found their reservation gone
         self.records: list[TransferRecord] = []
         self._record_of: dict[int, TransferRecord] = {}
@@ -579,12 +580,32 @@ class KVTransfers:
             fn()
         threading.Thread(target=after_the_thread, daemon=True).start()
 
+    def warmup(self) -> int:
+        """Compiles every replica's page gather and scatter (each padded page count up to a
+        whole prompt's pages) before any request: the first hand-offs would otherwise
+        wait for those compiles. Returns the shapes compiled."""
+        count = 0
+        for i, replica in enumerate(self.set.replicas):
+            engine = replica.engine
+            if engine.kv_cache is None or engine.cp_ranks > 1:
+                continue
+            count += warm_up(engine, self._scatter_of(i),
+                             engine.allocator.pages_needed(engine.max_model_len))
+        return count
+
+    def _scatter_of(self, replica: int):
+        scatter = self._scatters.get(replica)
+        if scatter is None:
+            scatter = self._scatters[replica] = page_scatter(self.set.replicas[replica].engine)
+        return scatter
+
     def _copier(self, source: int, destination: int) -> PageCopier:
         key = (source, destination)
         copier = self._copiers.get(key)
         if copier is None:
-            copier = self._copiers[key] = PageCopier(self.set.replicas[source].engine,
-                                                     self.set.replicas[destination].engine)
+            copier = self._copiers[key] = PageCopier(
+                self.set.replicas[source].engine, self.set.replicas[destination].engine,
+                self._scatter_of(destination))
         return copier
 
 

@@ -209,6 +209,8 @@ class Server:
         self._replica_set = (ReplicaSet(self.replicas, routing, metrics=self.metrics,
                                         roles=roles, offload=offload, disagg=disagg)
                              if len(self.replicas) > 1 else None)
+        if warmup and self._replica_set is not None and self._replica_set.transfers is not None:
+            self._replica_set.transfers.warmup()     # before any request: the loops are idle
         self.metrics_port = (self.metrics.serve_http(metrics_port)
                              if metrics_port is not None else None)
 

@@ -316,3 +316,27 @@ def test_handshakes_are_granted_in_arrival_order_and_time_out_to_colocated():
     for rid in ("A", "B"):
         transfers._abort(transfers._by_id[rid])
     assert decode.num_free_pages == 10 and transfers.in_flight == 0
+
+
+def test_warm_up_compiles_every_copy_shape_and_changes_no_page():
+    from medha_jax.model import KVCache
+    from serving.kv_copy import gather_pages, page_scatter, warm_up
+
+    base = tiny_model()
+    engines = [Engine(base.on_mesh(jax.sharding.Mesh(np.array([d]).reshape(
+        base.mesh.devices.shape), base.mesh.axis_names)), TINY_ENGINE)
+        for d in jax.devices()[2:4]]
+    values = np.random.default_rng(1).standard_normal(
+        engines[0].kv_cache.k.shape).astype(np.float32)
+    for engine in engines:
+        engine.kv_cache = KVCache(*(jax.device_put(v, engine.kv_cache.k.sharding)
+                                    for v in (values, values)))
+    scatters = [page_scatter(e) for e in engines]
+    assert [warm_up(e, s, 16) for e, s in zip(engines, scatters)] == [5, 5]
+    for engine in engines:
+        np.testing.assert_array_equal(np.asarray(engine.kv_cache.k), values)
+    compiled = (gather_pages._cache_size(), scatters[1]._cache_size())
+    copier = PageCopier(engines[0], engines[1], scatters[1])
+    copier.write(np.arange(9), copier.read(np.arange(20, 29)))      # 9 -> 16 pages
+    assert (gather_pages._cache_size(), scatters[1]._cache_size()) == compiled
+    np.testing.assert_array_equal(np.asarray(engines[1].kv_cache.k)[:, :9], values[:, 20:29])
