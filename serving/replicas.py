@@ -25,6 +25,7 @@ already moved `max_failovers` times) it ends with an error marked `unavailable`.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import threading
@@ -41,6 +42,9 @@ from serving.loop import ServingLoop
 from serving.outputs import RequestStream
 
 logger = logging.getLogger(__name__)
+
+# How far back a replica's share of time on prefill steps looks (the offload decision's rho).
+PREFILL_SHARE_WINDOW_S = 10.0
 
 
 def device_groups(num_devices_per_replica: int, num_replicas: int,
@@ -114,6 +118,7 @@ class LocalReplica:
         self.role = "mixed"                 # set by ReplicaSet (serving.kv_transfer.ROLES)
         # Called on the loop thread after each step (the KV hand-off's, when one is set).
         self.step_hooks: list = []
+        self._prefill_steps: collections.deque = collections.deque()  # (end time, seconds)
         self.loop = ServingLoop(self.controller, engine, metrics,
                                 name=f"medha-server-loop-{index}",
                                 on_step=self._on_step,
@@ -134,8 +139,20 @@ class LocalReplica:
     def _on_step(self, collected) -> None:
         if self.refit is not None:
             self._refine_predictor(collected)
+        now = time.monotonic()
+        if any(not c.is_decode for c in collected.batch.chunks):
+            self._prefill_steps.append((now, collected.result.duration_s))
+        while self._prefill_steps and self._prefill_steps[0][0] < now - PREFILL_SHARE_WINDOW_S:
+            self._prefill_steps.popleft()
         for hook in self.step_hooks:
             hook()
+
+    @property
+    def prefill_share(self) -> float:
+        """Share of the last PREFILL_SHARE_WINDOW_S seconds this replica's steps spent
+        carrying prefill chunks (read from the router's thread: a snapshot)."""
+        steps = list(self._prefill_steps)
+        return min(1.0, sum(d for _, d in steps) / PREFILL_SHARE_WINDOW_S)
 
     def _refine_predictor(self, collected) -> None:
         """On the loop thread after each step: feeds its measured time to the online refit
@@ -301,7 +318,7 @@ class ReplicaSet:
         views = [OffloadReplica(can_decode=r.loop.healthy, prefill_only=i in self._prefill_only,
                                 queued_prefill_s=r.loop.queued_prefill_s,
                                 chunk_step_s=r.chunk_step_s, decode_token_s=r.decode_token_s,
-                                cached_pages=cached_pages[i])
+                                cached_pages=cached_pages[i], prefill_share=r.prefill_share)
                  for i, r in enumerate(self.replicas)]
         return choose_decode(request, prefill, views, self.offload)
 

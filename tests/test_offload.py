@@ -26,6 +26,13 @@ def test_the_docstrings_worked_numbers():
     assert (d.colocated_s, d.offloaded_s) == (pytest.approx(3.6), pytest.approx(2.025))
 
 
+def test_prefill_arriving_during_the_decode_counts_through_its_recent_share():
+    busy = OffloadReplica(True, chunk_step_s=0.1, decode_token_s=0.02, prefill_share=0.5)
+    assert decode_seconds(busy, 100) == pytest.approx(100 * (0.5 * 0.02 + 0.5 * 0.1))  # 6.0
+    assert choose_decode(REQ, 0, [busy, IDLE], CFG).decode == 1
+    assert choose_decode(REQ, 1, [busy, IDLE], CFG).decode is None
+
+
 def test_a_cold_turn_on_an_idle_replica_stays():
     d = choose_decode(REQ, 0, [IDLE, IDLE], CFG)
     assert d.decode is None and d.offloaded_s > d.colocated_s

@@ -10,11 +10,13 @@ The router has chosen the prefill replica P (where the session's prefix is cache
 The first token is sampled on P in both, so TTFT is the same: W_P + prefill_P(new tokens).
 They differ in the decode. A decode token on replica r costs a step; while r has prefill
 work queued, its steps carry a prefill chunk too (`chunk_step_s`), so the request's first
-k = min(n, ceil(Q_r / chunk_step_s)) tokens pay chunk_step_s and the rest decode_token_s
-(Q_r: prefill seconds queued there, taken as what runs beside the decode; n: the tokens to
-decode):
+k = min(n, ceil(Q_r / chunk_step_s)) tokens pay chunk_step_s (Q_r: prefill seconds queued
+there now; n: the tokens to decode). Prefill keeps arriving meanwhile: rho_r, the share
+of r's recent time its steps carried prefill chunks, is the share of the remaining steps
+that carry one too:
 
-    decode_s(r) = k * chunk_step_s(r) + (n - k) * decode_token_s(r)
+    decode_s(r) = k * chunk_step_s(r)
+                  + (n - k) * ((1 - rho_r) * decode_token_s(r) + rho_r * chunk_step_s(r))
     (a) = decode_s(P)
     (b) = decode_s(D) + exposed transfer + one step on D (the prompt's last partial page
           and the first token are recomputed there)
@@ -27,7 +29,8 @@ not already hold. Offload when (b) < (a) * (1 - margin). A cold turn on an idle 
 (a) = n * decode_token_s, which (b) cannot beat: it stays.
 
 Worked numbers (test_offload.py): n = 100, P with 2 s of prefill queued at 0.1 s a
-chunk step and 0.02 s a decode token: k = 20, (a) = 20 * 0.1 + 80 * 0.02 = 3.6 s. An idle
+chunk step and 0.02 s a decode token, rho 0: k = 20, (a) = 20 * 0.1 + 80 * 0.02 = 3.6 s
+(with rho = 0.5 and nothing queued: 100 * (0.01 + 0.05) = 6.0 s). An idle
 D at 0.02 s a token, 1 GB to move at 10 GB/s behind a 1.0 s prefill (hidden 0.9 s),
 handshake 5 ms: exposed = 0.005 + 0.1 - 0.9 -> 0.005 s; (b) = 2.0 + 0.005 + 0.02 =
 2.025 s: offload.
@@ -87,6 +90,7 @@ class OffloadReplica:
     chunk_step_s: float = 0.0
     decode_token_s: float = 0.0
     cached_pages: int = 0
+    prefill_share: float = 0.0      # rho: share of its recent time spent on prefill steps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +124,8 @@ def decode_seconds(replica: OffloadReplica, num_tokens: int) -> float:
     step = max(replica.chunk_step_s, replica.decode_token_s)
     k = (min(num_tokens, math.ceil(replica.queued_prefill_s / step - 1e-9))
          if step > 0 and replica.queued_prefill_s > 0 else 0)
-    return k * step + (num_tokens - k) * replica.decode_token_s
+    rho = min(max(replica.prefill_share, 0.0), 1.0)
+    return k * step + (num_tokens - k) * ((1 - rho) * replica.decode_token_s + rho * step)
 
 
 def exposed_transfer_s(request: OffloadRequest, prefill: OffloadReplica,
