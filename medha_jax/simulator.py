@@ -26,6 +26,7 @@ policies are compared on the cache hits they earn; otherwise pages are only coun
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import heapq
 import math
@@ -343,7 +344,7 @@ def simulate(requests: list[Request], *, scheduler: str | SchedulerConfig, model
         page_bytes = (model.kv_bytes_per_token(bytes_per_value)
                       * max(1, replica_parallel.tp // model.num_kv_heads) * page_size)
         handoffs = SimulatedHandoffs(controllers, router, offload, page_bytes, decode_token_s,
-                                     stream_chunks)
+                                     stream_chunks, [runner.executor for runner in runners])
 
     bar = None
     if progress:
@@ -426,11 +427,16 @@ def simulate(requests: list[Request], *, scheduler: str | SchedulerConfig, model
 class SimulatedHandoffs:
     """Prefill here, decode there, on simulated replicas (see simulate's `offload`)."""
 
-    def __init__(self, controllers, router, config, page_bytes: int, decode_token_s: float,
-                 stream_chunks: bool):
-        from medha_jax.cluster.offload import OffloadReplica  # noqa: F401  (import check)
+    # How far back a replica's share of time on prefill steps looks (as the server's).
+    PREFILL_SHARE_WINDOW_S = 10.0
 
+    def __init__(self, controllers, router, config, page_bytes: int, decode_token_s: float,
+                 stream_chunks: bool, executors):
         self.controllers, self.router, self.config = controllers, router, config
+        # Per replica, (leaves the pipe at, stage seconds) of its steps with prefill chunks.
+        self._prefill_steps = [collections.deque() for _ in controllers]
+        for executor, steps in zip(executors, self._prefill_steps):
+            executor.dispatch = self._recording(executor.dispatch, steps)
         self.page_bytes, self.decode_token_s = page_bytes, decode_token_s
         self.stream_chunks = stream_chunks
         self._waiting: dict[str, tuple] = {}      # prefill copy id -> (request, p, d, res)
@@ -439,6 +445,21 @@ class SimulatedHandoffs:
         self._to_free: list[list[str]] = [[] for _ in controllers]
         self.decoded_on: dict[str, int] = {}
         self.prefill_cached: dict[str, int] = {}
+
+    @staticmethod
+    def _recording(dispatch, steps):
+        def recorded(batch):
+            step = dispatch(batch)
+            if any(not c.is_decode for c in batch.chunks):
+                steps.append((step.done_time, step.stage_s))
+            return step
+        return recorded
+
+    def _prefill_share(self, i: int, now: float) -> float:
+        steps = self._prefill_steps[i]
+        while steps and steps[0][0] < now - self.PREFILL_SHARE_WINDOW_S:
+            steps.popleft()
+        return min(1.0, sum(s for t, s in steps if t <= now) / self.PREFILL_SHARE_WINDOW_S)
 
     @property
     def pending(self) -> bool:
@@ -463,7 +484,8 @@ class SimulatedHandoffs:
         pt = self.controllers[p].prefill_time_cache.prefill_time
         views = [OffloadReplica(True, queued_prefill_s=c.outstanding_work_s(0.0),
                                 chunk_step_s=self._chunk_step_s(c),
-                                decode_token_s=self.decode_token_s, cached_pages=cached_pages[j])
+                                decode_token_s=self.decode_token_s, cached_pages=cached_pages[j],
+                                prefill_share=self._prefill_share(j, request.arrival_time))
                  for j, c in enumerate(self.controllers)]
         decision = choose_decode(OffloadRequest(
             request.prompt_len, cached_tokens, request.max_new_tokens,
