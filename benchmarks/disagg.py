@@ -87,7 +87,7 @@ def make_server(args):
 
     engine_config = EngineConfig(page_size=16, max_kv_tokens=16_384, max_model_len=2048,
                                  max_tokens_per_step=128 if args.quick else 256,
-                                 max_seqs=16)
+                                 max_seqs=16 if args.quick else 8)
     model = load_model(args.model, verbose=False)
     # Transfers on from the start (a gate other than never); each run sets its own gate.
     return Server(model, engine_config=engine_config, replicas=2, warmup=True,
