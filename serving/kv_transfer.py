@@ -202,6 +202,7 @@ class KVTransfers:
             if t is None or t.state not in ("handshake", "rehoming"):
                 return False
             self._drop(t)
+        self._release_reservation(t, register_landed=False)     # if granted meanwhile
         self._release_hold(t)
         self.set.end_stream(t.stream, "cancelled")
         return True
@@ -219,9 +220,11 @@ class KVTransfers:
             if t.state in ("handing", "rehoming") and t.decode == down and t.hold:
                 self._rehome(t)
                 return True
+            before = t.state
             self._drop(t)
-        if t.state in ("handshake", "streaming") or t.prefill == down:
+        if before in ("handshake", "streaming") or t.prefill == down:
             self._release_reservation(t, register_landed=True)
+        self._release_hold(t)
         return False
 
     def replica_down(self, replica: int) -> None:
