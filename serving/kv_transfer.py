@@ -20,8 +20,8 @@ another decode replica gets a new one), and it is the allocator id of the reserv
 lands, so a write of a cancelled, timed-out or re-routed transfer finds nothing and is
 dropped: it can never reach pages that now belong to another request.
 
-Faults. D dies (or does not acknowledge within `ack_timeout_s`) after P finished: P still
-holds the pages, so they go to another decode replica (a new handshake, no re-prefill).
+Faults. D dies after P finished and before it acknowledged: P still holds the pages, so
+they go to another decode replica (a new handshake, no re-prefill).
 P dies mid-transfer: D registers the pages that arrived in its prefix cache and frees the
 rest; the request is re-run by the replica set (serving.replicas), which the router sends
 where those pages are, so only what did not arrive is recomputed. The client cancels: the
@@ -92,7 +92,10 @@ class DisaggConfig:
     """handshake_timeout_s: a reservation not granted by then -> the request is served
     co-located. transfer_timeout_s: a prefill not finished by then -> the reservation is
     freed and the request decodes where it prefilled. ack_timeout_s: a decode side that
-    has not acknowledged by then is given up and the pages go to another one.
+    is alive but has not acknowledged by then (its loop stuck): the prefill side stops
+    pinning the pages (they stay in its prefix cache); the request stays there, since
+    moving it could serve it twice. A decode side that died before acknowledging gets no
+    timeout: the pages go to another one at once.
     stream_chunks: False ships every page only after the prefill (the baseline the
     benchmark compares against). sweep_interval_s: how often timeouts and ends the loops
     did not report are looked for (None: only when `KVTransfers.sweep` is called)."""
@@ -532,7 +535,7 @@ class KVTransfers:
     def sweep(self, now: float) -> None:
         """Timeouts and ends the loops did not report (client cancels, dead replicas)."""
         config = self.config
-        fallback, aborts, rehomes, settle = [], [], [], set()
+        fallback, aborts, unpinned, settle = [], [], [], set()
         with self._lock:
             for t in list(self._by_id.values()):
                 request = t.stream.request
@@ -544,17 +547,16 @@ class KVTransfers:
                         or (request.state is RequestState.FINISHED and not request.output_token_ids)
                         or not self.set.replicas[t.prefill].loop.healthy):
                     aborts.append(t)
-                elif t.state == "handing" and now - t.handed_at > config.ack_timeout_s \
-                        and t.hold:
-                    rehomes.append(t)
+                elif t.state == "handing" and now - t.handed_at > config.ack_timeout_s:
+                    self._drop(t)
+                    unpinned.append(t)
                 elif t.state == "rehoming" and not self.set.replicas[t.prefill].loop.healthy:
                     self._drop(t)
                     fallback.append(t)
                 if t.state in ("handing", "done"):
                     settle.add(t.decode)
-            for t in rehomes:
-                t.failed_decodes.add(t.decode)
-                self._rehome(t)
+        for t in unpinned:
+            self._release_hold(t)
         for t in aborts:
             self._abort(t)
         for t in fallback:
