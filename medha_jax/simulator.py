@@ -30,6 +30,7 @@ one SP ring over the pool, each chunk of a prompt on its own nested group) is si
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import heapq
 import math
@@ -199,6 +200,11 @@ class SimulationResult:
     busy_s: list[float] = dataclasses.field(default_factory=list)  # per replica: stage seconds
     routing: str = ""               # the router's policy
     decision_s: list[float] = dataclasses.field(default_factory=list)  # router wall seconds
+    # With offload: request_id -> the replica that decoded it (prefilled at replica_of),
+    # and the prompt tokens its prefill found cached there (the request's own
+    # num_cached_tokens counts the moved pages the decode side reused).
+    decoded_on: dict[str, int] = dataclasses.field(default_factory=dict)
+    prefill_cached_tokens: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def finished(self) -> list[Request]:
@@ -262,7 +268,8 @@ def simulate(requests: list[Request], *, scheduler: str | SchedulerConfig, model
              memory_utilization: float = 0.9, max_model_len: int | None = None,
              prefill_time_cache: PrefillTimeCache | None = None,
              routing: RoutingConfig | str = RoutingConfig(),
-             prefix_caching: bool = False) -> SimulationResult:
+             prefix_caching: bool = False, offload=None,
+             stream_chunks: bool = True) -> SimulationResult:
     """Serves `requests` (lengths, arrivals, SLOs) on simulated hardware.
 
     scheduler: a policy name or a SchedulerConfig (token buckets, batch limits, t_target,
@@ -282,6 +289,12 @@ def simulate(requests: list[Request], *, scheduler: str | SchedulerConfig, model
     routing: the router's policy name or RoutingConfig (medha_jax.cluster.router).
     prefix_caching: each replica caches prefixes in a real BlockAllocator (requests must
       carry prompt token ids); the router reads them through its prefix index.
+    offload: an OffloadConfig (medha_jax.cluster.offload; needs prefix_caching): a request
+      may prefill on the routed replica and decode on another (`SimulatedHandoffs`: the
+      handshake reserves the decode side's pages at arrival; the pages arrive
+      handshake_s + the transfer at link_bytes_per_s not hidden behind the prefill after
+      its first token, all at the end with stream_chunks=False; they are registered in
+      the decode side's prefix cache, which then recomputes the last partial page).
     """
     config = SchedulerConfig.of(scheduler)
     if isinstance(hardware, str):
@@ -327,6 +340,17 @@ def simulate(requests: list[Request], *, scheduler: str | SchedulerConfig, model
     def statuses() -> list[ReplicaStatus]:
         return [_replica_status(c, page_size, decode_token_s) for c in controllers]
 
+    handoffs = None
+    if offload is not None:
+        if not prefix_caching:
+            raise ValueError("offload needs prefix_caching=True: the decode side takes the "
+                             "moved pages from its prefix cache")
+        bytes_per_value = 4 if model.dtype == "float32" else 2
+        page_bytes = (model.kv_bytes_per_token(bytes_per_value)
+                      * max(1, replica_parallel.tp // model.num_kv_heads) * page_size)
+        handoffs = SimulatedHandoffs(controllers, router, offload, page_bytes, decode_token_s,
+                                     stream_chunks, [runner.executor for runner in runners])
+
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -338,18 +362,28 @@ def simulate(requests: list[Request], *, scheduler: str | SchedulerConfig, model
     # Busy replicas by the time of their next event: a stage free to take a batch, or the
     # oldest batch in flight leaving the pipe.
     busy: list[tuple[float, int]] = []
-    while next_arrival < len(arrivals) or busy:
+    while next_arrival < len(arrivals) or busy or (handoffs and handoffs.pending):
         t_arrival = (arrivals[next_arrival].arrival_time if next_arrival < len(arrivals)
                      else math.inf)
         t_step = busy[0][0] if busy else math.inf
-        if min(t_arrival, t_step) > horizon:
+        t_handoff = handoffs.next_time if handoffs is not None else math.inf
+        if min(t_arrival, t_step, t_handoff) > horizon:
             break
+        if t_handoff <= min(t_arrival, t_step):
+            d = handoffs.arrive()
+            if d is not None and d not in {j for _, j in busy}:
+                heapq.heappush(busy, (controllers[d].clock.now(), d))
+            continue
         if t_arrival <= t_step:
             request = arrivals[next_arrival]
             next_arrival += 1
             router_clock.advance_to(request.arrival_time)
-            i = replica_of[request.request_id] = (0 if total_replicas == 1 else router.route(
-                _route_request(request, page_size)).replica)
+            route_request = _route_request(request, page_size)
+            decision = (None if total_replicas == 1 else router.route(route_request))
+            i = replica_of[request.request_id] = 0 if decision is None else decision.replica
+            if handoffs is not None and decision is not None:
+                request = handoffs.on_route(request, i, decision.cached_tokens,
+                                            route_request.page_hashes)
             controller = controllers[i]
             was_idle = not controller.has_unfinished()
             controller.clock.advance_to(request.arrival_time)
@@ -370,6 +404,8 @@ def simulate(requests: list[Request], *, scheduler: str | SchedulerConfig, model
         controller.clock.advance_to(t_event)
         before = len(controller.finished)
         next_event = _advance_replica(runner, config.policy, i)
+        if handoffs is not None:
+            handoffs.after_event(i)
         if bar is not None and len(controller.finished) != before:
             bar.update(len(controller.finished) - before)
         if next_event is not None:
@@ -388,7 +424,130 @@ def simulate(requests: list[Request], *, scheduler: str | SchedulerConfig, model
         num_replicas=len(controllers), kv_capacity_tokens=capacity,
         wall_s=time.perf_counter() - wall_start, replica_of=replica_of,
         busy_s=[runner.executor.busy_s for runner in runners], routing=routing.policy,
-        decision_s=router.decision_seconds)
+        decision_s=router.decision_seconds,
+        decoded_on=handoffs.decoded_on if handoffs is not None else {},
+        prefill_cached_tokens=handoffs.prefill_cached if handoffs is not None else {})
+
+
+class SimulatedHandoffs:
+    """Prefill here, decode there, on simulated replicas (see simulate's `offload`)."""
+
+    # How far back a replica's share of time on prefill steps looks (as the server's).
+    PREFILL_SHARE_WINDOW_S = 10.0
+
+    def __init__(self, controllers, router, config, page_bytes: int, decode_token_s: float,
+                 stream_chunks: bool, executors):
+        self.controllers, self.router, self.config = controllers, router, config
+        # Per replica, (leaves the pipe at, stage seconds) of its steps with prefill chunks.
+        self._prefill_steps = [collections.deque() for _ in controllers]
+        for executor, steps in zip(executors, self._prefill_steps):
+            executor.dispatch = self._recording(executor.dispatch, steps)
+        self.page_bytes, self.decode_token_s = page_bytes, decode_token_s
+        self.stream_chunks = stream_chunks
+        self._waiting: dict[str, tuple] = {}      # prefill copy id -> (request, p, d, res)
+        self._heap: list[tuple[float, str]] = []
+        self._ready: dict[str, tuple] = {}
+        self._to_free: list[list[str]] = [[] for _ in controllers]
+        self.decoded_on: dict[str, int] = {}
+        self.prefill_cached: dict[str, int] = {}
+
+    @staticmethod
+    def _recording(dispatch, steps):
+        def recorded(batch):
+            step = dispatch(batch)
+            if any(not c.is_decode for c in batch.chunks):
+                steps.append((step.done_time, step.stage_s))
+            return step
+        return recorded
+
+    def _prefill_share(self, i: int, now: float) -> float:
+        steps = self._prefill_steps[i]
+        while steps and steps[0][0] < now - self.PREFILL_SHARE_WINDOW_S:
+            steps.popleft()
+        return min(1.0, sum(s for t, s in steps if t <= now) / self.PREFILL_SHARE_WINDOW_S)
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._heap)
+
+    @property
+    def next_time(self) -> float:
+        return self._heap[0][0] if self._heap else math.inf
+
+    def _chunk_step_s(self, controller) -> float:
+        target = getattr(controller.packer, "target_batch_time_s", None)
+        return target if target is not None else controller.prefill_time_cache.prefill_time(512)
+
+    def on_route(self, request: Request, p: int, cached_tokens: int, hashes) -> Request:
+        """At arrival: decides; on offload reserves the decode side's pages (the handshake)
+        and returns the prefill-only copy to add at p."""
+        from medha_jax.cluster.offload import OffloadReplica, OffloadRequest, choose_decode
+
+        page_size = self.controllers[p].allocator.page_size
+        full = request.prompt_len // page_size
+        cached_pages = self.router.index.cached_pages(tuple(hashes))
+        pt = self.controllers[p].prefill_time_cache.prefill_time
+        views = [OffloadReplica(True, queued_prefill_s=c.outstanding_work_s(0.0),
+                                chunk_step_s=self._chunk_step_s(c),
+                                decode_token_s=self.decode_token_s, cached_pages=cached_pages[j],
+                                prefill_share=self._prefill_share(j, request.arrival_time))
+                 for j, c in enumerate(self.controllers)]
+        decision = choose_decode(OffloadRequest(
+            request.prompt_len, cached_tokens, request.max_new_tokens,
+            pt(request.prompt_len) - pt(cached_tokens), full, self.page_bytes), p, views,
+            self.config)
+        d = decision.decode
+        if d is None:
+            return request
+        allocator = self.controllers[d].allocator
+        res = f"kv-in:{request.request_id}"
+        reused = allocator.allocate(res, request.prompt_token_ids[:full * page_size + 1])
+        if not allocator.reserve(res, full * page_size):
+            allocator.free(res)                   # no room there now: stays co-located
+            return request
+        copy = dataclasses.replace(request, max_new_tokens=1, prompt_token_ids=list(
+            request.prompt_token_ids), output_token_ids=[])
+        self._waiting[request.request_id] = (request, copy, p, d, res,
+                                             full - reused // page_size)
+        self.decoded_on[request.request_id] = d
+        return copy
+
+    def after_event(self, i: int) -> None:
+        for res in self._to_free[i]:
+            self.controllers[i].allocator.free(res)
+        self._to_free[i].clear()
+        controller = self.controllers[i]
+        for rid, (request, copy, p, d, res, pages) in list(self._waiting.items()):
+            if p != i or copy.finish_time is None:
+                continue
+            del self._waiting[rid]
+            controller.finished.pop(rid, None)
+            self.prefill_cached[rid] = copy.num_cached_tokens
+            transfer = pages * self.page_bytes / self.config.link_bytes_per_s
+            prefill_s = copy.first_token_time - (copy.first_scheduled_time or copy.arrival_time)
+            hidden = (max(0.0, prefill_s - self._chunk_step_s(controller))
+                      if self.stream_chunks else 0.0)
+            ready = copy.first_token_time + self.config.handshake_s + max(0.0, transfer - hidden)
+            self._ready[rid] = (request, copy, d, res)
+            heapq.heappush(self._heap, (ready, rid))
+
+    def arrive(self) -> int | None:
+        """The next hand-off lands: its pages enter the decode side's prefix cache and the
+        request continues there from its first token. Returns the decode replica."""
+        ready, rid = heapq.heappop(self._heap)
+        request, copy, d, res = self._ready.pop(rid)
+        controller = self.controllers[d]
+        page_size = controller.allocator.page_size
+        controller.clock.advance_to(ready)
+        full = request.prompt_len // page_size
+        controller.allocator.commit(res, request.prompt_token_ids, full * page_size)
+        request.output_token_ids = [DUMMY_TOKEN_ID]
+        request.first_scheduled_time = copy.first_scheduled_time
+        request.first_token_time = request.last_token_time = copy.first_token_time
+        was_idle = not controller.has_unfinished()
+        controller.add_request(request, resume=True)
+        self._to_free[d].append(res)              # after d's next step took the pages
+        return d if was_idle else None
 
 
 def _route_request(request: Request, page_size: int) -> RouteRequest:

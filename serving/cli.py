@@ -74,6 +74,12 @@ def _make_server(args, *, warmup: bool, calibrate: bool):
     router = RoutingConfig(getattr(args, "router", PREDICTED_TIME))
     if replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {replicas}")
+    if getattr(args, "roles", None) is not None:       # named before the model loads
+        from serving.kv_transfer import parse_roles
+        parse_roles(args.roles, replicas)
+    if getattr(args, "offload", None) is not None:
+        from medha_jax.cluster.offload import OffloadConfig
+        OffloadConfig(args.offload)
     parallel = ParallelConfig.parse(args.parallel)
     sizes = {f: getattr(args, f) for f in ENGINE_FLAGS if getattr(args, f) is not None}
     limits = {f: getattr(args, f) for f in LIMIT_FLAGS if getattr(args, f, None) is not None}
@@ -85,8 +91,9 @@ def _make_server(args, *, warmup: bool, calibrate: bool):
                       cache_dir=False if args.no_cache else args.cache_dir,
                       replicas=replicas, router=router, cluster=args.ray)
     model = load_model(args.model, parallel=parallel, dtype=args.dtype)
+    disagg = {k: v for k in ("roles", "offload") if (v := getattr(args, k, None)) is not None}
     return Server(model, scheduler=scheduler, engine_config=EngineConfig(**sizes),
-                  limits=RequestLimits(**limits), replicas=replicas, router=router,
+                  limits=RequestLimits(**limits), replicas=replicas, router=router, **disagg,
                   metrics_port=getattr(args, "metrics_port", None), warmup=warmup,
                   cache_dir=False if args.no_cache else args.cache_dir,
                   predictor=None if calibrate else AnalyticalPredictor(model.config, parallel))
@@ -233,6 +240,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="how a request picks a replica: predicted-time (default: the "
                             "least predicted time to first token, cache- and "
                             "session-aware), round-robin, least-load, sglang-cache-aware")
+    serve.add_argument("--roles", default=None,
+                       help="what each replica does, counts in replica order: e.g. "
+                            "prefill:1,decode:1 (roles mixed, prefill, decode; default all "
+                            "mixed). A request prefilled on one replica decodes on another, "
+                            "its KV streamed there chunk by chunk")
+    serve.add_argument("--offload", default=None,
+                       help="when a mixed replica hands a request's decode to another: time "
+                            "(predicted seconds), never, always-heavy, cached-fraction, dynamo")
     serve.add_argument("--grace", type=float, default=5.0,
                        help="seconds open calls get to finish on shutdown")
     _add_model_args(serve)

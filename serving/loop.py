@@ -85,16 +85,23 @@ class ServingLoop:
         # on_down(loop, streams, reason): takes over requests this replica cannot serve
         # (set by serving.replicas.ReplicaSet before any request; None: they fail here).
         self.on_down = None
+        # on_prefilled(stream) -> bool: asked when a request has its first token; True
+        # when it was handed off (its decode goes on elsewhere: serving.kv_transfer), so
+        # this loop releases it here without finishing its stream.
+        self.on_prefilled = None
         self.max_step_failures = max_step_failures
         self._step_failures = 0                     # failed steps in a row
         self.down_reason: str | None = None
         # (waiting, running, queued predicted seconds) after the last iteration: what the
         # router reads from other threads (one tuple, replaced whole).
         self.load: tuple[int, int, float] = (0, 0, 0.0)
+        # Of that work, the predicted seconds of prefill (what slows decodes here: the
+        # offload decision, medha_jax.cluster.offload).
+        self.queued_prefill_s = 0.0
         self.runner = InFlightRunner(controller, engine if hasattr(engine, "dispatch")
                                      else _OneAtATime(engine))
         self._lock = threading.Condition()          # guards everything up to _streams
-        # ("add", (RequestStream, held RequestStreams)) | ("cancel", id)
+        # ("add", (RequestStream, held RequestStreams)) | ("cancel", id) | ("call", fn)
         self._inbox: list[tuple[str, object]] = []
         self._in_flight: set[str] = set()           # request ids submitted and not finished
         self._closing = False
@@ -143,6 +150,18 @@ class ServingLoop:
             self._lock.notify()
         return True
 
+    def call(self, fn) -> bool:
+        """Runs fn() on the loop thread before its next iteration, in order with adds and
+        cancels (the KV hand-off writes pages into this engine's cache and books them in
+        its allocator, which only this thread touches). False (not queued) once the loop
+        stopped or went down; what fn raises is logged."""
+        with self._lock:
+            if self._closing or self.down_reason is not None:
+                return False
+            self._inbox.append(("call", fn))
+            self._lock.notify()
+        return True
+
     def close(self, *, drain: bool = False, timeout: float | None = None) -> None:
         """Stops the loop: cancels what is in flight (or with drain=True lets it finish)
         and joins the thread. Idempotent."""
@@ -180,8 +199,19 @@ class ServingLoop:
                 self._lock.wait()
             commands, self._inbox = self._inbox, []
             closing, drain = self._closing, self._drain_on_close
-        for kind, arg in commands:
-            if kind == "add":
+        for i, (kind, arg) in enumerate(commands):
+            if kind == "call":
+                try:
+                    arg()
+                except Exception:
+                    logger.exception("replica %d: a posted call failed", self.replica)
+                except BaseException:
+                    # The thread dies in it: what is left goes back to the inbox, which
+                    # going down hands on (no add is lost).
+                    with self._lock:
+                        self._inbox[:0] = commands[i + 1:]
+                    raise
+            elif kind == "add":
                 stream, held = arg
                 if held:
                     group = _SampleGroup(stream.request_id, list(held))
@@ -299,6 +329,17 @@ class ServingLoop:
             self._finish(stream, request.finish_reason or FinishReason.STOP, error=request.error)
         else:
             stream.push()
+            if (self.on_prefilled is not None and len(request.output_token_ids) == 1
+                    and self.on_prefilled(stream)):
+                self._handed_off(request.request_id)
+
+    def _handed_off(self, request_id: str) -> None:
+        """Its decode goes on on another replica (on_prefilled took its stream): released
+        here, its pages back to the pool or the prefix cache, its stream left open."""
+        self._streams.pop(request_id, None)
+        self.controller.finish(request_id, FinishReason.STOP)
+        with self._lock:
+            self._in_flight.discard(request_id)
 
     def _release_held(self, group: _SampleGroup) -> None:
         for stream in group.take_held():
@@ -414,6 +455,8 @@ class ServingLoop:
         work = (controller.outstanding_work_s(self._decode_token_s)
                 if self._decode_token_s is not None else 0.0)
         self.load = (waiting, running, work)
+        if self._decode_token_s is not None:
+            self.queued_prefill_s = controller.outstanding_work_s(0.0)
 
 
 def _request_ids(batch: Batch) -> list[str]:

@@ -25,12 +25,14 @@ already moved `max_failovers` times) it ends with an error marked `unavailable`.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import threading
 import time
 from collections.abc import Sequence
 
+from medha_jax.cluster.offload import OffloadConfig, OffloadReplica, OffloadRequest, choose_decode
 from medha_jax.cluster.router import (NoHealthyReplica, ReplicaStatus, RouteRequest, Router,
                                       RoutingConfig)
 from medha_jax.kv_cache.allocator import prefix_page_hashes
@@ -40,6 +42,9 @@ from serving.loop import ServingLoop
 from serving.outputs import RequestStream
 
 logger = logging.getLogger(__name__)
+
+# How far back a replica's share of time on prefill steps looks (the offload decision's rho).
+PREFILL_SHARE_WINDOW_S = 10.0
 
 
 def device_groups(num_devices_per_replica: int, num_replicas: int,
@@ -110,9 +115,13 @@ class LocalReplica:
             max_model_len=engine.max_model_len, pipeline_stages=engine.num_stages)
         self.decode_token_s = decode_token_seconds(predictor, engine.max_seqs)
         self._waits_seen = 0
+        self.role = "mixed"                 # set by ReplicaSet (serving.kv_transfer.ROLES)
+        # Called on the loop thread after each step (the KV hand-off's, when one is set).
+        self.step_hooks: list = []
+        self._prefill_steps: collections.deque = collections.deque()  # (end time, seconds)
         self.loop = ServingLoop(self.controller, engine, metrics,
                                 name=f"medha-server-loop-{index}",
-                                on_step=self._refine_predictor if self.refit else None,
+                                on_step=self._on_step,
                                 replica=index,
                                 decode_token_s=self.decode_token_s if routed else None)
 
@@ -121,6 +130,29 @@ class LocalReplica:
         (Medha Algorithm 3's table; read from the router's thread)."""
         prefill_time = self.controller.prefill_time_cache.prefill_time
         return prefill_time(num_tokens) - prefill_time(cached_tokens)
+
+    @property
+    def chunk_step_s(self) -> float:
+        """Predicted seconds of a step that carries a full prefill chunk."""
+        return self.prefill_s(self.engine.config.max_tokens_per_step, 0)
+
+    def _on_step(self, collected) -> None:
+        if self.refit is not None:
+            self._refine_predictor(collected)
+        now = time.monotonic()
+        if any(not c.is_decode for c in collected.batch.chunks):
+            self._prefill_steps.append((now, collected.result.duration_s))
+        while self._prefill_steps and self._prefill_steps[0][0] < now - PREFILL_SHARE_WINDOW_S:
+            self._prefill_steps.popleft()
+        for hook in self.step_hooks:
+            hook()
+
+    @property
+    def prefill_share(self) -> float:
+        """Share of the last PREFILL_SHARE_WINDOW_S seconds this replica's steps spent
+        carrying prefill chunks (read from the router's thread: a snapshot)."""
+        steps = list(self._prefill_steps)
+        return min(1.0, sum(d for _, d in steps) / PREFILL_SHARE_WINDOW_S)
 
     def _refine_predictor(self, collected) -> None:
         """On the loop thread after each step: feeds its measured time to the online refit
@@ -165,6 +197,14 @@ def _starting_refit(engine, cache_dir):
     return refit, how + ", refined online from served steps"
 
 
+def handed_off_request(request: Request, generated: Sequence[int]) -> Request:
+    """`request` to decode on another replica after its prefill (serving.kv_transfer):
+    as `resumed_request`, but no preemption: its prompt's pages come with it."""
+    handed = resumed_request(request, generated)
+    handed.num_preemptions = request.num_preemptions
+    return handed
+
+
 def resumed_request(request: Request, generated: Sequence[int]) -> Request:
     """`request` to be re-run on another replica, with the tokens its caller has received
     (`generated`) as its output so far: that replica recomputes prompt + output as after a
@@ -196,10 +236,19 @@ class ReplicaSet:
 
     max_failovers: how many times one request may move off a failed replica (default: one
     less than the replicas, so a request that breaks every replica it lands on cannot take
-    them all down)."""
+    them all down).
+
+    roles: each replica's role (serving.kv_transfer.parse_roles: mixed, prefill, decode).
+    offload: when a request's decode leaves the replica that prefills it
+    (medha_jax.cluster.offload; default: never with only mixed replicas); disagg: the
+    hand-off's timeouts (serving.kv_transfer.DisaggConfig). With a prefill or decode role
+    or an offload gate other than "never", `transfers` moves the KV between replicas."""
 
     def __init__(self, replicas: Sequence[LocalReplica], routing: RoutingConfig, *,
-                 metrics=None, max_failovers: int | None = None):
+                 metrics=None, max_failovers: int | None = None, roles=None,
+                 offload: OffloadConfig | None = None, disagg=None):
+        from serving.kv_transfer import DECODE, MIXED, PREFILL, DisaggConfig, KVTransfers, parse_roles
+
         self.replicas = list(replicas)
         self.page_size = self.replicas[0].engine.allocator.page_size
         self.metrics = metrics
@@ -208,7 +257,22 @@ class ReplicaSet:
         self._lock = threading.Lock()
         self.router = Router(len(self.replicas), self._statuses, routing)
         self._down: set[int] = set()
-        self._exclude: int | None = None        # under _lock, for one decision
+        self._exclude: frozenset[int] = frozenset()  # under _lock, for one decision
+        self.roles = parse_roles(roles, len(self.replicas))
+        self.offload = offload or OffloadConfig("never")
+        self.offload_decisions: list = []          # (request id, OffloadDecision), bounded
+        self._decode_only = frozenset(i for i, r in enumerate(self.roles) if r == DECODE)
+        self._prefill_only = frozenset(i for i, r in enumerate(self.roles) if r == PREFILL)
+        self.transfers = None
+        if self.roles != (MIXED,) * len(self.replicas) or self.offload.gate != "never":
+            self.transfers = KVTransfers(self, disagg or DisaggConfig())
+        for replica, role in zip(self.replicas, self.roles):
+            replica.role = role
+            if self.transfers is not None:
+                index = replica.index
+                replica.loop.on_prefilled = (
+                    lambda stream, i=index: self.transfers.on_prefilled(i, stream))
+                replica.step_hooks.append(lambda i=index: self._after_step(i))
         for replica in self.replicas:
             replica.engine.allocator.on_cache_change = self._listener(replica.index)
             replica.loop.on_down = self._take_over
@@ -219,15 +283,56 @@ class ReplicaSet:
               max_new_tokens: int, *, exclude: int | None = None) -> tuple[int, float]:
         """Chooses the replica of a request: (its index, seconds the decision took).
         exclude: a replica not to choose (the one a request is moving off)."""
+        decision, seconds, _ = self._route(prompt_ids, session_id, max_new_tokens, exclude)
+        return decision.replica, seconds
+
+    def _route(self, prompt_ids, session_id, max_new_tokens, exclude=None):
+        """(router Decision, its seconds, the prompt's page hashes). Decode-only replicas
+        prefill only when no other replica is healthy."""
         hashes = tuple(prefix_page_hashes(prompt_ids, self.page_size))
+        excluded = {exclude} if exclude is not None else set()
+        if self._decode_only:
+            others = [i for i, r in enumerate(self.replicas) if r.loop.healthy
+                      and i not in self._decode_only and i not in excluded]
+            if others:
+                excluded |= self._decode_only
         with self._lock:
-            self._exclude = exclude
+            self._exclude = frozenset(excluded)
             try:
                 decision = self.router.route(RouteRequest(len(prompt_ids), hashes,
                                                           session_id, max_new_tokens))
             finally:
-                self._exclude = None
-            return decision.replica, self.router.decision_seconds[-1]
+                self._exclude = frozenset()
+            return decision, self.router.decision_seconds[-1], hashes
+
+    def offload_decision(self, prefill: int, prompt_len: int, cached_tokens: int,
+                         max_new_tokens: int, hashes: Sequence[bytes]):
+        """medha_jax.cluster.offload.choose_decode on the replicas as they are now."""
+        cached_pages = self.router.index.cached_pages(tuple(hashes))
+        engine = self.replicas[prefill].engine
+        k = engine.kv_cache.k if engine.kv_cache is not None else None
+        page_bytes = 0 if k is None else 2 * k.shape[0] * k.shape[2] * k.shape[3] * k.dtype.itemsize
+        request = OffloadRequest(prompt_len, cached_tokens, max_new_tokens,
+                                 self.replicas[prefill].prefill_s(prompt_len, cached_tokens),
+                                 prompt_len // self.page_size, page_bytes)
+        views = [OffloadReplica(can_decode=r.loop.healthy, prefill_only=i in self._prefill_only,
+                                queued_prefill_s=r.loop.queued_prefill_s,
+                                chunk_step_s=r.chunk_step_s, decode_token_s=r.decode_token_s,
+                                cached_pages=cached_pages[i], prefill_share=r.prefill_share)
+                 for i, r in enumerate(self.replicas)]
+        return choose_decode(request, prefill, views, self.offload)
+
+    def decode_target(self, prefill: int, exclude=frozenset()) -> int | None:
+        """Another replica to decode a request prefilled on `prefill` (its pages re-homed
+        after a decode replica failed): the healthy decoder with the least queued work."""
+        candidates = [i for i, r in enumerate(self.replicas) if r.loop.healthy
+                      and i not in self._prefill_only and i not in exclude]
+        return min(candidates, key=lambda i: (self.replicas[i].loop.load[2], i), default=None)
+
+    def _after_step(self, replica: int) -> None:
+        transfers = self.transfers
+        transfers.after_step(replica)
+        transfers.after_decode_step(replica)
 
     def submit(self, stream_for, prompt_ids: Sequence[int], session_id: str | None,
                max_new_tokens: int):
@@ -235,10 +340,20 @@ class ReplicaSet:
         gives its (stream, held streams). A replica that went down in between is skipped;
         raises NoHealthyReplica when none is left. Returns (replica, streams)."""
         for _ in range(len(self.replicas)):
-            replica, decision_s = self.place(prompt_ids, session_id, max_new_tokens)
+            decision, decision_s, hashes = self._route(prompt_ids, session_id, max_new_tokens)
+            replica = decision.replica
             if self.metrics is not None:
                 self.metrics.observe_routed(replica, decision_s)
             stream, held = stream_for(replica)
+            if self.transfers is not None and not held:
+                offload = self.offload_decision(replica, len(prompt_ids),
+                                                decision.cached_tokens, max_new_tokens, hashes)
+                if len(self.offload_decisions) >= 10_000:
+                    del self.offload_decisions[:5_000]
+                self.offload_decisions.append((stream.request_id, offload))
+                if offload.decode is not None:
+                    self.transfers.begin(stream, replica, offload.decode)
+                    return replica, (stream,)
             try:
                 self.replicas[replica].loop.add(stream, held=held)
                 return replica, (stream, *held)
@@ -253,10 +368,29 @@ class ReplicaSet:
         when it went down); each is re-run elsewhere or ends as unavailable."""
         if loop.down_reason is not None:
             self._mark_down(loop.replica)
+            if self.transfers is not None:
+                self.transfers.replica_down(loop.replica)
         for stream in streams:
+            if self.transfers is not None and self.transfers.take_back(stream, loop.replica):
+                continue                  # its pages go to another decode replica
             if self.metrics is not None:
                 self.metrics.observe_failover(loop.replica)
             self._rerun(stream, reason)
+
+    def rerun(self, stream: RequestStream, reason: str, colocated: int | None = None) -> None:
+        """A hand-off given up (serving.kv_transfer): the request is served on `colocated`
+        when that replica is healthy (prefill and decode there), else re-run elsewhere."""
+        if colocated is not None and self.replicas[colocated].loop.healthy:
+            try:
+                self.replicas[colocated].loop.add(stream)
+                return
+            except RuntimeError:
+                pass
+        self._rerun(stream, reason)
+
+    def end_stream(self, stream: RequestStream, reason: str) -> None:
+        """Ends a stream held by no loop (a hand-off between replicas) for its caller."""
+        self._end(stream, FinishReason(reason))
 
     def _rerun(self, stream: RequestStream, reason: str) -> None:
         generated = stream.generated
@@ -320,7 +454,7 @@ class ReplicaSet:
                 prefill_s=replica.prefill_s, page_size=self.page_size, num_waiting=waiting,
                 num_running=running, queued_work_s=queued_work_s,
                 decode_token_s=replica.decode_token_s,
-                healthy=replica.loop.healthy and replica.index != self._exclude))
+                healthy=replica.loop.healthy and replica.index not in self._exclude))
         return statuses
 
     def _listener(self, replica: int):

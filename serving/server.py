@@ -82,7 +82,8 @@ class Server:
                  metrics_port: int | None = None, warmup: bool | str = "background",
                  predictor=None, cache_dir=None,
                  limits: validation.RequestLimits | None = None, replicas: int = 1,
-                 router: str | RoutingConfig = PREDICTED_TIME, cluster: None = None):
+                 router: str | RoutingConfig = PREDICTED_TIME, cluster: None = None,
+                 roles=None, offload=None, disagg=None):
         """model: a preset name, a Hugging Face directory, a .gguf file, a loaded Model, or
         an Engine to reuse (already compiled; then parallel, dtype and engine_config must
         be None). One engine serves one Server at a time.
@@ -119,6 +120,11 @@ class Server:
           RoutingConfig. `output.metrics.replica` says which served a request.
         cluster: "ray" or a Ray address: each replica in a Ray actor of its own, on any
           host of that cluster (serving.ray_cluster.RayServer; its docstring says more).
+        roles: with several replicas, what each does: "prefill:1,decode:1" (counts in
+          replica order) or one of mixed / prefill / decode per replica (default: all
+          mixed). offload: when a request's decode moves off the replica that prefilled
+          it, a gate name or an OffloadConfig (medha_jax.cluster.offload; default "never"
+          for mixed replicas). disagg: the hand-off's timeouts (serving.kv_transfer).
         """
         # Heavy imports here, so `import serving.server` (and medha_jax) stays cheap.
         from medha_jax.engine import Engine, EngineConfig
@@ -194,8 +200,17 @@ class Server:
         # Random per server, so no caller can name another's request by guessing.
         self._id_prefix = f"req-{secrets.token_hex(4)}"
         self._loops = [replica.loop for replica in self.replicas]
-        self._replica_set = (ReplicaSet(self.replicas, routing, metrics=self.metrics)
+        if isinstance(offload, str):
+            from medha_jax.cluster.offload import OffloadConfig
+            offload = OffloadConfig(offload)
+        if (roles is not None or offload is not None) and len(self.replicas) < 2:
+            raise ValueError("roles and offload need replicas >= 2 (a hand-off goes from "
+                             "one replica to another)")
+        self._replica_set = (ReplicaSet(self.replicas, routing, metrics=self.metrics,
+                                        roles=roles, offload=offload, disagg=disagg)
                              if len(self.replicas) > 1 else None)
+        if warmup and self._replica_set is not None and self._replica_set.transfers is not None:
+            self._replica_set.transfers.warmup()     # before any request: the loops are idle
         self.metrics_port = (self.metrics.serve_http(metrics_port)
                              if metrics_port is not None else None)
 
@@ -402,7 +417,9 @@ class Server:
         return self._cancel_sample(id)
 
     def _cancel_sample(self, id: str) -> bool:
-        return any([loop.cancel(id) for loop in self._loops])     # a list: ask every one
+        transfers = self._replica_set.transfers if self._replica_set is not None else None
+        found = [loop.cancel(id) for loop in self._loops]     # a list: ask every one
+        return any(found) or (transfers is not None and transfers.cancel(id))
 
     def metrics_text(self) -> str:
         return self.metrics.text()
@@ -412,6 +429,8 @@ class Server:
         finish), joins the loop thread and frees every KV page. Idempotent."""
         for loop in self._loops:
             loop.close(drain=drain, timeout=timeout)
+        if self._replica_set is not None and self._replica_set.transfers is not None:
+            self._replica_set.transfers.close()
         self.metrics.close()
         for replica in self.replicas:
             replica.engine.stop_warmup()

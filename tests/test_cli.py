@@ -51,6 +51,9 @@ def test_generate_prints_the_greedy_text(model_dir, capsys):
     (["generate", "hi", "--policy", "fifo"], "unknown policy 'fifo'"),
     (["serve", "--router", "random"], "unknown routing policy 'random'"),
     (["serve", "--replicas", "0"], "--replicas must be >= 1, got 0"),
+    (["serve", "--replicas", "2", "--roles", "x:2"], "unknown role 'x'"),
+    (["serve", "--replicas", "2", "--roles", "prefill:1,decode:2"], "roles name 3 replicas"),
+    (["serve", "--replicas", "2", "--offload", "sometimes"], "unknown gate 'sometimes'"),
 ])
 def test_errors_name_the_value(model_dir, capsys, argv, message):
     assert main([*argv, "--model", model_dir, *SMALL_ENGINE]) == 2

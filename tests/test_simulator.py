@@ -181,3 +181,37 @@ def test_predicted_time_routing_earns_the_cache_hits_round_robin_loses():
     with pytest.raises(ValueError, match="prompt token ids"):
         simulate(to_requests(_multi_turn_trace(2, 1)), scheduler="lars", model=LLAMA_8B,
                  parallel=ParallelConfig(), hardware="h100", prefix_caching=True)
+
+
+def test_simulated_handoff_decodes_elsewhere_and_prices_the_transfer():
+    """offload always (always-heavy at 1 token): every request prefills on its routed
+    replica and decodes on the other; its output is whole; the decode side starts from
+    the moved pages (cached, not recomputed). A 1 GB/s link delays each decode's start
+    by its pages' transfer less what the prefill hid; shipped at the end, by all of it."""
+    from medha_jax.cluster.offload import OffloadConfig
+
+    requests = to_requests(_multi_turn_trace(4, 2), vocab_size=32_000)
+
+    def run(link, stream_chunks=True, gate="always-heavy"):
+        return simulate(requests, scheduler="lars-mp", model=LLAMA_8B,
+                        parallel=ParallelConfig(), hardware="h100", num_replicas=2,
+                        prefix_caching=True, stream_chunks=stream_chunks,
+                        offload=OffloadConfig(gate, heavy_new_tokens=1, link_bytes_per_s=link,
+                                              handshake_s=0.0))
+    fast, slow, at_end = run(1e15), run(1e9), run(1e9, stream_chunks=False)
+    for result in (fast, slow, at_end):
+        assert all(r.state is RequestState.FINISHED for r in result.requests)
+        assert all(len(r.output_token_ids) == r.max_new_tokens for r in result.requests)
+        assert set(result.decoded_on) == {r.request_id for r in result.requests}
+        assert all(result.decoded_on[r] != result.replica_of[r] for r in result.decoded_on)
+    gap = lambda result: sum(r.finish_time - r.first_token_time for r in result.requests)  # noqa: E731
+    assert gap(fast) < gap(slow) < gap(at_end)
+    page_bytes = LLAMA_8B.kv_bytes_per_token(2) * 16
+    moved = sum(r.prompt_len // 16 for r in requests) * page_bytes / 1e9
+    # At most every prompt page at 1 GB/s (a turn 2 finds turn 1's pages there already).
+    assert 0.3 * moved < gap(at_end) - gap(fast) <= 1.05 * moved
+    never = run(1e9, gate="never")
+    assert not never.decoded_on
+    with pytest.raises(ValueError, match="offload needs prefix_caching"):
+        simulate(requests, scheduler="lars", model=LLAMA_8B, parallel=ParallelConfig(),
+                 hardware="h100", num_replicas=2, offload=OffloadConfig())

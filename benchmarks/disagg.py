@@ -1,0 +1,351 @@
+"""Prefill/decode disaggregation on this machine (seeds 003, 001): two replicas in one
+process, one Server, the offload gate switched between runs.
+
+    python -m benchmarks.disagg --quick              # a few minutes on a 2-core CPU
+    python -m benchmarks.disagg --json results/disagg.json
+
+Four tables:
+
+(a) transfer bandwidth: `PageCopier` (gather on replica 0's devices, `jax.device_put` to
+    replica 1's, scatter there) of N pages, waited for; median of --repeats copies.
+(b) the hand-off's gap: one long prompt at a time, prefilled on replica 0 and decoded on
+    replica 1, streamed (pages move after each chunk's step) vs shipped at the end (every
+    page after the prefill), against co-located; gap = arrival of token 2 - arrival of
+    token 1 at the client (the decode's start on the other replica: the transfer's exposed
+    part + the handshake's ack + the first decode step), next to one prefill chunk's time
+    (prefill seconds / chunks).
+(c) seed 003's H8 experiment at this scale: --sessions concurrent multi-turn sessions
+    (closed loop: a session's next turn right after its last), a third of them HEAVY (a
+    cold first turn of --heavy-tokens new tokens), the rest WARM (--warm-tokens); every
+    later turn adds --turn-tokens. Per gate (co-located = never, always-offload,
+    cached-fraction >= 0.3, time comparison): TTFT p50, decode TPOT p90 (over requests,
+    each request's mean seconds per output token after the first), requests offloaded.
+(d) H6: the next turn's cached share of its prompt after a disaggregated turn vs after a
+    co-located one (turns of (c)).
+(e) the same experiment simulated at --sim-replicas replicas (llama3-8b, one H100 each,
+    the analytical predictor, real prefix caches; `simulate(offload=...)` models the
+    handshake and the transfer): sessions whose first turn is HEAVY (20K cold tokens, half
+    of them) or WARM (2K), later turns +500 tokens 1-2 s apart, 200-token answers, sessions
+    starting over 10 s; per gate and link (NVLink 450 GB/s a direction, 200 Gb/s = 25 GB/s): TTFT
+    p50/p90, TPOT p90, offloaded, the prefill side's prefix hit rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import threading
+import time
+from collections.abc import Sequence
+
+from benchmarks.report import environment, table
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.disagg", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="tiny model, fewer sessions")
+    p.add_argument("--json", default=None, help="write every figure and the context here")
+    p.add_argument("--model", default=None, help="model preset (default smollm2-135m; "
+                                                 "--quick tiny)")
+    p.add_argument("--sessions", type=int, default=None, help="(c) sessions (default 12; "
+                                                               "--quick 6)")
+    p.add_argument("--turns", type=int, default=None, help="(c) turns per session (4; 3)")
+    p.add_argument("--heavy-tokens", type=int, default=None, help="(c) HEAVY first turn")
+    p.add_argument("--warm-tokens", type=int, default=64, help="(c) WARM first turn")
+    p.add_argument("--turn-tokens", type=int, default=32, help="(c) new tokens a later turn")
+    p.add_argument("--output-tokens", type=int, default=None, help="(c) tokens per answer")
+    p.add_argument("--prompt-tokens", type=int, default=None, help="(b) the long prompt")
+    p.add_argument("--repeats", type=int, default=None, help="(a), (b) repetitions")
+    p.add_argument("--gates", default="never,always,cached-fraction,time",
+                   help="(c) gates, comma-separated")
+    p.add_argument("--sim-replicas", type=int, default=16, help="(e) simulated replicas")
+    p.add_argument("--sim-sessions", type=int, default=None,
+                   help="(e) sessions (default 96; --quick 48)")
+    p.add_argument("--skip", default="", help="parts to skip, e.g. a,b")
+    return p.parse_args(argv)
+
+
+def percentile(values, q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    k = (len(values) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+
+
+def make_server(args):
+    from medha_jax.cluster.offload import OffloadConfig
+    from medha_jax.engine import EngineConfig
+    from medha_jax.model import load_model
+    from medha_jax.scheduler.config import SchedulerConfig
+    from serving.server import Server
+
+    engine_config = EngineConfig(page_size=16, max_kv_tokens=16_384, max_model_len=2048,
+                                 max_tokens_per_step=128 if args.quick else 256,
+                                 max_seqs=16 if args.quick else 8)
+    model = load_model(args.model, verbose=False)
+    # Transfers on from the start (a gate other than never); each run sets its own gate.
+    return Server(model, engine_config=engine_config, replicas=2, warmup=True,
+                  scheduler=SchedulerConfig("lars-mp", target_batch_time_s=0.2),
+                  offload=OffloadConfig("always-heavy", heavy_new_tokens=1),
+                  metrics_port=None)
+
+
+def gate_config(name: str, server):
+    from medha_jax.cluster.offload import OffloadConfig
+
+    if name == "always":
+        return OffloadConfig("always-heavy", heavy_new_tokens=1)
+    link = getattr(server, "_measured_link_bytes_per_s", 10e9)
+    return OffloadConfig(name, link_bytes_per_s=link)
+
+
+def bandwidth(args, server) -> list[dict]:
+    """Part (a)."""
+    import jax
+    import numpy as np
+
+    copier = server._replica_set.transfers._copier(0, 1)
+    source, destination = server.replicas[0].engine, server.replicas[1].engine
+    k = source.kv_cache.k
+    page_bytes = 2 * k.shape[0] * k.shape[2] * k.shape[3] * k.dtype.itemsize
+    rows = []
+    # Between requests nothing else touches the caches; the loops are idle.
+    for pages in (8, 64, 256):
+        ids = np.arange(pages)
+        seconds = []
+        for _ in range(args.repeats + 1):
+            start = time.perf_counter()
+            copier.write(ids + 300, copier.read(ids))
+            jax.block_until_ready(destination.kv_cache.k)
+            seconds.append(time.perf_counter() - start)
+        s = statistics.median(seconds[1:])
+        rows.append({"pages": pages, "MB": pages * page_bytes / 1e6, "copy_ms": 1e3 * s,
+                     "GB_per_s": pages * page_bytes / s / 1e9})
+    server._measured_link_bytes_per_s = rows[-1]["GB_per_s"] * 1e9
+    return rows
+
+
+def stream_times(server, prompt, max_tokens: int):
+    """(submit time, arrival time of each output token) of one streamed request."""
+    from medha_jax import SamplingParams
+    from serving.server import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    start = time.perf_counter()
+    arrivals = []
+    for delta in server.generate_stream(TokensPrompt(prompt), params):
+        arrivals += [time.perf_counter()] * len(delta.token_ids)
+    return start, arrivals
+
+
+def handoff_gap(args, server) -> list[dict]:
+    """Part (b): the modes interleaved, repeat by repeat, so that a change in the machine's
+    load (2 cores shared) hits them alike."""
+    from serving.kv_transfer import DisaggConfig
+
+    replica_set = server._replica_set
+    rng = random.Random(1)
+    step_tokens = server.engine.config.max_tokens_per_step
+    modes = ("co-located", "streamed", "ship-at-end")
+    seen = {m: {"gap": [], "chunk": [], "ttft": [], "records": []} for m in modes}
+    for _ in range(args.repeats):
+        for mode in modes:
+            replica_set.offload = gate_config("never" if mode == "co-located" else "always",
+                                              server)
+            replica_set.transfers.config = DisaggConfig(stream_chunks=mode == "streamed")
+            prompt = [rng.randrange(1, server.config.vocab_size)
+                      for _ in range(args.prompt_tokens)]
+            before = len(replica_set.transfers.records)
+            start, arrivals = stream_times(server, prompt, 4)
+            got = seen[mode]
+            got["ttft"].append(arrivals[0] - start)
+            got["gap"].append(arrivals[1] - arrivals[0])
+            got["chunk"].append((arrivals[0] - start) / -(-args.prompt_tokens // step_tokens))
+            got["records"] += replica_set.transfers.records[before:]
+            time.sleep(0.2)
+    rows = []
+    for mode in modes:
+        got = seen[mode]
+        records = got["records"]
+        gap, chunk = statistics.median(got["gap"]), statistics.median(got["chunk"])
+        rows.append({"mode": mode, "prompt_tokens": args.prompt_tokens,
+                     "ttft_p50_s": statistics.median(got["ttft"]), "chunk_s": chunk,
+                     "gap_token1_to_2_p50_s": gap, "gap_over_chunk": gap / chunk,
+                     "MB_moved": statistics.mean([r.bytes_moved for r in records]) / 1e6
+                     if records else 0.0,
+                     "sending_during_prefill_s": statistics.median(
+                         [r.last_send - r.first_send for r in records]) if records else 0.0})
+    return rows
+
+
+def h8(args, server) -> tuple[list[dict], list[dict]]:
+    """Parts (c) and (d)."""
+    from medha_jax import SamplingParams
+    from serving.server import TokensPrompt
+
+    replica_set = server._replica_set
+    vocab = server.config.vocab_size
+    rows, cache_rows = [], []
+    for gi, gate in enumerate(args.gates.split(",")):
+        replica_set.offload = gate_config(gate, server)
+        from serving.kv_transfer import DisaggConfig
+        replica_set.transfers.config = DisaggConfig()
+        results, lock = [], threading.Lock()
+
+        def session(i: int) -> None:
+            rng = random.Random(1000 * gi + i)
+            heavy = i % 3 == 0
+            history: list[int] = []
+            previous_offloaded = None
+            time.sleep(0.3 * i)                     # staggered starts
+            for turn in range(args.turns):
+                new = (args.heavy_tokens if heavy else args.warm_tokens) if turn == 0 \
+                    else args.turn_tokens
+                prompt = history + [rng.randrange(1, vocab) for _ in range(new)]
+                handle = server.submit(TokensPrompt(prompt), SamplingParams(
+                    temperature=0.0, max_tokens=args.output_tokens), session_id=f"{gate}-{i}")
+                out = handle.result(timeout=600)
+                offloaded = any(rid == handle.id and d.decode is not None
+                                for rid, d in replica_set.offload_decisions[-200:])
+                m = out.metrics
+                cached = m.num_cached_tokens
+                if offloaded:            # the decode side counts the moved pages as cached
+                    cached = next((r.prefill_cached_tokens for r in
+                                   reversed(replica_set.transfers.records)
+                                   if r.request_id == handle.id), cached)
+                with lock:
+                    results.append({"heavy": heavy, "turn": turn, "ttft": m.ttft,
+                                    "tpot": m.tpot, "outputs": m.num_output_tokens,
+                                    "cached": cached, "prompt": len(prompt),
+                                    "offloaded": offloaded,
+                                    "after_offloaded": previous_offloaded})
+                previous_offloaded = offloaded
+                history = prompt + list(out.token_ids)
+
+        threads = [threading.Thread(target=session, args=(i,)) for i in range(args.sessions)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        ttft = [r["ttft"] for r in results]
+        tpot = [r["tpot"] for r in results if r["outputs"] > 1]
+        warm_tpot = [r["tpot"] for r in results if r["outputs"] > 1 and not r["heavy"]]
+        rows.append({"gate": gate, "requests": len(results),
+                     "offloaded": sum(r["offloaded"] for r in results),
+                     "ttft_p50_s": percentile(ttft, 50), "ttft_p90_s": percentile(ttft, 90),
+                     "tpot_p90_s": percentile(tpot, 90),
+                     "warm_tpot_p90_s": percentile(warm_tpot, 90)})
+        for after in (True, False):
+            turns = [r for r in results if r["after_offloaded"] is after]
+            if turns:
+                cache_rows.append({
+                    "gate": gate, "previous_turn": "disaggregated" if after else "co-located",
+                    "turns": len(turns),
+                    "cached_share_of_prompt": sum(r["cached"] for r in turns)
+                    / sum(r["prompt"] for r in turns)})
+    return rows, cache_rows
+
+
+def simulated(args) -> list[dict]:
+    """Part (e)."""
+    from medha_jax.cluster.offload import OffloadConfig
+    from medha_jax.config import ParallelConfig, model_preset
+    from medha_jax.simulator import simulate
+    from medha_jax.workloads import TraceRequest, to_requests
+
+    rng = random.Random(0)
+    trace = []
+    for s in range(args.sim_sessions):
+        heavy = s % 2 == 0
+        t, length = rng.uniform(0, 10), (20_000 if heavy else 2_000)
+        for _ in range(4):
+            trace.append(TraceRequest(t, length, 200, f"s{s}"))
+            t += 1.0 + rng.expovariate(1.0)
+            length += 500
+    requests = to_requests(sorted(trace, key=lambda r: r.arrival_s), vocab_size=32_000)
+    model = model_preset("llama3-8b")
+    rows = []
+    runs = [("never", None)] + [(g, link) for link in ("nvlink", "200Gb/s")
+                                for g in ("always", "cached-fraction", "time")]
+    for gate, link in runs:
+        bandwidth = {"nvlink": 450e9, "200Gb/s": 25e9, None: 450e9}[link]
+        offload = (OffloadConfig("always-heavy", heavy_new_tokens=1, link_bytes_per_s=bandwidth)
+                   if gate == "always" else
+                   OffloadConfig(gate, link_bytes_per_s=bandwidth, handshake_s=0.0005))
+        result = simulate(requests, scheduler="lars-mp", model=model,
+                          parallel=ParallelConfig(), hardware="h100",
+                          num_replicas=args.sim_replicas, prefix_caching=True, offload=offload)
+        done = [r for r in result.requests if r.finish_time is not None]
+        ttft = [r.first_token_time - r.arrival_time for r in done]
+        tpot = [(r.finish_time - r.first_token_time) / (len(r.output_token_ids) - 1)
+                for r in done if len(r.output_token_ids) > 1]
+        rows.append({"gate": gate, "link": link or "-", "requests": len(done),
+                     "offloaded": len(result.decoded_on),
+                     "ttft_p50_s": percentile(ttft, 50), "ttft_p90_s": percentile(ttft, 90),
+                     "tpot_p90_s": percentile(tpot, 90),
+                     "prefill_hit_rate": sum(result.prefill_cached_tokens.get(
+                         r.request_id, r.num_cached_tokens) for r in done)
+                     / sum(r.prompt_len for r in done)})
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                   + " --xla_force_host_platform_device_count=2").strip()
+    args.model = args.model or ("tiny" if args.quick else "smollm2-135m")
+    args.sessions = args.sessions or (6 if args.quick else 12)
+    args.turns = args.turns or (3 if args.quick else 4)
+    args.heavy_tokens = args.heavy_tokens or (768 if args.quick else 1024)
+    args.output_tokens = args.output_tokens or (16 if args.quick else 32)
+    args.prompt_tokens = args.prompt_tokens or (1024 if args.quick else 1536)
+    args.repeats = args.repeats or (3 if args.quick else 5)
+    args.sim_sessions = args.sim_sessions or (192 if args.quick else 384)
+    skip = set(args.skip.split(",")) - {""}
+    band = gaps = runs = cached = sim = []
+    if "e" not in skip:
+        sim = simulated(args)
+        table(f"(e) simulated: {args.sim_replicas} replicas of llama3-8b (one H100 each), "
+              f"{args.sim_sessions} sessions x 4 turns, half HEAVY (20K cold tokens)", sim)
+    if not {"a", "b", "c"} - skip:
+        return _write(args, band, gaps, runs, cached, sim)
+    with make_server(args) as server:
+        if "a" not in skip:
+            band = bandwidth(args, server)
+            table(f"(a) KV page copy between the replicas' devices ({args.model}, "
+                  "gather + device_put + scatter, waited for)", band)
+        if "b" not in skip:
+            gaps = handoff_gap(args, server)
+            table(f"(b) hand-off gap: a {args.prompt_tokens}-token prompt on replica 0, "
+                  "decoded on replica 1 (median of "
+                  f"{args.repeats})", gaps)
+        if "c" not in skip:
+            runs, cached = h8(args, server)
+            table(f"(c) H8 at this scale: {args.sessions} sessions x {args.turns} turns, a "
+                  f"third HEAVY ({args.heavy_tokens} cold tokens), 2 mixed replicas, "
+                  "predicted-time router, per offload gate", runs)
+            table("(d) H6: the next turn's cached share of its prompt", cached)
+    if sim:
+        table(f"(e) simulated: {args.sim_replicas} replicas of llama3-8b (one H100 each), "
+              f"{args.sim_sessions} sessions x 4 turns, half HEAVY (20K cold tokens)", sim)
+    _write(args, band, gaps, runs, cached, sim)
+
+
+def _write(args, band, gaps, runs, cached, sim) -> None:
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"context": {**environment(), **vars(args)}, "bandwidth": band,
+                       "gap": gaps, "h8": runs, "next_turn_cache": cached,
+                       "simulated": sim}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""Whether a request's decode leaves the replica that prefills it, and for which one.
+Pure Python, no JAX: the server and the simulator call the same functions.
+
+The router has chosen the prefill replica P (where the session's prefix is cached, seed
+003: the size that matters is the new tokens to compute). Two plans:
+
+  (a) co-located: P prefills and decodes;
+  (b) offloaded:  P prefills, decode replica D decodes; P's pages move to D.
+
+The first token is sampled on P in both, so TTFT is the same: W_P + prefill_P(new tokens).
+They differ in the decode. A decode token on replica r costs a step; while r has prefill
+work queued, its steps carry a prefill chunk too (`chunk_step_s`), so the request's first
+k = min(n, ceil(Q_r / chunk_step_s)) tokens pay chunk_step_s (Q_r: prefill seconds queued
+there now; n: the tokens to decode). Prefill keeps arriving meanwhile: rho_r, the share
+of r's recent time its steps carried prefill chunks, is the share of the remaining steps
+that carry one too:
+
+    decode_s(r) = k * chunk_step_s(r)
+                  + (n - k) * ((1 - rho_r) * decode_token_s(r) + rho_r * chunk_step_s(r))
+    (a) = decode_s(P)
+    (b) = decode_s(D) + exposed transfer + one step on D (the prompt's last partial page
+          and the first token are recomputed there)
+    exposed = handshake_s + max(0, bytes / link_bytes_per_s - hidden),
+    hidden  = max(0, prefill_P - chunk_step_s(P))
+
+Pages move after the step that filled them, so everything but the last chunk's pages
+travels while later chunks compute (`hidden`); bytes are the full prompt pages D does
+not already hold. Offload when (b) < (a) * (1 - margin). A cold turn on an idle P has
+(a) = n * decode_token_s, which (b) cannot beat: it stays.
+
+Worked numbers (test_offload.py): n = 100, P with 2 s of prefill queued at 0.1 s a
+chunk step and 0.02 s a decode token, rho 0: k = 20, (a) = 20 * 0.1 + 80 * 0.02 = 3.6 s
+(with rho = 0.5 and nothing queued: 100 * (0.01 + 0.05) = 6.0 s). An idle
+D at 0.02 s a token, 1 GB to move at 10 GB/s behind a 1.0 s prefill (hidden 0.9 s),
+handshake 5 ms: exposed = 0.005 + 0.1 - 0.9 -> 0.005 s; (b) = 2.0 + 0.005 + 0.02 =
+2.025 s: offload.
+
+Fixed gates, the baselines (each offloads to the D with the smallest (b)):
+  never; always-heavy (new tokens >= heavy_new_tokens); cached-fraction (P's cached
+  share of the prompt >= 0.3, seed 003 H4); dynamo (stays local only when the uncached
+  tokens are < 2048 and < 70% of the prompt).
+A prefill-role P always offloads when some replica can decode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+NEVER, ALWAYS_HEAVY, CACHED_FRACTION, DYNAMO, TIME = (
+    "never", "always-heavy", "cached-fraction", "dynamo", "time")
+OFFLOAD_GATES = (NEVER, ALWAYS_HEAVY, CACHED_FRACTION, DYNAMO, TIME)
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadConfig:
+    """gate: one of OFFLOAD_GATES. link_bytes_per_s: measured bandwidth between two
+    replicas' devices; handshake_s: a reservation's round trip."""
+
+    gate: str = TIME
+    margin: float = 0.1
+    heavy_new_tokens: int = 2048
+    cached_fraction: float = 0.3
+    dynamo_max_local_tokens: int = 2048
+    dynamo_max_local_fraction: float = 0.7
+    link_bytes_per_s: float = 10e9
+    handshake_s: float = 0.001
+
+    def __post_init__(self):
+        if self.gate not in OFFLOAD_GATES:
+            raise ValueError(f"OffloadConfig.gate: unknown gate {self.gate!r}; choose one of "
+                             f"{', '.join(OFFLOAD_GATES)}")
+        if not self.link_bytes_per_s > 0:
+            raise ValueError(f"OffloadConfig.link_bytes_per_s must be > 0, got "
+                             f"{self.link_bytes_per_s!r}")
+        for name in ("margin", "cached_fraction", "handshake_s", "dynamo_max_local_fraction"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"OffloadConfig.{name} must be >= 0, got {getattr(self, name)!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadReplica:
+    """One replica as the offload decision sees it. can_decode: healthy and not a
+    prefill-only replica; cached_pages: the request's full prompt pages held there."""
+
+    can_decode: bool
+    prefill_only: bool = False
+    queued_prefill_s: float = 0.0
+    chunk_step_s: float = 0.0
+    decode_token_s: float = 0.0
+    cached_pages: int = 0
+    prefill_share: float = 0.0      # rho: share of its recent time spent on prefill steps
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadRequest:
+    """prompt_len, cached_tokens on P, tokens to decode, P's predicted prefill seconds
+    of the new tokens, and its full prompt pages with their bytes."""
+
+    prompt_len: int
+    cached_tokens: int
+    max_new_tokens: int
+    prefill_s: float
+    full_pages: int
+    page_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadDecision:
+    """decode: the replica that decodes, None to stay on P. colocated_s / offloaded_s:
+    predicted decode seconds of plans (a) and (b) (b with the best D)."""
+
+    decode: int | None
+    colocated_s: float
+    offloaded_s: float
+    gate: str
+
+
+def decode_seconds(replica: OffloadReplica, num_tokens: int) -> float:
+    """Seconds to decode num_tokens there beside the prefill work queued there."""
+    if num_tokens <= 0:
+        return 0.0
+    step = max(replica.chunk_step_s, replica.decode_token_s)
+    k = (min(num_tokens, math.ceil(replica.queued_prefill_s / step - 1e-9))
+         if step > 0 and replica.queued_prefill_s > 0 else 0)
+    rho = min(max(replica.prefill_share, 0.0), 1.0)
+    return k * step + (num_tokens - k) * ((1 - rho) * replica.decode_token_s + rho * step)
+
+
+def exposed_transfer_s(request: OffloadRequest, prefill: OffloadReplica,
+                       decode: OffloadReplica, config: OffloadConfig) -> float:
+    """The hand-off's seconds the decode waits for: what the prefill does not hide."""
+    pages = max(0, request.full_pages - decode.cached_pages)
+    transfer = pages * request.page_bytes / config.link_bytes_per_s
+    hidden = max(0.0, request.prefill_s - prefill.chunk_step_s)
+    return config.handshake_s + max(0.0, transfer - hidden)
+
+
+def offloaded_seconds(request: OffloadRequest, prefill: OffloadReplica,
+                      decode: OffloadReplica, config: OffloadConfig) -> float:
+    """Plan (b)'s decode seconds with this decode replica."""
+    return (decode_seconds(decode, request.max_new_tokens)
+            + exposed_transfer_s(request, prefill, decode, config) + decode.decode_token_s)
+
+
+def choose_decode(request: OffloadRequest, prefill_index: int,
+                  replicas: Sequence[OffloadReplica],
+                  config: OffloadConfig = OffloadConfig()) -> OffloadDecision:
+    """The offload decision (see the module's docstring)."""
+    prefill = replicas[prefill_index]
+    colocated = decode_seconds(prefill, request.max_new_tokens)
+    candidates = [i for i, r in enumerate(replicas)
+                  if r.can_decode and not r.prefill_only and i != prefill_index]
+    if not candidates or request.max_new_tokens <= 1:
+        return OffloadDecision(None, colocated, math.inf, config.gate)
+    offloaded = {i: offloaded_seconds(request, prefill, replicas[i], config) for i in candidates}
+    best = min(candidates, key=lambda i: (offloaded[i], i))
+    if prefill.prefill_only:
+        return OffloadDecision(best, colocated, offloaded[best], config.gate)
+    new_tokens = request.prompt_len - request.cached_tokens
+    gate = config.gate
+    if gate == NEVER:
+        go = False
+    elif gate == ALWAYS_HEAVY:
+        go = new_tokens >= config.heavy_new_tokens
+    elif gate == CACHED_FRACTION:
+        go = request.cached_tokens >= config.cached_fraction * request.prompt_len
+    elif gate == DYNAMO:
+        go = not (new_tokens < config.dynamo_max_local_tokens
+                  and new_tokens < config.dynamo_max_local_fraction * request.prompt_len)
+    else:
+        go = offloaded[best] < colocated * (1 - config.margin)
+    return OffloadDecision(best if go else None, colocated, offloaded[best], gate)

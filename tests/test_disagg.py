@@ -1,0 +1,342 @@
+"""Prefill on one replica, decode on another (serving.kv_transfer): exact tokens, pages
+streamed per chunk and registered on the decode side, every pool returned after completed,
+cancelled and failed hand-offs (tiny model, CPU devices)."""
+
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from medha_jax.engine import Engine
+from medha_jax.kv_cache.allocator import prefix_page_hashes
+from serving.kv_copy import PageCopier
+from serving.kv_transfer import parse_roles
+from serving.server import Server, TokensPrompt
+from tests.test_replicas import GREEDY, tiny_model
+from tests.test_server import TINY_ENGINE
+
+# 70..88 tokens: 4-5 full pages, 5-6 chunks of TINY_ENGINE's 16-token steps.
+PROMPTS = [TokensPrompt(list(np.random.default_rng(i).integers(1, 256, size=70 + 9 * i)))
+           for i in range(3)]
+LONG = TokensPrompt(list(np.random.default_rng(7).integers(1, 256, size=200)))
+
+
+@pytest.fixture(scope="module")
+def colocated_tokens():
+    with Server(tiny_model(), engine_config=TINY_ENGINE, warmup=False) as server:
+        return [out.token_ids for out in server.generate(PROMPTS + [LONG], GREEDY)]
+
+
+def pools_full(server, replicas=None, timeout=30.0) -> bool:
+    """Every (listed) replica's pool back to all free (cached pages count as free)."""
+    allocators = [r.engine.allocator for i, r in enumerate(server.replicas)
+                  if replicas is None or i in replicas]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(a.num_free_pages == a.num_pages for a in allocators) and \
+                server._replica_set.transfers.in_flight == 0:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def on_loop(server, replica, fn):
+    """Runs fn on the replica's loop thread and returns its result."""
+    done, out = threading.Event(), []
+
+    def run():
+        try:
+            out.append(fn())
+        finally:
+            done.set()
+    assert server.replicas[replica].loop.call(run)
+    assert done.wait(30)
+    return out[0] if out else None
+
+
+def test_roles_parse_and_bad_ones_are_named():
+    assert parse_roles("prefill:1,decode:2", 3) == ("prefill", "decode", "decode")
+    assert parse_roles(None, 2) == ("mixed", "mixed")
+    assert parse_roles(["mixed", "decode"], 2) == ("mixed", "decode")
+    with pytest.raises(ValueError, match="unknown role 'x'"):
+        parse_roles("x:1,decode:1", 2)
+    with pytest.raises(ValueError, match="roles name 3 replicas but replicas=2"):
+        parse_roles("prefill:1,decode:2", 2)
+    with pytest.raises(ValueError, match="at least one must prefill"):
+        parse_roles("decode:2", 2)
+    with pytest.raises(ValueError, match="roles and offload need replicas >= 2"):
+        Server(tiny_model(), engine_config=TINY_ENGINE, warmup=False, roles="mixed:1")
+
+
+def test_disaggregated_tokens_equal_colocated_pages_streamed_and_registered(colocated_tokens):
+    """prefill:1,decode:1: every prompt prefills on replica 0 and decodes on replica 1 with
+    replica 0's greedy tokens; its pages moved in several sends, before the prefill's end;
+    they are in replica 1's prefix cache under the prompt's hashes (seed 003 H6) and in
+    replica 0's (kept after the ack); every page of both pools comes back."""
+    with Server(tiny_model(), engine_config=TINY_ENGINE, warmup=False, replicas=2,
+                roles="prefill:1,decode:1") as server:
+        outputs = server.generate(PROMPTS, GREEDY)
+        assert [o.token_ids for o in outputs] == colocated_tokens[:3]
+        assert [o.metrics.replica for o in outputs] == [1, 1, 1]
+        transfers = server._replica_set.transfers
+        assert pools_full(server)
+        records = transfers.records
+        assert len(records) == 3
+        for record in records:
+            assert (record.prefill, record.decode) == (0, 1)
+            # Streamed: the first pages left before the prefill ended.
+            assert record.first_send < record.last_send <= record.prefilled
+        hashes = prefix_page_hashes(PROMPTS[2].prompt_token_ids, TINY_ENGINE.page_size)
+        held = server.router.index.cached_pages(tuple(hashes))
+        assert held == [len(hashes), len(hashes)], held
+        assert transfers.stale_writes == 0
+
+
+def test_next_turn_on_the_decode_replica_hits_the_moved_pages(colocated_tokens):
+    """Offload between mixed replicas (gate always-heavy at 1 token): turn 1 prefills on
+    one and decodes on the other; turn 2 sent to the decode replica finds turn 1's prompt
+    pages there (they were moved, not computed there)."""
+    from medha_jax.cluster.offload import OffloadConfig
+
+    with Server(tiny_model(), engine_config=TINY_ENGINE, warmup=False, replicas=2,
+                router="round-robin",
+                offload=OffloadConfig("always-heavy", heavy_new_tokens=1)) as server:
+        first = server.generate(PROMPTS[1], GREEDY)
+        assert first.token_ids == colocated_tokens[1]
+        decoded_on = first.metrics.replica
+        assert server._replica_set.transfers.records[0].decode == decoded_on
+        assert pools_full(server)
+        server._replica_set.offload = OffloadConfig("never")
+        server._replica_set.router._round_robin_next = decoded_on
+        turn2 = list(PROMPTS[1].prompt_token_ids) + list(first.token_ids) + [5, 6, 7]
+        second = server.generate(TokensPrompt(turn2), GREEDY)
+        assert second.metrics.replica == decoded_on
+        full = len(PROMPTS[1].prompt_token_ids) // TINY_ENGINE.page_size * TINY_ENGINE.page_size
+        assert second.metrics.num_cached_tokens >= full
+
+
+def test_cancel_mid_transfer_returns_every_page_and_stale_writes_are_dropped(
+        colocated_tokens):
+    with Server(tiny_model(), engine_config=TINY_ENGINE, warmup=False, replicas=2,
+                roles="prefill:1,decode:1") as server:
+        transfers = server._replica_set.transfers
+        handle = server.submit(LONG, GREEDY)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            t = transfers._by_id.get(handle.id)
+            if t is not None and t.sent > 0:
+                break
+            time.sleep(0.005)
+        assert t is not None and 0 < t.sent < t.num_pages, "cancel came too late"
+        assert handle.cancel()
+        assert handle.result(timeout=60).finish_reason == "cancelled"
+        assert pools_full(server)
+        # A write of the cancelled transfer's id, arriving now, writes nothing.
+        decode = server.replicas[1].engine
+        before = np.asarray(decode.kv_cache.k)
+        copier = transfers._copier(0, 1)
+        chunk = on_loop(server, 0, lambda: copier.read(np.arange(2)))
+        stale = transfers.stale_writes
+        on_loop(server, 1, lambda: transfers._land(1, copier, f"kv-in:{handle.id}:{t.tid}",
+                                                   0, 2, chunk))
+        assert transfers.stale_writes == stale + 1
+        np.testing.assert_array_equal(np.asarray(decode.kv_cache.k), before)
+        # And the pool still serves.
+        assert server.generate(PROMPTS[0], GREEDY).token_ids == colocated_tokens[0]
+
+
+def fail_steps_after(server, replica, request_steps):
+    """From the replica's request_steps-th step on, every step fails (the device is
+    gone): it goes down after 3."""
+    engine = server.replicas[replica].engine
+    dispatch, count = engine.dispatch, []
+
+    def failing(batch):
+        count.append(1)
+        if len(count) > request_steps:
+            raise RuntimeError("device lost")
+        return dispatch(batch)
+    engine.dispatch = failing
+    return count
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_prefill_side_dies_mid_transfer_decode_side_keeps_what_arrived(colocated_tokens):
+    """The prefill replica fails after 6 of the long prompt's 13 chunks: the request is
+    re-run on the decode replica, which holds the pages that arrived as prefix cache and
+    computes only the rest; greedy tokens unchanged; both pools full afterwards."""
+    with Server(tiny_model(), engine_config=TINY_ENGINE, warmup=False, replicas=2,
+                roles="prefill:1,decode:1") as server:
+        fail_steps_after(server, 0, 6)
+        out = server.submit(LONG, GREEDY).result(timeout=120)
+        assert out.token_ids == colocated_tokens[3]
+        assert out.metrics.replica == 1
+        assert out.metrics.num_cached_tokens >= 4 * TINY_ENGINE.page_size
+        assert pools_full(server)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_decode_side_dies_before_ack_pages_go_to_another_decode_replica(colocated_tokens):
+    """prefill:1,decode:2; decode replica 1 dies as the hand-off reaches it: the prefill
+    side still holds the pages and gives them to replica 2, without prefilling again;
+    tokens unchanged; the live pools and the dead one's are full afterwards."""
+    with Server(tiny_model(), engine_config=TINY_ENGINE, warmup=False, replicas=3,
+                roles="prefill:1,decode:2") as server:
+        transfers = server._replica_set.transfers
+        hand, killed = transfers._hand, []
+
+        def die():
+            raise SystemExit("the decode replica's loop thread is gone")
+
+        def hand_and_kill(t, tid):
+            if not killed and t.decode == 1:
+                killed.append(t.request_id)
+                server.replicas[1].loop.call(die)
+            return hand(t, tid)
+        transfers._hand = hand_and_kill
+        prefilled = []
+        dispatch = server.replicas[0].engine.dispatch
+
+        def counting(batch):
+            prefilled.extend(c.num_tokens for c in batch.chunks)
+            return dispatch(batch)
+        server.replicas[0].engine.dispatch = counting
+        out = server.submit(PROMPTS[2], GREEDY).result(timeout=120)
+        assert killed and out.token_ids == colocated_tokens[2]
+        assert out.metrics.replica == 2
+        assert sum(prefilled) == len(PROMPTS[2].prompt_token_ids)      # prefilled once
+        assert not server.replicas[1].loop.healthy
+        assert pools_full(server)
+
+
+@pytest.mark.parametrize("source, destination", [
+    (dict(tp=1), dict(tp=2)), (dict(tp=2), dict(tp=1)), (dict(tp=1), dict(kvp=2)),
+    (dict(kvp=2), dict(tp=2))])
+def test_page_copier_moves_pages_between_meshes(source, destination):
+    """Pages copied between replicas of different tp / kvp land bit-equal (the tiny
+    model has 2 K/V heads, so tp in {1, 2} keeps the folded head axis's layout)."""
+    from medha_jax.model import KVCache
+    from meshes import ParallelConfig, make_mesh
+
+    devices = jax.devices()
+    src_par, dst_par = ParallelConfig(**source), ParallelConfig(**destination)
+    base = tiny_model()
+    src = Engine(base.on_mesh(make_mesh(src_par, devices[:src_par.num_devices])),
+                 TINY_ENGINE)
+    dst = Engine(base.on_mesh(make_mesh(dst_par, devices[4:4 + dst_par.num_devices])),
+                 TINY_ENGINE)
+    rng = np.random.default_rng(0)
+    values = rng.standard_normal(src.kv_cache.k.shape).astype(np.float32)
+    src.kv_cache = KVCache(*(jax.device_put(v.astype(src.kv_cache.k.dtype),
+                                            src.kv_cache.k.sharding)
+                             for v in (values, -values)))
+    copier = PageCopier(src, dst)
+    src_ids = np.array([3, 17, 4, 60, 61])
+    dst_ids = np.array([100, 0, 5, 6, 127])
+    copier.write(dst_ids, copier.read(src_ids))
+    k, v = np.asarray(dst.kv_cache.k), np.asarray(dst.kv_cache.v)
+    np.testing.assert_array_equal(k[:, dst_ids], values[:, src_ids])
+    np.testing.assert_array_equal(v[:, dst_ids], -values[:, src_ids])
+    untouched = np.setdiff1d(np.arange(k.shape[1]), dst_ids)
+    assert not k[:, untouched].any()
+    assert dst.kv_cache.k.sharding == dst._kv_cache_spec.k.sharding
+
+
+class _InlineLoop:
+    """A replica loop that runs posted calls at once and records added streams."""
+
+    healthy, closing, down_reason = True, False, None
+
+    def __init__(self):
+        self.added = []
+        self.thread = threading.current_thread()
+
+    def call(self, fn):
+        fn()
+        return True
+
+    def add(self, stream):
+        self.added.append(stream.request_id)
+
+
+class _Set:
+    """The ReplicaSet surface KVTransfers uses: two replicas' allocators and loops."""
+
+    page_size = 16
+
+    def __init__(self, pages):
+        from types import SimpleNamespace
+
+        from medha_jax.kv_cache.allocator import BlockAllocator
+        self.replicas = [SimpleNamespace(engine=SimpleNamespace(
+            allocator=BlockAllocator(n, 16)), loop=_InlineLoop()) for n in pages]
+        self.reruns = []
+
+    def rerun(self, stream, reason, colocated=None):
+        self.reruns.append((stream.request_id, colocated))
+
+
+def _stream(rid, prompt_len):
+    from types import SimpleNamespace
+
+    from medha_jax.request import Request
+    request = Request(request_id=rid, prompt_len=prompt_len, max_new_tokens=4,
+                      arrival_time=0.0, prompt_token_ids=list(range(1, prompt_len + 1)))
+    return SimpleNamespace(request=request, request_id=rid)
+
+
+def test_handshakes_are_granted_in_arrival_order_and_time_out_to_colocated():
+    """The decode side has 10 pages, 6 taken: A (8 pages) waits, and B (2 pages), which
+    would fit, waits behind it; when the pages come back both are granted, A first, and
+    only then reach the prefill replica. A handshake past its timeout goes co-located and
+    its reservation is never taken."""
+    from serving.kv_transfer import DisaggConfig, KVTransfers
+
+    replica_set = _Set([64, 10])
+    decode = replica_set.replicas[1].engine.allocator
+    decode.allocate("blocker")
+    assert decode.reserve("blocker", 6 * 16)
+    transfers = KVTransfers(replica_set, DisaggConfig(handshake_timeout_s=5.0,
+                                                      sweep_interval_s=None))
+    transfers.begin(_stream("A", 8 * 16 + 3), 0, 1)
+    transfers.begin(_stream("B", 2 * 16 + 3), 0, 1)
+    assert replica_set.replicas[0].loop.added == []
+    assert decode.num_free_pages == 4                    # B did not pass A
+    decode.free("blocker")
+    transfers._settle(1)
+    assert replica_set.replicas[0].loop.added == ["A", "B"]
+    assert decode.num_free_pages == 0
+    # C waits for pages no one gives back: past its timeout it runs co-located.
+    transfers.begin(_stream("C", 16 + 3), 0, 1)
+    transfers.sweep(time.monotonic() + 6.0)
+    assert replica_set.reruns == [("C", 0)]
+    assert transfers.in_flight == 2                     # A and B stream on
+    for rid in ("A", "B"):
+        transfers._abort(transfers._by_id[rid])
+    assert decode.num_free_pages == 10 and transfers.in_flight == 0
+
+
+def test_warm_up_compiles_every_copy_shape_and_changes_no_page():
+    from medha_jax.model import KVCache
+    from serving.kv_copy import gather_pages, page_scatter, warm_up
+
+    base = tiny_model()
+    engines = [Engine(base.on_mesh(jax.sharding.Mesh(np.array([d]).reshape(
+        base.mesh.devices.shape), base.mesh.axis_names)), TINY_ENGINE)
+        for d in jax.devices()[2:4]]
+    values = np.random.default_rng(1).standard_normal(
+        engines[0].kv_cache.k.shape).astype(np.float32)
+    for engine in engines:
+        engine.kv_cache = KVCache(*(jax.device_put(v, engine.kv_cache.k.sharding)
+                                    for v in (values, values)))
+    scatters = [page_scatter(e) for e in engines]
+    assert [warm_up(e, s, 16) for e, s in zip(engines, scatters)] == [5, 5]
+    for engine in engines:
+        np.testing.assert_array_equal(np.asarray(engine.kv_cache.k), values)
+    compiled = (gather_pages._cache_size(), scatters[1]._cache_size())
+    copier = PageCopier(engines[0], engines[1], scatters[1])
+    copier.write(np.arange(9), copier.read(np.arange(20, 29)))      # 9 -> 16 pages
+    assert (gather_pages._cache_size(), scatters[1]._cache_size()) == compiled
+    np.testing.assert_array_equal(np.asarray(engines[1].kv_cache.k)[:, :9], values[:, 20:29])

@@ -1,0 +1,88 @@
+"""The offload decision (medha_jax.cluster.offload): worked numbers, the fixed gates."""
+
+import math
+
+import pytest
+
+from medha_jax.cluster.offload import (OffloadConfig, OffloadReplica, OffloadRequest,
+                                       choose_decode, decode_seconds, exposed_transfer_s)
+
+BUSY_P = OffloadReplica(True, queued_prefill_s=2.0, chunk_step_s=0.1, decode_token_s=0.02)
+IDLE = OffloadReplica(True, chunk_step_s=0.1, decode_token_s=0.02)
+# 1 GB of pages (1000 pages of 1 MB) behind a 1.0 s prefill.
+REQ = OffloadRequest(prompt_len=16_000, cached_tokens=0, max_new_tokens=100, prefill_s=1.0,
+                     full_pages=1000, page_bytes=1_000_000)
+CFG = OffloadConfig(link_bytes_per_s=10e9, handshake_s=0.005)
+
+
+def test_the_docstrings_worked_numbers():
+    # 2 s of prefill queued at 0.1 s a step: the first 20 tokens pay a chunk step.
+    assert decode_seconds(BUSY_P, 100) == pytest.approx(20 * 0.1 + 80 * 0.02)      # 3.6
+    assert decode_seconds(IDLE, 100) == pytest.approx(2.0)
+    # 0.1 s of transfer, 0.9 s of prefill to hide it behind: only the handshake shows.
+    assert exposed_transfer_s(REQ, BUSY_P, IDLE, CFG) == pytest.approx(0.005)
+    d = choose_decode(REQ, 0, [BUSY_P, IDLE], CFG)
+    assert d.decode == 1
+    assert (d.colocated_s, d.offloaded_s) == (pytest.approx(3.6), pytest.approx(2.025))
+
+
+def test_prefill_arriving_during_the_decode_counts_through_its_recent_share():
+    busy = OffloadReplica(True, chunk_step_s=0.1, decode_token_s=0.02, prefill_share=0.5)
+    assert decode_seconds(busy, 100) == pytest.approx(100 * (0.5 * 0.02 + 0.5 * 0.1))  # 6.0
+    assert choose_decode(REQ, 0, [busy, IDLE], CFG).decode == 1
+    assert choose_decode(REQ, 1, [busy, IDLE], CFG).decode is None
+
+
+def test_a_cold_turn_on_an_idle_replica_stays():
+    d = choose_decode(REQ, 0, [IDLE, IDLE], CFG)
+    assert d.decode is None and d.offloaded_s > d.colocated_s
+
+
+def test_transfer_not_hidden_behind_a_short_prefill_keeps_the_decode_home():
+    """A 10 GB/s link moves 100 GB in 10 s; a 0.2 s prefill hides 0.1 s of it: 9.9 s
+    exposed beats 1.6 s of interference saved -> stays."""
+    big = OffloadRequest(16_000, 15_000, 100, 0.2, 100_000, 1_000_000)
+    d = choose_decode(big, 0, [BUSY_P, IDLE], CFG)
+    assert d.decode is None
+    assert exposed_transfer_s(big, BUSY_P, IDLE, CFG) == pytest.approx(0.005 + 10.0 - 0.1)
+    # Pages the decode replica already holds do not move.
+    warm = OffloadReplica(True, chunk_step_s=0.1, decode_token_s=0.02, cached_pages=99_990)
+    assert exposed_transfer_s(big, BUSY_P, warm, CFG) == pytest.approx(0.005)
+    assert choose_decode(big, 0, [BUSY_P, warm], CFG).decode == 1
+
+
+def test_the_decode_replica_with_the_least_predicted_time_wins():
+    loaded = OffloadReplica(True, queued_prefill_s=1.0, chunk_step_s=0.1, decode_token_s=0.02)
+    d = choose_decode(REQ, 0, [BUSY_P, loaded, IDLE], CFG)
+    assert d.decode == 2
+    down = OffloadReplica(False, chunk_step_s=0.1, decode_token_s=0.02)
+    assert choose_decode(REQ, 0, [BUSY_P, loaded, down], CFG).decode == 1
+
+
+def test_a_prefill_only_replica_always_hands_off_when_someone_can_decode():
+    p = OffloadReplica(True, prefill_only=True, decode_token_s=0.02)
+    assert choose_decode(REQ, 0, [p, IDLE], OffloadConfig("never")).decode == 1
+    d = choose_decode(REQ, 0, [p, OffloadReplica(False)], CFG)
+    assert d.decode is None and d.offloaded_s == math.inf
+
+
+@pytest.mark.parametrize("gate, prompt, cached, expect", [
+    ("never", 16_000, 15_000, None),
+    ("always-heavy", 16_000, 14_000, None),   # 2000 new tokens < 2048
+    ("always-heavy", 16_000, 13_000, 1),      # 3000 new tokens
+    ("cached-fraction", 10_000, 3_000, 1),    # 30% cached: offload
+    ("cached-fraction", 10_000, 2_999, None),
+    ("dynamo", 10_000, 9_000, None),          # 1000 new < 2048 and < 70%: local
+    ("dynamo", 10_000, 7_000, 1),             # 3000 new >= 2048: remote
+    ("dynamo", 2_000, 500, 1),                # 1500 new < 2048 but 75% of the prompt
+])
+def test_fixed_gates(gate, prompt, cached, expect):
+    req = OffloadRequest(prompt, cached, 100, 1.0, prompt // 16, 1000)
+    assert choose_decode(req, 0, [IDLE, IDLE], OffloadConfig(gate)).decode == expect
+
+
+def test_bad_config_is_named():
+    with pytest.raises(ValueError, match="unknown gate 'x'"):
+        OffloadConfig("x")
+    with pytest.raises(ValueError, match="link_bytes_per_s must be > 0"):
+        OffloadConfig(link_bytes_per_s=0)
