@@ -1,0 +1,195 @@
+"""DP <-> TP switching inside a host (seed 004): tiny model, the CPU's virtual devices."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from medha_jax import ParallelConfig
+from medha_jax.engine import Engine, EngineConfig
+from medha_jax.engine.tp_group import TPGroupEngine, TPShape, member_weights
+from medha_jax.request import Request, VirtualClock
+from medha_jax.sampling_params import SamplingParams
+from medha_jax.scheduler.predictor import AnalyticalPredictor
+from serving.replicas import replica_models
+from serving.switching import SwitchingConfig, SwitchingCoordinator, aligned_groups
+from tests.hf_oracle import greedy_with_logits
+from tests.test_engine import COMPILE_EVENT, drive
+
+# One replica holds 512 tokens (32 pages of 16); a TP group's pages hold 32 (tiny has 2 K/V
+# heads: each rank keeps one, Eq. 3 with K < m), so a group holds 1024.
+CFG = EngineConfig(page_size=16, max_kv_tokens=512, max_model_len=1024, max_tokens_per_step=64,
+                   max_seqs=8, enable_prefix_caching=False)
+
+
+@pytest.fixture(scope="module")
+def engines():
+    models = replica_models("tiny", 4)
+    return [Engine(m, CFG) for m in models]
+
+
+@pytest.fixture(scope="module")
+def groups(engines):
+    return {key: TPGroupEngine(engines[key[0]:key[0] + key[1]])
+            for key in aligned_groups(len(engines), (2, 4))}
+
+
+def request(rid, prompt, max_new, priority=0):
+    return Request(rid, len(prompt), max_new, 0.0, priority=priority,
+                   prompt_token_ids=list(prompt),
+                   sampling=SamplingParams(temperature=0.0, max_tokens=max_new))
+
+
+def prompt(seed, n):
+    return [int(t) for t in np.random.default_rng(seed).integers(1, 256, size=n)]
+
+
+def reference(engines, p, max_new):
+    return greedy_with_logits(engines[0].model, p, max_new)
+
+
+def pointers(engines):
+    out = []
+    for e in engines:
+        leaves = jax.tree.leaves(member_weights(e)) + [e.kv_cache.k, e.kv_cache.v]
+        out.append([leaf.unsafe_buffer_pointer() for leaf in leaves])
+    return out
+
+
+def coordinator(engines, groups, **config):
+    predictor = AnalyticalPredictor(engines[0].model.config, ParallelConfig(), "h100",
+                                    token_buckets=engines[0].ladder.token_buckets)
+    return SwitchingCoordinator(engines, SwitchingConfig(group_sizes=(2, 4), **config),
+                                predictor=predictor, clock=VirtualClock(), groups=groups)
+
+
+def assert_no_pages_held(engines):
+    for e in engines:
+        assert e.allocator.num_free_pages == e.allocator.num_pages
+
+
+def test_tp_shape_keeps_block_bytes_constant():
+    from medha_jax.config import model_preset
+    llama = model_preset("tiny")                           # K = 2
+    assert TPShape.of(llama, 2, 16).page_tokens == 32       # 1 head of 2 per rank: 2 x
+    assert TPShape.of(llama, 4, 16).page_tokens == 32       # K < m: heads repeated, K x
+    tied = model_preset("tiny-tied")                        # K = 4
+    assert [TPShape.of(tied, m, 16).page_tokens for m in (2, 4)] == [32, 64]   # B = m B_base
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        TPShape.of(dataclasses.replace(tied, num_heads=6, num_kv_heads=3), 2, 16)
+
+
+def test_weights_and_pages_stay_put_over_100_random_switches(engines, groups):
+    """Every step runs on a random unit (a DP replica or an aligned TP group) with a request
+    of its own; a TP group's tokens equal one replica's, and no weight or cache buffer of
+    any replica moves (the TP programs read and write them in place)."""
+    before = pointers(engines)
+    units = list(engines) + list(groups.values())
+    rng = np.random.default_rng(0)
+    expected = {}
+    for i in range(100):
+        unit = units[rng.integers(len(units))]
+        p = prompt(i, int(rng.integers(3, 40)))
+        if i % 10 == 0:
+            expected[i] = reference(engines, p, 2)
+        out = drive(unit, [(0, request(f"s{i}", p, 2))], rng=rng, max_chunk=64)
+        if i in expected:
+            assert out[f"s{i}"] == expected[i], (i, type(unit).__name__)
+        assert pointers(engines) == before, f"a buffer moved at switch {i}"
+    assert_no_pages_held(engines)
+
+
+def test_tp_program_has_two_all_reduces_per_layer_and_no_weight_all_gather(groups):
+    group = groups[(0, 4)]
+    shape = group.ladder.all_shapes()[0]
+    hlo = group.executable(shape).as_text()
+    assert "all-gather" not in hlo
+    # One layer body under the scan (a while loop): wo's and w_down's all-reduce.
+    assert hlo.count(" all-reduce(") + hlo.count(" all-reduce-start(") == 2, hlo.count("all-reduce")
+
+
+def test_soft_preempt_request_starts_in_dp_and_finishes_in_tp(engines, groups):
+    """Replicas 0 and 1 decode; a priority request binds the 4-group softly: it runs in DP
+    on idle replica 2 meanwhile, moves to TP-4 when 0 and 1 drain and is recomputed there.
+    Its greedy tokens are one replica's."""
+    c = coordinator(engines, groups, policy="priority", priority_threshold=-1,
+                    priority_preemption="soft", tp_group_size=4)
+    busy = [(f"b{i}", prompt(10 + i, 30), 12) for i in range(2)]
+    for rid, p, n in busy:
+        c.submit(request(rid, p, n))
+    c.step()
+    vip_prompt = prompt(20, 25)
+    c.submit(request("vip", vip_prompt, 16, priority=-1))
+    c.step()
+    assert c.replicas[2].controller.get("vip") is not None          # speculative DP run
+    done = c.run()
+    vip = done["vip"]
+    assert vip.num_preemptions == 1                                  # recomputed under TP
+    assert c.groups[(0, 4)].controller.num_steps > 0
+    assert c.mode_changes == {"bind": 1, "release": 1}
+    assert vip.output_token_ids == reference(engines, vip_prompt, 16)
+    for rid, p, n in busy:
+        assert done[rid].output_token_ids == reference(engines, p, n)
+    assert_no_pages_held(engines)
+
+
+def test_hard_preempt_pauses_dp_requests_with_their_pages_and_resumes_them(engines, groups):
+    c = coordinator(engines, groups, policy="priority", priority_threshold=-1,
+                    tp_group_size=4)
+    busy = [(f"h{i}", prompt(30 + i, 20), 10) for i in range(3)]
+    for rid, p, n in busy:
+        c.submit(request(rid, p, n))
+    for _ in range(4):
+        c.step()
+    progress = {rid: len(c.replicas[i].controller.get(rid).output_token_ids)
+                for i, (rid, _, _) in enumerate(busy)}
+    assert all(0 < n < 10 for n in progress.values()), progress
+    vip_prompt = prompt(40, 30)
+    c.submit(request("vip", vip_prompt, 6, priority=-5))
+    c.step()                                                        # binds at once
+    assert c.bindings[(0, 4)].active
+    while "vip" not in c.finished:
+        for i, (rid, _, _) in enumerate(busy):                     # paused, pages kept
+            assert len(c.replicas[i].controller.get(rid).output_token_ids) == progress[rid]
+            assert engines[i].allocator.has(rid)
+        c.step()
+    done = c.run()
+    assert done["vip"].output_token_ids == reference(engines, vip_prompt, 6)
+    for rid, p, n in busy:
+        assert done[rid].output_token_ids == reference(engines, p, n)
+        assert done[rid].num_preemptions == 0                       # resumed, not recomputed
+    assert_no_pages_held(engines)
+
+
+def test_a_request_no_replica_holds_runs_on_the_smallest_group_that_does(engines, groups):
+    c = coordinator(engines, groups, policy="memory")
+    long_prompt = prompt(50, 600)                 # > 512 tokens of one replica
+    c.submit(request("long", long_prompt, 8))
+    c.submit(request("short", prompt(51, 20), 8))
+    done = c.run()
+    assert c.requests_per_mode == {"tp2": 1, "dp": 1}
+    assert done["long"].output_token_ids == reference(engines, long_prompt, 8)
+    assert_no_pages_held(engines)
+
+
+def test_no_compile_after_warmup_over_a_random_workload_with_switches(engines, groups):
+    c = coordinator(engines, groups, policy="priority", priority_threshold=0, tp_group_size=2)
+    c.warmup()
+    before = pointers(engines)
+    compiles = []
+    listener = lambda event, *a, **k: compiles.append(event) if event == COMPILE_EVENT else None  # noqa: E731
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        rng = np.random.default_rng(1)
+        for i in range(24):
+            c.submit(request(f"w{i}", prompt(60 + i, int(rng.integers(5, 90))),
+                             int(rng.integers(1, 8)), priority=int(rng.integers(0, 3))))
+            c.step()
+        c.run()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert c.mode_changes["bind"] >= 2
+    assert compiles == []
+    assert pointers(engines) == before
+    assert_no_pages_held(engines)
