@@ -57,10 +57,10 @@ def pointers(engines):
     return out
 
 
-def coordinator(engines, groups, **config):
+def coordinator(engines, groups, *, group_sizes=(2, 4), **config):
     predictor = AnalyticalPredictor(engines[0].model.config, ParallelConfig(), "h100",
                                     token_buckets=engines[0].ladder.token_buckets)
-    return SwitchingCoordinator(engines, SwitchingConfig(group_sizes=(2, 4), **config),
+    return SwitchingCoordinator(engines, SwitchingConfig(group_sizes=group_sizes, **config),
                                 predictor=predictor, clock=VirtualClock(), groups=groups)
 
 
@@ -80,6 +80,7 @@ def test_tp_shape_keeps_block_bytes_constant():
         TPShape.of(dataclasses.replace(tied, num_heads=6, num_kv_heads=3), 2, 16)
 
 
+@pytest.mark.slow
 def test_weights_and_pages_stay_put_over_100_random_switches(engines, groups):
     """Every step runs on a random unit (a DP replica or an aligned TP group) with a request
     of its own; a TP group's tokens equal one replica's, and no weight or cache buffer of
@@ -105,6 +106,9 @@ def test_tp_program_has_two_all_reduces_per_layer_and_no_weight_all_gather(group
     shape = group.ladder.all_shapes()[0]
     hlo = group.executable(shape).as_text()
     assert "all-gather" not in hlo
+    # Each rank's per-layer weight slices are 1/4 of a layer (e.g. wq [64, 2, 16] of
+    # [64, 8, 16]); a transient slice of the whole layer would show its full shape.
+    assert "f32[1,64,2,16]" in hlo and "f32[1,64,8,16]" not in hlo
     # One layer body under the scan (a while loop): wo's and w_down's all-reduce.
     assert hlo.count(" all-reduce(") + hlo.count(" all-reduce-start(") == 2, hlo.count("all-reduce")
 
@@ -173,6 +177,7 @@ def test_a_request_no_replica_holds_runs_on_the_smallest_group_that_does(engines
     assert_no_pages_held(engines)
 
 
+@pytest.mark.slow
 def test_no_compile_after_warmup_over_a_random_workload_with_switches(engines, groups):
     c = coordinator(engines, groups, policy="priority", priority_threshold=0, tp_group_size=2)
     c.warmup()
@@ -193,3 +198,26 @@ def test_no_compile_after_warmup_over_a_random_workload_with_switches(engines, g
     assert compiles == []
     assert pointers(engines) == before
     assert_no_pages_held(engines)
+
+
+@pytest.mark.slow
+def test_dp8_hard_preempt_on_a_tp8_group():
+    """Eight base replicas; a priority request binds all eight (tiny's 2 K/V heads are
+    kept 4 times each) while every replica's DP request pauses; all tokens are one
+    replica's."""
+    engines8 = [Engine(m, CFG) for m in replica_models("tiny", 8)]
+    c = coordinator(engines8, None, policy="priority", priority_threshold=-1,
+                    group_sizes=(8,))
+    busy = [(f"e{i}", prompt(70 + i, 12), 5) for i in range(8)]
+    for rid, p, n in busy:
+        c.submit(request(rid, p, n))
+    c.step()
+    vip_prompt = prompt(80, 40)
+    c.submit(request("vip", vip_prompt, 6, priority=-1))
+    done = c.run()
+    assert c.mode_changes == {"bind": 1, "release": 1}
+    assert c.requests_per_mode == {"dp": 8, "tp8": 1}
+    assert done["vip"].output_token_ids == reference(engines8, vip_prompt, 6)
+    for rid, p, n in busy:
+        assert done[rid].output_token_ids == reference(engines8, p, n)
+    assert_no_pages_held(engines8)
