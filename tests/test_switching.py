@@ -234,3 +234,20 @@ def test_dp8_hard_preempt_on_a_tp8_group():
     for rid in expected:
         assert done[rid].output_token_ids == expected[rid], rid
     assert_no_pages_held(engines8)
+
+
+def test_load_policy_serves_a_lone_request_in_tp_and_a_burst_in_dp(engines, groups):
+    c = coordinator(engines, groups, policy="load", load_max_queued=0, tp_group_size=4)
+    lone = prompt(90, 20)
+    expected = reference(engines[0], lone, 3)
+    c.submit(request("lone", lone, 3))
+    assert c.run()["lone"].output_token_ids == expected
+    for i in range(4):
+        c.submit(request(f"burst{i}", prompt(91 + i, 20), 3))
+    c.run()
+    assert c.requests_per_mode == {"tp4": 1, "dp": 4}
+    assert c.metrics() == {'medha_switching_mode_changes_total{kind="bind"}': 1,
+                           'medha_switching_mode_changes_total{kind="release"}': 1,
+                           'medha_switching_requests_total{mode="tp4"}': 1,
+                           'medha_switching_requests_total{mode="dp"}': 4}
+    assert_no_pages_held(engines)

@@ -10,7 +10,10 @@ into one TP-m engine. Nothing is copied at the bind:
   (`jax.make_array_from_single_device_arrays`: no transfer, no new storage), and a
   shard_map body in which rank r uses its own columns (wq/wk/wv/w_gate/w_up: heads and
   mlp columns r * n / m ...) and rows (wo, w_down), sliced per layer inside the layer scan,
-  with one psum after wo and one after w_down (Megatron: one all-reduce per pair). The
+  with one psum after wo and one after w_down (Megatron: one all-reduce per pair). In the
+  optimized HLO (CPU, jax 0.10.2) each rank's slice of a layer is one dynamic-slice of the
+  stacked weight (layer and rank at once), materialised as a transient loop fusion of 1/m
+  of that layer's matrix per scan iteration; no whole-layer copy, nothing persistent. The
   embedding, norms and LM head are used whole on every rank (computed redundantly).
 - KV pages (Eqs. 2-4). Block bytes are constant: a member's cache is
   [L, P, page_size, K * hd]; rank r of a TP-m program reads the same buffer as
