@@ -95,7 +95,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         view_ms.append(1e3 * (time.perf_counter() - t))
     results = {
         "dp": args.dp, "group": group, "switches": len(latencies_ms),
-        "switch_ms_p50": percentile(latencies_ms, 50), "switch_ms_p99": percentile(latencies_ms, 99),
+        "switch_ms_p50": percentile(latencies_ms, 50),
+        "switch_ms_p99": percentile(latencies_ms, 99),
         "cache_view_ms_p50": statistics.median(view_ms),
         "mode_changes": dict(coordinator.mode_changes), "warmup_s": warmup_s,
         "paper_switch_ms": PAPER_SWITCH_MS, "context": environment(),

@@ -41,6 +41,7 @@ import dataclasses
 import time
 from collections.abc import Sequence
 
+from medha_jax.engine.step_inputs import StepInputs
 from medha_jax.engine.tp_group import TPGroupEngine
 from medha_jax.request import FinishReason, Request, VirtualClock, WallClock
 from medha_jax.scheduler import SchedulerConfig
@@ -167,7 +168,6 @@ class SwitchingCoordinator:
         for unit in self.groups.values():
             unit.engine.warmup(progress=progress)
             for shape, executable in unit.engine.executables.items():
-                from medha_jax.engine.step_inputs import StepInputs
                 inputs = StepInputs.padding(shape, unit.engine.pad_slot)
                 outputs, unit.engine.kv_cache = executable(*unit.engine.step_args(inputs)[1:])
                 outputs.tokens.block_until_ready()
@@ -175,7 +175,16 @@ class SwitchingCoordinator:
     # -- requests -----------------------------------------------------------------
 
     def submit(self, request: Request) -> None:
-        """Into the global task pool; placed at the next iteration boundary."""
+        """Into the global task pool; placed at the next iteration boundary. Raises
+        ValueError for a request no unit it may go to can hold (the "memory" policy's
+        widest group, else one replica), before it is queued."""
+        need = request.prompt_len + request.max_new_tokens
+        sizes = [m for m in self.config.group_sizes if (0, m) in self.groups]
+        limit = (max(self._group_tokens(m) for m in sizes)
+                 if self.config.policy == "memory" and sizes else self.replica_tokens)
+        if need > limit:
+            raise ValueError(f"request {request.request_id!r}: prompt_len + max_new_tokens = "
+                             f"{need} tokens exceed the {limit} one request may hold here")
         self.pool.append(request)
 
     def has_unfinished(self) -> bool:
@@ -214,17 +223,18 @@ class SwitchingCoordinator:
             need = request.prompt_len + request.max_new_tokens
             if need <= self.replica_tokens:
                 return 1, False
-            for m in usable:
-                if need <= self.groups[(0, m)].engine.max_model_len:
-                    return m, False
-            raise ValueError(f"request {request.request_id!r}: {need} tokens exceed the "
-                             f"largest TP group's {self.groups[(0, usable[-1])].engine.max_model_len}")
+            # submit() refused what no group holds.
+            return next(m for m in usable if need <= self._group_tokens(m)), False
         if policy == "priority":
             if request.priority > self.config.priority_threshold:
                 return 1, False
             return widest, self.config.priority_preemption == "hard"
-        queued = sum(u.controller.num_waiting + u.controller.num_running for u in self.replicas)
-        return (widest, False) if queued + len(self.pool) <= self.config.load_max_queued else (1, False)
+        queued = sum(self._load(u) for u in self.replicas) + len(self.pool)
+        return (widest, False) if queued <= self.config.load_max_queued else (1, False)
+
+    def _group_tokens(self, m: int) -> int:
+        """Tokens one request may hold on a TP group of m."""
+        return self.groups[(0, m)].engine.max_model_len
 
     def _bound_members(self) -> set[int]:
         return {i for (s, m) in self.bindings for i in range(s, s + m)}

@@ -185,6 +185,9 @@ def test_a_request_no_replica_holds_runs_on_the_smallest_group_that_does(engines
     c.submit(request("short", prompt(51, 20), 8))
     done = c.run()
     assert c.requests_per_mode == {"tp2": 1, "dp": 1}
+    with pytest.raises(ValueError, match="1030 tokens exceed the 1024"):
+        c.submit(request("too-long", prompt(52, 1000), 30))
+    assert not c.pool
     assert done["long"].output_token_ids == expected
     assert_no_pages_held(engines)
 
@@ -195,7 +198,10 @@ def test_no_compile_after_warmup_over_a_random_workload_with_switches(engines, g
     c.warmup()
     before = pointers(engines)
     compiles = []
-    listener = lambda event, *a, **k: compiles.append(event) if event == COMPILE_EVENT else None  # noqa: E731
+
+    def listener(event, *args, **kwargs):
+        if event == COMPILE_EVENT:
+            compiles.append(event)
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         rng = np.random.default_rng(1)

@@ -37,6 +37,7 @@ Base replicas must be single-device engines (tp = kvp = cp = spp = 1) of one mod
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import threading
@@ -273,7 +274,6 @@ class TPGroupEngine(Engine):
         self.mesh = Mesh(np.array([e.model.mesh.devices.flat[0] for e in members]), (TP_AXIS,))
         self.tp = TPShape.of(base.model.config, m, base.config.page_size)
         self.num_kv_shards, self.cp_ranks, self.ring_cost, self.cp_variant = 1, 1, None, None
-        import collections
         self.cp_variant_counts = collections.Counter()
         devices = tuple(d.id for d in self.mesh.devices.flat)
         self.allocator = GroupAllocator([e.allocator for e in members], self.tp.page_tokens,
@@ -353,9 +353,10 @@ class TPGroupEngine(Engine):
         ints = jax.ShapeDtypeStruct((len(self.members), inputs.pack()[0].size), np.int32,
                                     sharding=self._ranked)
         _, floats, rng_keys = inputs.pack()
-        spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self._replicated)  # noqa: E731
-        executable = self._step.lower(self.weights, self._kv_cache_spec, ints, spec(floats),
-                                      spec(rng_keys), shape=shape).compile()
+        floats, rng_keys = (jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self._replicated)
+                            for a in (floats, rng_keys))
+        executable = self._step.lower(self.weights, self._kv_cache_spec, ints, floats,
+                                      rng_keys, shape=shape).compile()
         self.executables[shape] = executable
         return executable
 
