@@ -1,0 +1,364 @@
+"""A tensor-parallel group bound from data-parallel base replicas, without moving a weight
+or a KV page (seed 004, Flying Serving, Eqs. 1-4).
+
+m single-device DP engines (an aligned, contiguous run of the host's base replicas) bind
+into one TP-m engine. Nothing is copied at the bind:
+
+- Weights (Eq. 1, W_active^(r) = View(W_full, dim, r, m)). Each member keeps the full
+  weights it loaded. The group's program takes them as one global array per weight,
+  [m * n0, ...] over the group's mesh, whose shard on device r IS member r's buffer
+  (`jax.make_array_from_single_device_arrays`: no transfer, no new storage), and a
+  shard_map body in which rank r uses its own columns (wq/wk/wv/w_gate/w_up: heads and
+  mlp columns r * n / m ...) and rows (wo, w_down), sliced per layer inside the layer scan,
+  with one psum after wo and one after w_down (Megatron: one all-reduce per pair). In the
+  optimized HLO (CPU, jax 0.10.2) each rank's slice of a layer is one dynamic-slice of the
+  stacked weight (layer and rank at once), materialised as a transient loop fusion of 1/m
+  of that layer's matrix per scan iteration; no whole-layer copy, nothing persistent. The
+  embedding, norms and LM head are used whole on every rank (computed redundantly).
+- KV pages (Eqs. 2-4). Block bytes are constant: a member's cache is
+  [L, P, page_size, K * hd]; rank r of a TP-m program reads the same buffer as
+  [L, P, page_size * K / k_r, k_r * hd] with k_r = max(1, K / m) of its own K/V heads (a
+  bitcast of each page: B(p) = p * B_base when K >= m). With K < m (GQA with few K/V heads)
+  each rank keeps the one K/V head of its query heads, so a page holds page_size * K tokens
+  and the group pools K x one replica's tokens, not m x.
+  The group's allocator (`GroupAllocator`) hands out logical pages of that size; each
+  logical page is one physical page of every member, booked in the member's own pool
+  under a holder id of its own, so DP pages and TP pages coexist in one pool and each
+  side's free count is exact. Members' page ids need not agree: the program gets each
+  rank's own slot mapping and page table (the int32 step inputs, [m, n] over the ranks).
+- The cache arrays go in assembled the same way and donated, and come back split into the
+  members' own buffers (in place: the same device pointers).
+
+Every (bucket) program is compiled ahead of time by `warmup()` like any Engine's; after
+warm-up no switch compiles anything (the engine's guard applies unchanged).
+
+Base replicas must be single-device engines (tp = kvp = cp = spp = 1) of one model config.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import threading
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from medha_jax.buckets import BucketLadder
+from medha_jax.engine.engine import Engine, EngineConfig
+from medha_jax.engine.logprobs import sample_with_logprobs
+from medha_jax.engine.step_inputs import StepInputs, unpack_int32
+from medha_jax.kv_cache.allocator import BlockAllocator
+from medha_jax.model import AttentionMetadata, KVCache
+from medha_jax.model import layers
+from medha_jax.model.attention import _attend_on_device
+from medha_jax.model.llama import lm_logits
+
+# The group mesh's one axis. Only this module's shard_map wrapper names it.
+TP_AXIS = "tp"
+
+
+@dataclasses.dataclass(frozen=True)
+class TPShape:
+    """How a config splits over m ranks: per-rank query heads, K/V heads, mlp columns, and
+    how many tokens one physical page holds under the TP layout (Eq. 3)."""
+
+    group_size: int
+    heads: int
+    kv_heads: int
+    mlp: int
+    page_tokens: int
+
+    @classmethod
+    def of(cls, config, group_size: int, page_size: int) -> TPShape:
+        m, H, K, F = group_size, config.num_heads, config.num_kv_heads, config.intermediate_size
+        if H % m or F % m:
+            raise ValueError(f"a TP-{m} group needs num_heads ({H}) and intermediate_size "
+                             f"({F}) divisible by {m}")
+        if K % m and m % K:
+            raise ValueError(f"a TP-{m} group needs num_kv_heads ({K}) to divide or be a "
+                             f"multiple of {m}")
+        kv = max(1, K // m)
+        return cls(m, H // m, kv, F // m, page_size * K // kv)
+
+
+class GroupAllocator(BlockAllocator):
+    """The TP group's pages: logical pages of `page_tokens` tokens, each backed by one
+    physical page of every member's own pool (booked there under `holder_id(request)`).
+
+    No prefix caching (a TP page's bytes are not a DP page's). `physical(rank)` maps the
+    group's logical page ids to rank's physical ones."""
+
+    def __init__(self, members: Sequence[BlockAllocator], page_tokens: int, tag: str):
+        pages = members[0].pages_per_shard
+        if any(a.num_shards != 1 or a.pages_per_shard != pages for a in members):
+            raise ValueError("a TP group's members need single-shard pools of equal size")
+        super().__init__(pages, page_tokens, enable_prefix_caching=False)
+        self.members = list(members)
+        self.tag = tag
+        self._physical = np.zeros((len(members), pages), np.int32)    # [rank, logical page]
+
+    def holder_id(self, request_id: str) -> str:
+        """The id a member's pool books this group's request's pages under."""
+        return f"{self.tag}:{request_id}"
+
+    @property
+    def num_free_pages(self) -> int:
+        return min(super().num_free_pages, *(a.num_free_pages for a in self.members))
+
+    def num_free_pages_on(self, shard: int) -> int:
+        return min(super().num_free_pages_on(shard), *(a.num_free_pages for a in self.members))
+
+    def reserve(self, request_id: str, num_tokens: int) -> bool:
+        had = self._get(request_id).num_pages
+        if not super().reserve(request_id, num_tokens):
+            return False
+        table = self.page_table_array(request_id)
+        if len(table) == had:
+            return True
+        holder = self.holder_id(request_id)
+        for rank, member in enumerate(self.members):
+            if not member.has(holder):
+                member.allocate(holder)
+            # Cannot fail: num_free_pages_on bounded the super().reserve by every member.
+            assert member.reserve(holder, len(table) * member.page_size)
+            self._physical[rank, table[had:]] = member.page_table_array(holder)[had:]
+        return True
+
+    def free(self, request_id: str) -> None:
+        super().free(request_id)
+        holder = self.holder_id(request_id)
+        for member in self.members:
+            if member.has(holder):
+                member.free(holder)
+
+    def physical(self, rank: int) -> np.ndarray:
+        """int32 [pages]: rank's physical page id of each logical page (held ones)."""
+        return self._physical[rank]
+
+
+def _slice(w, start, size: int, axis: int):
+    return jax.lax.dynamic_slice_in_dim(w, start, size, axis)
+
+
+def _tp_layer(carry, layer, *, config, tp: TPShape, positions, meta, inv_freq, impl: str):
+    """One decoder layer on rank r of the group: its heads' columns of wq/wk/wv, its rows
+    of wo, its mlp columns/rows; one psum after wo and one after w_down."""
+    x, k_cache, v_cache = carry
+    p, layer_id = layer
+    r = jax.lax.axis_index(TP_AXIS)
+    q0, k0, f0 = r * tp.heads, r * config.num_kv_heads // tp.group_size, r * tp.mlp
+    h = layers.rms_norm(x, p["attn_norm"], config.rms_norm_eps)
+    q = jnp.einsum("td,dhk->thk", h, _slice(p["wq"], q0, tp.heads, 1))
+    k = jnp.einsum("td,dhk->thk", h, _slice(p["wk"], k0, tp.kv_heads, 1))
+    v = jnp.einsum("td,dhk->thk", h, _slice(p["wv"], k0, tp.kv_heads, 1))
+    if config.family_spec.qkv_bias:
+        q = q + _slice(p["bq"], q0, tp.heads, 0)
+        k = k + _slice(p["bk"], k0, tp.kv_heads, 0)
+        v = v + _slice(p["bv"], k0, tp.kv_heads, 0)
+    if config.family_spec.qk_norm:
+        q = layers.rms_norm(q, p["q_norm"], config.rms_norm_eps)
+        k = layers.rms_norm(k, p["k_norm"], config.rms_norm_eps)
+    rope_scale = layers.rope_attention_factor(config)
+    q = layers.apply_rope(q, positions, inv_freq, rope_scale)
+    k = layers.apply_rope(k, positions, inv_freq, rope_scale)
+    attn, k_cache, v_cache = _attend_on_device(
+        q, k, v, positions, k_cache, v_cache, layer_id, meta, sm_scale=config.head_dim ** -0.5,
+        impl=impl, kv_shard_axis=None, num_shards=1, cp=1, cp_axis=None,
+        sliding_window=config.sliding_window)
+    out = jnp.einsum("thk,hkd->td", attn.astype(x.dtype), _slice(p["wo"], q0, tp.heads, 0))
+    x = x + jax.lax.psum(out, TP_AXIS)
+    h = layers.rms_norm(x, p["mlp_norm"], config.rms_norm_eps)
+    mlp = layers.swiglu_mlp(h, _slice(p["w_gate"], f0, tp.mlp, 1),
+                            _slice(p["w_up"], f0, tp.mlp, 1), _slice(p["w_down"], f0, tp.mlp, 0))
+    x = x + jax.lax.psum(mlp, TP_AXIS)
+    return (x, k_cache, v_cache), None
+
+
+def _tp_rank_step(weights, kv_cache: KVCache, ints, floats, rng_keys, *, shape, config,
+                  tp: TPShape, impl: str):
+    """The per-rank body. weights: this rank's member's full weights; kv_cache: its own
+    [L, P, page_size, K * hd] buffers, read as [L, P, tp.page_tokens, kv_heads * hd];
+    ints: int32 [1, n] its own packed inputs (its page ids)."""
+    x = unpack_int32(ints[0], shape)
+    meta = AttentionMetadata.of(x)
+    num_layers, num_pages, page_size, features = kv_cache.k.shape
+    view = (num_layers, num_pages, tp.page_tokens, tp.kv_heads * config.head_dim)
+    k_cache, v_cache = kv_cache.k.reshape(view), kv_cache.v.reshape(view)
+    hidden = jnp.take(weights["embed"], x["token_ids"], axis=0)
+    body = functools.partial(_tp_layer, config=config, tp=tp, positions=x["positions"],
+                             meta=meta, inv_freq=jnp.asarray(layers.rope_inv_freq(config)),
+                             impl=impl)
+    layer_ids = jnp.arange(num_layers, dtype=jnp.int32)
+    (hidden, k_cache, v_cache), _ = jax.lax.scan(body, (hidden, k_cache, v_cache),
+                                                 (weights["layers"], layer_ids))
+    hidden = layers.rms_norm(hidden, weights["final_norm"], config.rms_norm_eps)
+    head = functools.partial(lm_logits, embed=weights.get("embed") if "lm_head" not in weights
+                             else None, lm_head=weights.get("lm_head"),
+                             vocab_size=config.vocab_size)
+    outputs = sample_with_logprobs(head, hidden, x, floats, rng_keys,
+                                   vocab_size=config.vocab_size)
+    shape4 = (num_layers, num_pages, page_size, features)
+    return outputs, KVCache(k=k_cache.reshape(shape4), v=v_cache.reshape(shape4))
+
+
+def tp_step_fn(mesh: Mesh, config, tp: TPShape, impl: str):
+    """The jitted group step: (weights, kv_cache, ints [m, n], floats, rng_keys) ->
+    (StepOutputs, kv_cache), the cache donated. `shape` is static."""
+    sharded, whole = PartitionSpec(TP_AXIS), PartitionSpec()
+
+    def step(weights, kv_cache, ints, floats, rng_keys, *, shape):
+        body = functools.partial(_tp_rank_step, shape=shape, config=config, tp=tp, impl=impl)
+        # Every rank computes the same outputs (psum'd hidden, whole LM head): replicated.
+        return jax.shard_map(body, mesh=mesh, in_specs=(sharded, sharded, sharded, whole, whole),
+                             out_specs=(whole, sharded), check_vma=False)(
+            weights, kv_cache, ints, floats, rng_keys)
+
+    return jax.jit(step, static_argnames=("shape",), donate_argnames=("kv_cache",))
+
+
+def member_weights(engine: Engine) -> dict:
+    """The arrays of a base replica's weights the TP program reads (its own buffers). The
+    RoPE frequencies are not among them: the program derives them from the config (the
+    module keeps them wherever jnp put them, not necessarily on the replica's device)."""
+    module = engine.model.module
+    weights = {"embed": module.embed[...], "final_norm": module.final_norm[...],
+               "layers": {name: p[...] for name, p in module.layers.items()}}
+    if module.lm_head is not None:
+        weights["lm_head"] = module.lm_head[...]
+    return weights
+
+
+def assemble(mesh: Mesh, arrays: Sequence[jax.Array]) -> jax.Array:
+    """One global [m * n0, ...] array over `mesh` whose shard r is arrays[r]'s own buffer
+    (zero-copy). Each array lives on mesh device r."""
+    first = arrays[0]
+    shape = (len(arrays) * first.shape[0], *first.shape[1:])
+    buffers = [a.addressable_data(0) for a in arrays]
+    return jax.make_array_from_single_device_arrays(
+        shape, NamedSharding(mesh, PartitionSpec(TP_AXIS)), buffers)
+
+
+def split(array: jax.Array, like: Sequence[jax.Array]) -> list[jax.Array]:
+    """The inverse of `assemble`: rank r's shard as an array of like[r]'s sharding
+    (zero-copy)."""
+    shards = sorted(array.addressable_shards, key=lambda s: s.index[0].start or 0)
+    return [jax.make_array_from_single_device_arrays(ref.shape, ref.sharding, [s.data])
+            for s, ref in zip(shards, like)]
+
+
+class TPGroupEngine(Engine):
+    """m base DP engines bound as one TP-m engine (the PipelinedExecutor interface, so a
+    controller drives it as any engine). While it serves, the members' own steps must not
+    run (the coordinator's bind): both write the members' cache buffers."""
+
+    def __init__(self, members: Sequence[Engine], config: EngineConfig | None = None):
+        m = len(members)
+        if m < 2 or m & (m - 1):
+            raise ValueError(f"a TP group has a power of two >= 2 members, got {m}")
+        base = members[0]
+        for e in members:
+            if e.model.mesh.size != 1 or e.pipeline is not None or e.num_kv_shards != 1:
+                raise ValueError("TP groups bind single-device base replicas (tp = kvp = cp = "
+                                 "spp = 1)")
+            if e.model.config != base.model.config or e.config != base.config:
+                raise ValueError("a TP group's members must serve one model and engine config")
+        self.members = list(members)
+        self.model = base.model
+        self.config = config or base.config
+        self.mesh = Mesh(np.array([e.model.mesh.devices.flat[0] for e in members]), (TP_AXIS,))
+        self.tp = TPShape.of(base.model.config, m, base.config.page_size)
+        self.num_kv_shards, self.cp_ranks, self.ring_cost, self.cp_variant = 1, 1, None, None
+        self.cp_variant_counts = collections.Counter()
+        devices = tuple(d.id for d in self.mesh.devices.flat)
+        self.allocator = GroupAllocator([e.allocator for e in members], self.tp.page_tokens,
+                                        tag=f"tp{m}@{devices[0]}")
+        model_len = min(self.config.max_model_len or base.model.config.max_position_embeddings,
+                        base.model.config.max_position_embeddings)
+        self.max_model_len = min(model_len, self.allocator.max_tokens_per_request)
+        self.ladder = BucketLadder.from_limits(
+            max_tokens=self.config.max_tokens_per_step, min_tokens=self.config.min_token_bucket,
+            max_seqs=self.config.max_seqs,
+            max_pages_per_seq=self.allocator.pages_needed(self.max_model_len))
+        self.max_seqs = self.config.max_seqs
+        self.pad_slot = self.allocator.pages_per_shard * self.tp.page_tokens
+        self.num_stages, self.max_in_flight, self.pipeline = 1, 1, None
+        # Assembled once: views of the members' buffers, no storage of their own.
+        self.weights = jax.tree.map(lambda *a: assemble(self.mesh, a),
+                                    *[member_weights(e) for e in members])
+        self._step = tp_step_fn(self.mesh, base.model.config, self.tp,
+                                base.model.layout.attention_impl)
+        self._replicated = NamedSharding(self.mesh, PartitionSpec())
+        self._ranked = NamedSharding(self.mesh, PartitionSpec(TP_AXIS))
+        self._kv_cache_spec = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct((m * a.shape[0], *a.shape[1:]), a.dtype,
+                                           sharding=self._ranked), base.kv_cache)
+        self.executables = {}
+        self.step_records = collections.deque(maxlen=10_000)
+        self.warmup_seconds, self.warmed_up = None, False
+        self._compile_lock = threading.Lock()
+        self._backlog, self._compiling = [], {}
+        self._warmup_thread, self._stop_warmup = None, threading.Event()
+        self.compiles_waited_for = 0
+        self.last_host_seconds = None
+        self._num_dispatched = 0
+        self._device_idle_since = time.perf_counter()
+        self._idle_host_seconds = 0.0
+        self._last_collect_end = 0.0
+
+    @property
+    def kv_cache(self) -> KVCache:
+        """The members' caches as one group array (zero-copy views of their buffers)."""
+        caches = [e.kv_cache for e in self.members]
+        return KVCache(k=assemble(self.mesh, [c.k for c in caches]),
+                       v=assemble(self.mesh, [c.v for c in caches]))
+
+    @kv_cache.setter
+    def kv_cache(self, cache: KVCache) -> None:
+        old = [e.kv_cache for e in self.members]
+        ks, vs = split(cache.k, [c.k for c in old]), split(cache.v, [c.v for c in old])
+        for e, k, v in zip(self.members, ks, vs):
+            e.kv_cache = KVCache(k=k, v=v)
+
+    def rank_ints(self, inputs: StepInputs) -> np.ndarray:
+        """int32 [m, n]: the packed inputs with each rank's own physical pages."""
+        B, pad = self.tp.page_tokens, self.pad_slot
+        rows = []
+        for rank in range(len(self.members)):
+            physical = self.allocator.physical(rank)
+            slots = inputs.slot_mapping
+            real = slots < pad
+            mapped = np.where(real, physical[np.where(real, slots // B, 0)] * B + slots % B,
+                              slots)
+            rank_inputs = dataclasses.replace(
+                inputs, slot_mapping=mapped.astype(np.int32),
+                page_table=physical[inputs.page_table].astype(np.int32))
+            rows.append(rank_inputs.pack()[0])
+        return np.stack(rows)
+
+    def step_args(self, inputs: StepInputs, kv_cache: KVCache | None = None) -> tuple:
+        _, floats, rng_keys = inputs.pack()
+        ints = jax.device_put(self.rank_ints(inputs), self._ranked)
+        floats, rng_keys = jax.device_put((floats, rng_keys), self._replicated)
+        kv_cache = self.kv_cache if kv_cache is None else kv_cache
+        return (None, self.weights, kv_cache, ints, floats, rng_keys)
+
+    def _compile(self, shape):
+        inputs = StepInputs.padding(shape, self.pad_slot)
+        ints = jax.ShapeDtypeStruct((len(self.members), inputs.pack()[0].size), np.int32,
+                                    sharding=self._ranked)
+        _, floats, rng_keys = inputs.pack()
+        floats, rng_keys = (jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self._replicated)
+                            for a in (floats, rng_keys))
+        executable = self._step.lower(self.weights, self._kv_cache_spec, ints, floats,
+                                      rng_keys, shape=shape).compile()
+        self.executables[shape] = executable
+        return executable
+
+    def _new_kv_cache(self) -> KVCache:
+        raise RuntimeError("a TP group holds no cache of its own: recover its members'")

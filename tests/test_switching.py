@@ -1,0 +1,259 @@
+"""DP <-> TP switching inside a host (seed 004): tiny model, the CPU's virtual devices."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from medha_jax import ParallelConfig
+from medha_jax.engine import Engine, EngineConfig
+from medha_jax.engine.tp_group import TPGroupEngine, TPShape, member_weights
+from medha_jax.request import Request, VirtualClock
+from medha_jax.sampling_params import SamplingParams
+from medha_jax.scheduler.predictor import AnalyticalPredictor
+from serving.replicas import replica_models
+from serving.switching import SwitchingConfig, SwitchingCoordinator, aligned_groups
+from tests.test_engine import COMPILE_EVENT, drive
+
+# One replica holds 512 tokens (32 pages of 16); a TP group's pages hold 32 (tiny has 2 K/V
+# heads: each rank keeps one, Eq. 3 with K < m), so a group holds 1024.
+CFG = EngineConfig(page_size=16, max_kv_tokens=512, max_model_len=1024, max_tokens_per_step=32,
+                   max_seqs=8, enable_prefix_caching=False)
+WHOLE = lambda request: 32      # noqa: E731  (drive's chunks: the ladder's largest bucket)
+
+
+@pytest.fixture(scope="module")
+def engines():
+    models = replica_models("tiny", 4)
+    return [Engine(m, CFG) for m in models]
+
+
+@pytest.fixture(scope="module")
+def groups(engines):
+    return {key: TPGroupEngine(engines[key[0]:key[0] + key[1]])
+            for key in aligned_groups(len(engines), (2, 4))}
+
+
+def request(rid, prompt, max_new, priority=0):
+    return Request(rid, len(prompt), max_new, 0.0, priority=priority,
+                   prompt_token_ids=list(prompt),
+                   sampling=SamplingParams(temperature=0.0, max_tokens=max_new))
+
+
+def prompt(seed, n):
+    return [int(t) for t in np.random.default_rng(seed).integers(1, 256, size=n)]
+
+
+def reference(engine, p, max_new):
+    """One replica's greedy tokens: `engine` alone (idle), outside any coordinator."""
+    return drive(engine, [(0, request("ref", p, max_new))], rng=None, max_chunk=0,
+                 chunk_of=WHOLE)["ref"]
+
+
+@pytest.fixture(scope="module")
+def big_replica(engines):
+    """One replica with room for 1024 tokens, on device 7: the long request's oracle."""
+    from meshes import make_mesh
+    model = engines[0].model.on_mesh(make_mesh(ParallelConfig(), [jax.devices()[7]]))
+    return Engine(model, dataclasses.replace(CFG, max_kv_tokens=1024))
+
+
+def pointers(engines):
+    out = []
+    for e in engines:
+        leaves = jax.tree.leaves(member_weights(e)) + [e.kv_cache.k, e.kv_cache.v]
+        out.append([leaf.unsafe_buffer_pointer() for leaf in leaves])
+    return out
+
+
+def coordinator(engines, groups, *, group_sizes=(2, 4), **config):
+    predictor = AnalyticalPredictor(engines[0].model.config, ParallelConfig(), "h100",
+                                    token_buckets=engines[0].ladder.token_buckets)
+    return SwitchingCoordinator(engines, SwitchingConfig(group_sizes=group_sizes, **config),
+                                predictor=predictor, clock=VirtualClock(), groups=groups)
+
+
+def assert_no_pages_held(engines):
+    for e in engines:
+        assert e.allocator.num_free_pages == e.allocator.num_pages
+
+
+def test_tp_shape_keeps_block_bytes_constant():
+    from medha_jax.config import model_preset
+    llama = model_preset("tiny")                           # K = 2
+    assert TPShape.of(llama, 2, 16).page_tokens == 32       # 1 head of 2 per rank: 2 x
+    assert TPShape.of(llama, 4, 16).page_tokens == 32       # K < m: heads repeated, K x
+    tied = model_preset("tiny-tied")                        # K = 4
+    assert [TPShape.of(tied, m, 16).page_tokens for m in (2, 4)] == [32, 64]   # B = m B_base
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        TPShape.of(dataclasses.replace(tied, num_heads=6, num_kv_heads=3), 2, 16)
+
+
+@pytest.mark.slow
+def test_weights_and_pages_stay_put_over_100_random_switches(engines, groups):
+    """Every step runs on a random unit (a DP replica or an aligned TP group) with a request
+    of its own; a TP group's tokens equal one replica's, and no weight or cache buffer of
+    any replica moves (the TP programs read and write them in place)."""
+    before = pointers(engines)
+    units = list(engines) + list(groups.values())
+    rng = np.random.default_rng(0)
+    prompts = [prompt(i, 24) for i in range(5)]
+    expected = [reference(engines[0], p, 2) for p in prompts]
+    for i in range(100):
+        unit = units[rng.integers(len(units))]
+        out = drive(unit, [(0, request(f"s{i}", prompts[i % 5], 2))], rng=rng, max_chunk=0,
+                    chunk_of=WHOLE)
+        assert out[f"s{i}"] == expected[i % 5], (i, type(unit).__name__)
+        assert pointers(engines) == before, f"a buffer moved at switch {i}"
+    assert_no_pages_held(engines)
+
+
+def test_tp_program_has_two_all_reduces_per_layer_and_no_weight_all_gather(groups):
+    group = groups[(0, 4)]
+    shape = group.ladder.all_shapes()[0]
+    hlo = group.executable(shape).as_text()
+    assert "all-gather" not in hlo
+    # Each rank's per-layer weight slices are 1/4 of a layer (e.g. wq [64, 2, 16] of
+    # [64, 8, 16]); a transient slice of the whole layer would show its full shape.
+    assert "f32[1,64,2,16]" in hlo and "f32[1,64,8,16]" not in hlo
+    # One layer body under the scan (a while loop): wo's and w_down's all-reduce.
+    assert hlo.count(" all-reduce(") + hlo.count(" all-reduce-start(") == 2, hlo.count("all-reduce")
+
+
+def test_soft_preempt_request_starts_in_dp_and_finishes_in_tp(engines, groups):
+    """Replicas 0 and 1 decode; a priority request binds the 4-group softly: it runs in DP
+    on idle replica 2 meanwhile, moves to TP-4 when 0 and 1 drain and is recomputed there.
+    Its greedy tokens are one replica's."""
+    c = coordinator(engines, groups, policy="priority", priority_threshold=-1,
+                    priority_preemption="soft", tp_group_size=4)
+    busy = [(f"b{i}", prompt(10 + i, 30), 12) for i in range(2)]
+    vip_prompt = prompt(20, 25)
+    expected = {rid: reference(engines[0], p, n) for rid, p, n in busy + [("vip", vip_prompt, 16)]}
+    for rid, p, n in busy:
+        c.submit(request(rid, p, n))
+    c.step()
+    c.submit(request("vip", vip_prompt, 16, priority=-1))
+    c.step()
+    assert c.replicas[2].controller.get("vip") is not None          # speculative DP run
+    done = c.run()
+    vip = done["vip"]
+    assert vip.num_preemptions == 1                                  # recomputed under TP
+    assert c.groups[(0, 4)].controller.num_steps > 0
+    assert c.mode_changes == {"bind": 1, "release": 1}
+    for rid in expected:
+        assert done[rid].output_token_ids == expected[rid], rid
+    assert_no_pages_held(engines)
+
+
+def test_hard_preempt_pauses_dp_requests_with_their_pages_and_resumes_them(engines, groups):
+    c = coordinator(engines, groups, policy="priority", priority_threshold=-1,
+                    tp_group_size=4)
+    busy = [(f"h{i}", prompt(30 + i, 20), 10) for i in range(3)]
+    vip_prompt = prompt(40, 30)
+    expected = {rid: reference(engines[0], p, n) for rid, p, n in busy + [("vip", vip_prompt, 6)]}
+    for rid, p, n in busy:
+        c.submit(request(rid, p, n))
+    for _ in range(4):
+        c.step()
+    progress = {rid: len(c.replicas[i].controller.get(rid).output_token_ids)
+                for i, (rid, _, _) in enumerate(busy)}
+    assert all(0 < n < 10 for n in progress.values()), progress
+    c.submit(request("vip", vip_prompt, 6, priority=-5))
+    c.step()                                                        # binds at once
+    assert c.bindings[(0, 4)].active
+    while "vip" not in c.finished:
+        for i, (rid, _, _) in enumerate(busy):                     # paused, pages kept
+            assert len(c.replicas[i].controller.get(rid).output_token_ids) == progress[rid]
+            assert engines[i].allocator.has(rid)
+        c.step()
+    done = c.run()
+    for rid in expected:
+        assert done[rid].output_token_ids == expected[rid], rid
+    for rid, _, _ in busy:
+        assert done[rid].num_preemptions == 0                       # resumed, not recomputed
+    assert_no_pages_held(engines)
+
+
+@pytest.mark.slow
+def test_a_request_no_replica_holds_runs_on_the_smallest_group_that_does(engines, groups,
+                                                                          big_replica):
+    c = coordinator(engines, groups, policy="memory")
+    long_prompt = prompt(50, 600)                 # > 512 tokens of one replica
+    expected = reference(big_replica, long_prompt, 8)
+    c.submit(request("long", long_prompt, 8))
+    c.submit(request("short", prompt(51, 20), 8))
+    done = c.run()
+    assert c.requests_per_mode == {"tp2": 1, "dp": 1}
+    with pytest.raises(ValueError, match="1030 tokens exceed the 1024"):
+        c.submit(request("too-long", prompt(52, 1000), 30))
+    assert not c.pool
+    assert done["long"].output_token_ids == expected
+    assert_no_pages_held(engines)
+
+
+@pytest.mark.slow
+def test_no_compile_after_warmup_over_a_random_workload_with_switches(engines, groups):
+    c = coordinator(engines, groups, policy="priority", priority_threshold=0, tp_group_size=2)
+    c.warmup()
+    before = pointers(engines)
+    compiles = []
+
+    def listener(event, *args, **kwargs):
+        if event == COMPILE_EVENT:
+            compiles.append(event)
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        rng = np.random.default_rng(1)
+        for i in range(16):
+            c.submit(request(f"w{i}", prompt(60 + i, int(rng.integers(5, 70))),
+                             int(rng.integers(1, 6)), priority=int(rng.integers(0, 3))))
+            for _ in range(3):              # room for a group to finish and release
+                c.step()
+        c.run()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert c.mode_changes["bind"] >= 2
+    assert compiles == []
+    assert pointers(engines) == before
+    assert_no_pages_held(engines)
+
+
+@pytest.mark.slow
+def test_dp8_hard_preempt_on_a_tp8_group():
+    """Eight base replicas; a priority request binds all eight (tiny's 2 K/V heads are
+    kept 4 times each) while every replica's DP request pauses; all tokens are one
+    replica's."""
+    engines8 = [Engine(m, CFG) for m in replica_models("tiny", 8)]
+    c = coordinator(engines8, None, policy="priority", priority_threshold=-1,
+                    group_sizes=(8,))
+    busy = [(f"e{i}", prompt(70 + i, 12), 5) for i in range(8)]
+    vip_prompt = prompt(80, 40)
+    expected = {rid: reference(engines8[0], p, n) for rid, p, n in busy + [("vip", vip_prompt, 6)]}
+    for rid, p, n in busy:
+        c.submit(request(rid, p, n))
+    c.step()
+    c.submit(request("vip", vip_prompt, 6, priority=-1))
+    done = c.run()
+    assert c.mode_changes == {"bind": 1, "release": 1}
+    assert c.requests_per_mode == {"dp": 8, "tp8": 1}
+    for rid in expected:
+        assert done[rid].output_token_ids == expected[rid], rid
+    assert_no_pages_held(engines8)
+
+
+def test_load_policy_serves_a_lone_request_in_tp_and_a_burst_in_dp(engines, groups):
+    c = coordinator(engines, groups, policy="load", load_max_queued=0, tp_group_size=4)
+    lone = prompt(90, 20)
+    expected = reference(engines[0], lone, 3)
+    c.submit(request("lone", lone, 3))
+    assert c.run()["lone"].output_token_ids == expected
+    for i in range(4):
+        c.submit(request(f"burst{i}", prompt(91 + i, 20), 3))
+    c.run()
+    assert c.requests_per_mode == {"tp4": 1, "dp": 4}
+    assert c.metrics() == {'medha_switching_mode_changes_total{kind="bind"}': 1,
+                           'medha_switching_mode_changes_total{kind="release"}': 1,
+                           'medha_switching_requests_total{mode="tp4"}': 1,
+                           'medha_switching_requests_total{mode="dp"}': 4}
+    assert_no_pages_held(engines)
