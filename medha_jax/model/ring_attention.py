@@ -31,6 +31,11 @@ Both parts of rank j's keys are visited by every rank's queries around a ring of
   decode tokens spread over the ranks (round-robin in `cp_layout.place_new_tokens`, by
   position in the engine: see `cp_layout`).
 
+A sliding window (Mistral, Gemma-3's sliding layers) holds in absolute positions on every
+rank: the new tokens' mask compares positions, and the cached part starts each query at the
+first of the holding rank's keys inside its window (`keys_before`); a rank with none of
+them gives an empty part (lse -inf), which the merges ignore.
+
 Every step starts the permute of the next block before attending the current one (MaxText's
 ring), so XLA overlaps the transfer with the attention. The choice of variant is data
 (`AttentionMetadata.cp_pass_q`): both are compiled into the one step program, and the
@@ -187,7 +192,9 @@ def _pass_q(x: _Local, *, axis: str, num_ranks: int, sm_scale: float, impl: str,
     num_tokens, num_heads, head_dim = x.q.shape
     local_seq = _token_seqs(x.cu[x.rank], x.num_seqs, num_tokens)
     k_all, v_all = x.pages()
-    message = dict(q=x.q, pos=x.positions, first=x.first, src=x.rank)
+    message = dict(q=x.q, pos=x.positions, src=x.rank)
+    if windowed:
+        message["first"] = x.first
     partial_out = jnp.zeros((num_ranks, num_tokens, num_heads, head_dim), jnp.float32)
     partial_lse = jnp.full((num_ranks, num_tokens, num_heads), -jnp.inf, jnp.float32)
     for step in range(num_ranks):
@@ -198,11 +205,11 @@ def _pass_q(x: _Local, *, axis: str, num_ranks: int, sm_scale: float, impl: str,
             cached = ragged_paged_attention(
                 message["q"], k_all, v_all, x.layer_pages, cu_src, x.kv_lens, x.num_seqs,
                 sm_scale=sm_scale, impl=impl, causal=False,
-                window_starts=x.window_starts(message["first"], x.rank, num_ranks, windowed))
+                window_starts=x.window_starts(message.get("first"), x.rank, num_ranks, windowed))
             fresh = masked_attention(message["q"], _token_seqs(cu_src, x.num_seqs, num_tokens),
                                      message["pos"], x.k, x.v, local_seq, x.positions,
                                      sm_scale=sm_scale,
-                                     q_first=message["first"] if windowed else None)
+                                     q_first=message.get("first"))
         out, lse = merge_attention(jnp.stack([cached[0].astype(jnp.float32),
                                               fresh[0].astype(jnp.float32)]),
                                    jnp.stack([cached[1], fresh[1]]))
