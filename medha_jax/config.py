@@ -292,6 +292,11 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
         rope_theta=1_000_000.0, local_rope_theta=10_000.0, max_position_embeddings=2048,
         sliding_window=24, layer_types=(SLIDING_LAYER, FULL_LAYER),
         query_pre_attn_scalar=16, tie_word_embeddings=True),
+    # Mistral's sliding window in miniature: every layer sees only the last 20 positions.
+    "tiny-mistral": ModelConfig(
+        name="tiny-mistral", family="mistral", vocab_size=256, hidden_size=64, num_layers=2,
+        num_heads=8, num_kv_heads=2, head_dim=16, intermediate_size=128,
+        rope_theta=10_000.0, max_position_embeddings=2048, sliding_window=20),
     "tiny-tied": ModelConfig(
         name="tiny-tied", vocab_size=256, hidden_size=64, num_layers=2, num_heads=4,
         num_kv_heads=4, head_dim=16, intermediate_size=96,

@@ -152,6 +152,7 @@ def ragged_paged_attention(
     causal: bool = True,
     num_decodes: jax.Array | None = None,  # int32 [1]: see below
     sliding_window: int | None = None,
+    window_starts: jax.Array | None = None,  # int32 [tokens]: see below (XLA path only)
 ) -> tuple[jax.Array, jax.Array]:  # out [tokens, q_heads, head_dim], lse [tokens, q_heads]
     """Attention of a ragged batch of prefill chunks and decodes over a paged KV cache.
 
@@ -162,6 +163,10 @@ def ragged_paged_attention(
     sliding_window (causal only; Mistral): a query at position p attends only keys
     p - sliding_window + 1 .. p; the XLA path and the GPU kernel skip tiles wholly before
     a block's window, the TPU kernel masks them.
+    window_starts (causal=False only; the XLA path only): the first of its sequence's keys
+    each query attends, for a window the caller maps from absolute positions into pages
+    that hold only part of a sequence (a KV shard's, a cp rank's); a query whose start is
+    kv_len or more sees nothing here (out 0, lse -inf); zeros: no window.
 
     Query head h reads KV head h // (q_heads // kv_heads). Queries that see no key, and
     rows past cu_q_lens[num_seqs] (padding), get out 0, lse -inf. lse is the natural-log
@@ -195,11 +200,18 @@ def ragged_paged_attention(
     if sliding_window is not None and (not causal or sliding_window <= 0):
         raise ValueError(f"{sliding_window=} needs causal=True and a positive window: a "
                          "prefix's keys do not say the queries' positions")
+    if window_starts is not None:
+        if causal or window_starts.shape != q.shape[:1]:
+            raise ValueError(f"window_starts needs causal=False and the shape [tokens] "
+                             f"{q.shape[:1]}, got {causal=} {window_starts.shape=}")
+        if impl != "xla":
+            raise ValueError(f"window_starts (a sliding window over a KV shard's or cp "
+                             f"rank's pages) runs on the XLA path only, not {impl=}")
     if impl == "xla":
         return ragged_paged_attention_xla(
             q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, num_seqs,
             sm_scale=sm_scale, block_sizes=block_sizes, causal=causal,
-            sliding_window=sliding_window)
+            sliding_window=sliding_window, window_starts=window_starts)
     if num_decodes is not None:
         return _split_decode_prefill(
             impl, q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, num_seqs, num_decodes,

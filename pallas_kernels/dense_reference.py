@@ -15,13 +15,15 @@ import numpy as np
 
 def dense_attention_oracle(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, num_seqs, *,
                            sm_scale: float, causal: bool = True,
-                           sliding_window: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+                           sliding_window: int | None = None,
+                           window_starts=None) -> tuple[np.ndarray, np.ndarray]:
     """Ragged paged attention in float64 numpy.
 
     Same arguments and result as `ragged_paged_attention` (out [tokens, q_heads, head_dim],
     lse [tokens, q_heads]); a decode batch is the case q_len = 1 for every sequence.
     causal: query i of n sees keys 0..kv_len - n + i; otherwise every query sees keys
-    0..kv_len-1. sliding_window: only the last that many of the keys a query sees.
+    0..kv_len-1. sliding_window: only the last that many of the keys a query sees;
+    window_starts [tokens] (non-causal): query t sees keys window_starts[t]..kv_len-1.
     """
     q, k_pages, v_pages = (np.asarray(x, np.float64) for x in (q, k_pages, v_pages))
     page_table, cu_q_lens, kv_lens = (np.asarray(x) for x in (page_table, cu_q_lens, kv_lens))
@@ -39,6 +41,10 @@ def dense_attention_oracle(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, 
             if seen <= 0:  # a query with no key (an empty cache)
                 continue
             first = 0 if sliding_window is None else max(0, seen - sliding_window)
+            if window_starts is not None:
+                first = int(window_starts[t])
+            if first >= seen:
+                continue
             for h in range(q_heads):
                 kv_head = h // (q_heads // kv_heads)
                 scores = keys[first:seen, kv_head] @ q[t, h] * sm_scale

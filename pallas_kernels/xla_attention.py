@@ -101,6 +101,7 @@ def decode_attention_xla(
     sm_scale: float,
     block_sizes: BlockSizes,
     sliding_window: int | None = None,   # the query sees only the last this many keys
+    window_starts: jax.Array | None = None,  # int32 [seqs]: else, the first key each sees
 ) -> tuple[jax.Array, jax.Array]:  # out [seqs, q_heads, head_dim] (q.dtype), lse [seqs, q_heads]
     """Sorts the sequences by context, longest first, and streams them in groups of
     `decode_group_size`, each group up to its own longest context: the work is about the
@@ -112,6 +113,8 @@ def decode_attention_xla(
     num_groups = cdiv(seqs, group)
     kv_lens = kv_lens.astype(jnp.int32)
     order = jnp.argsort(-kv_lens, stable=True)
+    if window_starts is None:
+        window_starts = key_starts(kv_lens, sliding_window)
 
     def grouped(x):                                            # [seqs, ...] -> [groups, group, ...]
         x = jnp.pad(x[order], [(0, num_groups * group - seqs)] + [(0, 0)] * (x.ndim - 1))
@@ -122,19 +125,21 @@ def decode_attention_xla(
 
     def attend_group(args):
         return _decode_group(*args, k_pages, v_pages, kv_heads=kv_heads, sm_scale=sm_scale,
-                             block_sizes=block_sizes, sliding_window=sliding_window)
+                             block_sizes=block_sizes)
 
-    out, lse = jax.lax.map(attend_group, (grouped(q), grouped(page_table), grouped(kv_lens)))
+    out, lse = jax.lax.map(attend_group, (grouped(q), grouped(page_table), grouped(kv_lens),
+                                          grouped(window_starts.astype(jnp.int32))))
     unsort = jnp.argsort(order)
     return (out.reshape(num_groups * group, q_heads, head_dim)[unsort],
             lse.reshape(num_groups * group, q_heads)[unsort])
 
 
-def _decode_group(q, page_table, kv_lens, k_pages, v_pages, *, kv_heads: int, sm_scale: float,
-                  block_sizes: BlockSizes, sliding_window: int | None):
+def _decode_group(q, page_table, kv_lens, starts, k_pages, v_pages, *, kv_heads: int,
+                  sm_scale: float, block_sizes: BlockSizes):
     """`decode_attention_xla` for one group: one K/V tile of every member per step, up to
     the longest context (tiles shrink with the group to stay in cache:
     `decode_pages_per_tile`), from the first tile any member's window reaches.
+    starts: int32 [group], each member's first key (0 without a window);
     k_pages, v_pages: [num_pages, page_size, kv_heads * head_dim]."""
     seqs, q_heads, head_dim = q.shape
     page_size = k_pages.shape[1]
@@ -159,7 +164,6 @@ def _decode_group(q, page_table, kv_lens, k_pages, v_pages, *, kv_heads: int, sm
         scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
         return online_softmax_update(state, scores, v)
 
-    starts = key_starts(kv_lens, sliding_window)
     num_tiles = cdiv(jnp.max(kv_lens), block_kv)
     # Tiles wholly before every live member's window are skipped (members without keys
     # do not hold the start back).
@@ -178,8 +182,9 @@ def _decode_group(q, page_table, kv_lens, k_pages, v_pages, *, kv_heads: int, sm
 
 def _query_blocks_xla(q, k_pages, v_pages, page_table, plan: QueryBlockPlan, *,
                       sm_scale: float, block_sizes: BlockSizes, causal: bool,
-                      sliding_window: int | None):
+                      sliding_window: int | None, window_starts: jax.Array | None):
     """Query blocks of `plan`, one at a time, each streaming over its sequence's pages.
+    window_starts: int32 [tokens] or None (see `ragged_paged_attention_xla`).
 
     Returns out [tokens, q_heads, head_dim] f32 and lse [tokens, q_heads]; rows not
     covered by the plan are 0 / -inf.
@@ -197,6 +202,8 @@ def _query_blocks_xla(q, k_pages, v_pages, page_table, plan: QueryBlockPlan, *,
     # A block may start within block_q of the end; the padding keeps its slices in bounds
     # (dynamic_slice would otherwise clamp the start and misalign the rows).
     q_padded = jnp.pad(q, ((0, block_q), (0, 0), (0, 0)))
+    if window_starts is not None:
+        starts_padded = jnp.pad(window_starts.astype(jnp.int32), (0, block_q))
     out = jnp.zeros((num_tokens + block_q, q_heads, head_dim), jnp.float32)
     lse = jnp.full((num_tokens + block_q, q_heads), -jnp.inf, jnp.float32)
     # Row r of a block's matmul is token r // q_per_kv, query head r % q_per_kv of the group.
@@ -210,8 +217,13 @@ def _query_blocks_xla(q, k_pages, v_pages, page_table, plan: QueryBlockPlan, *,
         q_rows = (q_block.reshape(block_q, kv_heads, q_per_kv, head_dim)
                   .transpose(1, 0, 2, 3).reshape(kv_heads, block_q * q_per_kv, head_dim))
         row_end = row_key_ends(key_end[b], n_tokens, row_token, causal=causal)   # [rows]
-        row_start = key_starts(row_end, sliding_window)                        # [rows]
         row_live = row_token < n_tokens
+        if window_starts is None:
+            row_start = key_starts(row_end, sliding_window)                    # [rows]
+        else:
+            row_start = jax.lax.dynamic_slice_in_dim(starts_padded, first_token,
+                                                     block_q)[row_token]
+
         seq_pages = page_table[seq]                            # [pages_per_seq (padded)]
 
         def tile_step(tile, state):
@@ -227,8 +239,9 @@ def _query_blocks_xla(q, k_pages, v_pages, page_table, plan: QueryBlockPlan, *,
             return online_softmax_update(state, scores, v)
 
         state = online_softmax_init((kv_heads, block_q * q_per_kv), head_dim)
-        # The block's first query has the earliest window: tiles before it are skipped.
-        first_tile = row_start[0] // block_kv
+        # Tiles before the block's earliest window are skipped.
+        first_tile = jnp.min(jnp.where(row_live, row_start, jnp.iinfo(jnp.int32).max)
+                             ) // block_kv
         num_tiles = cdiv(key_end[b], block_kv)
         state = jax.lax.fori_loop(jnp.minimum(first_tile, num_tiles), num_tiles, tile_step,
                                   state)
@@ -263,9 +276,11 @@ def ragged_paged_attention_xla(
     block_sizes: BlockSizes,
     causal: bool = True,
     sliding_window: int | None = None,
+    window_starts: jax.Array | None = None,  # int32 [tokens]: the first key each query sees
 ) -> tuple[jax.Array, jax.Array]:  # out [tokens, q_heads, head_dim], lse [tokens, q_heads]
     """Paged attention for a ragged batch of prefill chunks and decodes (see
-    `pallas_kernels.attention.ragged_paged_attention` for the contract)."""
+    `pallas_kernels.attention.ragged_paged_attention` for the contract; window_starts, in
+    place of sliding_window, for a window the caller maps into these pages' keys)."""
     num_tokens = q.shape[0]
     max_seqs = kv_lens.shape[0]
     cu_q_lens = cu_q_lens.astype(jnp.int32)
@@ -279,14 +294,16 @@ def ragged_paged_attention_xla(
                              block_q=block_sizes.block_q, min_q_len=2)
     out, lse = _query_blocks_xla(q, k_pages, v_pages, page_table, plan, sm_scale=sm_scale,
                                  block_sizes=block_sizes, causal=causal,
-                                 sliding_window=sliding_window)
+                                 sliding_window=sliding_window, window_starts=window_starts)
 
     # Decodes: every decoding sequence's single query at once. A lone query sees keys
     # 0..kv_len-1 whether causal (it is the last key) or not (the prefix), so one path.
-    decode_q = q[jnp.minimum(cu_q_lens[:-1], num_tokens - 1)]   # [max_seqs, q_heads, d]
+    decode_token = jnp.minimum(cu_q_lens[:-1], num_tokens - 1)
+    decode_q = q[decode_token]                                  # [max_seqs, q_heads, d]
     decode_out, decode_lse = decode_attention_xla(
         decode_q, k_pages, v_pages, page_table, jnp.where(is_decode, kv_lens, 0),
-        sm_scale=sm_scale, block_sizes=block_sizes, sliding_window=sliding_window)
+        sm_scale=sm_scale, block_sizes=block_sizes, sliding_window=sliding_window,
+        window_starts=None if window_starts is None else window_starts[decode_token])
 
     token = jnp.arange(num_tokens)
     token_seq = segment_of(token, cu_q_lens[1:])

@@ -111,10 +111,11 @@ def ragged_batches(draw, shapes_choices, max_chunk=24, causal=True):
 
 
 def assert_matches_oracle(out, lse, batch, sm_scale, *, causal=True, atol=2e-5,
-                          sliding_window=None):
+                          sliding_window=None, window_starts=None):
     """Equal to the dense oracle, and exactly 0 / -inf on the padding tail."""
     want_out, want_lse = dense_attention_oracle(**batch, sm_scale=sm_scale, causal=causal,
-                                                sliding_window=sliding_window)
+                                                sliding_window=sliding_window,
+                                                window_starts=window_starts)
     assert_attention_close(out, lse, want_out, want_lse, atol=atol)
     out, lse = np.asarray(out), np.asarray(lse)
     padding = np.arange(out.shape[0]) >= batch["cu_q_lens"][batch["num_seqs"][0]]

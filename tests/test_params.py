@@ -55,16 +55,18 @@ def test_families_are_rows_added_to_the_llama_table():
         odd_config(family="gemma4")
 
 
-def test_sliding_window_refuses_kv_shards():
+def test_sliding_window_over_kv_shards_runs_on_the_xla_path_only():
     config = odd_config(sliding_window=16)
-    MeshLayout.create(config, make_mesh(ParallelConfig(tp=2)), DEFAULT_RULES, "xla")
-    with pytest.raises(ValueError, match="sliding_window=16 .* kvp = cp = 1"):
-        MeshLayout.create(config, make_mesh(ParallelConfig(kvp=2)), DEFAULT_RULES, "xla")
-    # Gemma-3's sliding layers among full ones too, on kvp and on cp.
-    gemma = model_preset("tiny-gemma3")
-    for parallel in (ParallelConfig(kvp=2), ParallelConfig(cp=2)):
-        with pytest.raises(ValueError, match="sliding_window=24 .* kvp = cp = 1"):
-            MeshLayout.create(gemma, make_mesh(parallel), DEFAULT_RULES, "xla")
+    gemma = model_preset("tiny-gemma3")      # its sliding layers among full ones
+    for parallel in (ParallelConfig(tp=2), ParallelConfig(kvp=2), ParallelConfig(cp=2)):
+        for c in (config, gemma):
+            MeshLayout.create(c, make_mesh(parallel), DEFAULT_RULES, "xla")
+    MeshLayout.create(config, make_mesh(ParallelConfig(tp=2)), DEFAULT_RULES, "pallas")
+    for impl in ("pallas", "interpret", "pallas-tpu"):
+        for parallel in (ParallelConfig(kvp=2), ParallelConfig(cp=2)):
+            with pytest.raises(ValueError, match=f"sliding_window=24 .* XLA attention path "
+                                                 f"only, not attention_impl='{impl}'"):
+                MeshLayout.create(gemma, make_mesh(parallel), DEFAULT_RULES, impl)
 
 
 @pytest.mark.parametrize("tp, replicas, padded_vocab", [(1, 1, 257), (2, 1, 258), (4, 2, 260),

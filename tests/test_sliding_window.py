@@ -1,6 +1,8 @@
 """Sliding-window attention (Mistral) on the XLA path and the GPU kernel (interpret mode)
 against the dense oracle; the TPU kernel's check is in tpu_kernel_checks.py."""
 
+import functools
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -60,3 +62,109 @@ def test_per_layer_window_under_the_layer_scan(impl):
     oracle with its own window; decodes and chunks on the decode/prefill split."""
     q_lens, contexts, num_decodes = decodes_first([1, 13, 1, 9], [70, 37, 3, 0])
     assert_per_layer_window(impl, SHAPES, q_lens, contexts, 20, num_decodes=num_decodes)
+
+
+# ------------------------------------------- a window over KV shards (kvp) and cp ranks
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_window_starts_on_the_xla_path_equal_the_oracle(seed):
+    """Non-causal attention over a shard's keys with each query's own first key: decodes
+    and chunks, windows starting before, inside and past the keys (a query that sees no
+    key here gets out 0, lse -inf, which the merge ignores)."""
+    q_lens, contexts = [1, 13, 1, 9], [40, 37, 3, 0]
+    batch = make_batch(seed, SHAPES, q_lens, contexts, causal=False)
+    rng = np.random.default_rng(seed)
+    seq = np.repeat(np.arange(len(q_lens)), q_lens)
+    starts = np.zeros(SHAPES.num_tokens, np.int32)
+    starts[:len(seq)] = rng.integers(0, np.array(contexts)[seq] + 4)
+    starts[1] = contexts[1] + 1                           # a query past all its keys
+    out, lse = ragged_paged_attention(**batch, sm_scale=0.2, impl="xla", block_sizes=TILES,
+                                      causal=False, window_starts=starts)
+    assert_matches_oracle(out, lse, batch, 0.2, causal=False, window_starts=starts)
+    assert np.isneginf(np.asarray(lse)[1]).all()
+    full, _ = ragged_paged_attention(**batch, sm_scale=0.2, impl="xla", block_sizes=TILES,
+                                     causal=False)
+    assert not np.allclose(np.asarray(out)[:len(seq)], np.asarray(full)[:len(seq)])
+
+
+def test_window_starts_run_on_the_xla_path_only():
+    batch = make_batch(0, SHAPES, [5], [10], causal=False)
+    with pytest.raises(ValueError, match="XLA path only, not impl='interpret'"):
+        ragged_paged_attention(**batch, sm_scale=0.2, impl="interpret", causal=False,
+                               window_starts=np.zeros(SHAPES.num_tokens, np.int32))
+
+
+def test_keys_before_is_cached_on_rank_for_a_traced_rank():
+    from medha_jax.model import cp_layout
+    from medha_jax.model.ring_attention import keys_before
+
+    positions = np.arange(300)
+    for ranks, page_size in [(2, 16), (4, 8), (3, 4)]:
+        want = np.stack([cp_layout.cached_on_rank(int(p), ranks, page_size) for p in positions])
+        got = np.stack([np.asarray(keys_before(positions, r, ranks, page_size))
+                        for r in range(ranks)], axis=1)
+        np.testing.assert_array_equal(got, want)
+
+
+# A prompt over several 16-token pages and both shards (48 tokens a kvp shard), chunked
+# prefill then decodes past the window (tiny-mistral's 20, tiny-gemma3's 24).
+WINDOW_PROMPT = 90
+WINDOW_CHUNKS = [30, 25, 1, 20, 1, 1, 1, 1, 10]
+
+
+@functools.cache
+def _one_device_logits(preset):
+    from medha_jax import load_model
+
+    ids = np.random.default_rng(3).integers(0, 256, size=WINDOW_PROMPT).tolist()
+    return ids, load_model(preset, verbose=False).logits(ids)
+
+
+@pytest.mark.parametrize("preset, parallel", [
+    ("tiny-gemma3", "kvp=2"),
+    pytest.param("tiny-mistral", "kvp=2", marks=pytest.mark.slow),
+    pytest.param("tiny-mistral", "cp=2", marks=pytest.mark.slow),
+    pytest.param("tiny-gemma3", "cp=2", marks=pytest.mark.slow)])
+def test_a_window_over_kv_shards_gives_one_device_logits(preset, parallel):
+    """Mistral's window on every layer, Gemma-3's on its sliding layers only: each shard
+    attends the window's part of its own keys (none, for queries past its pages), and the
+    merge equals one device; cp by both ring variants."""
+    from medha_jax import ParallelConfig, load_model
+
+    ids, want = _one_device_logits(preset)
+    axis, degree = parallel.split("=")
+    model = load_model(preset, parallel=ParallelConfig(**{axis: int(degree)}), verbose=False)
+    runs = ({"cp_variant": v} for v in ("kv", "q")) if axis == "cp" else [
+        {"kv_tokens_per_shard": 48}]
+    for kw in runs:
+        got = model.logits(ids, chunk_sizes=WINDOW_CHUNKS, **kw)
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=0, err_msg=str(kw))
+        assert (got.argmax(-1) == want.argmax(-1)).all(), kw
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["kvp=2", "cp=2"])
+@pytest.mark.parametrize("preset", ["tiny-mistral", "tiny-gemma3"])
+def test_engine_greedy_tokens_with_a_window_over_kv_shards(preset, parallel):
+    """Through the Engine: prompts longer than the window over both kvp shards (48 tokens
+    a shard) or both cp ranks, random chunks, decodes batched with prefills past the
+    window: one device's greedy tokens."""
+    from medha_jax import ParallelConfig, load_model
+    from medha_jax.engine import Engine, EngineConfig
+    from tests.hf_oracle import greedy_with_logits
+    from tests.test_engine import drive, make_request
+
+    rng = np.random.default_rng(8)
+    prompts = {"short": rng.integers(0, 256, 12).tolist(),
+               "long": rng.integers(0, 256, 70).tolist(),
+               "mid": rng.integers(0, 256, 45).tolist()}
+    one_device = load_model(preset, verbose=False)
+    want = {rid: greedy_with_logits(one_device, p, 6) for rid, p in prompts.items()}
+    axis, degree = parallel.split("=")
+    model = load_model(preset, parallel=ParallelConfig(**{axis: int(degree)}), verbose=False)
+    kvp = {"max_tokens_per_kvp_group": 48} if axis == "kvp" else {}
+    engine = Engine(model, EngineConfig(page_size=16, num_pages=16, max_tokens_per_step=64,
+                                        max_seqs=8, **kvp))
+    arrivals = [(0, make_request(rid, p, 6)) for rid, p in prompts.items()]
+    assert drive(engine, arrivals, rng=rng, max_chunk=30) == want
+    assert engine.allocator.num_free_pages == engine.allocator.num_pages

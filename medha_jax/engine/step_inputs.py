@@ -68,6 +68,7 @@ _PACKED_INT32 = ("token_ids", "positions", "slot_mapping", "cu_q_lens", "kv_lens
                  "num_seqs", "num_decodes", "logits_indices", "top_k", "next_token_ids",
                  "logprobs_flags")
 _PACKED_CP_INT32 = ("rank_cu_q_lens", "cp_pass_q", "cp_kv_pages", "cp_kv_index")
+_PACKED_KVP_INT32 = ("kv_starts",)
 _PACKED_FLOAT32 = ("temperature", "top_p")
 
 
@@ -86,6 +87,8 @@ def _int32_shapes(shape: tuple[int, ...], num_kv_shards: int, cp_ranks: int = 1
     if cp_ranks > 1:
         shapes.update(rank_cu_q_lens=(cp_ranks, num_seqs + 1), cp_pass_q=(1,),
                       cp_kv_pages=(cp_ranks, shape[3]), cp_kv_index=(cp_ranks, num_seqs, width))
+    elif n > 1:
+        shapes.update(kv_starts=(n, num_seqs))
     return shapes
 
 
@@ -146,6 +149,9 @@ class StepInputs:
     cp_kv_pages: np.ndarray | None = None     # int32 [R, C]: each rank's packed cached pages
     cp_kv_index: np.ndarray | None = None     # int32 [R, S, W]: page-table entries among them
                                               #   (cp_layout.pack_cached_pages)
+    # KV-cache parallelism only (N > 1 shards, no cp):
+    kv_starts: np.ndarray | None = None       # int32 [N, S]: position of each sequence's
+                                              #   first key on each shard (its segment's)
     # Host only: the row of each real token (batch order) in the token arrays [R * T]; None
     # without cp, where token i is row i. Maps prompt logprobs back to their tokens.
     token_rows: np.ndarray | None = None
@@ -179,7 +185,8 @@ class StepInputs:
     def pack(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(int32 [N], float32 [2, S], uint32 [S, 2]) for the device: the int32 fields
         concatenated (see `unpack_int32`), temperature and top_p stacked, the rng keys."""
-        names = _PACKED_INT32 + (_PACKED_CP_INT32 if self.cp_ranks > 1 else ())
+        names = _PACKED_INT32 + (_PACKED_CP_INT32 if self.cp_ranks > 1 else
+                                 _PACKED_KVP_INT32 if self.num_kv_shards > 1 else ())
         ints = np.concatenate([getattr(self, name).ravel() for name in names])
         floats = np.stack([getattr(self, name) for name in _PACKED_FLOAT32])
         return ints, floats, self.rng_keys
@@ -198,6 +205,7 @@ class StepInputs:
             cp_pass_q=zeros(1) if cp else None,
             cp_kv_pages=zeros((cp_ranks, shape[3])) if cp else None,
             cp_kv_index=zeros((cp_ranks, num_seqs, width)) if cp else None,
+            kv_starts=zeros((num_kv_shards, num_seqs)) if num_kv_shards > 1 and not cp else None,
             token_ids=zeros(cp_ranks * num_tokens), positions=zeros(cp_ranks * num_tokens),
             slot_mapping=np.full((num_kv_shards, num_tokens), pad_slot, np.int32),
             cu_q_lens=zeros(num_seqs + 1), kv_lens=zeros((num_kv_shards, num_seqs)),
@@ -346,9 +354,11 @@ def build_step_inputs(batch: Batch, allocator: BlockAllocator, ladder: BucketLad
         segment_size = allocator.max_tokens_per_shard
         segment = real_positions // segment_size
         shard_of_segment = np.full((num_seqs, num_shards), -1, np.int32)
+        kv_starts = np.zeros((num_shards, padded_seqs), np.int32)
         for s, segments in enumerate(tables):
             for k, (shard, _) in enumerate(segments):
                 shard_of_segment[s, k] = shard
+                kv_starts[shard, s] = k * segment_size
         owner = shard_of_segment[seq_of_token, segment]
         local = real_positions - segment * segment_size
         slot_mapping[owner, np.arange(num_tokens)] = (
@@ -381,7 +391,8 @@ def build_step_inputs(batch: Batch, allocator: BlockAllocator, ladder: BucketLad
         sample_mask=sample_mask, temperature=temperature_np, top_k=top_k_np, top_p=top_p_np,
         rng_keys=rng_keys, next_token_ids=next_token_ids,
         logprobs_flags=np.array([wants_logprobs, bool(next_runs)], np.int32),
-        num_tokens=num_tokens, request_ids=tuple(request_ids))
+        num_tokens=num_tokens, request_ids=tuple(request_ids),
+        kv_starts=kv_starts if num_shards > 1 else None)
 
 
 def _leading_ones(q_lens: list[int]) -> int:

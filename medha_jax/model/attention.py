@@ -36,7 +36,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from medha_jax.model.params import KV_CACHE_AXES, MeshLayout
+from medha_jax.model.params import KV_CACHE_AXES, MeshLayout, window_over_shards_error
 from medha_jax.model.ring_attention import ring_attention
 from pallas_kernels import merge_attention, ragged_paged_attention
 from pallas_kernels.query_blocks import cdiv, max_query_blocks, segment_of
@@ -67,6 +67,9 @@ class AttentionMetadata:
                                    step's sequences, each once (what pass-KV sends)
     cp_kv_index:  int32 [cp, S, W] cp only: where each page-table entry sits in cp_kv_pages
                                    (`cp_layout.pack_cached_pages`)
+    kv_starts:    int32 [N, S]     kvp only: the position of each sequence's first key on
+                                   each shard (its segment's first token): a sliding window
+                                   is mapped through it into the shard's keys
     num_decodes:  int32 [1]        the leading sequences that have one query token each
                                    (the engine orders decodes first): the Pallas kernels
                                    serve them with the decode kernel, the rest with query
@@ -83,6 +86,7 @@ class AttentionMetadata:
     num_decodes: jax.Array | None = None
     cp_kv_pages: jax.Array | None = None
     cp_kv_index: jax.Array | None = None
+    kv_starts: jax.Array | None = None
 
     @classmethod
     def of(cls, fields) -> AttentionMetadata:
@@ -108,8 +112,11 @@ def attention(q, k, v, k_cache, v_cache, layer_id, meta: AttentionMetadata, *,
 
     q: [T, H, hd]; k, v: [T, K, hd]; k_cache, v_cache: [L, P, page_size, K * hd] (all layers;
     P pages over all KV shards; K/V heads folded into the last axis, params.KV_CACHE_AXES);
-    layer_id: int32 []; positions: int32 [T] (read with cp only).
-    sliding_window: keys older than this many positions are masked (Mistral).
+    layer_id: int32 []; positions: int32 [T] (read with cp, and with kvp and a window).
+    sliding_window: keys older than this many positions are masked (Mistral). Over KV shards
+      (kvp, cp) each shard maps the window from absolute positions into its own keys, so a
+      shard whose keys all lie before a query's window gives it an empty part (lse -inf),
+      which the merge ignores; that runs on the XLA path only (`MeshLayout.create`).
     windowed: bool [] (traced: the layer scan's per-layer flag) whether sliding_window applies
       to this layer (Gemma-3's sliding and full layers); None: it applies to every layer.
       The kernels take the window statically, so a per-layer one runs as a `lax.cond`
@@ -117,10 +124,13 @@ def attention(q, k, v, k_cache, v_cache, layer_id, meta: AttentionMetadata, *,
     Returns (out [T, H, hd], k_cache, v_cache).
     """
     cp = num_cp_ranks(layout)
-    if sliding_window is not None and (cp > 1 or num_kv_shards(layout) > 1):
-        # kvp's prefix pass and cp's ring attend keys whose positions they do not know.
-        raise ValueError(f"sliding_window={sliding_window} with {num_kv_shards(layout)} KV "
-                         "shards: a sliding window runs with kvp = cp = 1 only")
+    sharded_window = sliding_window is not None and num_kv_shards(layout) > 1
+    if sharded_window and layout.attention_impl != "xla":
+        raise ValueError(window_over_shards_error(sliding_window, layout.attention_impl))
+    if sharded_window and cp == 1 and (meta.kv_starts is None or positions is None):
+        raise ValueError(f"sliding_window={sliding_window} over {num_kv_shards(layout)} kvp "
+                         "shards needs the step's kv_starts and positions (the engine's "
+                         "build_step_inputs and llama.one_sequence_metadata make them)")
     if cp > 1 and num_kv_shards(layout) != cp:
         raise ValueError(f"cp={cp} with {num_kv_shards(layout)} KV shards: cp and kvp do not "
                          "combine (see this module's docstring)")
@@ -136,8 +146,8 @@ def attention(q, k, v, k_cache, v_cache, layer_id, meta: AttentionMetadata, *,
                              kv_shard_axis=layout.rules.mesh_axis("pages"),
                              num_shards=num_kv_shards(layout), cp=cp,
                              cp_axis=layout.rules.mesh_axis("tokens"))
-    if positions is None or cp == 1:
-        positions = jnp.zeros(q.shape[:1], jnp.int32)   # unread without cp
+    if positions is None or not (cp > 1 or sharded_window):
+        positions = jnp.zeros(q.shape[:1], jnp.int32)   # unread
     windowed = jnp.asarray(True if windowed is None else windowed)
     args = (q, k, v, positions, k_cache, v_cache, layer_id, windowed, meta)
     if layout.mesh.size == 1:
@@ -157,6 +167,7 @@ def attention(q, k, v, k_cache, v_cache, layer_id, meta: AttentionMetadata, *,
         cp_pass_q=cp_only(meta.cp_pass_q, spec((None,))),
         cp_kv_pages=cp_only(meta.cp_kv_pages, spec(("pages", None))),
         cp_kv_index=cp_only(meta.cp_kv_index, spec(("pages", "seqs", None))),
+        kv_starts=None if meta.kv_starts is None else spec(("pages", "seqs")),
         num_decodes=None if meta.num_decodes is None else spec((None,)))
     sharded = jax.shard_map(
         body, mesh=layout.mesh, in_specs=(q_spec, kv_spec, kv_spec, spec(("tokens",)),
@@ -187,7 +198,8 @@ def _attend_on_device(q, k, v, positions, k_cache, v_cache, layer_id, windowed,
         out = ring_attention(q, k, v, positions, k_all, v_all, layer_pages, kv_lens,
                              meta.rank_cu_q_lens, meta.num_seqs, meta.cp_pass_q,
                              meta.cp_kv_pages[0] + layer_id * num_pages, meta.cp_kv_index[0],
-                             axis=cp_axis, num_ranks=cp, sm_scale=sm_scale, impl=impl)
+                             axis=cp_axis, num_ranks=cp, sm_scale=sm_scale, impl=impl,
+                             sliding_window=sliding_window, windowed=windowed)
         return out, k_cache, v_cache
     if num_shards == 1:
         def attend_cache(window, k_folded, v_folded):
@@ -204,10 +216,26 @@ def _attend_on_device(q, k, v, positions, k_cache, v_cache, layer_id, windowed,
             out = attend_cache(sliding_window, k_cache, v_cache)
         return out, k_cache, v_cache
 
+    prefix_starts = None
+    if sliding_window is not None:
+        # The window in this shard's keys: its key j sits at position kv_starts + j. Zeros
+        # (no window) on a per-layer scan's full layers.
+        seq = segment_of(jnp.arange(q.shape[0], dtype=jnp.int32), meta.cu_q_lens[1:])
+        first = positions - sliding_window + 1 - meta.kv_starts[0][seq]
+        prefix_starts = jnp.where(windowed, jnp.maximum(first, 0), 0)
     prefix_out, prefix_lse = attend(q, k_all, v_all, layer_pages, meta.cu_q_lens, kv_lens,
-                                    meta.num_seqs, causal=False, num_decodes=meta.num_decodes)
+                                    meta.num_seqs, causal=False, num_decodes=meta.num_decodes,
+                                    window_starts=prefix_starts)
     prefix_out, prefix_lse = _merge_over_shards(prefix_out, prefix_lse, kv_shard_axis)
-    own_out, own_lse = _attend_own_tokens(q, k, v, meta, attend, k_cache.shape[2])
+
+    def attend_own(window):
+        return _attend_own_tokens(q, k, v, meta, functools.partial(attend, sliding_window=window),
+                                  k_cache.shape[2])
+    if sliding_window is not None and per_layer_window:
+        own_out, own_lse = jax.lax.cond(windowed, lambda: attend_own(sliding_window),
+                                        lambda: attend_own(None))
+    else:
+        own_out, own_lse = attend_own(sliding_window)
     out, _ = merge_attention(jnp.stack([prefix_out.astype(jnp.float32),
                                         own_out.astype(jnp.float32)]),
                              jnp.stack([prefix_lse, own_lse]))

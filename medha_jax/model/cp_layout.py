@@ -4,8 +4,9 @@ Prefill: a sequence's new tokens split into 2N chunks, rank i takes chunks i and
 every rank gets an equal share of the causal attention work (a head chunk that sees little
 and a tail chunk that sees much). The new tokens are split this way whatever ranks hold the
 sequence's cached tokens (partial prefill). Decode: one token a sequence, placed round-robin
-(Algorithm 4). That is the placement of `place_new_tokens` and `build_cp_step` (what
-`Model.logits` runs); the engine places tokens by position instead (the last section).
+(Algorithm 4). That is the placement of `place_new_tokens`; the engine and `Model.logits`
+(`plan_sequence`) place tokens by position instead (the last section), and `build_cp_step`
+lays out either.
 
 The step's flat token array is the concatenation of the ranks' runs ([N * T_rank], sharded
 over cp); within a rank's run the sequences keep their batch order and each sequence's
@@ -165,18 +166,21 @@ def pack_cached_pages(page_table: np.ndarray, kv_lens: np.ndarray, page_size: in
     return packed, index
 
 
-def plan_sequence(chunk_sizes: list[int], num_ranks: int
+def plan_sequence(chunk_sizes: list[int], num_ranks: int, page_size: int
                   ) -> tuple[list[tuple[int, list[np.ndarray], np.ndarray]], np.ndarray]:
-    """One sequence run as successive chunks: (start, offsets per rank, tokens each rank
-    cached before) of every chunk, and the tokens each rank holds at the end. Decodes go
-    round-robin by position, so a long decode spreads evenly too."""
-    plan, cached, start = [], np.zeros(num_ranks, np.int64), 0
+    """One sequence run as successive chunks, its tokens placed by position as the engine
+    places them (`rank_of_position`, the last section): (start, offsets per rank, tokens
+    each rank cached before) of every chunk, and the tokens each rank holds at the end.
+    By position, not per chunk, so that a rank's cached keys are positions a step can
+    compute (`cached_on_rank`): what maps a sliding window into them
+    (`ring_attention.keys_before`)."""
+    plan, start = [], 0
     for n in chunk_sizes:
-        offsets = place_new_tokens(n, num_ranks, decode_rank=start)
-        plan.append((start, offsets, cached.copy()))
-        cached = cached + [len(o) for o in offsets]
+        rank = rank_of_position(start + np.arange(n), num_ranks, page_size)
+        offsets = [np.flatnonzero(rank == r) for r in range(num_ranks)]
+        plan.append((start, offsets, cached_on_rank(start, num_ranks, page_size)))
         start += n
-    return plan, cached
+    return plan, cached_on_rank(start, num_ranks, page_size)
 
 
 def step_metadata(step: CpStep, num_seqs: int, pass_q: bool):

@@ -198,7 +198,8 @@ def one_sequence_metadata(start: int, end: int, padded_tokens: int, *, page_size
         page_table=np.broadcast_to(np.arange(pages, dtype=np.int32), (num_kv_shards, 1, pages)),
         cu_q_lens=np.array([0, end - start], np.int32),
         kv_lens=kv_lens.astype(np.int32),
-        num_seqs=np.array([1], np.int32))
+        num_seqs=np.array([1], np.int32),
+        kv_starts=None if num_kv_shards == 1 else (shards * tokens_per_shard).astype(np.int32))
 
 
 def init_random_params(config: ModelConfig, layout: MeshLayout, key) -> dict[str, jax.Array]:

@@ -121,12 +121,13 @@ class Model:
 
     def _cp_logits(self, ids: np.ndarray, chunk_sizes: list[int], page_size: int,
                    cp_variant: str) -> np.ndarray:
-        """`logits` over cp ranks: one sequence, its chunks split by `cp_layout`, each rank's
-        K/V in its own pages 0, 1, 2, ... in the order they arrive."""
+        """`logits` over cp ranks: one sequence, its tokens placed by position as the engine
+        places them (`cp_layout.plan_sequence`), each rank's K/V in its own pages 0, 1, 2,
+        ..., page g holding its stripe of the sequence's g-th window of cp pages."""
         from medha_jax.scheduler.cp_cost import choose_pass_q
 
         ranks = num_cp_ranks(self.layout)
-        placements, cached = cp_layout.plan_sequence(chunk_sizes, ranks)
+        placements, cached = cp_layout.plan_sequence(chunk_sizes, ranks, page_size)
         pages = -(-int(cached.max()) // page_size)
         cache = self.new_kv_cache(ranks * pages, page_size)
         table = np.broadcast_to(np.arange(pages, dtype=np.int32), (ranks, pages))

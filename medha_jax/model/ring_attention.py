@@ -31,6 +31,11 @@ Both parts of rank j's keys are visited by every rank's queries around a ring of
   decode tokens spread over the ranks (round-robin in `cp_layout.place_new_tokens`, by
   position in the engine: see `cp_layout`).
 
+A sliding window (Mistral, Gemma-3's sliding layers) holds in absolute positions on every
+rank: the new tokens' mask compares positions, and the cached part starts each query at the
+first of the holding rank's keys inside its window (`keys_before`); a rank with none of
+them gives an empty part (lse -inf), which the merges ignore.
+
 Every step starts the permute of the next block before attending the current one (MaxText's
 ring), so XLA overlaps the transfer with the attention. The choice of variant is data
 (`AttentionMetadata.cp_pass_q`): both are compiled into the one step program, and the
@@ -52,7 +57,8 @@ from pallas_kernels.merge import (attention_scores, online_softmax_finish, onlin
 
 def ring_attention(q, k, v, positions, k_all, v_all, layer_pages, kv_lens, rank_cu_q_lens,
                    num_seqs, pass_q, kv_pages, kv_index, *, axis: str, num_ranks: int,
-                   sm_scale: float, impl: str):
+                   sm_scale: float, impl: str, sliding_window: int | None = None,
+                   windowed=True):
     """Attention of this rank's queries over all ranks' cached and new K/V.
 
     q: [T, H, hd]; k, v: [T, K, hd] (this rank's new tokens, T = step tokens / N);
@@ -62,17 +68,26 @@ def ring_attention(q, k, v, positions, k_all, v_all, layer_pages, kv_lens, rank_
     rank_cu_q_lens: int32 [N, S + 1] (each rank's run of new tokens by sequence); num_seqs:
     int32 [1]; pass_q: int32 [1] (nonzero: pass-Q); kv_pages: int32 [C] (this layer's ids
     of this rank's packed cached pages); kv_index: int32 [S, W] (each page-table entry's
-    place among them). Returns out [T, H, hd].
+    place among them). sliding_window: a query at position p sees keys p - sliding_window + 1
+    .. p, where windowed (bool [], traced: a per-layer scan's flag) says so; each rank's
+    cached keys are the positions `cp_layout.rank_of_position` gives it (the engine's and
+    `Model.logits`' placement), so the window maps into them by `keys_before`.
+    Returns out [T, H, hd].
     """
     rank = jax.lax.axis_index(axis)
+    first = jnp.zeros_like(positions)
+    if sliding_window is not None:
+        first = jnp.where(windowed, jnp.maximum(positions - sliding_window + 1, 0), 0)
     # The cond's operands are laid out by XLA apart from its branches: the pages cross it
     # with their heads folded (no size-1 axis at one K/V head per device, which XLA would
     # otherwise re-lay out, copying the whole cache every layer; params.KV_CACHE_AXES).
     fold = lambda pages: pages.reshape(*pages.shape[:2], -1)  # noqa: E731
     local = _Local(q=q, k=k, v=v, positions=positions, k_all=fold(k_all), v_all=fold(v_all),
                    layer_pages=layer_pages, kv_lens=kv_lens, cu=rank_cu_q_lens,
-                   num_seqs=num_seqs, rank=rank, kv_pages=kv_pages, kv_index=kv_index)
-    kw = dict(axis=axis, num_ranks=num_ranks, sm_scale=sm_scale, impl=impl)
+                   num_seqs=num_seqs, rank=rank, kv_pages=kv_pages, kv_index=kv_index,
+                   first=first)
+    kw = dict(axis=axis, num_ranks=num_ranks, sm_scale=sm_scale, impl=impl,
+              windowed=sliding_window is not None)
     out = jax.lax.cond(pass_q[0] != 0, functools.partial(_pass_q, **kw),
                        functools.partial(_pass_kv, **kw), local)
     return out.astype(q.dtype)
@@ -97,11 +112,30 @@ class _Local:
     rank: jax.Array
     kv_pages: jax.Array
     kv_index: jax.Array
+    first: jax.Array   # int32 [T]: the first position each query sees (0: no window)
 
     def pages(self) -> tuple[jax.Array, jax.Array]:
         """k_all, v_all as [pages, page_size, K, hd]."""
         head_dim = self.k.shape[-1]
         return tuple(p.reshape(*p.shape[:2], -1, head_dim) for p in (self.k_all, self.v_all))
+
+    def window_starts(self, first, holder, num_ranks: int, windowed: bool):
+        """int32 [T] or None: queries' first visible positions `first` as indices among
+        rank `holder`'s cached keys of their sequence (None: no window)."""
+        if not windowed:
+            return None
+        return keys_before(first, holder, num_ranks, self.k_all.shape[1])
+
+
+def keys_before(positions, rank, num_ranks: int, page_size: int):
+    """int32 like positions: of the tokens before each position, how many `rank` holds
+    (`cp_layout.cached_on_rank` in jnp, for a traced rank): they are the first keys of its
+    pages of the sequence, in page-table order, so a window starting at that position
+    starts at that key on the rank. Tokens by `cp_layout.rank_of_position`."""
+    logical_page, within = positions // (num_ranks * page_size), positions % (num_ranks * page_size)
+    stripe = jnp.where(logical_page % 2 == 0, rank, num_ranks - 1 - rank)
+    return (logical_page * page_size
+            + jnp.clip(within - stripe * page_size, 0, page_size)).astype(jnp.int32)
 
 
 # Name scopes of a ring step's transfer and attention, so that a test can find them in the
@@ -122,7 +156,8 @@ def _ring_perm(num_ranks: int):
     return [(i, (i + 1) % num_ranks) for i in range(num_ranks)]
 
 
-def _pass_kv(x: _Local, *, axis: str, num_ranks: int, sm_scale: float, impl: str):
+def _pass_kv(x: _Local, *, axis: str, num_ranks: int, sm_scale: float, impl: str,
+             windowed: bool):
     """Algorithm 2: this rank's queries stay; every rank's K/V visit them."""
     # This rank's real cached K/V of the step's sequences, [C, page_size, K, hd], and where
     # each sequence's pages sit in it: what travels, not [S x W] padded page tables.
@@ -136,11 +171,14 @@ def _pass_kv(x: _Local, *, axis: str, num_ranks: int, sm_scale: float, impl: str
         # Start the next transfer before this block's attention so the two overlap.
         following = _send_next(message, step, axis=axis, num_ranks=num_ranks)
         with jax.named_scope(f"{RING_ATTEND}{step}"):
+            holder = (x.rank - step) % num_ranks          # whose K/V are in hand
             cached = ragged_paged_attention(
                 x.q, message["k_cached"], message["v_cached"], message["kv_index"], x.cu[x.rank],
-                message["kv_lens"], x.num_seqs, sm_scale=sm_scale, impl=impl, causal=False)
+                message["kv_lens"], x.num_seqs, sm_scale=sm_scale, impl=impl, causal=False,
+                window_starts=x.window_starts(x.first, holder, num_ranks, windowed))
             fresh = masked_attention(x.q, q_seq, x.positions, message["k"], message["v"],
-                                     message["seq"], message["pos"], sm_scale=sm_scale)
+                                     message["seq"], message["pos"], sm_scale=sm_scale,
+                                     q_first=x.first if windowed else None)
         outs += [cached[0], fresh[0]]
         lses += [cached[1], fresh[1]]
         message = following
@@ -148,12 +186,15 @@ def _pass_kv(x: _Local, *, axis: str, num_ranks: int, sm_scale: float, impl: str
     return out
 
 
-def _pass_q(x: _Local, *, axis: str, num_ranks: int, sm_scale: float, impl: str):
+def _pass_q(x: _Local, *, axis: str, num_ranks: int, sm_scale: float, impl: str,
+            windowed: bool):
     """Algorithm 3 (and 4 for decodes): the queries travel; partial outputs return by All2All."""
     num_tokens, num_heads, head_dim = x.q.shape
     local_seq = _token_seqs(x.cu[x.rank], x.num_seqs, num_tokens)
     k_all, v_all = x.pages()
     message = dict(q=x.q, pos=x.positions, src=x.rank)
+    if windowed:
+        message["first"] = x.first
     partial_out = jnp.zeros((num_ranks, num_tokens, num_heads, head_dim), jnp.float32)
     partial_lse = jnp.full((num_ranks, num_tokens, num_heads), -jnp.inf, jnp.float32)
     for step in range(num_ranks):
@@ -163,10 +204,12 @@ def _pass_q(x: _Local, *, axis: str, num_ranks: int, sm_scale: float, impl: str)
         with jax.named_scope(f"{RING_ATTEND}{step}"):
             cached = ragged_paged_attention(
                 message["q"], k_all, v_all, x.layer_pages, cu_src, x.kv_lens, x.num_seqs,
-                sm_scale=sm_scale, impl=impl, causal=False)
+                sm_scale=sm_scale, impl=impl, causal=False,
+                window_starts=x.window_starts(message.get("first"), x.rank, num_ranks, windowed))
             fresh = masked_attention(message["q"], _token_seqs(cu_src, x.num_seqs, num_tokens),
                                      message["pos"], x.k, x.v, local_seq, x.positions,
-                                     sm_scale=sm_scale)
+                                     sm_scale=sm_scale,
+                                     q_first=message.get("first"))
         out, lse = merge_attention(jnp.stack([cached[0].astype(jnp.float32),
                                               fresh[0].astype(jnp.float32)]),
                                    jnp.stack([cached[1], fresh[1]]))
@@ -187,12 +230,13 @@ NEW_TOKEN_BLOCK = 256
 
 
 def masked_attention(q, q_seq, q_pos, k, v, k_seq, k_pos, *, sm_scale: float,
-                     block: int = NEW_TOKEN_BLOCK):
+                     block: int = NEW_TOKEN_BLOCK, q_first=None):
     """Attention of new tokens over new tokens by sequence id and position, tiled.
 
-    q: [Tq, H, hd]; q_seq, q_pos: int32 [Tq]; k, v: [Tk, K, hd]; k_seq, k_pos: int32 [Tk].
-    Query t sees key u iff q_seq[t] == k_seq[u] >= 0 and k_pos[u] <= q_pos[t]; padding
-    carries seq -1. Returns (out [Tq, H, hd] f32, lse [Tq, H] f32; 0 and -inf for a query
+    q: [Tq, H, hd]; q_seq, q_pos: int32 [Tq]; k, v: [Tk, K, hd]; k_seq, k_pos: int32 [Tk];
+    q_first: int32 [Tq] or None, the first position each query sees (a sliding window).
+    Query t sees key u iff q_seq[t] == k_seq[u] >= 0 and q_first[t] <= k_pos[u] <= q_pos[t];
+    padding carries seq -1. Returns (out [Tq, H, hd] f32, lse [Tq, H] f32; 0 and -inf for a query
     that sees no key).
 
     Flash-style: query blocks of up to `block` tokens, each streaming over key tiles of
@@ -213,6 +257,8 @@ def masked_attention(q, q_seq, q_pos, k, v, k_seq, k_pos, *, sm_scale: float,
     q = jnp.pad(q, ((0, pad_q), (0, 0), (0, 0)))
     q_seq = jnp.pad(q_seq, (0, pad_q), constant_values=-1)
     q_pos = jnp.pad(q_pos, (0, pad_q))
+    q_first = jnp.pad(jnp.zeros_like(q_pos[:num_q]) if q_first is None else q_first,
+                      (0, pad_q))
     k = jnp.pad(k, ((0, pad_k), (0, 0), (0, 0)))
     v = jnp.pad(v, ((0, pad_k), (0, 0), (0, 0)))
     k_seq = jnp.pad(k_seq, (0, pad_k), constant_values=-1)
@@ -227,6 +273,7 @@ def masked_attention(q, q_seq, q_pos, k, v, k_seq, k_pos, *, sm_scale: float,
         qb = jax.lax.dynamic_slice_in_dim(q, first, bq)
         qs = jax.lax.dynamic_slice_in_dim(q_seq, first, bq)
         qp = jax.lax.dynamic_slice_in_dim(q_pos, first, bq)
+        qf = jax.lax.dynamic_slice_in_dim(q_first, first, bq)
         real = qs >= 0
         lo_seq = jnp.min(jnp.where(real, qs, jnp.iinfo(jnp.int32).max))
         hi_seq = jnp.max(qs)
@@ -237,7 +284,7 @@ def masked_attention(q, q_seq, q_pos, k, v, k_seq, k_pos, *, sm_scale: float,
         hi = jnp.where(jnp.any(real), hi, lo)
         q_rows = (qb.reshape(bq, kv_heads, group, head_dim).transpose(1, 0, 2, 3)
                   .reshape(kv_heads, bq * group, head_dim))
-        row_seq, row_pos = qs[row_token], qp[row_token]
+        row_seq, row_pos, row_first = qs[row_token], qp[row_token], qf[row_token]
 
         def tile_step(tile, state):
             start = tile * bk
@@ -246,7 +293,8 @@ def masked_attention(q, q_seq, q_pos, k, v, k_seq, k_pos, *, sm_scale: float,
             ks = jax.lax.dynamic_slice_in_dim(k_seq, start, bk)
             kp = jax.lax.dynamic_slice_in_dim(k_pos, start, bk)
             visible = ((row_seq[:, None] == ks[None, :]) & (row_seq[:, None] >= 0)
-                       & (kp[None, :] <= row_pos[:, None]))                  # [rows, bk]
+                       & (kp[None, :] <= row_pos[:, None])
+                       & (kp[None, :] >= row_first[:, None]))                # [rows, bk]
             scores = attention_scores(q_rows, kt, sm_scale)                  # [K, rows, bk]
             scores = jnp.where(visible[None], scores, -jnp.inf)
             return online_softmax_update(state, scores, vt)
