@@ -3,17 +3,17 @@
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
-from gguf.constants import GGUFValueType
+from gguf.constants import GGUFEndian, GGUFValueType
 from gguf.quants import quantize
 
 from medha_jax.checkpoint import CheckpointError, default_model_path
 from medha_jax.checkpoint.gguf_container import container_from_reader, read_gguf
 
 
-def write_every_value_type(path, alignment=None):
+def write_every_value_type(path, alignment=None, endianess=GGUFEndian.LITTLE):
     """A GGUF with a key of each value type, arrays of numbers, bools and strings (with
     multi-byte UTF-8), and float and quantized tensors."""
-    writer = GGUFWriter(str(path), "llama")
+    writer = GGUFWriter(str(path), "llama", endianess=endianess)
     if alignment is not None:
         writer.add_custom_alignment(alignment)
     writer.add_uint8("k.u8", 200)
@@ -65,8 +65,11 @@ def assert_same_as_gguf_reader(path):
 
 
 @pytest.mark.parametrize("alignment", [None, 64])
-def test_every_value_type_and_tensor_equals_gguf_reader(tmp_path, alignment):
-    ours = assert_same_as_gguf_reader(write_every_value_type(tmp_path / "m.gguf", alignment))
+@pytest.mark.parametrize("endianess", [GGUFEndian.LITTLE, GGUFEndian.BIG])
+def test_every_value_type_and_tensor_equals_gguf_reader(tmp_path, alignment, endianess):
+    ours = assert_same_as_gguf_reader(
+        write_every_value_type(tmp_path / "m.gguf", alignment, endianess))
+    assert ours.byte_order == ("<" if endianess == GGUFEndian.LITTLE else ">")
     assert ours.alignment == (alignment or 32) and ours.data_offset % ours.alignment == 0
     assert ours.fields["k.str"] == "héllo ∑ 🙂" and ours.fields["k.u64"] == 2**63 + 5
     assert ours.field_types["k.strs"] == (GGUFValueType.ARRAY, GGUFValueType.STRING)

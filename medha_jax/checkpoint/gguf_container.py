@@ -232,7 +232,8 @@ def container_from_reader(reader) -> GGUFContainer:
                               int(t.data_offset), int(t.n_bytes), t.data)
                for t in reader.tensors]
     return GGUFContainer(
-        path=pathlib.Path(reader.data.filename), version=int(reader.fields["GGUF.version"].parts[0][0]),
+        path=pathlib.Path(reader.data.filename),
+        version=int(reader.fields["GGUF.version"].parts[0][0]),
         byte_order="<" if reader.endianess.name == "LITTLE" else ">",
         alignment=int(reader.alignment), data_offset=int(reader.data_offset),
         fields=fields, field_types=field_types, tensors=tensors)
