@@ -1,4 +1,4 @@
-"""GGUF checkpoints (llama.cpp's format), read with the `gguf` package's GGUFReader.
+"""GGUF checkpoints (llama.cpp's format), parsed by gguf_container.read_gguf.
 
     ckpt = load_gguf_checkpoint(default_model_path())   # SmolLM2-135M-Instruct, Q4_1
 
@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
+
+from medha_jax.checkpoint.gguf_container import GGUFContainer, container_from_reader, read_gguf
 
 from medha_jax.checkpoint.tensors import (
     Checkpoint, CheckpointError, StoredTensor, canonical_tensors)
@@ -61,7 +63,7 @@ def load_gguf_checkpoint(path: str | pathlib.Path) -> Checkpoint:
     path = pathlib.Path(path)
     if not path.is_file():
         raise CheckpointError(f"GGUF file {path} does not exist")
-    reader = GGUFReader(path, "r")
+    reader = read_gguf(path)
     config = config_from_gguf(reader, name=path.stem)
     stored = {t.name: _stored_tensor(t) for t in reader.tensors}
     offset = config.family_spec.norm_offset
@@ -76,18 +78,28 @@ def load_gguf_checkpoint(path: str | pathlib.Path) -> Checkpoint:
     return Checkpoint(config=config, tensors=tensors, tokenizer=tokenizer)
 
 
-def gguf_field(reader: GGUFReader, key: str, default: Any = ...) -> Any:
+def as_gguf_container(reader_or_path: GGUFContainer | GGUFReader | str | pathlib.Path
+                      ) -> GGUFContainer:
+    """A parsed GGUF file from a path, a parsed file, or a `gguf.GGUFReader`."""
+    if isinstance(reader_or_path, GGUFContainer):
+        return reader_or_path
+    if isinstance(reader_or_path, GGUFReader):
+        return container_from_reader(reader_or_path)
+    return read_gguf(reader_or_path)
+
+
+def gguf_field(reader: GGUFContainer, key: str, default: Any = ...) -> Any:
     """A metadata value as a Python object; a missing one is an error unless defaulted."""
-    field = reader.fields.get(key)
-    if field is None:
+    if key not in reader.fields:
         if default is ...:
             raise CheckpointError(f"GGUF metadata is missing {key!r}")
         return default
-    return field.contents()
+    return reader.fields[key]
 
 
-def config_from_gguf(reader: GGUFReader, name: str = "custom") -> ModelConfig:
+def config_from_gguf(reader: GGUFContainer | GGUFReader, name: str = "custom") -> ModelConfig:
     """ModelConfig from a GGUF file's general.* and {architecture}.* metadata."""
+    reader = as_gguf_container(reader)
     architecture = gguf_field(reader, "general.architecture")
     if architecture not in SUPPORTED_GGUF_ARCHITECTURES:
         raise CheckpointError(
@@ -121,7 +133,7 @@ def config_from_gguf(reader: GGUFReader, name: str = "custom") -> ModelConfig:
             f"GGUF {arch}rope.dimension_count={rotary_dims} != {head_dim=}: partial RoPE "
             "is not supported")
     if "tokenizer.ggml.tokens" in reader.fields:
-        vocab_size = len(reader.fields["tokenizer.ggml.tokens"].data)
+        vocab_size = len(reader.fields["tokenizer.ggml.tokens"])
     else:
         vocab_size = gguf_field(reader, arch + "vocab_size")
     tensor_names = {t.name for t in reader.tensors}
@@ -154,7 +166,7 @@ def config_from_gguf(reader: GGUFReader, name: str = "custom") -> ModelConfig:
         raise CheckpointError(f"GGUF metadata: {e}") from e
 
 
-def _gemma3_fields(reader: GGUFReader, arch: str, num_layers: int, hidden: int, heads: int,
+def _gemma3_fields(reader: GGUFContainer, arch: str, num_layers: int, hidden: int, heads: int,
                    head_dim: int) -> dict[str, Any]:
     """Gemma-3's fields as llama.cpp reads them: a sliding_window_pattern (a period, or a
     flag per layer) where written, else every 6th layer full; the sliding layers' RoPE base
@@ -192,7 +204,7 @@ def _stored_tensor(tensor) -> StoredTensor:
     return StoredTensor(shape, read)
 
 
-def _check_quantization_types(reader: GGUFReader) -> None:
+def _check_quantization_types(reader: GGUFContainer) -> None:
     """Dequantizes one row of each quantization type present, so an unsupported type fails
     at load time and names its tensor, not later inside a device callback."""
     first_of_type: dict[GGMLQuantizationType, Any] = {}

@@ -127,14 +127,12 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, reader_or_path) -> "Tokenizer":
-        """From a GGUF file's metadata (a `gguf.GGUFReader` or a path to the file)."""
-        from gguf import GGUFReader
-
+        """From a GGUF file's metadata (a parsed GGUFContainer, a `gguf.GGUFReader` or a
+        path to the file)."""
         # Imported here: gguf_file imports this module for its loader.
-        from medha_jax.checkpoint.gguf_file import gguf_field
+        from medha_jax.checkpoint.gguf_file import as_gguf_container, gguf_field
 
-        reader = (reader_or_path if isinstance(reader_or_path, GGUFReader)
-                  else GGUFReader(reader_or_path, "r"))
+        reader = as_gguf_container(reader_or_path)
         kind = gguf_field(reader, "tokenizer.ggml.model")
         if kind != "gpt2":
             raise CheckpointError(
