@@ -50,7 +50,7 @@ from medha_jax.scheduler.in_flight import InFlightRunner
 from medha_jax.scheduler.prefill_time_cache import PrefillTimeCache
 from medha_jax.scheduler.hardware import HardwareSpec, hardware_preset
 from medha_jax.scheduler.predictor import (AnalyticalPredictor, RuntimePredictor,
-                                           decode_token_seconds)
+                                           decode_step_seconds, decode_token_seconds)
 
 DUMMY_TOKEN_ID = 0
 
@@ -349,7 +349,8 @@ def simulate(requests: list[Request], *, scheduler: str | SchedulerConfig, model
         page_bytes = (model.kv_bytes_per_token(bytes_per_value)
                       * max(1, replica_parallel.tp // model.num_kv_heads) * page_size)
         handoffs = SimulatedHandoffs(controllers, router, offload, page_bytes, decode_token_s,
-                                     stream_chunks, [runner.executor for runner in runners])
+                                     stream_chunks, [runner.executor for runner in runners],
+                                     predictor)
 
     bar = None
     if progress:
@@ -436,8 +437,9 @@ class SimulatedHandoffs:
     PREFILL_SHARE_WINDOW_S = 10.0
 
     def __init__(self, controllers, router, config, page_bytes: int, decode_token_s: float,
-                 stream_chunks: bool, executors):
+                 stream_chunks: bool, executors, predictor):
         self.controllers, self.router, self.config = controllers, router, config
+        self.predictor = predictor
         # Per replica, (leaves the pipe at, stage seconds) of its steps with prefill chunks.
         self._prefill_steps = [collections.deque() for _ in controllers]
         for executor, steps in zip(executors, self._prefill_steps):
@@ -474,6 +476,16 @@ class SimulatedHandoffs:
     def next_time(self) -> float:
         return self._heap[0][0] if self._heap else math.inf
 
+    def _decode_step_s(self, j: int, prompt_len: int) -> float:
+        """Replica j's decode step with the decodes it runs, those handed to it and not yet
+        landed, and one more at prompt_len: what each of the new request's tokens costs."""
+        contexts = [r.prompt_len + len(r.output_token_ids)
+                    for r in self.controllers[j].unfinished() if r.max_new_tokens > 1]
+        contexts += [entry[0].prompt_len for entry in self._waiting.values() if entry[3] == j]
+        contexts += [entry[0].prompt_len for entry in self._ready.values() if entry[2] == j]
+        contexts.append(prompt_len)
+        return decode_step_seconds(self.predictor, contexts)
+
     def _chunk_step_s(self, controller) -> float:
         target = getattr(controller.packer, "target_batch_time_s", None)
         return target if target is not None else controller.prefill_time_cache.prefill_time(512)
@@ -490,7 +502,8 @@ class SimulatedHandoffs:
         views = [OffloadReplica(True, queued_prefill_s=c.outstanding_work_s(0.0),
                                 chunk_step_s=self._chunk_step_s(c),
                                 decode_token_s=self.decode_token_s, cached_pages=cached_pages[j],
-                                prefill_share=self._prefill_share(j, request.arrival_time))
+                                prefill_share=self._prefill_share(j, request.arrival_time),
+                                decode_step_s=self._decode_step_s(j, request.prompt_len))
                  for j, c in enumerate(self.controllers)]
         decision = choose_decode(OffloadRequest(
             request.prompt_len, cached_tokens, request.max_new_tokens,

@@ -98,6 +98,9 @@ class ServingLoop:
         # Of that work, the predicted seconds of prefill (what slows decodes here: the
         # offload decision, medha_jax.cluster.offload).
         self.queued_prefill_s = 0.0
+        # Context lengths of the requests that decode here (one tuple, replaced whole): the
+        # offload decision prices this replica's decode step with them.
+        self.decode_contexts: tuple[int, ...] = ()
         self.runner = InFlightRunner(controller, engine if hasattr(engine, "dispatch")
                                      else _OneAtATime(engine))
         self._lock = threading.Condition()          # guards everything up to _streams
@@ -457,6 +460,9 @@ class ServingLoop:
         self.load = (waiting, running, work)
         if self._decode_token_s is not None:
             self.queued_prefill_s = controller.outstanding_work_s(0.0)
+            self.decode_contexts = tuple(r.prompt_len + len(r.output_token_ids)
+                                         for r in controller.unfinished()
+                                         if r.max_new_tokens > 1)
 
 
 def _request_ids(batch: Batch) -> list[str]:

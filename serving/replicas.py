@@ -37,7 +37,7 @@ from medha_jax.cluster.router import (NoHealthyReplica, ReplicaStatus, RouteRequ
                                       RoutingConfig)
 from medha_jax.kv_cache.allocator import prefix_page_hashes
 from medha_jax.request import FinishReason, Request
-from medha_jax.scheduler.predictor import decode_token_seconds
+from medha_jax.scheduler.predictor import decode_step_seconds, decode_token_seconds
 from serving.loop import ServingLoop
 from serving.outputs import RequestStream
 
@@ -318,7 +318,9 @@ class ReplicaSet:
         views = [OffloadReplica(can_decode=r.loop.healthy, prefill_only=i in self._prefill_only,
                                 queued_prefill_s=r.loop.queued_prefill_s,
                                 chunk_step_s=r.chunk_step_s, decode_token_s=r.decode_token_s,
-                                cached_pages=cached_pages[i], prefill_share=r.prefill_share)
+                                cached_pages=cached_pages[i], prefill_share=r.prefill_share,
+                                decode_step_s=decode_step_seconds(
+                                    r.predictor, r.loop.decode_contexts + (prompt_len,)))
                  for i, r in enumerate(self.replicas)]
         return choose_decode(request, prefill, views, self.offload)
 

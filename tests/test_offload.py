@@ -1,11 +1,13 @@
 """The offload decision (medha_jax.cluster.offload): worked numbers, the fixed gates."""
 
+import dataclasses
 import math
 
 import pytest
 
 from medha_jax.cluster.offload import (OffloadConfig, OffloadReplica, OffloadRequest,
-                                       choose_decode, decode_seconds, exposed_transfer_s)
+                                       choose_decode, decode_seconds, exposed_transfer_s,
+                                       offloaded_seconds)
 
 BUSY_P = OffloadReplica(True, queued_prefill_s=2.0, chunk_step_s=0.1, decode_token_s=0.02)
 IDLE = OffloadReplica(True, chunk_step_s=0.1, decode_token_s=0.02)
@@ -86,3 +88,43 @@ def test_bad_config_is_named():
         OffloadConfig("x")
     with pytest.raises(ValueError, match="link_bytes_per_s must be > 0"):
         OffloadConfig(link_bytes_per_s=0)
+
+
+def test_a_target_busy_with_decodes_is_not_chosen():
+    """Each token pays the target's own decode step: D1 already decodes a batch it steps
+    in 0.05 s -> (b) = 100 * 0.05 + 0.005 + 0.05 = 5.055 s; D2 steps in 0.025 s ->
+    100 * 0.025 + 0.005 + 0.025 = 2.53 s < 3.6 * 0.9: D2, though D1 comes first."""
+    busy_d = OffloadReplica(True, chunk_step_s=0.1, decode_token_s=0.02, decode_step_s=0.05)
+    light_d = OffloadReplica(True, chunk_step_s=0.1, decode_token_s=0.02, decode_step_s=0.025)
+    d = choose_decode(REQ, 0, [BUSY_P, busy_d, light_d], CFG)
+    assert d.decode == 2
+    assert (d.colocated_s, d.offloaded_s) == (pytest.approx(3.6), pytest.approx(2.53))
+    assert offloaded_seconds(REQ, BUSY_P, busy_d, CFG) == pytest.approx(5.055)
+
+
+def test_staying_wins_when_every_target_is_busier():
+    """P steps its decodes in 0.02 s behind 2 s of prefill: (a) = 3.6 s. Every D's decode
+    batch steps in 0.05 s: (b) >= 5.055 s. The time gate keeps the decode home."""
+    busy_d = OffloadReplica(True, chunk_step_s=0.1, decode_token_s=0.02, decode_step_s=0.05)
+    d = choose_decode(REQ, 0, [BUSY_P, busy_d, busy_d], CFG)
+    assert d.decode is None
+    assert (d.colocated_s, d.offloaded_s) == (pytest.approx(3.6), pytest.approx(5.055))
+    # The same load on P prices staying too: 20 chunk steps + 80 steps of 0.05 s.
+    loaded_p = dataclasses.replace(BUSY_P, decode_step_s=0.05)
+    assert decode_seconds(loaded_p, 100) == pytest.approx(20 * 0.1 + 80 * 0.05)   # 6.0
+    assert choose_decode(REQ, 0, [loaded_p, busy_d, IDLE], CFG).decode == 2
+
+
+def test_the_decode_step_prices_every_sequence_it_carries():
+    from medha_jax.config import model_preset
+    from medha_jax.scheduler.hardware import hardware_preset
+    from medha_jax.scheduler.predictor import AnalyticalPredictor, decode_step_seconds
+
+    from medha_jax.config import ParallelConfig
+
+    predictor = AnalyticalPredictor(model_preset("llama3-8b"), ParallelConfig(),
+                                    hardware_preset("h100"))
+    one = decode_step_seconds(predictor, [20_000])
+    many = decode_step_seconds(predictor, [20_000] * 32)
+    assert decode_step_seconds(predictor, []) == 0.0
+    assert 0 < one < many      # 32 sequences read 32 contexts' KV in the same step

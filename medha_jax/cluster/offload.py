@@ -8,7 +8,11 @@ The router has chosen the prefill replica P (where the session's prefix is cache
   (b) offloaded:  P prefills, decode replica D decodes; P's pages move to D.
 
 The first token is sampled on P in both, so TTFT is the same: W_P + prefill_P(new tokens).
-They differ in the decode. A decode token on replica r costs a step; while r has prefill
+They differ in the decode. A decode token on replica r costs one of r's decode steps,
+`decode_step_s(r)`: the predictor's seconds for r's batch of the decodes it already runs
+(and those handed to it, not yet landed) plus this one, so a replica that already decodes
+many sequences prices each token dearer and offloads spread instead of piling onto one
+replica (0 when unknown: `decode_token_s`). While r has prefill
 work queued, its steps carry a prefill chunk too (`chunk_step_s`), so the request's first
 k = min(n, ceil(Q_r / chunk_step_s)) tokens pay chunk_step_s (Q_r: prefill seconds queued
 there now; n: the tokens to decode). Prefill keeps arriving meanwhile: rho_r, the share
@@ -16,7 +20,7 @@ of r's recent time its steps carried prefill chunks, is the share of the remaini
 that carry one too:
 
     decode_s(r) = k * chunk_step_s(r)
-                  + (n - k) * ((1 - rho_r) * decode_token_s(r) + rho_r * chunk_step_s(r))
+                  + (n - k) * ((1 - rho_r) * decode_step_s(r) + rho_r * chunk_step_s(r))
     (a) = decode_s(P)
     (b) = decode_s(D) + exposed transfer + one step on D (the prompt's last partial page
           and the first token are recomputed there)
@@ -33,7 +37,8 @@ chunk step and 0.02 s a decode token, rho 0: k = 20, (a) = 20 * 0.1 + 80 * 0.02 
 (with rho = 0.5 and nothing queued: 100 * (0.01 + 0.05) = 6.0 s). An idle
 D at 0.02 s a token, 1 GB to move at 10 GB/s behind a 1.0 s prefill (hidden 0.9 s),
 handshake 5 ms: exposed = 0.005 + 0.1 - 0.9 -> 0.005 s; (b) = 2.0 + 0.005 + 0.02 =
-2.025 s: offload.
+2.025 s: offload. The same D already decoding a batch it steps in 0.05 s:
+(b) = 100 * 0.05 + 0.005 + 0.05 = 5.055 s > 3.6 s: it stays (or goes to an idler D).
 
 Fixed gates, the baselines (each offloads to the D with the smallest (b)):
   never; always-heavy (new tokens >= heavy_new_tokens); cached-fraction (P's cached
@@ -91,6 +96,14 @@ class OffloadReplica:
     decode_token_s: float = 0.0
     cached_pages: int = 0
     prefill_share: float = 0.0      # rho: share of its recent time spent on prefill steps
+    # Its decode step's predicted seconds with its decodes (running and inbound) plus this
+    # request's; 0: not known, one decode_token_s.
+    decode_step_s: float = 0.0
+
+    @property
+    def step_s(self) -> float:
+        """Seconds of one of its decode steps carrying this request."""
+        return self.decode_step_s if self.decode_step_s > 0 else self.decode_token_s
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,11 +134,12 @@ def decode_seconds(replica: OffloadReplica, num_tokens: int) -> float:
     """Seconds to decode num_tokens there beside the prefill work queued there."""
     if num_tokens <= 0:
         return 0.0
-    step = max(replica.chunk_step_s, replica.decode_token_s)
+    decode = replica.step_s
+    step = max(replica.chunk_step_s, decode)
     k = (min(num_tokens, math.ceil(replica.queued_prefill_s / step - 1e-9))
          if step > 0 and replica.queued_prefill_s > 0 else 0)
     rho = min(max(replica.prefill_share, 0.0), 1.0)
-    return k * step + (num_tokens - k) * ((1 - rho) * replica.decode_token_s + rho * step)
+    return k * step + (num_tokens - k) * ((1 - rho) * decode + rho * step)
 
 
 def exposed_transfer_s(request: OffloadRequest, prefill: OffloadReplica,
@@ -141,7 +155,7 @@ def offloaded_seconds(request: OffloadRequest, prefill: OffloadReplica,
                       decode: OffloadReplica, config: OffloadConfig) -> float:
     """Plan (b)'s decode seconds with this decode replica."""
     return (decode_seconds(decode, request.max_new_tokens)
-            + exposed_transfer_s(request, prefill, decode, config) + decode.decode_token_s)
+            + exposed_transfer_s(request, prefill, decode, config) + decode.step_s)
 
 
 def choose_decode(request: OffloadRequest, prefill_index: int,

@@ -133,6 +133,15 @@ def decode_token_seconds(predictor, seats: int) -> float:
     return predictor.predict_features(full_decode) / seats
 
 
+def decode_step_seconds(predictor, contexts: Sequence[int]) -> float:
+    """Predicted seconds of one step decoding a token for each sequence at these context
+    lengths (tokens before the step): what each of their tokens waits for."""
+    features = BatchFeatures()
+    for context in contexts:
+        features = features.plus_chunk(1, context, True)
+    return predictor.predict_features(features) if contexts else 0.0
+
+
 def chunk_time(predictor, base: BatchFeatures, n: int, start: int, remaining: int,
                token_buckets: Sequence[int] | None) -> float:
     """Predicted seconds of `base` plus a chunk of n tokens from `start` of a request with
