@@ -77,6 +77,12 @@ class TPShape:
     @classmethod
     def of(cls, config, group_size: int, page_size: int) -> TPShape:
         m, H, K, F = group_size, config.num_heads, config.num_kv_heads, config.intermediate_size
+        family = config.family_spec
+        if config.mixed_layers or family.post_norms or family.mlp_activation != "silu" \
+                or family.scale_embedding or family.norm_offset:
+            # The group's layer (_tp_layer) is the Llama/Qwen/Mistral block; Gemma-3's
+            # interleaved layers, extra norms and GeGLU are not written there yet.
+            raise ValueError(f"TP groups serve the Llama-style families, not {config.family!r}")
         if H % m or F % m:
             raise ValueError(f"a TP-{m} group needs num_heads ({H}) and intermediate_size "
                              f"({F}) divisible by {m}")
@@ -167,15 +173,18 @@ def _tp_layer(carry, layer, *, config, tp: TPShape, positions, meta, inv_freq, i
     rope_scale = layers.rope_attention_factor(config)
     q = layers.apply_rope(q, positions, inv_freq, rope_scale)
     k = layers.apply_rope(k, positions, inv_freq, rope_scale)
+    # windowed=True: one kind of layer (the window, if the model has one, applies to all);
+    # models with interleaved sliding and full layers are refused in TPShape.of.
     attn, k_cache, v_cache = _attend_on_device(
-        q, k, v, positions, k_cache, v_cache, layer_id, meta, sm_scale=config.head_dim ** -0.5,
+        q, k, v, positions, k_cache, v_cache, layer_id, jnp.asarray(True), meta,
+        sm_scale=config.head_dim ** -0.5,
         impl=impl, kv_shard_axis=None, num_shards=1, cp=1, cp_axis=None,
         sliding_window=config.sliding_window)
     out = jnp.einsum("thk,hkd->td", attn.astype(x.dtype), _slice(p["wo"], q0, tp.heads, 0))
     x = x + jax.lax.psum(out, TP_AXIS)
     h = layers.rms_norm(x, p["mlp_norm"], config.rms_norm_eps)
-    mlp = layers.swiglu_mlp(h, _slice(p["w_gate"], f0, tp.mlp, 1),
-                            _slice(p["w_up"], f0, tp.mlp, 1), _slice(p["w_down"], f0, tp.mlp, 0))
+    mlp = layers.gated_mlp(h, _slice(p["w_gate"], f0, tp.mlp, 1),
+                           _slice(p["w_up"], f0, tp.mlp, 1), _slice(p["w_down"], f0, tp.mlp, 0))
     x = x + jax.lax.psum(mlp, TP_AXIS)
     return (x, k_cache, v_cache), None
 
