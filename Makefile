@@ -3,11 +3,6 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 TEST_XLA_FLAGS := --xla_force_host_platform_device_count=8
-# The suite is bound by single-threaded XLA compiles: one pytest process per core roughly
-# halves it on two cores (pytest-xdist; `loadgroup` keeps an xdist_group, Ray's tests, in one
-# worker). Each worker holds jax, torch and 8 virtual devices (~1.5 GB): raise it with the
-# cores and memory.
-TEST_WORKERS ?= 2
 
 .PHONY: demo test test-fast gpu-check install clean
 
@@ -27,10 +22,10 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/medha-jax demo
 
 test: $(VENV)/.installed
-	XLA_FLAGS=$(TEST_XLA_FLAGS) JAX_PLATFORMS=cpu $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+	XLA_FLAGS=$(TEST_XLA_FLAGS) JAX_PLATFORMS=cpu $(PY) -m pytest -q
 
 test-fast: $(VENV)/.installed
-	XLA_FLAGS=$(TEST_XLA_FLAGS) JAX_PLATFORMS=cpu $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not slow"
+	XLA_FLAGS=$(TEST_XLA_FLAGS) JAX_PLATFORMS=cpu $(PY) -m pytest -q -m "not slow"
 
 # GPU readiness in one run of a few minutes (benchmarks/gpu_check.py): the kernels against their
 # reference, greedy tokens against the CPU's, the kernel table, a decode-step breakdown. Needs

@@ -68,7 +68,6 @@ EXTRAS_REQUIRE = {
     "dev": [
         "pytest",
         "pytest-timeout",
-        "pytest-xdist",     # `make test` runs the suite in TEST_WORKERS processes
         "hypothesis",
         "nbclient",
         "nbformat",

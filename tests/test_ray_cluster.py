@@ -20,9 +20,7 @@ from serving.ray_cluster import ACTOR_NAME, NAMESPACE, _prefill_s  # noqa: E402
 from serving.server import Server, TokensPrompt  # noqa: E402
 from tests.test_server import TINY_ENGINE  # noqa: E402
 
-# One Ray start for the module: under `make test`'s pytest-xdist the group keeps every test
-# here in one worker (another worker's Ray would double ~800 MB and a dozen processes).
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
+pytestmark = pytest.mark.slow
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 PROMPTS = [TokensPrompt([int(t) for t in np.random.default_rng(i).integers(1, 256, size=20 + 7 * i)])
