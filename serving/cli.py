@@ -4,12 +4,14 @@
     medha-jax serve --port 50051 --token "$MEDHA_TOKEN" --metrics-port 9100
     medha-jax serve --http-port 8000 --no-grpc      # OpenAI API at http://127.0.0.1:8000/v1
     medha-jax serve --replicas 2 --router predicted-time   # 2 replicas, one per device group
+    medha-jax serve --dp 8 --switching load    # DP <-> TP switching over 8 devices
     medha-jax demo
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import sys
@@ -83,6 +85,19 @@ def _make_server(args, *, warmup: bool, calibrate: bool):
     parallel = ParallelConfig.parse(args.parallel)
     sizes = {f: getattr(args, f) for f in ENGINE_FLAGS if getattr(args, f) is not None}
     limits = {f: getattr(args, f) for f in LIMIT_FLAGS if getattr(args, f, None) is not None}
+    switching, dp = getattr(args, "switching", None), getattr(args, "dp", 1)
+    if (dp != 1) != (switching is not None):
+        raise ValueError("--dp N and --switching POLICY go together: N single-device base "
+                         "replicas that switch between DP and TP (routed replicas of any "
+                         "mesh: --replicas)")
+    if switching is not None:
+        from serving.switching import SwitchingConfig
+        SwitchingConfig(switching)                       # a bad name fails before loading
+        return Server(args.model, parallel=dataclasses.replace(parallel, dp=dp),
+                      switching=switching, dtype=args.dtype, scheduler=scheduler,
+                      engine_config=EngineConfig(**sizes), limits=RequestLimits(**limits),
+                      metrics_port=getattr(args, "metrics_port", None), warmup=warmup,
+                      cache_dir=False if args.no_cache else args.cache_dir)
     if getattr(args, "ray", None) is not None:
         # The replica actors load the model themselves, on whichever hosts Ray places them.
         return Server(args.model, parallel=parallel, dtype=args.dtype, scheduler=scheduler,
@@ -152,6 +167,9 @@ def _serve(args) -> int:
             addresses.append(f"{http_server.url} (OpenAI API: {http_server.url}/v1)")
         routed = (f", {len(server.replicas)} replicas routed by {server.router.config.policy}"
                   if server.router is not None else "")
+        if getattr(server, "switching", None) is not None:     # RayServer has none
+            routed = (f", {len(server.switching.replicas)} base replicas switching "
+                      f"DP <-> TP by {server.switching.config.policy}")
         print(f"serving {server.config.name} ({server.policy}{routed}) on {' and '.join(addresses)}"
               + (" (bearer token required)" if token else "")
               + (f"; metrics on http://127.0.0.1:{server.metrics_port}/metrics"
@@ -248,6 +266,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--offload", default=None,
                        help="when a mixed replica hands a request's decode to another: time "
                             "(predicted seconds), never, always-heavy, cached-fraction, dynamo")
+    serve.add_argument("--dp", type=int, default=1,
+                       help="with --switching: this many single-device base replicas (DP) "
+                            "that bind into TP groups of 2, 4, 8 and release")
+    serve.add_argument("--switching", default=None,
+                       choices=("load", "priority", "memory", "off"),
+                       help="DP <-> TP switching policy (seed 004): load (TP when the host "
+                            "is nearly idle, DP in bursts), priority (a request with "
+                            "priority <= -1 binds a TP group at once, pausing the members' "
+                            "DP requests), memory (a request longer than one replica holds "
+                            "binds the smallest group that holds it), off (DP only)")
     serve.add_argument("--grace", type=float, default=5.0,
                        help="seconds open calls get to finish on shutdown")
     _add_model_args(serve)

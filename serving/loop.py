@@ -294,6 +294,10 @@ class ServingLoop:
             request_id = update.request.request_id
             stream = self._streams.get(request_id)
             if stream is not None:
+                if update.request is not stream.request:
+                    # The controller went on with the request re-created (a switching
+                    # coordinator recomputes a soft-preempted one under TP).
+                    stream.resume(update.request, stream.replica)
                 self._deliver(stream, update.new_token_ids, update.finished,
                               result.logprobs.get(request_id))
         self._observe_state()

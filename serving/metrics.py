@@ -98,6 +98,18 @@ class ServerMetrics:
             "medha_router_decision_seconds", "Time the router took to place one request.",
             buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2),
             registry=r)
+        # DP <-> TP switching (serving.switching), when the server switches.
+        self.switching_mode_changes = Counter(
+            "medha_switching_mode_changes", "TP groups bound (kind=bind) and released "
+            "(kind=release) by the switching coordinator.", ["kind"], registry=r)
+        self.switching_requests = Counter(
+            "medha_switching_requests", "Requests placed per mode (dp, tp2, tp4, ...).",
+            ["mode"], registry=r)
+        self.switching_latency = Histogram(
+            "medha_switching_latency_seconds",
+            "From a switch's decision to its TP group's first step dispatched.",
+            buckets=LATENCY_BUCKETS, registry=r)
+        self._switching_seen: dict[tuple[Counter, str], int] = {}
         self._replica_state: dict[int, tuple[int, int, int, int, int]] = {}
         self._state_lock = threading.Lock()
         self._preemptions_seen = 0
@@ -109,6 +121,21 @@ class ServerMetrics:
     def observe_step(self, num_tokens: int, duration_s: float) -> None:
         self.batch_tokens.observe(num_tokens)
         self.step_time.observe(duration_s)
+
+    def observe_switching(self, mode_changes: dict[str, int],
+                          requests_per_mode: dict[str, int],
+                          latencies_s: list[float]) -> None:
+        """The switching coordinator's counts so far (totals: the counters move by what
+        changed since the last call) and the switch latencies measured since then."""
+        for counter, totals in ((self.switching_mode_changes, mode_changes),
+                                (self.switching_requests, requests_per_mode)):
+            for label, total in totals.items():
+                seen = self._switching_seen.get((counter, label), 0)
+                if total > seen:
+                    counter.labels(label).inc(total - seen)
+                    self._switching_seen[(counter, label)] = total
+        for seconds in latencies_s:
+            self.switching_latency.observe(seconds)
 
     def observe_state(self, *, pages_in_use: int, pages_total: int, waiting: int,
                       running: int, preemptions_total: int, replica: int = 0) -> None:

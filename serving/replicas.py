@@ -79,7 +79,8 @@ def replica_models(model, num_replicas: int, *, parallel=None, dtype: str | None
     parallel = parallel or ParallelConfig()
     if parallel.dp != 1:
         raise ValueError(f"ParallelConfig(dp={parallel.dp}) describes one replica's mesh here; "
-                         "give the number of replicas as replicas=")
+                         "give the number of replicas as replicas=, or with switching= the "
+                         "base replicas DP <-> TP switching forms groups of")
     groups = device_groups(parallel.num_devices, num_replicas)
     if isinstance(model, Model):
         base = model if list(model.mesh.devices.flat) == groups[0] else model.on_mesh(

@@ -83,7 +83,7 @@ class Server:
                  predictor=None, cache_dir=None,
                  limits: validation.RequestLimits | None = None, replicas: int = 1,
                  router: str | RoutingConfig = PREDICTED_TIME, cluster: None = None,
-                 roles=None, offload=None, disagg=None):
+                 roles=None, offload=None, disagg=None, switching=None):
         """model: a preset name, a Hugging Face directory, a .gguf file, a loaded Model, or
         an Engine to reuse (already compiled; then parallel, dtype and engine_config must
         be None). One engine serves one Server at a time.
@@ -125,6 +125,13 @@ class Server:
           mixed). offload: when a request's decode moves off the replica that prefilled
           it, a gate name or an OffloadConfig (medha_jax.cluster.offload; default "never"
           for mixed replicas). disagg: the hand-off's timeouts (serving.kv_transfer).
+        switching: DP <-> TP switching inside this host (seed 004, serving.switching): a
+          policy name ("load", "priority", "memory", "off") or a SwitchingConfig, with
+          parallel=ParallelConfig(dp=N): N single-device base replicas (engine_config
+          describes one) that bind into TP groups of 2, 4, 8 and release, moving no weight
+          and no KV page. Every group's shapes compile before the constructor returns
+          (warmup="background" waits for them too), so no switch compiles. /metrics counts
+          mode changes, requests per mode and switch latency.
         """
         # Heavy imports here, so `import serving.server` (and medha_jax) stays cheap.
         from medha_jax.engine import Engine, EngineConfig
@@ -147,7 +154,14 @@ class Server:
         if not isinstance(routing, RoutingConfig):
             raise TypeError(f"router must be a policy name or a RoutingConfig, got "
                             f"{type(router).__name__}")
-        if isinstance(model, Engine):
+        if switching is not None:
+            switching = _switching_config(switching, parallel, model, replicas, cluster,
+                                          roles, offload, disagg)
+            engines = [Engine(m, engine_config or EngineConfig())
+                       for m in replica_models(model, parallel.dp,
+                                               parallel=dataclasses.replace(parallel, dp=1),
+                                               dtype=dtype)]
+        elif isinstance(model, Engine):
             given = {k: v for k, v in [("parallel", parallel), ("dtype", dtype),
                                        ("engine_config", engine_config)] if v is not None}
             if given:
@@ -170,7 +184,7 @@ class Server:
         _check_default_slo(self.limits, self.default_slo)
         if warmup not in ("background", True, False):
             raise ValueError(f"warmup must be 'background', True or False, got {warmup!r}")
-        for engine in engines:
+        for engine in engines if switching is None else ():    # the coordinator's, below
             if warmup == "background":
                 shapes = engine.ladder.all_shapes()
                 engine.warmup(first=[min(shapes, key=lambda s: (s[0] * s[1] * s[2], s))])
@@ -180,11 +194,20 @@ class Server:
         self._clock = WallClock()
         self.metrics = ServerMetrics()
         eos = tuple(self.tokenizer.eos_token_ids) if self.tokenizer is not None else ()
-        self.replicas = [
-            LocalReplica(i, engine, self.scheduler_config, predictor=predictor,
-                         cache_dir=self.cache_dir, clock=self._clock, metrics=self.metrics,
-                         eos_token_ids=eos, routed=len(engines) > 1)
-            for i, engine in enumerate(engines)]
+        self._engines = engines
+        if switching is not None:
+            self.replicas = [_switching_replica(
+                engines, switching, self.scheduler_config, predictor=predictor,
+                cache_dir=self.cache_dir, clock=self._clock, metrics=self.metrics,
+                eos_token_ids=eos, warmup=bool(warmup))]
+        else:
+            self.replicas = [
+                LocalReplica(i, engine, self.scheduler_config, predictor=predictor,
+                             cache_dir=self.cache_dir, clock=self._clock, metrics=self.metrics,
+                             eos_token_ids=eos, routed=len(engines) > 1)
+                for i, engine in enumerate(engines)]
+        # The DP <-> TP switching coordinator (None unless switching=).
+        self.switching = self.replicas[0].coordinator if switching is not None else None
         predictor_how = self.replicas[0].predictor_how
         self.startup = StartupReport(
             compilation_cache_dir=str(xla_dir) if xla_dir else None,
@@ -218,16 +241,19 @@ class Server:
 
     @property
     def max_model_len(self) -> int:
+        """Tokens one request may hold (prompt + output)."""
+        if self.switching is not None:
+            return self.switching.max_model_len
         return self.engine.max_model_len
 
     @property
     def num_total_pages(self) -> int:
         """KV pages over every replica."""
-        return sum(r.engine.allocator.num_pages for r in self.replicas)
+        return sum(e.allocator.num_pages for e in self._engines)
 
     @property
     def num_free_pages(self) -> int:
-        return sum(r.engine.allocator.num_free_pages for r in self.replicas)
+        return sum(e.allocator.num_free_pages for e in self._engines)
 
     @property
     def closed(self) -> bool:
@@ -432,8 +458,8 @@ class Server:
         if self._replica_set is not None and self._replica_set.transfers is not None:
             self._replica_set.transfers.close()
         self.metrics.close()
-        for replica in self.replicas:
-            replica.engine.stop_warmup()
+        for engine in self._engines:
+            engine.stop_warmup()
 
     def __enter__(self) -> "Server":
         return self
@@ -476,6 +502,47 @@ def scheduler_config_for_engine(config: SchedulerConfig, engine,
         max_seqs_per_batch=min(config.max_seqs_per_batch, engine.max_seqs),
         query_block_tokens=engine.query_block_tokens,
         default_slo=config.default_slo or default_slo or SLO())
+
+
+def _switching_config(switching, parallel, model, replicas, cluster, roles, offload, disagg):
+    """The SwitchingConfig of Server(switching=...), after checking what it combines with."""
+    from medha_jax.engine import Engine
+    from serving.switching import SwitchingConfig
+
+    config = SwitchingConfig(switching) if isinstance(switching, str) else switching
+    if not isinstance(config, SwitchingConfig):
+        raise TypeError(f"switching must be a policy name or a SwitchingConfig, got "
+                        f"{type(switching).__name__}")
+    if parallel is None or parallel.dp < 2:
+        raise ValueError("switching needs parallel=ParallelConfig(dp=N) with N >= 2 base "
+                         "replicas to switch between")
+    if parallel.num_devices != parallel.dp:
+        raise ValueError(f"switching's base replicas are single devices (TP groups are what "
+                         f"switching forms); got {parallel} (dp x tp x ... = "
+                         f"{parallel.num_devices} devices for dp={parallel.dp})")
+    others = {"replicas": replicas != 1, "cluster": cluster is not None,
+              "roles": roles is not None, "offload": offload is not None,
+              "disagg": disagg is not None, "an Engine as model": isinstance(model, Engine)}
+    clash = [name for name, given in others.items() if given]
+    if clash:
+        raise ValueError(f"switching does not combine with {', '.join(clash)} (one host's "
+                         f"dp base replicas switch among themselves)")
+    return config
+
+
+def _switching_replica(engines, config, scheduler_config, *, predictor, cache_dir, clock,
+                       metrics, eos_token_ids, warmup: bool):
+    from serving.replicas import _starting_refit
+    from serving.switching import SwitchingReplica
+
+    how = "given"
+    if predictor is None:
+        refit, how = _starting_refit(engines[0], cache_dir)
+        predictor = refit.predictor
+        how = how.replace(", refined online from served steps", "")
+    return SwitchingReplica(engines, config, scheduler_config=scheduler_config,
+                            predictor=predictor, predictor_how=how, clock=clock,
+                            metrics=metrics, eos_token_ids=eos_token_ids, warmup=warmup)
 
 
 def _check_default_slo(limits: validation.RequestLimits, slo: SLO | None) -> None:

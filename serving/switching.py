@@ -43,7 +43,8 @@ from collections.abc import Sequence
 
 from medha_jax.engine.step_inputs import StepInputs
 from medha_jax.engine.tp_group import TPGroupEngine
-from medha_jax.request import FinishReason, Request, VirtualClock, WallClock
+from medha_jax.request import (Batch, FinishReason, Request, RequestUpdate, StepResult,
+                               VirtualClock, WallClock)
 from medha_jax.scheduler import SchedulerConfig
 from medha_jax.scheduler.factory import make_controller
 from serving.replicas import resumed_request
@@ -95,6 +96,29 @@ def aligned_groups(num_replicas: int, sizes: Sequence[int]) -> list[tuple[int, i
     (0,4); never (1,2) (the paper's communicator pool: the number grows linearly)."""
     return [(start, m) for m in sorted(sizes) if m <= num_replicas
             for start in range(0, num_replicas - m + 1, m)]
+
+
+@dataclasses.dataclass
+class UnitBatches(Batch):
+    """One iteration's batches, one per busy unit; `chunks` lists them all (what the
+    serving loop reads to name a batch's requests)."""
+
+    parts: list = dataclasses.field(default_factory=list)     # (unit, its Batch)
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolTotals:
+    """Several KV pools counted as one (what the serving loop reports as the server's)."""
+
+    pools: Sequence
+
+    @property
+    def num_pages(self) -> int:
+        return sum(a.num_pages for a in self.pools)
+
+    @property
+    def num_free_pages(self) -> int:
+        return sum(a.num_free_pages for a in self.pools)
 
 
 @dataclasses.dataclass
@@ -155,8 +179,10 @@ class SwitchingCoordinator:
         self.bindings: dict[tuple[int, int], _Binding] = {}
         self.mode_changes = collections.Counter()          # "bind" / "release"
         self.requests_per_mode = collections.Counter()     # "dp" / "tp2" / ...
-        self.switch_latencies_s: list[float] = []
+        # The last switches' latencies (bounded: a server runs for weeks).
+        self.switch_latencies_s: collections.deque[float] = collections.deque(maxlen=10_000)
         self.finished: dict[str, Request] = {}
+        self.last_finished: list[Request] = []             # by the last update()
         self._moved: set[str] = set()                      # speculative DP runs taken over
 
     # -- setup --------------------------------------------------------------------
@@ -178,17 +204,12 @@ class SwitchingCoordinator:
         """Into the global task pool; placed at the next iteration boundary. Raises
         ValueError for a request no unit it may go to can hold (the "memory" policy's
         widest group, else one replica), before it is queued."""
-        need = request.prompt_len + request.max_new_tokens
-        sizes = [m for m in self.config.group_sizes if (0, m) in self.groups]
-        limit = (max(self._group_tokens(m) for m in sizes)
-                 if self.config.policy == "memory" and sizes else self.replica_tokens)
-        if need > limit:
-            raise ValueError(f"request {request.request_id!r}: prompt_len + max_new_tokens = "
-                             f"{need} tokens exceed the {limit} one request may hold here")
+        self.check_fits(request.prompt_len, request.max_new_tokens,
+                        request_id=request.request_id)
         self.pool.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.pool) or any(u.controller.has_unfinished() for u in self._units()) \
+        return bool(self.pool) or any(u.controller.has_unfinished() for u in self._all_units()) \
             or any(b.waiting for b in self.bindings.values())
 
     @property
@@ -197,13 +218,6 @@ class SwitchingCoordinator:
         return self.replicas[0].engine.max_model_len
 
     # -- Algorithm 1 --------------------------------------------------------------
-
-    def step(self) -> list[Request]:
-        """One iteration: place the pool, switch at the safe point, run one step on every
-        busy unit. Returns the requests that finished."""
-        self._place()
-        self._switch()
-        return self._execute()
 
     def run(self, max_steps: int = 100_000) -> dict[str, Request]:
         for _ in range(max_steps):
@@ -342,28 +356,74 @@ class SwitchingCoordinator:
         active = [self.groups[k] for k, b in self.bindings.items() if b.active]
         return [u for i, u in enumerate(self.replicas) if not self._active_over(i)] + active
 
+    def _all_units(self) -> list[_Unit]:
+        """Every replica and group, bound or not (a paused member still holds requests)."""
+        return self.replicas + list(self.groups.values())
+
     def _active_over(self, i: int) -> bool:
         return any(b.active and b.key[0] <= i < b.key[0] + b.key[1]
                    for b in self.bindings.values())
 
-    def _execute(self) -> list[Request]:
-        pending = []
+    # -- one iteration as a controller's schedule() / update() around an executor --------
+    # The server's ServingLoop drives the coordinator as it drives one replica: it is the
+    # controller (schedule, update, add_request, finish, ...) and the executor (dispatch,
+    # collect) at once, one iteration in flight.
+
+    max_in_flight = 1
+
+    def schedule(self) -> UnitBatches:
+        """Places the pool, switches at the safe point and forms every busy unit's batch."""
+        self._place()
+        self._switch()
+        parts = []
         for unit in self._units():
-            if not unit.controller.has_unfinished():
-                continue
-            batch = unit.controller.schedule()
-            if not batch:
-                continue
-            pending.append((unit, batch, unit.engine.dispatch(batch)))
+            if unit.controller.has_unfinished():
+                batch = unit.controller.schedule()
+                if batch:
+                    parts.append((unit, batch))
+        # The units run at once: the iteration takes as long as the slowest.
+        return UnitBatches([c for _, b in parts for c in b.chunks],
+                           max((b.predicted_time_s for _, b in parts), default=0.0),
+                           parts=parts)
+
+    def dispatch(self, batch: UnitBatches) -> list:
+        """Dispatches every unit's batch before collecting any, so the devices run them
+        concurrently."""
+        pending = []
+        for unit, part in batch.parts:
+            pending.append((unit, unit.engine.dispatch(part)))
             if isinstance(unit.engine, TPGroupEngine):
                 for binding in self.bindings.values():
                     if self.groups[binding.key] is unit and binding.decided_at is not None:
                         self.switch_latencies_s.append(time.perf_counter() - binding.decided_at)
                         binding.decided_at = None
+        return pending
+
+    def collect(self, pending: list) -> StepResult:
+        """Every unit's result as one (request ids are unique over the units)."""
+        results = [unit.engine.collect(handle) for unit, handle in pending]
+        merged = StepResult({}, max((r.duration_s for r in results), default=0.0))
+        for r in results:
+            merged.sampled_token_ids.update(r.sampled_token_ids)
+            merged.logprobs.update(r.logprobs)
+            merged.prompt_logprobs.update(r.prompt_logprobs)
+        return merged
+
+    def update(self, batch: UnitBatches, result: StepResult) -> list[RequestUpdate]:
+        updates = []
+        for unit, part in batch.parts:
+            updates.extend(unit.controller.update(part, result))
+        self.last_finished = self._harvest()
+        self._release()
+        if isinstance(self.clock, VirtualClock):
+            self.clock.advance(1e-3)
+        return updates
+
+    def _harvest(self) -> list[Request]:
+        """Moves the units' finished requests to `finished` (a speculative DP run dropped
+        at its switch is not finished: it goes on under TP)."""
         done = []
-        for unit, batch, step in pending:
-            unit.controller.update(batch, unit.engine.collect(step))
-        for unit in self.replicas + list(self.groups.values()):
+        for unit in self._all_units():
             for request in unit.controller.pop_finished():
                 if request.request_id in self._moved and \
                         request.finish_reason is FinishReason.CANCELLED:
@@ -371,15 +431,132 @@ class SwitchingCoordinator:
                     continue
                 self.finished[request.request_id] = request
                 done.append(request)
-        self._release()
-        if isinstance(self.clock, VirtualClock):
-            self.clock.advance(1e-3)
         return done
 
-    def metrics(self) -> dict[str, float]:
-        """Counters for /metrics: mode changes and requests per mode."""
-        out = {f"medha_switching_mode_changes_total{{kind=\"{k}\"}}": v
-               for k, v in self.mode_changes.items()}
-        out.update({f"medha_switching_requests_total{{mode=\"{k}\"}}": v
-                    for k, v in self.requests_per_mode.items()})
-        return out
+    def step(self) -> list[Request]:
+        """One iteration of Algorithm 1: place the pool, switch at the safe point, run one
+        step on every busy unit. Returns the requests that finished."""
+        batch = self.schedule()
+        if not batch:
+            self.last_finished = self._harvest()
+            self._release()
+            return self.last_finished
+        self.update(batch, self.collect(self.dispatch(batch)))
+        return self.last_finished
+
+    # -- what the serving loop asks of a controller --------------------------------
+
+    def add_request(self, request: Request, *, resume: bool = False) -> None:
+        """Into the global task pool (see `submit`). resume: ignored (a re-run from the
+        tokens it brings is placed like any request)."""
+        self.submit(request)
+
+    def check_fits(self, prompt_len: int, max_new_tokens: int, *, request_id: str = "") -> None:
+        """Raises ValueError when no unit a request may go to holds it."""
+        need = prompt_len + max_new_tokens
+        if need > self.max_model_len:
+            raise ValueError(f"request {request_id!r}: prompt_len + max_new_tokens = {need} "
+                             f"tokens exceed the {self.max_model_len} one request may hold "
+                             f"here")
+
+    @property
+    def max_model_len(self) -> int:
+        """Tokens one request may hold: the "memory" policy's widest group, else one
+        replica's."""
+        sizes = [m for m in self.config.group_sizes if (0, m) in self.groups]
+        if self.config.policy == "memory" and sizes:
+            return max(self._group_tokens(m) for m in sizes)
+        return self.replica_tokens
+
+    def finish(self, request_id: str, reason: FinishReason) -> bool:
+        """Ends a request wherever it is (pool, a binding's waiting list, a unit); its
+        pages are freed. False when it is not here."""
+        found = False
+        for request in [r for r in self.pool if r.request_id == request_id]:
+            self.pool.remove(request)
+            request.finish_reason = reason
+            found = True
+        for binding in self.bindings.values():
+            for request in [r for r in binding.waiting if r.request_id == request_id]:
+                binding.waiting.remove(request)
+                request.finish_reason = reason
+                found = True
+            member = binding.speculative.pop(request_id, None)
+            if member is not None:
+                found = self.replicas[member].controller.finish(request_id, reason) or found
+        for unit in self._all_units():     # paused members' requests too
+            if request_id in {r.request_id for r in unit.controller.unfinished()}:
+                found = unit.controller.finish(request_id, reason) or found
+        return found
+
+    def pop_finished(self) -> list[Request]:
+        self._harvest()
+        done = list(self.finished.values())
+        self.finished.clear()
+        self._release()
+        return done
+
+    def unfinished(self) -> list[Request]:
+        waiting = [r for b in self.bindings.values() for r in b.waiting
+                   if r.request_id not in b.speculative]
+        return list(self.pool) + waiting + [r for u in self._all_units()
+                                            for r in u.controller.unfinished()]
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.pool) + sum(len(b.waiting) - len(b.speculative)
+                                    for b in self.bindings.values()) \
+            + sum(u.controller.num_waiting for u in self._all_units())
+
+    @property
+    def num_running(self) -> int:
+        return sum(u.controller.num_running for u in self._all_units())
+
+    @property
+    def num_preemptions(self) -> int:
+        return sum(u.controller.num_preemptions for u in self._all_units())
+
+    @property
+    def allocator(self) -> PoolTotals:
+        """The base replicas' pools together (a group's pages are booked in them)."""
+        return PoolTotals([u.engine.allocator for u in self.replicas])
+
+
+
+class SwitchingReplica:
+    """A Server's one replica when it switches (`Server(parallel=ParallelConfig(dp=N),
+    switching=...)`): the coordinator over the host's base replicas, driven by one
+    ServingLoop as the controller and executor of a single replica would be.
+
+    The predictor is the base replica's (saved, else derived from the roofline), used for
+    every unit: a TP group's steps are faster than it predicts, so its chunks are sized
+    conservatively. It is not refined online here (a step mixes units of several sizes)."""
+
+    role = "mixed"
+
+    def __init__(self, engines: Sequence, config: SwitchingConfig, *, scheduler_config,
+                 predictor, predictor_how: str, clock, metrics, eos_token_ids: Sequence[int],
+                 warmup: bool):
+        from serving.loop import ServingLoop
+
+        self.index = 0
+        self.engine = engines[0]
+        self.engines = list(engines)
+        self.predictor, self.predictor_how = predictor, predictor_how
+        self.coordinator = SwitchingCoordinator(
+            engines, config, predictor=predictor, scheduler_config=scheduler_config,
+            clock=clock, eos_token_ids=eos_token_ids)
+        if warmup:
+            self.coordinator.warmup()
+        self.controller = self.coordinator
+        self._metrics = metrics
+        self.loop = ServingLoop(self.coordinator, self.coordinator, metrics,
+                                name="medha-server-loop-switching", on_step=self._on_step)
+
+    def _on_step(self, collected) -> None:
+        coordinator = self.coordinator
+        latencies = []
+        while coordinator.switch_latencies_s:     # the server's histogram takes them
+            latencies.append(coordinator.switch_latencies_s.popleft())
+        self._metrics.observe_switching(coordinator.mode_changes,
+                                        coordinator.requests_per_mode, latencies)

@@ -252,8 +252,70 @@ def test_load_policy_serves_a_lone_request_in_tp_and_a_burst_in_dp(engines, grou
         c.submit(request(f"burst{i}", prompt(91 + i, 20), 3))
     c.run()
     assert c.requests_per_mode == {"tp4": 1, "dp": 4}
-    assert c.metrics() == {'medha_switching_mode_changes_total{kind="bind"}': 1,
-                           'medha_switching_mode_changes_total{kind="release"}': 1,
-                           'medha_switching_requests_total{mode="tp4"}': 1,
-                           'medha_switching_requests_total{mode="dp"}': 4}
+    assert c.mode_changes == {"bind": 1, "release": 1}
     assert_no_pages_held(engines)
+
+
+# ---------------------------------------------------------------- through the Server
+
+
+def test_switching_arguments_are_checked_before_loading():
+    from serving.server import Server
+    with pytest.raises(ValueError, match="dp=N"):
+        Server("tiny", switching="load")
+    with pytest.raises(ValueError, match="single devices"):
+        Server("tiny", parallel=ParallelConfig(dp=2, tp=2), switching="load")
+    with pytest.raises(ValueError, match="replicas"):
+        Server("tiny", parallel=ParallelConfig(dp=2), switching="load", replicas=2)
+    with pytest.raises(ValueError, match="policy must be one of"):
+        Server("tiny", parallel=ParallelConfig(dp=2), switching="fastest")
+    with pytest.raises(TypeError, match="SwitchingConfig"):
+        Server("tiny", parallel=ParallelConfig(dp=2), switching=2)
+
+
+@pytest.mark.slow
+def test_a_switching_server_streams_one_replicas_tokens_through_a_soft_preempt(engines):
+    """Server(parallel=ParallelConfig(dp=2), switching=...): a request decodes on replica 0;
+    a priority request binds the pair softly (it runs in DP on replica 1 meanwhile, moves to
+    TP-2 when replica 0 drains and is recomputed there). Every stream carries one replica's
+    greedy tokens, nothing compiles after warm-up, /metrics counts the switch, every page
+    comes back; cancelling a request frees its pages too."""
+    from serving.server import Server
+    busy_prompt, vip_prompt = prompt(100, 30), prompt(101, 25)
+    expected = {"busy": reference(engines[0], busy_prompt, 8),
+                "vip": reference(engines[0], vip_prompt, 30)}
+    greedy = lambda n: SamplingParams(temperature=0.0, max_tokens=n)    # noqa: E731
+    config = SwitchingConfig("priority", group_sizes=(2,), priority_threshold=-1,
+                             priority_preemption="soft")
+    with Server("tiny", parallel=ParallelConfig(dp=2), switching=config, engine_config=CFG,
+                scheduler="fcfs") as server:
+        assert server.max_model_len == 512
+        compiles = []
+
+        def listener(event, *args, **kwargs):
+            if event == COMPILE_EVENT:
+                compiles.append(event)
+        jax.monitoring.register_event_duration_secs_listener(listener)
+        try:
+            busy = server.submit(busy_prompt, greedy(8))
+            first = next(iter(busy))                           # decoding on replica 0
+            # Longer than what is left of busy: it is still running at the switch.
+            vip = server.submit(vip_prompt, greedy(30), priority=-1)
+            outputs = {"busy": busy.result(timeout=300), "vip": vip.result(timeout=300)}
+            doomed = server.submit(prompt(102, 40), greedy(200))
+            next(iter(doomed))
+            assert server.cancel(doomed.id)
+            assert doomed.result(timeout=300).finish_reason == "cancelled"
+        finally:
+            jax.monitoring.unregister_event_duration_listener(listener)
+        assert first.token_ids
+        for rid, output in outputs.items():
+            assert list(output.token_ids) == expected[rid], rid
+        assert outputs["vip"].metrics.num_preemptions == 1      # recomputed under TP
+        assert compiles == []
+        assert server.switching.mode_changes == {"bind": 1, "release": 1}
+        text = server.metrics_text()
+        assert 'medha_switching_mode_changes_total{kind="bind"} 1.0' in text
+        assert 'medha_switching_requests_total{mode="tp2"} 1.0' in text
+        assert 'medha_switching_latency_seconds_count 1.0' in text
+        assert server.num_free_pages == server.num_total_pages
