@@ -14,7 +14,7 @@ from medha_jax.sampling_params import SamplingParams
 from medha_jax.scheduler.predictor import AnalyticalPredictor
 from serving.replicas import replica_models
 from serving.switching import SwitchingConfig, SwitchingCoordinator, aligned_groups
-from tests.test_engine import COMPILE_EVENT, drive
+from tests.test_engine import backend_compiles, drive
 
 # One replica holds 512 tokens (32 pages of 16); a TP group's pages hold 32 (tiny has 2 K/V
 # heads: each rank keeps one, Eq. 3 with K < m), so a group holds 1024.
@@ -57,6 +57,16 @@ def big_replica(engines):
     from meshes import make_mesh
     model = engines[0].model.on_mesh(make_mesh(ParallelConfig(), [jax.devices()[7]]))
     return Engine(model, dataclasses.replace(CFG, max_kv_tokens=1024))
+
+
+def references(engine, specs):
+    """{rid: one replica's greedy tokens} of (rid, prompt, max_new) specs."""
+    return {rid: reference(engine, p, n) for rid, p, n in specs}
+
+
+def submit_all(c, specs):
+    for rid, p, n in specs:
+        c.submit(request(rid, p, n))
 
 
 def pointers(engines):
@@ -129,9 +139,8 @@ def test_soft_preempt_request_starts_in_dp_and_finishes_in_tp(engines, groups):
                     priority_preemption="soft", tp_group_size=4)
     busy = [(f"b{i}", prompt(10 + i, 30), 12) for i in range(2)]
     vip_prompt = prompt(20, 25)
-    expected = {rid: reference(engines[0], p, n) for rid, p, n in busy + [("vip", vip_prompt, 16)]}
-    for rid, p, n in busy:
-        c.submit(request(rid, p, n))
+    expected = references(engines[0], busy + [("vip", vip_prompt, 16)])
+    submit_all(c, busy)
     c.step()
     c.submit(request("vip", vip_prompt, 16, priority=-1))
     c.step()
@@ -151,9 +160,8 @@ def test_hard_preempt_pauses_dp_requests_with_their_pages_and_resumes_them(engin
                     tp_group_size=4)
     busy = [(f"h{i}", prompt(30 + i, 20), 10) for i in range(3)]
     vip_prompt = prompt(40, 30)
-    expected = {rid: reference(engines[0], p, n) for rid, p, n in busy + [("vip", vip_prompt, 6)]}
-    for rid, p, n in busy:
-        c.submit(request(rid, p, n))
+    expected = references(engines[0], busy + [("vip", vip_prompt, 6)])
+    submit_all(c, busy)
     for _ in range(4):
         c.step()
     progress = {rid: len(c.replicas[i].controller.get(rid).output_token_ids)
@@ -197,13 +205,7 @@ def test_no_compile_after_warmup_over_a_random_workload_with_switches(engines, g
     c = coordinator(engines, groups, policy="priority", priority_threshold=0, tp_group_size=2)
     c.warmup()
     before = pointers(engines)
-    compiles = []
-
-    def listener(event, *args, **kwargs):
-        if event == COMPILE_EVENT:
-            compiles.append(event)
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with backend_compiles() as compiles:
         rng = np.random.default_rng(1)
         for i in range(16):
             c.submit(request(f"w{i}", prompt(60 + i, int(rng.integers(5, 70))),
@@ -211,8 +213,6 @@ def test_no_compile_after_warmup_over_a_random_workload_with_switches(engines, g
             for _ in range(3):              # room for a group to finish and release
                 c.step()
         c.run()
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert c.mode_changes["bind"] >= 2
     assert compiles == []
     assert pointers(engines) == before
@@ -229,9 +229,8 @@ def test_dp8_hard_preempt_on_a_tp8_group():
                     group_sizes=(8,))
     busy = [(f"e{i}", prompt(70 + i, 12), 5) for i in range(8)]
     vip_prompt = prompt(80, 40)
-    expected = {rid: reference(engines8[0], p, n) for rid, p, n in busy + [("vip", vip_prompt, 6)]}
-    for rid, p, n in busy:
-        c.submit(request(rid, p, n))
+    expected = references(engines8[0], busy + [("vip", vip_prompt, 6)])
+    submit_all(c, busy)
     c.step()
     c.submit(request("vip", vip_prompt, 6, priority=-1))
     done = c.run()
@@ -290,13 +289,7 @@ def test_a_switching_server_streams_one_replicas_tokens_through_a_soft_preempt(e
     with Server("tiny", parallel=ParallelConfig(dp=2), switching=config, engine_config=CFG,
                 scheduler="fcfs") as server:
         assert server.max_model_len == 512
-        compiles = []
-
-        def listener(event, *args, **kwargs):
-            if event == COMPILE_EVENT:
-                compiles.append(event)
-        jax.monitoring.register_event_duration_secs_listener(listener)
-        try:
+        with backend_compiles() as compiles:
             busy = server.submit(busy_prompt, greedy(8))
             first = next(iter(busy))                           # decoding on replica 0
             # Longer than what is left of busy: it is still running at the switch.
@@ -306,8 +299,6 @@ def test_a_switching_server_streams_one_replicas_tokens_through_a_soft_preempt(e
             next(iter(doomed))
             assert server.cancel(doomed.id)
             assert doomed.result(timeout=300).finish_reason == "cancelled"
-        finally:
-            jax.monitoring.unregister_event_duration_listener(listener)
         assert first.token_ids
         for rid, output in outputs.items():
             assert list(output.token_ids) == expected[rid], rid
