@@ -32,6 +32,10 @@ also shown as independent replicas behind the router (`simulate()`), which do no
 each other at iteration boundaries. Tables: TTFT / throughput (Fig. 8-9), priority (Table 1:
 a high-priority fraction binding a group with hard preemption, 3-5 req/s) and each
 configuration's max context (Table 2, from kv_capacity_tokens).
+`lockstep_wait`: the share of the units' device time spent waiting for their iteration's
+slowest step: the coordinator dispatches one step on every unit and collects them all
+before the next, so a decode-only unit (a TP group's priority request included) waits
+for a replica's prefill chunk every iteration.
 """
 
 from __future__ import annotations
@@ -202,6 +206,7 @@ def simulated_tables(args) -> dict:
                 "tpot_p50_ms": 1e3 * s["tpot_s_p50"], "queue_mean_s": s["queue_s_mean"],
                 "tok_per_s": result.throughput_tok_s(),
                 "peak_tok_per_s": result.peak_throughput_tok_s(),
+                "lockstep_wait": result.lockstep_wait_share,
                 "binds": coordinator.mode_changes.get("bind", 0),
                 "requests_per_mode": " ".join(f"{k}:{v}" for k, v in
                                               sorted(coordinator.requests_per_mode.items())),
@@ -232,7 +237,8 @@ def simulated_tables(args) -> dict:
                  "queue_mean_s": float(np.mean([r.first_scheduled_time - r.arrival_time
                                                 for r in independent.requests])),
                  "tok_per_s": out_tokens / independent.makespan_s,
-                 "peak_tok_per_s": float("nan"), "binds": 0, "requests_per_mode": "-",
+                 "peak_tok_per_s": float("nan"), "lockstep_wait": 0.0, "binds": 0,
+                 "requests_per_mode": "-",
                  "sim_wall_s": wall})
     by = {r["configuration"].split(" (")[0]: r for r in rows}
     ratios = {
@@ -250,11 +256,13 @@ def simulated_tables(args) -> dict:
     for r, p in zip(prio_requests, priorities):
         r.priority = p
     prio_runs = {"static TP": run(prio_requests, "off", 1, args.devices),
-                 "static DP": run(prio_requests, "off", num, base),
-                 "switching (priority, hard)": run(
-                     prio_requests, "priority", num, base, priority_threshold=-1,
-                     priority_preemption="hard", **{k: v for k, v in knobs.items()
-                                                    if k == "tp_group_size"})}
+                 "static DP": run(prio_requests, "off", num, base)}
+    # The group a priority request binds: every replica (the node pauses for it) or half
+    # of them (the other half keeps serving DP), unless --tp-group names one.
+    for m in ((args.tp_group,) if args.tp_group else sorted({num, max(2, num // 2)})):
+        prio_runs[f"switching (priority, hard, TP-{m * base})"] = run(
+            prio_requests, "priority", num, base, priority_threshold=-1,
+            priority_preemption="hard", tp_group_size=m)
     table1 = []
     for name, (result, coordinator, _) in prio_runs.items():
         high = [r for r in result.requests if r.priority <= -1]
@@ -264,6 +272,7 @@ def simulated_tables(args) -> dict:
                        "ttft_mean_ms_priority": 1e3 * sh["ttft_s_mean"],
                        "ttft_mean_ms_all": 1e3 * sa["ttft_s_mean"],
                        "peak_tok_per_s": result.peak_throughput_tok_s(),
+                       "lockstep_wait": result.lockstep_wait_share,
                        "binds": coordinator.mode_changes.get("bind", 0)})
 
     # Table 2: the longest request each configuration holds.
@@ -296,8 +305,8 @@ def simulated_tables(args) -> dict:
     table(f"Simulated: Table 1, {args.priority_fraction:.0%} high-priority requests, "
           f"3-5 req/s (paper: TP 22/22/63/2130 ms 2530 tok/s; DP 32/32/166/166 ms 3164; "
           f"switching 24/28/74/142 ms 3040)", table1)
-    table(f"ratios (paper: TP/switching TTFT p90 1.66x; switching/DP peak 0.965)",
-          [{k: v for k, v in ratios.items()}])
+    table("Simulated ratios (paper: TP/switching TTFT p90 1.66x; switching/DP peak 0.965)",
+          [dict(ratios)])
     table(f"Simulated ({hardware.name} preset, AnalyticalPredictor, {model.name}): TTFT and "
           f"throughput under 2-5 <-> 10-30 req/s bursts, {requests_n} requests", rows)
     return results

@@ -100,7 +100,7 @@ def test_group_capacity_is_its_members():
 
 def test_memory_policy_binds_the_smallest_group_that_holds_it():
     """A request longer than one replica's KV runs on the smallest group that holds it."""
-    units, coordinator = setup("memory", 4, 2, max_model_len=4_000_000)
+    units, coordinator = setup("memory", 4, 2, max_model_len=800_000)
     need = units.replica_kv_tokens + 1000
     assert need <= units.group_kv_tokens(2)
     long = Request("long", need - 8, 8, 0.0)
@@ -108,7 +108,7 @@ def test_memory_policy_binds_the_smallest_group_that_holds_it():
     run = drive(coordinator, units, [long, short])
     assert_served(run, [long, short], units)
     assert coordinator.requests_per_mode == {"tp2": 1, "dp": 1}
-    units, coordinator = setup("off", 4, 2, max_model_len=4_000_000)
+    units, coordinator = setup("off", 4, 2, max_model_len=800_000)
     with pytest.raises(ValueError, match="long"):
         coordinator.submit(long)
 
@@ -172,3 +172,12 @@ def test_alternating_load_workload():
     with pytest.raises(ValueError, match="burst_qps"):
         AlternatingLoadSpec(burst_qps=(30.0, 10.0))
     assert dataclasses.replace(spec, seed=4) != spec
+
+
+def test_lockstep_wait_share():
+    """One unit never waits for another; four replicas with prefills beside decodes do."""
+    requests = workload(n=40)
+    units, coordinator = setup("off", 1, 8)
+    assert drive(coordinator, units, requests).lockstep_wait_share == 0.0
+    units, coordinator = setup("off", 4, 2)
+    assert 0.0 < drive(coordinator, units, requests).lockstep_wait_share < 1.0

@@ -57,9 +57,11 @@ class Iteration:
         self.clock = clock
         self.end = clock.now()
         self.tokens: list[tuple[float, int]] = []     # (published at, tokens sampled)
+        self.step_s: list[float] = []                 # this iteration's units' step times
 
-    def booked(self, done_time: float) -> None:
-        self.end = max(self.end, done_time)
+    def booked(self, step: SimulatedStep) -> None:
+        self.end = max(self.end, step.done_time)
+        self.step_s.append(step.stage_s)
 
 
 class SimulatedEngine:
@@ -82,7 +84,7 @@ class SimulatedEngine:
 
     def dispatch(self, batch: Batch) -> SimulatedStep:
         step = self.executor.dispatch(batch)
-        self.iteration.booked(step.done_time)
+        self.iteration.booked(step)
         return step
 
     def collect(self, step: SimulatedStep) -> StepResult:
@@ -161,6 +163,9 @@ class SwitchingRun:
     makespan_s: float                        # first arrival to last finish
     iterations: int
     tokens: list[tuple[float, int]]          # (published at, tokens sampled) per unit step
+    # Of the device time of every unit that stepped, the share it spent waiting for its
+    # iteration's slowest step (what the lockstep loop costs; 0 with one unit).
+    lockstep_wait_share: float = 0.0
 
     @property
     def output_tokens(self) -> int:
@@ -210,6 +215,7 @@ def drive(coordinator, units: SwitchingUnits, requests: Sequence[Request],
     clock, iteration = units.clock, units.iteration
     clock.advance_to(arrivals[0].arrival_time)
     n, iterations = 0, 0
+    waited = stepped = 0.0
     while n < len(arrivals) or coordinator.has_unfinished():
         if not coordinator.has_unfinished():
             clock.advance_to(arrivals[n].arrival_time)
@@ -217,8 +223,13 @@ def drive(coordinator, units: SwitchingUnits, requests: Sequence[Request],
             coordinator.submit(arrivals[n])
             n += 1
         iteration.end = clock.now()
+        iteration.step_s.clear()
         coordinator.step()
         iterations += 1
+        # Every step starts at the boundary (each unit's previous one was collected).
+        span = max(iteration.step_s, default=0.0)
+        waited += sum(span - s for s in iteration.step_s)
+        stepped += span * len(iteration.step_s)
         if iterations >= max_iterations:
             raise RuntimeError(f"requests left after {max_iterations} iterations")
     missing = [r.request_id for r in copies if r.request_id not in coordinator.finished]
@@ -228,4 +239,5 @@ def drive(coordinator, units: SwitchingUnits, requests: Sequence[Request],
     # which finishes as the copy that was recomputed under TP.
     done = [coordinator.finished[r.request_id] for r in copies]
     makespan = max(r.finish_time for r in done) - arrivals[0].arrival_time
-    return SwitchingRun(done, makespan, iterations, sorted(iteration.tokens))
+    return SwitchingRun(done, makespan, iterations, sorted(iteration.tokens),
+                        waited / stepped if stepped else 0.0)
