@@ -280,6 +280,72 @@ def generate_workload(spec: WorkloadSpec) -> list[TraceRequest]:
                          max_output_tokens=spec.max_output_tokens)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AlternatingLoadSpec:
+    """Seed 004's synthetic workload (Flying Serving, sec. 6.1.3): prompts uniform in
+    [128, 4000] tokens, outputs uniform in [64, 512], the arrival rate alternating between
+    low load (2-5 req/s) and bursts (10-30 req/s), 4000 requests.
+
+    The paper gives neither the phases' durations nor the rate within a phase: each phase
+    here draws its rate uniformly from its range, lasts low_s or burst_s seconds, and its
+    arrivals are Poisson at that rate. high_priority_fraction of the requests (at random
+    positions) get `high_priority` (lower is more important), the rest priority 0.
+    """
+
+    num_requests: int = 4000
+    seed: int = 0
+    prompt_tokens: tuple[int, int] = (128, 4000)
+    output_tokens: tuple[int, int] = (64, 512)
+    low_qps: tuple[float, float] = (2.0, 5.0)
+    burst_qps: tuple[float, float] = (10.0, 30.0)
+    low_s: float = 30.0
+    burst_s: float = 10.0
+    high_priority_fraction: float = 0.0
+    high_priority: int = -1
+
+    def __post_init__(self):
+        if not isinstance(self.num_requests, int) or self.num_requests < 1:
+            raise ValueError(f"AlternatingLoadSpec.num_requests must be an int >= 1, "
+                             f"got {self.num_requests!r}")
+        for field in ("prompt_tokens", "output_tokens", "low_qps", "burst_qps"):
+            lo, hi = getattr(self, field)
+            if not 0 < lo <= hi:
+                raise ValueError(f"AlternatingLoadSpec.{field} must be (lo, hi) with "
+                                 f"0 < lo <= hi, got {getattr(self, field)!r}")
+        for field in ("low_s", "burst_s"):
+            if not getattr(self, field) > 0:
+                raise ValueError(f"AlternatingLoadSpec.{field} must be > 0, "
+                                 f"got {getattr(self, field)!r}")
+        if not 0 <= self.high_priority_fraction <= 1:
+            raise ValueError(f"AlternatingLoadSpec.high_priority_fraction must be in [0, 1], "
+                             f"got {self.high_priority_fraction!r}")
+
+
+def alternating_load_workload(spec: AlternatingLoadSpec) -> tuple[list[TraceRequest], list[int]]:
+    """The trace `spec` describes and each request's priority; the same spec always gives
+    the same trace. Phases start at 0 s, low load first: low phases span
+    [k (low_s + burst_s), k (low_s + burst_s) + low_s)."""
+    rng = np.random.default_rng(spec.seed)
+    n = spec.num_requests
+    arrivals: list[float] = []
+    start, burst = 0.0, False
+    while len(arrivals) < n:
+        qps = rng.uniform(*(spec.burst_qps if burst else spec.low_qps))
+        end = start + (spec.burst_s if burst else spec.low_s)
+        t = start + rng.exponential(1.0 / qps)
+        while t < end and len(arrivals) < n:
+            arrivals.append(t)
+            t += rng.exponential(1.0 / qps)
+        start, burst = end, not burst
+    prompts = rng.integers(spec.prompt_tokens[0], spec.prompt_tokens[1] + 1, size=n)
+    outputs = rng.integers(spec.output_tokens[0], spec.output_tokens[1] + 1, size=n)
+    priorities = [0] * n
+    for i in rng.choice(n, size=int(round(spec.high_priority_fraction * n)), replace=False):
+        priorities[int(i)] = spec.high_priority
+    trace = [TraceRequest(float(a), int(p), int(o)) for a, p, o in zip(arrivals, prompts, outputs)]
+    return trace, priorities
+
+
 def scale_lengths(trace: Sequence[TraceRequest], *, short_prompt_scale: float = 1.0,
                   long_prompt_scale: float = 1.0, output_scale: float = 1.0,
                   max_prompt_tokens: int | None = None,

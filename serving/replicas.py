@@ -220,7 +220,9 @@ def resumed_request(request: Request, generated: Sequence[int]) -> Request:
                       max_new_tokens=request.max_new_tokens,
                       arrival_time=request.arrival_time, slo=request.slo,
                       priority=request.priority,
-                      prompt_token_ids=list(request.prompt_token_ids), sampling=sampling,
+                      prompt_token_ids=(None if request.prompt_token_ids is None
+                                        else list(request.prompt_token_ids)),
+                      sampling=sampling,
                       session_id=request.session_id)
     resumed.output_token_ids = list(generated)
     resumed.num_preemptions = request.num_preemptions + 1     # recomputed from its tokens

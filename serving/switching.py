@@ -15,8 +15,9 @@ release again. `SwitchingCoordinator.step()` is one iteration of Algorithm 1:
 
 Policies (`SwitchingConfig`; the paper leaves every threshold open):
 - "load": a request goes TP when the host is nearly idle (at most `load_max_queued`
-  requests queued or running over all DP replicas: latency is worth more than the
-  replicas' throughput then), DP otherwise (a burst drains faster over N replicas).
+  requests queued or running over all replicas and bound groups: latency is worth more
+  than the replicas' throughput then), DP otherwise (a burst drains faster over N
+  replicas).
 - "priority": a request whose priority value is <= `priority_threshold` (lower is more
   important, as everywhere in the project) binds a TP group at once: hard preemption
   pauses the members' DP requests (they keep their KV pages, nothing is scheduled for
@@ -58,8 +59,8 @@ class SwitchingConfig:
 
     group_sizes: the TP degrees groups may take (powers of two; aligned groups only).
     load_max_queued: "load": TP while at most this many requests are queued or running on
-        the DP replicas (1: only a lone request gets a group, so a burst's second request
-        already keeps DP's throughput).
+        the replicas and bound groups (1: only a lone request gets a group, so a burst's
+        second request already keeps DP's throughput).
     tp_group_size: the degree "load" and "priority" bind (None: the largest of group_sizes).
     priority_threshold: "priority": requests with priority <= this bind a group at once.
     priority_preemption: "hard" (the paper's, for latency: the members' DP requests pause)
@@ -184,6 +185,8 @@ class SwitchingCoordinator:
         self.finished: dict[str, Request] = {}
         self.last_finished: list[Request] = []             # by the last update()
         self._moved: set[str] = set()                      # speculative DP runs taken over
+        self._deferred: list[Request] = []                 # placed at a later boundary
+        self._iteration_started = self.clock.now()
 
     # -- setup --------------------------------------------------------------------
 
@@ -243,7 +246,11 @@ class SwitchingCoordinator:
             if request.priority > self.config.priority_threshold:
                 return 1, False
             return widest, self.config.priority_preemption == "hard"
-        queued = sum(self._load(u) for u in self.replicas) + len(self.pool)
+        # Every unit's queue counts, a bound group's too: counting only the DP replicas'
+        # would read a host whose work all sits in one group as idle, and keep sending it
+        # every new request while the free replicas idle.
+        queued = (sum(self._load(u) for u in self._units()) + len(self.pool) + len(self._deferred)
+                  + sum(len(b.waiting) for b in self.bindings.values()))
         return (widest, False) if queued <= self.config.load_max_queued else (1, False)
 
     def _group_tokens(self, m: int) -> int:
@@ -254,22 +261,26 @@ class SwitchingCoordinator:
         return {i for (s, m) in self.bindings for i in range(s, s + m)}
 
     def _place(self) -> None:
+        # A request that cannot be placed yet (every replica bound, or every group of its
+        # size overlapping a bound one) stays in the pool, in order; those behind it are
+        # still placed, so a high-priority request does not queue behind DP requests that
+        # wait for a release.
         while self.pool:
             request = self.pool.popleft()
             m, hard = self._mode(request)
             if m == 1:
                 free = [i for i in range(len(self.replicas)) if i not in self._bound_members()]
                 if not free:           # every replica bound: the request waits for a release
-                    self.pool.appendleft(request)
-                    return
+                    self._deferred.append(request)
+                    continue
                 target = min(free, key=lambda i: self._load(self.replicas[i]))
                 self.replicas[target].controller.add_request(request)
                 self.requests_per_mode["dp"] += 1
                 continue
             key = self._group_for(m)
             if key is None:                              # every group of m overlaps another
-                self.pool.appendleft(request)
-                return
+                self._deferred.append(request)
+                continue
             binding = self.bindings.setdefault(key, _Binding(key, hard))
             binding.hard = binding.hard or hard
             self.requests_per_mode[f"tp{m}"] += 1
@@ -285,6 +296,8 @@ class SwitchingCoordinator:
                 # Soft preemption: run it in DP on an idle member meanwhile.
                 self.replicas[idle[0]].controller.add_request(request)
                 binding.speculative[request.request_id] = idle[0]
+        self.pool.extend(self._deferred)
+        self._deferred.clear()
 
     def _group_for(self, m: int) -> tuple[int, int] | None:
         """The aligned group of m to bind: one already bound to m, else the least loaded one
@@ -373,6 +386,7 @@ class SwitchingCoordinator:
 
     def schedule(self) -> UnitBatches:
         """Places the pool, switches at the safe point and forms every busy unit's batch."""
+        self._iteration_started = self.clock.now()
         self._place()
         self._switch()
         parts = []
@@ -415,9 +429,14 @@ class SwitchingCoordinator:
             updates.extend(unit.controller.update(part, result))
         self.last_finished = self._harvest()
         self._release()
-        if isinstance(self.clock, VirtualClock):
-            self.clock.advance(1e-3)
+        self._tick()
         return updates
+
+    def _tick(self) -> None:
+        # A virtual clock no executor moved (real engines) still ticks; simulated engines
+        # (medha_jax.cluster.switching_sim) have moved it by the iteration's time.
+        if isinstance(self.clock, VirtualClock) and self.clock.now() == self._iteration_started:
+            self.clock.advance(1e-3)
 
     def _harvest(self) -> list[Request]:
         """Moves the units' finished requests to `finished` (a speculative DP run dropped
@@ -440,6 +459,7 @@ class SwitchingCoordinator:
         if not batch:
             self.last_finished = self._harvest()
             self._release()
+            self._tick()
             return self.last_finished
         self.update(batch, self.collect(self.dispatch(batch)))
         return self.last_finished
