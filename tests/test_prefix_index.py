@@ -114,3 +114,61 @@ def test_prefix_page_hashes_are_the_allocators_hashes():
     hashes = prefix_page_hashes(tokens, 4)
     assert len(hashes) == 2
     assert alloc.allocate("b", tokens[:9]) == 8       # both full pages reused under those hashes
+
+
+def test_marks_and_events_in_any_order_give_the_page_by_page_union():
+    """Random marks, confirmations (in and out of page order), evictions and expiries on
+    three replicas: every lookup equals a naive per-page walk over each replica's
+    confirmed pages and the pages of its live marks from their first unconfirmed one."""
+    rng = random.Random(1)
+    clock = VirtualClock()
+    index = PrefixIndex(3, speculative_ttl_s=2.0, clock=clock.now)
+    stems = [prefix_page_hashes([rng.randrange(9) for _ in range(40)], 4) for _ in range(3)]
+    confirmed = [set(), set(), set()]
+    marks = []                                        # [replica, hashes, start, expiry]
+    seq = [0, 0, 0]
+
+    def naive(hashes):
+        out = []
+        for r in range(3):
+            held = set(confirmed[r])
+            for m in marks:
+                if m[0] == r and m[3] > clock.now():
+                    held.update(m[1][m[2]:])
+            depth = 0
+            while depth < len(hashes) and hashes[depth] in held:
+                depth += 1
+            out.append(depth)
+        return out
+
+    def event(r, stored=(), removed=()):
+        index.apply(CacheEvent(r, seq[r], stored=tuple(stored), removed=tuple(removed)))
+        seq[r] += 1
+        confirmed[r].difference_update(removed)
+        confirmed[r].update(stored)
+        for m in marks:                              # a mark starts at its first unconfirmed page
+            if m[0] == r:
+                while m[2] < len(m[1]) and m[1][m[2]] in confirmed[r]:
+                    m[2] += 1
+
+    for step in range(600):
+        stem = rng.choice(stems)
+        prompt = stem[:rng.randrange(1, len(stem) + 1)]
+        op = rng.random()
+        if op < 0.3:
+            r = rng.randrange(3)
+            depth = index.cached_pages(prompt)[r]
+            index.mark_routed(r, prompt[depth:])
+            if depth < len(prompt):
+                marks.append([r, tuple(prompt[depth:]), 0, clock.now() + 2.0])
+                event(r)                             # no-op event: re-derive starts
+        elif op < 0.55:
+            r, k = rng.randrange(3), rng.randrange(len(prompt))
+            pages = prompt[k:k + rng.randrange(1, 4)]
+            event(r, stored=pages if rng.random() < 0.7 else pages[::-1])
+        elif op < 0.7 and any(confirmed):
+            r = rng.choice([r for r in range(3) if confirmed[r]])
+            event(r, removed=rng.sample(sorted(confirmed[r]), 1))
+        else:
+            clock.advance(rng.random() * 0.5)
+        assert index.cached_pages(prompt) == naive(prompt), step
