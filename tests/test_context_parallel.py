@@ -382,8 +382,11 @@ def serve_with_prefix_reuse(parallel, cp_variant=None):
 
     rng = np.random.default_rng(16)
     prompts = engine_prompts(rng)
+    # One step shape (64 tokens, 8 seqs, one width): the chunks vary within it, so an
+    # engine compiles once (three token rungs compiled three times over).
     engine = Engine(tiny(parallel), EngineConfig(page_size=16, num_pages=16,
-                                                 max_tokens_per_step=64, max_seqs=8),
+                                                 max_tokens_per_step=64, min_token_bucket=64,
+                                                 max_seqs=8),
                     cp_variant=cp_variant)
     arrivals = [(0, make_request(rid, prompts[rid], 5)) for rid in ("short", "long", "shared")]
     arrivals.append((30, make_request("shared-again", prompts["shared-again"], 5)))
@@ -576,8 +579,11 @@ def test_a_server_on_a_cp_mesh_serves_the_one_device_tokens():
     from serving.server import Server
 
     def generate(parallel):
+        # One step shape (32 tokens, 4 seqs, one width): the prompts' chunks and the
+        # decodes share it, so each server compiles once.
         engine = Engine(tiny(parallel), EngineConfig(page_size=16, num_pages=16,
-                                                     max_tokens_per_step=32, max_seqs=4))
+                                                     max_tokens_per_step=32, min_token_bucket=32,
+                                                     max_seqs=4))
         predictor = AnalyticalPredictor(engine.model.config, parallel, "h100",
                                         token_buckets=engine.ladder.token_buckets)
         # Shapes compile as the steps need them (warm-up would compile the whole ladder).

@@ -69,8 +69,9 @@ def test_arguments_validate_and_default_by_mode():
 def test_figure13_loads_bracket_long_saturation(tmp_path):
     # Three loads around the QPS where long prefills alone fill the replica; the full
     # scheduler (lars-mp) against vanilla LARS at each (issue 18, seed 000 figure 13).
-    # The other ablation policies run in `--figure13`; here they would only cost time.
-    report = convoy.main(["--simulate", "--figure13", "--requests", "200", "--seed", "1",
+    # The other ablation policies run in `--figure13`; here they would only cost time, as
+    # would more requests (100, 5 long: the claims below hold with the margins noted).
+    report = convoy.main(["--simulate", "--figure13", "--requests", "100", "--seed", "1",
                           "--policies", "lars,lars-mp", "--out", str(tmp_path),
                           "--no-progress"])
     figure13 = report["context"]["figure13"]
@@ -91,8 +92,9 @@ def test_figure13_loads_bracket_long_saturation(tmp_path):
     # (seed 000: 1.6-1.8x) where there is a convoy to cure: at 0.9 of saturation LARS
     # holds the median short request to its deadline (18x here). At 0.5 more than half
     # of the short requests arrive while no long prefill runs, and both serve those at
-    # once: the medians are close (0.087 vs 0.076 s here, 0.084 vs 0.080 s with 1000
-    # requests), so there the gain shows at p90 (2.1 vs 0.14 s).
+    # once: the medians are close (LARS 0.107 vs 0.103 s here, 0.087 vs 0.076 s with 200
+    # requests, 0.084 vs 0.080 s with 1000), so there the gain shows at p90 (2.1 vs
+    # 0.14 s).
     assert near["lars-mp"]["short_ttft_p50"] * 1.6 <= near["lars"]["short_ttft_p50"]
     assert below["lars-mp"]["short_ttft_p50"] <= below["lars"]["short_ttft_p50"]
     assert below["lars-mp"]["short_ttft_p90"] * 1.6 <= below["lars"]["short_ttft_p90"]

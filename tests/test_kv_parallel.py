@@ -90,8 +90,10 @@ def kvp_engine(parallel, *, pages_per_shard=16, tokens_per_shard=48, prefix_cach
     from medha_jax.engine import Engine, EngineConfig
 
     model = load_model("tiny", parallel=parallel, verbose=False)
+    # One token rung (64): chunks of any size and decodes share a step shape, so a test
+    # compiles one or two shapes, not three token rungs of each.
     return Engine(model, EngineConfig(page_size=16, num_pages=pages_per_shard,
-                                      max_tokens_per_step=64, max_seqs=8,
+                                      max_tokens_per_step=64, min_token_bucket=64, max_seqs=8,
                                       max_tokens_per_kvp_group=tokens_per_shard,
                                       enable_prefix_caching=prefix_caching))
 

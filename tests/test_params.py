@@ -112,3 +112,20 @@ def test_rules_must_keep_kv_heads_with_their_query_heads():
     rules = LogicalRules(rules=(("heads", None), ("kv_heads", "tp")))
     with pytest.raises(ValueError, match="kv_heads -> 'tp' but heads -> None"):
         MeshLayout.create(odd_config(), make_mesh(ParallelConfig(tp=2)), rules, "xla")
+
+
+def test_a_second_load_on_the_same_mesh_compiles_nothing_and_draws_the_same_weights():
+    # Random weights are one program per (config, mesh layout, dtype), reused by every
+    # later load: the suite loads "tiny" on the same few meshes hundreds of times.
+    import jax
+
+    from medha_jax import load_model
+    from tests.test_engine import backend_compiles
+
+    first = load_model("tiny", parallel=ParallelConfig(kvp=2, tp=2), verbose=False)
+    with backend_compiles() as compiles:
+        second = load_model("tiny", parallel=ParallelConfig(kvp=2, tp=2), verbose=False)
+    assert compiles == []
+    for a, b in zip(jax.tree.leaves(first.state), jax.tree.leaves(second.state)):
+        assert a.sharding == b.sharding
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
