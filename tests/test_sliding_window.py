@@ -1,6 +1,7 @@
 """Sliding-window attention (Mistral) on the XLA path and the GPU kernel (interpret mode)
 against the dense oracle; the TPU kernel's check is in tpu_kernel_checks.py."""
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -11,7 +12,8 @@ from hypothesis import strategies as st
 from pallas_kernels import BlockSizes, ragged_paged_attention
 from pallas_kernels.dense_reference import dense_attention_oracle
 from tests.attention_checks import (Shapes, assert_matches_oracle, assert_per_layer_window,
-                                    decodes_first, make_batch,
+                                    decodes_first, make_batch, poison_skipped_pages,
+                                    shard_window_batch,
                                     ragged_batches)
 
 SHAPES = Shapes(q_heads=4, kv_heads=2, head_dim=32, page_size=8, num_tokens=48,
@@ -66,32 +68,51 @@ def test_per_layer_window_under_the_layer_scan(impl):
 
 # ------------------------------------------- a window over KV shards (kvp) and cp ranks
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_window_starts_on_the_xla_path_equal_the_oracle(seed):
+@pytest.mark.parametrize("impl, split, seed", [("xla", False, 0), ("xla", False, 1),
+                                               ("interpret", False, 0),
+                                               ("interpret", True, 1)])
+def test_window_starts_equal_the_oracle(impl, split, seed):
     """Non-causal attention over a shard's keys with each query's own first key: decodes
     and chunks, windows starting before, inside and past the keys (a query that sees no
-    key here gets out 0, lse -inf, which the merge ignores)."""
-    q_lens, contexts = [1, 13, 1, 9], [40, 37, 3, 0]
-    batch = make_batch(seed, SHAPES, q_lens, contexts, causal=False)
-    rng = np.random.default_rng(seed)
-    seq = np.repeat(np.arange(len(q_lens)), q_lens)
-    starts = np.zeros(SHAPES.num_tokens, np.int32)
-    starts[:len(seq)] = rng.integers(0, np.array(contexts)[seq] + 4)
-    starts[1] = contexts[1] + 1                           # a query past all its keys
-    out, lse = ragged_paged_attention(**batch, sm_scale=0.2, impl="xla", block_sizes=TILES,
-                                      causal=False, window_starts=starts)
+    key here gets out 0, lse -inf, which the merge ignores); the GPU kernel on the whole
+    batch and on the decode/prefill split."""
+    q_lens, contexts, num_decodes = [1, 13, 1, 9], [40, 37, 3, 0], None
+    if split:
+        q_lens, contexts, num_decodes = decodes_first(q_lens, contexts)
+    batch, starts = shard_window_batch(seed, SHAPES, q_lens, contexts)
+    first_chunk = int(np.argmax(np.array(q_lens) > 1))
+    past = int(batch["cu_q_lens"][first_chunk])             # a chunk query past all its keys
+    starts[past] = contexts[first_chunk] + 1
+    out, lse = ragged_paged_attention(**batch, sm_scale=0.2, impl=impl, block_sizes=TILES,
+                                      causal=False, window_starts=starts,
+                                      num_decodes=num_decodes)
     assert_matches_oracle(out, lse, batch, 0.2, causal=False, window_starts=starts)
-    assert np.isneginf(np.asarray(lse)[1]).all()
+    assert np.isneginf(np.asarray(lse)[past]).all()
     full, _ = ragged_paged_attention(**batch, sm_scale=0.2, impl="xla", block_sizes=TILES,
                                      causal=False)
-    assert not np.allclose(np.asarray(out)[:len(seq)], np.asarray(full)[:len(seq)])
+    live = slice(0, sum(q_lens))
+    assert not np.allclose(np.asarray(out)[live], np.asarray(full)[live])
 
 
-def test_window_starts_run_on_the_xla_path_only():
-    batch = make_batch(0, SHAPES, [5], [10], causal=False)
-    with pytest.raises(ValueError, match="XLA path only, not impl='interpret'"):
-        ragged_paged_attention(**batch, sm_scale=0.2, impl="interpret", causal=False,
-                               window_starts=np.zeros(SHAPES.num_tokens, np.int32))
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
+def test_gpu_kernel_skips_tiles_before_every_window(split):
+    """Tiles wholly before every query's window_starts are not read: their pages hold NaN
+    here (0 x NaN would reach the output if they were read and masked). A sequence wholly
+    before its queries' windows (a KV shard with nothing inside them) reads no tile.
+    One KV split: the LSE merge of splits would drop a NaN partial."""
+    q_lens, contexts, num_decodes = [1, 13, 1, 9], [70, 37, 3, 20], None
+    if split:
+        q_lens, contexts, num_decodes = decodes_first(q_lens, contexts)
+    batch, starts = shard_window_batch(4, SHAPES, q_lens, contexts,
+                                       starts_past=q_lens.index(13))
+    block_kv = TILES.kv_pages_per_block * SHAPES.page_size
+    poisoned = poison_skipped_pages(batch, starts, block_kv)
+    assert np.isnan(poisoned["v_pages"]).any()
+    out, lse = ragged_paged_attention(**poisoned, sm_scale=0.2, impl="interpret",
+                                      block_sizes=dataclasses.replace(TILES, num_kv_splits=1),
+                                      causal=False, window_starts=starts,
+                                      num_decodes=num_decodes)
+    assert_matches_oracle(out, lse, batch, 0.2, causal=False, window_starts=starts)
 
 
 def test_keys_before_is_cached_on_rank_for_a_traced_rank():
