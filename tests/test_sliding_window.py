@@ -1,5 +1,6 @@
 """Sliding-window attention (Mistral) on the XLA path and the GPU kernel (interpret mode)
-against the dense oracle; the TPU kernel's check is in tpu_kernel_checks.py."""
+against the dense oracle, over one device and over KV shards and cp ranks; the TPU
+kernel's checks against the oracle are in tpu_kernel_checks.py, its model-level ones here."""
 
 import dataclasses
 import functools
@@ -189,3 +190,51 @@ def test_engine_greedy_tokens_with_a_window_over_kv_shards(preset, parallel):
     arrivals = [(0, make_request(rid, p, 6)) for rid, p in prompts.items()]
     assert drive(engine, arrivals, rng=rng, max_chunk=30) == want
     assert engine.allocator.num_free_pages == engine.allocator.num_pages
+
+
+_KERNEL_WINDOW_CHECK = """
+import numpy as np
+from medha_jax import ParallelConfig, load_model
+from tests.test_sliding_window import WINDOW_CHUNKS, WINDOW_PROMPT
+impl, preset, parallel = {args!r}
+ids = np.random.default_rng(3).integers(0, 256, size=WINDOW_PROMPT).tolist()
+want = load_model(preset, verbose=False).logits(ids)           # one device, the XLA path
+degrees = {{axis: int(n) for axis, n in (p.split("=") for p in parallel.split(","))}}
+model = load_model(preset, parallel=ParallelConfig(**degrees), attention_impl=impl,
+                   verbose=False)
+assert model.layout.attention_impl == impl
+runs = [{{"cp_variant": v}} for v in ("kv", "q")] if "cp" in degrees else [
+    {{"kv_tokens_per_shard": 48}}]
+for kw in runs:
+    got = model.logits(ids, chunk_sizes=WINDOW_CHUNKS, **kw)
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0, err_msg=str(kw))
+    assert (got.argmax(-1) == want.argmax(-1)).all(), kw
+print("ok")
+"""
+
+
+# Slow (a child process each, 50 s to 4 min on 2 cores); the kernels' own checks against
+# the dense oracle with window_starts run in the quick tests above and in
+# tpu_kernel_checks.py.
+@pytest.mark.slow
+@pytest.mark.parametrize("impl, preset, parallel", [
+    ("interpret", "tiny-gemma3", "kvp=2"),
+    pytest.param("interpret", "tiny-mistral", "kvp=2", marks=pytest.mark.slow),
+    pytest.param("interpret", "tiny-mistral", "cp=2", marks=pytest.mark.slow),
+    pytest.param("interpret", "tiny-gemma3", "cp=2", marks=pytest.mark.slow),
+    pytest.param("interpret", "tiny-mistral", "kvp=2,tp=2", marks=pytest.mark.slow),
+    pytest.param("interpret", "tiny-mistral", "cp=2,tp=2", marks=pytest.mark.slow),
+    pytest.param("interpret-tpu", "tiny-mistral", "kvp=2", marks=pytest.mark.slow),
+    pytest.param("interpret-tpu", "tiny-gemma3", "kvp=2", marks=pytest.mark.slow),
+    pytest.param("interpret-tpu", "tiny-gemma3", "cp=2", marks=pytest.mark.slow)])
+def test_a_window_over_kv_shards_on_the_kernels_gives_one_device_logits(impl, preset,
+                                                                         parallel):
+    """The same as on the XLA path, with the Pallas kernels attending each shard's part
+    of the window (window_starts): the GPU kernel in interpret mode, the TPU kernel in the
+    TPU interpreter. In a child process with the mesh's devices (the interpreters are slow
+    with many, and the TPU one hangs with 8: tests.attention_checks.run_on_devices)."""
+    from tests.attention_checks import run_on_devices
+
+    devices = int(np.prod([int(p.split("=")[1]) for p in parallel.split(",")]))
+    script = _KERNEL_WINDOW_CHECK.format(args=(impl, preset, parallel))
+    assert run_on_devices(script, devices).split()[-1] == "ok"
