@@ -164,13 +164,12 @@ def test_a_window_over_kv_shards_gives_one_device_logits(preset, parallel):
         assert (got.argmax(-1) == want.argmax(-1)).all(), kw
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("parallel", ["kvp=2", "cp=2"])
-@pytest.mark.parametrize("preset", ["tiny-mistral", "tiny-gemma3"])
-def test_engine_greedy_tokens_with_a_window_over_kv_shards(preset, parallel):
+def assert_engine_serves_one_device_tokens(preset: str, parallel: str,
+                                          attention_impl: str = "auto"):
     """Through the Engine: prompts longer than the window over both kvp shards (48 tokens
     a shard) or both cp ranks, random chunks, decodes batched with prefills past the
-    window: one device's greedy tokens."""
+    window (the decode/prefill split of the kernels): one device's greedy tokens, and
+    every page back."""
     from medha_jax import ParallelConfig, load_model
     from medha_jax.engine import Engine, EngineConfig
     from tests.hf_oracle import greedy_with_logits
@@ -183,7 +182,8 @@ def test_engine_greedy_tokens_with_a_window_over_kv_shards(preset, parallel):
     one_device = load_model(preset, verbose=False)
     want = {rid: greedy_with_logits(one_device, p, 6) for rid, p in prompts.items()}
     axis, degree = parallel.split("=")
-    model = load_model(preset, parallel=ParallelConfig(**{axis: int(degree)}), verbose=False)
+    model = load_model(preset, parallel=ParallelConfig(**{axis: int(degree)}),
+                       attention_impl=attention_impl, verbose=False)
     kvp = {"max_tokens_per_kvp_group": 48} if axis == "kvp" else {}
     engine = Engine(model, EngineConfig(page_size=16, num_pages=16, max_tokens_per_step=64,
                                         max_seqs=8, **kvp))
@@ -191,6 +191,12 @@ def test_engine_greedy_tokens_with_a_window_over_kv_shards(preset, parallel):
     assert drive(engine, arrivals, rng=rng, max_chunk=30) == want
     assert engine.allocator.num_free_pages == engine.allocator.num_pages
 
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["kvp=2", "cp=2"])
+@pytest.mark.parametrize("preset", ["tiny-mistral", "tiny-gemma3"])
+def test_engine_greedy_tokens_with_a_window_over_kv_shards(preset, parallel):
+    assert_engine_serves_one_device_tokens(preset, parallel)
 
 _KERNEL_WINDOW_CHECK = """
 import numpy as np
@@ -238,3 +244,20 @@ def test_a_window_over_kv_shards_on_the_kernels_gives_one_device_logits(impl, pr
     devices = int(np.prod([int(p.split("=")[1]) for p in parallel.split(",")]))
     script = _KERNEL_WINDOW_CHECK.format(args=(impl, preset, parallel))
     assert run_on_devices(script, devices).split()[-1] == "ok"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl, preset, parallel", [("interpret", "tiny-gemma3", "kvp=2"),
+                                                    ("interpret", "tiny-gemma3", "cp=2"),
+                                                    ("interpret-tpu", "tiny-mistral", "kvp=2")])
+def test_engine_greedy_tokens_with_a_window_over_kv_shards_on_the_kernels(impl, preset,
+                                                                            parallel):
+    """`assert_engine_serves_one_device_tokens` on the kernels, in a child process (as
+    above): the engine's steps put decodes on the kernels' decode path, window_starts
+    included."""
+    from tests.attention_checks import run_on_devices
+
+    script = ("from tests.test_sliding_window import assert_engine_serves_one_device_tokens\n"
+              f"assert_engine_serves_one_device_tokens({preset!r}, {parallel!r}, {impl!r})\n"
+              "print('ok')")
+    assert run_on_devices(script, 2).split()[-1] == "ok"
