@@ -18,6 +18,11 @@ keys (seed 000, section 3.1: this is what makes small chunks over a long context
 - causal (static): query i of a block of n sees keys < key_end - n + 1 + i (causal inside
   a chunk whose K/V are already in the cache); otherwise every query sees keys < key_end
   (a cached prefix wholly before the queries, as for KV-parallel shards).
+- A window (sliding_window from the queries' positions, or window_starts: each row's first
+  key, mapped by the caller into a KV shard's or cp rank's keys) masks keys before it, and
+  the splits share only the tiles from the earliest row's first one: tiles wholly before
+  every window of a block are never read (none at all where the windows start past the
+  block's keys).
 - A decode is a query block with one live token. `decode_attention_pallas` packs only the
   GQA group into the rows, for decode-only batches.
 
