@@ -82,7 +82,7 @@ def check_paged_inputs(q, k_pages, v_pages, page_table) -> None:
 
 def _split_decode_prefill(impl, q, k_pages, v_pages, page_table, cu_q_lens, kv_lens,
                           num_seqs, num_decodes, *, sm_scale, block_sizes, causal,
-                          sliding_window):
+                          sliding_window, window_starts):
     """Sequences 0..num_decodes-1 (one token each, tokens 0..num_decodes-1) through the
     decode path (GPU: the decode kernel; TPU: the ragged kernel in one-token blocks; see
     the module docstring), the others through the ragged kernel with prefill-sized query
@@ -103,7 +103,7 @@ def _split_decode_prefill(impl, q, k_pages, v_pages, page_table, cu_q_lens, kv_l
     out, lse = _ragged_kernel(impl)(
         q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, num_seqs, sm_scale=sm_scale,
         block_sizes=prefill_tiles, interpret=interpret, causal=causal,
-        first_seq=first_prefill, sliding_window=sliding_window)
+        first_seq=first_prefill, sliding_window=sliding_window, window_starts=window_starts)
 
     # A decode's single query sees keys 0..kv_len-1, whether causal (it is the last key)
     # or not (the prefix), so the decode kernel serves both modes.
@@ -118,7 +118,8 @@ def _split_decode_prefill(impl, q, k_pages, v_pages, page_table, cu_q_lens, kv_l
     decode_out, decode_lse = _decode_kernel(impl)(
         q[:max_decodes], k_pages, v_pages, page_table[:max_decodes],
         jnp.where(is_decode, kv_lens[:max_decodes], 0), sm_scale=sm_scale,
-        block_sizes=decode_tiles, interpret=interpret, sliding_window=sliding_window)
+        block_sizes=decode_tiles, interpret=interpret, sliding_window=sliding_window,
+        window_starts=None if window_starts is None else window_starts[:max_decodes])
     out = out.at[:max_decodes].set(
         jnp.where(is_decode[:, None, None], decode_out, out[:max_decodes]))
     lse = lse.at[:max_decodes].set(jnp.where(is_decode[:, None], decode_lse, lse[:max_decodes]))
@@ -152,7 +153,7 @@ def ragged_paged_attention(
     causal: bool = True,
     num_decodes: jax.Array | None = None,  # int32 [1]: see below
     sliding_window: int | None = None,
-    window_starts: jax.Array | None = None,  # int32 [tokens]: see below (XLA path only)
+    window_starts: jax.Array | None = None,  # int32 [tokens]: see below
 ) -> tuple[jax.Array, jax.Array]:  # out [tokens, q_heads, head_dim], lse [tokens, q_heads]
     """Attention of a ragged batch of prefill chunks and decodes over a paged KV cache.
 
@@ -161,12 +162,13 @@ def ragged_paged_attention(
     causal=False: the pages hold a prefix that lies wholly before the queries (not their
     own K/V); every query of s attends keys 0..kv_lens[s]-1, none if kv_lens[s] is 0.
     sliding_window (causal only; Mistral): a query at position p attends only keys
-    p - sliding_window + 1 .. p; the XLA path and the GPU kernel skip tiles wholly before
-    a block's window, the TPU kernel masks them.
-    window_starts (causal=False only; the XLA path only): the first of its sequence's keys
-    each query attends, for a window the caller maps from absolute positions into pages
-    that hold only part of a sequence (a KV shard's, a cp rank's); a query whose start is
-    kv_len or more sees nothing here (out 0, lse -inf); zeros: no window.
+    p - sliding_window + 1 .. p; every path skips K/V tiles wholly before a query block's
+    window (no copy, no compute).
+    window_starts (causal=False only): the first of its sequence's keys each query attends,
+    for a window the caller maps from absolute positions into pages that hold only part of
+    a sequence (a KV shard's, a cp rank's); a query whose start is kv_len or more sees
+    nothing here (out 0, lse -inf), and a block all of whose queries start past its keys
+    reads no tile; zeros: no window.
 
     Query head h reads KV head h // (q_heads // kv_heads). Queries that see no key, and
     rows past cu_q_lens[num_seqs] (padding), get out 0, lse -inf. lse is the natural-log
@@ -204,9 +206,6 @@ def ragged_paged_attention(
         if causal or window_starts.shape != q.shape[:1]:
             raise ValueError(f"window_starts needs causal=False and the shape [tokens] "
                              f"{q.shape[:1]}, got {causal=} {window_starts.shape=}")
-        if impl != "xla":
-            raise ValueError(f"window_starts (a sliding window over a KV shard's or cp "
-                             f"rank's pages) runs on the XLA path only, not {impl=}")
     if impl == "xla":
         return ragged_paged_attention_xla(
             q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, num_seqs,
@@ -216,11 +215,11 @@ def ragged_paged_attention(
         return _split_decode_prefill(
             impl, q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, num_seqs, num_decodes,
             sm_scale=sm_scale, block_sizes=block_sizes, causal=causal,
-            sliding_window=sliding_window)
+            sliding_window=sliding_window, window_starts=window_starts)
     return _ragged_kernel(impl)(
         q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, num_seqs,
         sm_scale=sm_scale, block_sizes=block_sizes, interpret=_interpret_of(impl),
-        causal=causal, sliding_window=sliding_window)
+        causal=causal, sliding_window=sliding_window, window_starts=window_starts)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "num_kv_splits", "impl", "block_sizes"))

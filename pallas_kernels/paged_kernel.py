@@ -18,6 +18,11 @@ keys (seed 000, section 3.1: this is what makes small chunks over a long context
 - causal (static): query i of a block of n sees keys < key_end - n + 1 + i (causal inside
   a chunk whose K/V are already in the cache); otherwise every query sees keys < key_end
   (a cached prefix wholly before the queries, as for KV-parallel shards).
+- A window (sliding_window from the queries' positions, or window_starts: each row's first
+  key, mapped by the caller into a KV shard's or cp rank's keys) masks keys before it, and
+  the splits share only the tiles from the earliest row's first one: tiles wholly before
+  every window of a block are never read (none at all where the windows start past the
+  block's keys).
 - A decode is a query block with one live token. `decode_attention_pallas` packs only the
   GQA group into the rows, for decode-only batches.
 
@@ -56,6 +61,7 @@ def _paged_attention_kernel(
     block_num_tokens_ref,  # int32 [blocks]: queries in the block (0 = empty block)
     page_table_ref,        # int32 [max_seqs, pages_per_seq]: width a multiple of the tile
     q_ref,                 # [rows, head_dim]: row r = token r // q_per_kv, head r % q_per_kv
+    starts_ref,            # int32 [rows]: each row's first key (window_starts), or None
     k_pages_ref,           # [num_pages, page_size, head_dim]: this program's KV head
     v_pages_ref,           # [num_pages, page_size, head_dim]
     out_ref,               # [rows, head_dim] f32: this split's partial output (normalised)
@@ -79,14 +85,18 @@ def _paged_attention_kernel(
     row_token = jnp.arange(rows, dtype=jnp.int32) // q_per_kv
     row_live = row_token < num_tokens          # also False for the power-of-2 padding rows
     row_end = row_key_ends(keys_needed, num_tokens, row_token, causal=causal)
-    row_start = key_starts(row_end, sliding_window)
+    if starts_ref is None:
+        row_start = key_starts(row_end, sliding_window)
+    else:
+        row_start = starts_ref[...]
 
     # The block's keys as tiles; this split takes its contiguous share. Never past the page
     # table, even if a caller's kv_len overstates it (no wild reads). Tiles wholly before
-    # the first query's window are skipped.
+    # the first query's window are skipped (all of them where every window starts past the
+    # block's keys: a KV shard wholly before the queries' windows).
     num_tiles = jnp.minimum((keys_needed + block_kv - 1) // block_kv,
                             page_table_ref.shape[1] // kv_pages_per_block)
-    if sliding_window is None:
+    if sliding_window is None and starts_ref is None:
         window_tile = 0
     else:   # a reduction, not row_start[0]: Triton has no lowering for a slice
         first_key = jnp.min(jnp.where(row_live, row_start, keys_needed))
@@ -131,8 +141,11 @@ def paged_attention_blocks(
     interpret: bool,
     causal: bool = True,
     sliding_window: int | None = None,
+    block_starts: jax.Array | None = None,  # int32 [blocks, rows]: each row's first key
 ) -> tuple[jax.Array, jax.Array]:  # out [blocks, kv_heads, rows, head_dim] f32, lse [.., rows]
-    """Runs the kernel over (block, kv head, kv split) and merges the splits by LSE."""
+    """Runs the kernel over (block, kv head, kv split) and merges the splits by LSE.
+    block_starts (causal=False): a window mapped by the caller into these pages' keys, in
+    place of sliding_window (`attention.ragged_paged_attention`'s window_starts)."""
     num_blocks, kv_heads, rows, head_dim = q_blocks.shape
     num_pages, page_size, _, _ = k_pages.shape
     pages_per_tile = block_sizes.kv_pages_per_block
@@ -149,6 +162,13 @@ def paged_attention_blocks(
     whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
     kv_head_of_cache = pl.BlockSpec((num_pages, page_size, pl.squeezed, head_dim),
                                     lambda b, h, s: (0, 0, h, 0))
+    starts_specs, starts_args = [], []
+    if block_starts is None:
+        call_kernel = lambda *refs: kernel(*refs[:5], None, *refs[5:])  # noqa: E731
+    else:
+        call_kernel = kernel
+        starts_specs = [pl.BlockSpec((pl.squeezed, rows), lambda b, h, s: (b, 0))]
+        starts_args = [block_starts.astype(jnp.int32)]
     compiler_params = None
     if not interpret:
         from jax.experimental.pallas import triton as pl_triton
@@ -158,7 +178,7 @@ def paged_attention_blocks(
                                                    num_stages=2)
 
     out_parts, lse_parts = pl.pallas_call(
-        kernel,
+        call_kernel,
         grid=(num_blocks, kv_heads, splits),
         in_specs=[
             whole((num_blocks,)),
@@ -166,6 +186,7 @@ def paged_attention_blocks(
             whole((num_blocks,)),
             whole(page_table.shape),
             pl.BlockSpec((pl.squeezed, pl.squeezed, rows, head_dim), lambda b, h, s: (b, h, 0, 0)),
+            *starts_specs,
             kv_head_of_cache,
             kv_head_of_cache,
         ],
@@ -182,7 +203,8 @@ def paged_attention_blocks(
         interpret=interpret,
         compiler_params=compiler_params,
         name="ragged_paged_attention",
-    )(block_seq, block_key_end, block_num_tokens, page_table, q_blocks, k_pages, v_pages)
+    )(block_seq, block_key_end, block_num_tokens, page_table, q_blocks, *starts_args, k_pages,
+      v_pages)
 
     if splits == 1:
         return out_parts[0], lse_parts[0]
@@ -196,7 +218,7 @@ def paged_attention_blocks(
 def ragged_paged_attention_pallas(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens,
                                   num_seqs, *, sm_scale: float, block_sizes: BlockSizes,
                                   interpret: bool, causal: bool = True, first_seq=None,
-                                  sliding_window: int | None = None):
+                                  sliding_window: int | None = None, window_starts=None):
     """The kernel over a ragged batch; arguments and result as
     `attention.ragged_paged_attention`. first_seq (int32 [], traced): sequences before it
     are left out (out 0, lse -inf): the decode path serves them."""
@@ -221,11 +243,16 @@ def ragged_paged_attention_pallas(q, k_pages, v_pages, page_table, cu_q_lens, kv
                 .transpose(0, 2, 1, 3, 4)
                 .reshape(num_blocks, kv_heads, block_q * q_per_kv, head_dim))
     q_blocks = jnp.pad(q_blocks, ((0, 0), (0, 0), (0, rows - block_q * q_per_kv), (0, 0)))
+    block_starts = None
+    if window_starts is not None:   # row r is token r // q_per_kv; padding rows are not live
+        block_starts = jnp.pad(jnp.repeat(window_starts.astype(jnp.int32)[token], q_per_kv,
+                                          axis=1), ((0, 0), (0, rows - block_q * q_per_kv)))
 
     out_blocks, lse_blocks = paged_attention_blocks(
         q_blocks, k_pages, v_pages, page_table, plan.seq, plan.key_end(causal),
         plan.num_tokens, sm_scale=sm_scale, q_per_kv=q_per_kv, block_sizes=block_sizes,
-        interpret=interpret, causal=causal, sliding_window=sliding_window)
+        interpret=interpret, causal=causal, sliding_window=sliding_window,
+        block_starts=block_starts)
 
     # Back to token order: [blocks, kv, rows, d] -> [blocks, block_q, q_heads, d] -> [tokens, ...].
     out_blocks = (out_blocks[:, :, : block_q * q_per_kv]
@@ -242,10 +269,11 @@ def ragged_paged_attention_pallas(q, k_pages, v_pages, page_table, cu_q_lens, kv
 
 def decode_attention_pallas(q, k_pages, v_pages, page_table, kv_lens, *, sm_scale: float,
                             block_sizes: BlockSizes, interpret: bool,
-                            sliding_window: int | None = None):
+                            sliding_window: int | None = None, window_starts=None):
     """The kernel over a decode batch (one query per sequence, seeing keys 0..kv_len-1);
     arguments and result as `attention.decode_attention`. Each program's rows are only the
-    GQA group of its KV head; the keys are split num_kv_splits ways (flash-decoding)."""
+    GQA group of its KV head; the keys are split num_kv_splits ways (flash-decoding).
+    window_starts: int32 [seqs] or None, each query's first key (in place of the window)."""
     seqs, q_heads, head_dim = q.shape
     kv_heads = k_pages.shape[2]
     q_per_kv = q_heads // kv_heads
@@ -253,12 +281,16 @@ def decode_attention_pallas(q, k_pages, v_pages, page_table, kv_lens, *, sm_scal
     q_blocks = jnp.pad(q.reshape(seqs, kv_heads, q_per_kv, head_dim),
                        ((0, 0), (0, 0), (0, rows - q_per_kv), (0, 0)))
     kv_lens = kv_lens.astype(jnp.int32)
+    block_starts = None
+    if window_starts is not None:
+        block_starts = jnp.pad(jnp.repeat(window_starts.astype(jnp.int32)[:, None], q_per_kv,
+                                          axis=1), ((0, 0), (0, rows - q_per_kv)))
     out, lse = paged_attention_blocks(
         q_blocks, k_pages, v_pages, page_table,
         block_seq=jnp.arange(seqs, dtype=jnp.int32), block_key_end=kv_lens,
         block_num_tokens=(kv_lens > 0).astype(jnp.int32),
         sm_scale=sm_scale, q_per_kv=q_per_kv, block_sizes=block_sizes, interpret=interpret,
-        sliding_window=sliding_window)
+        sliding_window=sliding_window, block_starts=block_starts)
     out = out[:, :, :q_per_kv].reshape(seqs, q_heads, head_dim)
     lse = lse[:, :, :q_per_kv].reshape(seqs, q_heads)
     return out.astype(q.dtype), lse

@@ -7,9 +7,13 @@ from HBM into VMEM by its own DMA:
     grid = (kv head "parallel" (megacore may split it), query block "arbitrary" (in order))
 
 - Scalar prefetch (`PrefetchScalarGridSpec`): per query block its sequence, the keys it
-  reads (`QueryBlockPlan.key_end`, clipped), its token count and the buffer slot of its
-  first tile, and the page table flattened to 1-D (a 2-D SMEM array pads its minor
-  dimension to 128 words per row).
+  reads (`QueryBlockPlan.key_end`, clipped), its token count, its first tile and the
+  buffer slot of that tile, and the page table flattened to 1-D (a 2-D SMEM array pads
+  its minor dimension to 128 words per row).
+- A window (sliding_window, or window_starts mapped into a KV shard's keys: one more VMEM
+  input, each row's first key) starts a block at the tile of its earliest row's first
+  key: the tiles before it are neither copied nor computed, and a block whose windows all
+  start past its keys (a shard wholly before them) copies nothing (out 0, lse -inf).
 - Q comes in as VMEM blocks [rows, head_dim] laid out head-major: row r is query head
   r // block_q of the KV head's GQA group and token r % block_q of the block, so the
   group fills the MXU rows and each K/V tile is read once for all of them. block_q is a
@@ -55,10 +59,13 @@ def _tpu_paged_attention_kernel(
     block_seq_ref,         # int32 [blocks]: sequence of each query block
     block_keys_ref,        # int32 [blocks]: keys 0..n-1 are seen by the block's last query
     block_num_tokens_ref,  # int32 [blocks]: queries in the block (0 = empty block)
+    block_first_tile_ref,  # int32 [blocks]: the block's first tile (before it: no key in
+                           #   any of its queries' windows)
     block_slot_ref,        # int32 [blocks]: buffer slot of the block's first tile
     page_table_ref,        # int32 [max_seqs * pages_per_seq]: the page table, row-major
     # Inputs.
     q_ref,                 # VMEM [rows, head_dim]: this block and KV head, head-major rows
+    starts_ref,            # VMEM int32 [rows, 1]: each row's first key (window_starts), or None
     k_hbm_ref,             # HBM [num_pages, page_size, kv_heads, head_dim]
     v_hbm_ref,             # HBM [num_pages, page_size, kv_heads, head_dim]
     # Outputs.
@@ -88,6 +95,9 @@ def _tpu_paged_attention_kernel(
     # rule asks the TPU generation (so lowering from a CPU host fails); values are >= 0.
     def tiles_of(blk):
         return jax.lax.div(block_keys_ref[blk] + block_kv - 1, block_kv)
+
+    def copied_tiles(blk):   # the tiles a block copies and computes: first .. tiles_of - 1
+        return tiles_of(blk) - block_first_tile_ref[blk]
 
     def page_copies(blk, tile, slot):
         """The DMAs of tile `tile` of block `blk` into buffer `slot`: one (K, V) pair per
@@ -123,11 +133,12 @@ def _tpu_paged_attention_kernel(
     num_tokens = block_num_tokens_ref[block]
     keys_needed = block_keys_ref[block]
     num_tiles = tiles_of(block)
+    first_tile = block_first_tile_ref[block]
     slot_base = block_slot_ref[block]
     next_block = jnp.minimum(block + 1, num_blocks - 1)
-    next_tiles = jnp.where(block + 1 < num_blocks, tiles_of(next_block), 0)
+    next_tiles = jnp.where(block + 1 < num_blocks, copied_tiles(next_block), 0)
     # The previous block of this KV head started our first tile during its last one.
-    prefetched = (block > 0) & (tiles_of(jnp.maximum(block - 1, 0)) > 0)
+    prefetched = (block > 0) & (copied_tiles(jnp.maximum(block - 1, 0)) > 0)
 
     acc0, m0, l0 = online_softmax_init((rows,), head_dim, keepdims=True)
     acc_ref[...] = acc0
@@ -139,18 +150,21 @@ def _tpu_paged_attention_kernel(
     row_live = row_token < num_tokens
     row_end = jnp.where(row_live, row_key_ends(keys_needed, num_tokens, row_token,
                                                causal=causal), 0)
-    # A sliding window masks keys before row_start; its tiles are still copied (skipping
-    # them would move the first tile the previous program prefetches).
-    row_start = key_starts(row_end, sliding_window)
+    # A window masks keys before row_start; tiles wholly before every row's window are
+    # neither copied nor computed (first_tile, which the previous program prefetches).
+    if starts_ref is None:
+        row_start = key_starts(row_end, sliding_window)
+    else:
+        row_start = starts_ref[...]
     key_lanes = jax.lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)     # keys along lanes
     key_sublanes = jax.lax.broadcasted_iota(jnp.int32, (block_kv, 1), 0)  # and sublanes
 
-    @pl.when((num_tiles > 0) & ~prefetched)
+    @pl.when((num_tiles > first_tile) & ~prefetched)
     def _():
-        start(block, 0, slot_base)
+        start(block, first_tile, slot_base)
 
     def tile_step(tile, carry):
-        slot = jax.lax.rem(slot_base + tile, 2)
+        slot = jax.lax.rem(slot_base + tile - first_tile, 2)
 
         @pl.when(tile + 1 < num_tiles)
         def _():
@@ -161,7 +175,7 @@ def _tpu_paged_attention_kernel(
         # DMA bubble per program.
         @pl.when((tile + 1 == num_tiles) & (next_tiles > 0))
         def _():
-            start(next_block, 0, 1 - slot)
+            start(next_block, block_first_tile_ref[next_block], 1 - slot)
 
         wait(block, tile, slot)
         first_key = tile * block_kv
@@ -179,7 +193,7 @@ def _tpu_paged_attention_kernel(
         l_ref[...] = l
         return carry
 
-    jax.lax.fori_loop(0, num_tiles, tile_step, 0)
+    jax.lax.fori_loop(first_tile, num_tiles, tile_step, 0)
     out, lse = online_softmax_finish((acc_ref[...], m_ref[...], l_ref[...]))
     out_ref[...] = out.astype(out_ref.dtype)
     lse_ref[...] = lse
@@ -200,9 +214,12 @@ def tpu_paged_attention_blocks(
     interpret,                    # False, or pltpu.InterpretParams (the TPU interpreter)
     causal: bool = True,
     sliding_window: int | None = None,
+    block_starts: jax.Array | None = None,  # int32 [blocks, rows]: each row's first key
 ) -> tuple[jax.Array, jax.Array]:  # out [kv_heads, blocks, rows, head_dim] (q dtype),
     #                                lse [kv_heads, blocks, rows, 1] f32
-    """Runs the kernel over (kv head, query block)."""
+    """Runs the kernel over (kv head, query block). block_starts (causal=False): a window
+    mapped by the caller into these pages' keys, in place of sliding_window
+    (`attention.ragged_paged_attention`'s window_starts)."""
     kv_heads, num_blocks, rows, head_dim = q_blocks.shape
     _, page_size, _, _ = k_pages.shape
     max_seqs, pages_per_seq = page_table.shape
@@ -216,19 +233,37 @@ def tpu_paged_attention_blocks(
     # Tiles alternate buffer slots across the blocks of a KV head (the next block's first
     # tile is prefetched into the slot after the current block's last).
     tiles = (block_keys + block_kv - 1) // block_kv
-    block_slot = ((jnp.cumsum(tiles) - tiles) % 2).astype(jnp.int32)
+    # The first tile of each block: the tile of the earliest key any of its live rows sees.
+    if block_starts is None:
+        first_row_end = row_key_ends(block_keys, block_num_tokens, jnp.zeros_like(block_keys),
+                                     causal=causal)
+        first_key = key_starts(first_row_end, sliding_window)
+    else:
+        live = (jnp.arange(rows) % block_q)[None, :] < block_num_tokens[:, None]  # head-major
+        first_key = jnp.min(jnp.where(live, block_starts, jnp.iinfo(jnp.int32).max), axis=1)
+    first_tile = jnp.clip(first_key // block_kv, 0, tiles).astype(jnp.int32)
+    copied = tiles - first_tile
+    block_slot = ((jnp.cumsum(copied) - copied) % 2).astype(jnp.int32)
     kernel = functools.partial(_tpu_paged_attention_kernel, sm_scale=sm_scale, block_q=block_q,
                                pages_per_seq=pages_per_seq, causal=causal,
                                sliding_window=sliding_window)
     block_spec = pl.BlockSpec((None, None, rows, head_dim), lambda h, b, *_: (h, b, 0, 0))
     lse_spec = pl.BlockSpec((None, None, rows, 1), lambda h, b, *_: (h, b, 0, 0))
+    starts_specs, starts_args = [], []
+    if block_starts is None:
+        call_kernel = lambda *refs: kernel(*refs[:7], None, *refs[7:])  # noqa: E731
+    else:
+        call_kernel = kernel
+        starts_specs = [pl.BlockSpec((None, rows, 1), lambda h, b, *_: (b, 0, 0))]
+        starts_args = [block_starts.astype(jnp.int32)[..., None]]
     kv_buf = pltpu.VMEM((2, pages_per_tile, page_size, head_dim), k_pages.dtype)
     return pl.pallas_call(
-        kernel,
+        call_kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=5,
+            num_scalar_prefetch=6,
             grid=(kv_heads, num_blocks),
             in_specs=[block_spec,
+                      *starts_specs,
                       pl.BlockSpec(memory_space=pl.ANY),
                       pl.BlockSpec(memory_space=pl.ANY)],
             out_specs=[block_spec, lse_spec],
@@ -243,15 +278,15 @@ def tpu_paged_attention_blocks(
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=interpret,
         name="tpu_ragged_paged_attention",
-    )(block_seq, block_keys.astype(jnp.int32), block_num_tokens, block_slot,
+    )(block_seq, block_keys.astype(jnp.int32), block_num_tokens, first_tile, block_slot,
       page_table.astype(jnp.int32).reshape(max_seqs * pages_per_seq),
-      q_blocks, k_pages, v_pages)
+      q_blocks, *starts_args, k_pages, v_pages)
 
 
 def ragged_paged_attention_tpu(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, num_seqs,
                                *, sm_scale: float, block_sizes: BlockSizes, interpret,
                                causal: bool = True, first_seq=None,
-                               sliding_window: int | None = None):
+                               sliding_window: int | None = None, window_starts=None):
     """The TPU kernel over a ragged batch; arguments and result as
     `attention.ragged_paged_attention`. interpret: False (Mosaic) or pltpu.InterpretParams.
     first_seq (int32 [], traced): sequences before it are left out (out 0, lse -inf): the
@@ -269,11 +304,14 @@ def ragged_paged_attention_tpu(q, k_pages, v_pages, page_table, cu_q_lens, kv_le
     q_blocks = (q[token].reshape(num_blocks, block_q, kv_heads, q_per_kv, head_dim)
                 .transpose(2, 0, 3, 1, 4)
                 .reshape(kv_heads, num_blocks, q_per_kv * block_q, head_dim))
+    block_starts = None
+    if window_starts is not None:   # head-major rows: row r is token r % block_q
+        block_starts = jnp.tile(window_starts.astype(jnp.int32)[token], (1, q_per_kv))
     out_blocks, lse_blocks = tpu_paged_attention_blocks(
         q_blocks, k_pages, v_pages, page_table, plan.seq, plan.key_end(causal),
         plan.num_tokens, sm_scale=sm_scale, block_q=block_q,
         kv_pages_per_block=block_sizes.kv_pages_per_block, interpret=interpret,
-        causal=causal, sliding_window=sliding_window)
+        causal=causal, sliding_window=sliding_window, block_starts=block_starts)
     # Back to token order: [kv, blocks, q_per_kv, block_q, (d)] -> [blocks, block_q, q_heads, (d)].
     out_blocks = (out_blocks.reshape(kv_heads, num_blocks, q_per_kv, block_q, head_dim)
                   .transpose(1, 3, 0, 2, 4).reshape(num_blocks, block_q, q_heads, head_dim))
@@ -286,7 +324,8 @@ def ragged_paged_attention_tpu(q, k_pages, v_pages, page_table, cu_q_lens, kv_le
 
 
 def decode_attention_tpu(q, k_pages, v_pages, page_table, kv_lens, *, sm_scale: float,
-                         block_sizes: BlockSizes, interpret, sliding_window: int | None = None):
+                         block_sizes: BlockSizes, interpret, sliding_window: int | None = None,
+                         window_starts=None):
     """The TPU kernel over a decode batch (one query per sequence, seeing keys
     0..kv_len-1); arguments and result as `attention.decode_attention`. Each program is
     one sequence and KV head: block_q query rows per head, one live (decode is bound by
@@ -297,4 +336,4 @@ def decode_attention_tpu(q, k_pages, v_pages, page_table, kv_lens, *, sm_scale: 
         q, k_pages, v_pages, page_table, cu_q_lens=jnp.arange(seqs + 1, dtype=jnp.int32),
         kv_lens=kv_lens, num_seqs=jnp.full((1,), seqs, jnp.int32), sm_scale=sm_scale,
         block_sizes=block_sizes, interpret=interpret, causal=False,
-        sliding_window=sliding_window)
+        sliding_window=sliding_window, window_starts=window_starts)

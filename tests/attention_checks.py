@@ -122,6 +122,43 @@ def assert_matches_oracle(out, lse, batch, sm_scale, *, causal=True, atol=2e-5,
     assert (out[padding] == 0).all() and np.isneginf(lse[padding]).all()
 
 
+def shard_window_batch(seed: int, shapes: Shapes, q_lens, contexts, *, starts_past=None):
+    """A non-causal batch (a KV shard's prefix) and each query's first key on it
+    (window_starts, int32 [tokens]): windows starting before, inside and past the keys;
+    starts_past: a sequence all of whose queries start past its keys (a shard wholly
+    before their windows)."""
+    batch = make_batch(seed, shapes, q_lens, contexts, causal=False)
+    rng = np.random.default_rng(seed)
+    seq = np.repeat(np.arange(len(q_lens)), q_lens)
+    starts = np.zeros(shapes.num_tokens, np.int32)
+    starts[:len(seq)] = rng.integers(0, np.array(contexts)[seq] + 4)
+    if starts_past is not None:
+        starts[:len(seq)][seq == starts_past] = contexts[starts_past] + rng.integers(0, 3)
+    return batch, starts
+
+
+def poison_skipped_pages(batch, starts, block_kv: int):
+    """`batch` with NaN K/V in each sequence's pages that lie in tiles of block_kv keys
+    wholly before every one of its queries' window_starts: a kernel that skips those tiles
+    never reads them, one that reads and masks them gets NaN (0 x NaN) in its output.
+    Page-table entries past a sequence's pages (and padding rows) point at a spare finite
+    page, so masked tails read no NaN."""
+    batch = {**batch, "k_pages": batch["k_pages"].copy(), "v_pages": batch["v_pages"].copy(),
+             "page_table": batch["page_table"].copy()}
+    table, cu, page_size = batch["page_table"], batch["cu_q_lens"], batch["k_pages"].shape[1]
+    owned = [int(-(-n // page_size)) for n in batch["kv_lens"]]
+    spare = min(set(range(batch["k_pages"].shape[0]))
+                - {int(p) for row, n in zip(table, owned) for p in row[:n]})
+    for s, n in enumerate(owned):
+        queries = np.asarray(starts)[cu[s]:cu[s + 1]]
+        if s < batch["num_seqs"][0] and queries.size:
+            skipped = min(int(queries.min()) // block_kv * block_kv // page_size, n)
+            for kv in ("k_pages", "v_pages"):
+                batch[kv][table[s, :skipped]] = np.nan
+        table[s, n:] = spare
+    return batch
+
+
 def decodes_first(q_lens, contexts):
     """(q_lens, contexts, num_decodes int32 [1]) in the order the decode/prefill split
     wants (`order_decodes_first`): the one-token sequences first."""

@@ -99,6 +99,35 @@ def save_tiny_family(path, name: str, *, seed: int = 0, **overrides):
     return model
 
 
+# A tiny SigLIP vision tower beside the text model: a Gemma3ForConditionalGeneration
+# checkpoint holds its weights, which the text-only loader must leave out.
+TINY_VISION_CONFIG = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                          num_attention_heads=2, image_size=28, patch_size=14)
+
+
+def save_tiny_gemma3_multimodal(path, *, seed: int = 0, **text_overrides):
+    """Saves a random-weight float32 Gemma3ForConditionalGeneration (Gemma-3 4B and up) to
+    `path`: TINY_FAMILY_CONFIGS' gemma3 text model (its norms random) and a tiny vision
+    tower. No final soft-cap: transformers' multimodal model does not apply one (the
+    releases set none), so the loader refuses it."""
+    import torch
+    import transformers
+
+    text = {**TINY_FAMILY_CONFIGS["gemma3"][1], "final_logit_softcapping": None,
+            **text_overrides}
+    config = transformers.Gemma3Config(text_config=text, vision_config=TINY_VISION_CONFIG,
+                                       mm_tokens_per_image=4, boi_token_index=253,
+                                       eoi_token_index=254, image_token_index=255)
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if param_name.endswith("norm.weight"):
+                param.normal_()
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
 def hf_logits(hf_model, token_ids) -> np.ndarray:
     import torch
 

@@ -196,3 +196,91 @@ def test_gemma3_gguf_fields_as_llama_cpp_reads_them(tmp_path, layers, pattern, s
     assert config.local_rope_theta == (5e3 if pattern else 1e4)
     assert config.query_pre_attn_scalar == scalar and config.tie_word_embeddings
     assert config.head_dim == 32
+
+
+# ------------------------------------------ Gemma-3 4B and up: Gemma3ForConditionalGeneration
+
+def _model_language_model_layout(src, dst):
+    """The checkpoint at `src` rewritten in transformers 4.52+'s own layout of a
+    Gemma3ForConditionalGeneration state dict: model.language_model.*, model.vision_tower.*,
+    model.multi_modal_projector.* (the released checkpoints keep language_model.model.*)."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(src, dst)
+    for file in dst.glob("*.safetensors"):
+        tensors = load_file(file)
+        save_file({("model." + name.replace("language_model.model.", "language_model.", 1)
+                    if not name.startswith("language_model.lm_head") else
+                    name.replace("language_model.", "", 1)): t
+                   for name, t in tensors.items()}, file, metadata={"format": "pt"})
+    return dst
+
+
+@pytest.fixture(scope="module")
+def gemma3_multimodal(tmp_path_factory):
+    from tests.hf_oracle import save_tiny_gemma3_multimodal
+
+    path = tmp_path_factory.mktemp("gemma3-mm") / "released"
+    return path, save_tiny_gemma3_multimodal(path)
+
+
+@pytest.mark.parametrize("layout, tp", [
+    ("released", 1), pytest.param("model.language_model", 2, marks=pytest.mark.slow)])
+def test_gemma3_multimodal_checkpoint_serves_its_text_tower(gemma3_multimodal, layout, tp,
+                                                            tmp_path):
+    """Gemma-3 4B/12B/27B are Gemma3ForConditionalGeneration: the text tower loads from its
+    text_config and language-model tensors (either layout), the vision tower's are left
+    out, and a text-only prompt longer than the window gives transformers' logits (one-shot
+    and chunked) and greedy tokens."""
+    path, hf_model = gemma3_multimodal
+    if layout != "released":
+        path = _model_language_model_layout(path, tmp_path / "ckpt")
+    model = load_model(path, parallel=ParallelConfig(tp=tp), verbose=False)
+    assert model.config.family == "gemma3" and model.config.num_layers == 3
+    ids = np.random.default_rng(1).integers(0, 253, size=PROMPT_LEN).tolist()  # no image ids
+    want = hf_logits(hf_model, ids)
+    np.testing.assert_array_less(np.abs(model.logits(ids) - want).max(), 1e-4)
+    chunked = model.logits(ids, chunk_sizes=[20, 1, 1, 30, 9], page_size=8)
+    np.testing.assert_array_less(np.abs(chunked - want).max(), 1e-4)
+    assert greedy_with_logits(model, ids[:30], 6) == hf_greedy(hf_model, ids[:30], 6)
+
+
+def test_gemma3_multimodal_config_as_released():
+    """The 4B's config.json as released: its text_config states only what differs from
+    Gemma3TextConfig's defaults, which fill the rest (as transformers reads it); a text
+    soft-cap, which transformers' multimodal model would not apply, is refused."""
+    import transformers
+
+    from medha_jax.checkpoint.hf import _GEMMA3_TEXT_DEFAULTS
+
+    defaults = transformers.Gemma3TextConfig()
+    assert {k: getattr(defaults, k) for k in _GEMMA3_TEXT_DEFAULTS} == _GEMMA3_TEXT_DEFAULTS
+    released_4b = {
+        "architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999,
+        "eoi_token_index": 256000, "eos_token_id": [1, 106], "image_token_index": 262144,
+        "initializer_range": 0.02, "mm_tokens_per_image": 256, "model_type": "gemma3",
+        "text_config": {"hidden_size": 2560, "intermediate_size": 10240,
+                        "model_type": "gemma3_text", "num_hidden_layers": 34,
+                        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                        "sliding_window": 1024},
+        "torch_dtype": "bfloat16", "transformers_version": "4.50.0.dev0",
+        "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                          "model_type": "siglip_vision_model", "num_attention_heads": 16,
+                          "num_hidden_layers": 27, "patch_size": 14, "vision_use_head": False}}
+    config = config_from_hf(released_4b, name="gemma-3-4b-it")
+    theirs = transformers.Gemma3Config(**{k: v for k, v in released_4b.items()
+                                          if k != "architectures"}).text_config
+    assert config == config_from_hf({**theirs.to_dict(), "architectures": ["Gemma3ForCausalLM"],
+                                     "dtype": "bfloat16"}, name="gemma-3-4b-it")
+    assert (config.family, config.num_layers, config.num_heads, config.num_kv_heads,
+            config.head_dim, config.vocab_size, config.sliding_window, config.dtype) == (
+        "gemma3", 34, 8, 4, 256, 262_208, 1024, "bfloat16")
+    assert config.sliding_layers() == tuple((i + 1) % 6 != 0 for i in range(34))
+    assert config.rope_scaling == LinearScaling(8.0) and config.local_rope_theta == 1e4
+    assert config.tie_word_embeddings and config.attention_scale == 1 / 16
+    capped = {**released_4b, "text_config": {**released_4b["text_config"],
+                                             "final_logit_softcapping": 30.0}}
+    with pytest.raises(CheckpointError, match="text_config.final_logit_softcapping=30.0"):
+        config_from_hf(capped)

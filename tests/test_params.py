@@ -55,18 +55,14 @@ def test_families_are_rows_added_to_the_llama_table():
         odd_config(family="gemma4")
 
 
-def test_sliding_window_over_kv_shards_runs_on_the_xla_path_only():
+def test_sliding_window_over_kv_shards_lays_out_on_every_attention_impl():
+    """The kernels take a window over KV shards too (window_starts): no impl is refused."""
     config = odd_config(sliding_window=16)
     gemma = model_preset("tiny-gemma3")      # its sliding layers among full ones
-    for parallel in (ParallelConfig(tp=2), ParallelConfig(kvp=2), ParallelConfig(cp=2)):
-        for c in (config, gemma):
-            MeshLayout.create(c, make_mesh(parallel), DEFAULT_RULES, "xla")
-    MeshLayout.create(config, make_mesh(ParallelConfig(tp=2)), DEFAULT_RULES, "pallas")
-    for impl in ("pallas", "interpret", "pallas-tpu"):
-        for parallel in (ParallelConfig(kvp=2), ParallelConfig(cp=2)):
-            with pytest.raises(ValueError, match=f"sliding_window=24 .* XLA attention path "
-                                                 f"only, not attention_impl='{impl}'"):
-                MeshLayout.create(gemma, make_mesh(parallel), DEFAULT_RULES, impl)
+    for impl in ("xla", "pallas", "interpret", "pallas-tpu", "interpret-tpu"):
+        for parallel in (ParallelConfig(tp=2), ParallelConfig(kvp=2), ParallelConfig(cp=2)):
+            for c in (config, gemma):
+                MeshLayout.create(c, make_mesh(parallel), DEFAULT_RULES, impl)
 
 
 @pytest.mark.parametrize("tp, replicas, padded_vocab", [(1, 1, 257), (2, 1, 258), (4, 2, 260),

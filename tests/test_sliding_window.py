@@ -1,6 +1,8 @@
 """Sliding-window attention (Mistral) on the XLA path and the GPU kernel (interpret mode)
-against the dense oracle; the TPU kernel's check is in tpu_kernel_checks.py."""
+against the dense oracle, over one device and over KV shards and cp ranks; the TPU
+kernel's checks against the oracle are in tpu_kernel_checks.py, its model-level ones here."""
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -11,7 +13,8 @@ from hypothesis import strategies as st
 from pallas_kernels import BlockSizes, ragged_paged_attention
 from pallas_kernels.dense_reference import dense_attention_oracle
 from tests.attention_checks import (Shapes, assert_matches_oracle, assert_per_layer_window,
-                                    decodes_first, make_batch,
+                                    decodes_first, make_batch, poison_skipped_pages,
+                                    shard_window_batch,
                                     ragged_batches)
 
 SHAPES = Shapes(q_heads=4, kv_heads=2, head_dim=32, page_size=8, num_tokens=48,
@@ -66,32 +69,51 @@ def test_per_layer_window_under_the_layer_scan(impl):
 
 # ------------------------------------------- a window over KV shards (kvp) and cp ranks
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_window_starts_on_the_xla_path_equal_the_oracle(seed):
+@pytest.mark.parametrize("impl, split, seed", [("xla", False, 0), ("xla", False, 1),
+                                               ("interpret", False, 0),
+                                               ("interpret", True, 1)])
+def test_window_starts_equal_the_oracle(impl, split, seed):
     """Non-causal attention over a shard's keys with each query's own first key: decodes
     and chunks, windows starting before, inside and past the keys (a query that sees no
-    key here gets out 0, lse -inf, which the merge ignores)."""
-    q_lens, contexts = [1, 13, 1, 9], [40, 37, 3, 0]
-    batch = make_batch(seed, SHAPES, q_lens, contexts, causal=False)
-    rng = np.random.default_rng(seed)
-    seq = np.repeat(np.arange(len(q_lens)), q_lens)
-    starts = np.zeros(SHAPES.num_tokens, np.int32)
-    starts[:len(seq)] = rng.integers(0, np.array(contexts)[seq] + 4)
-    starts[1] = contexts[1] + 1                           # a query past all its keys
-    out, lse = ragged_paged_attention(**batch, sm_scale=0.2, impl="xla", block_sizes=TILES,
-                                      causal=False, window_starts=starts)
+    key here gets out 0, lse -inf, which the merge ignores); the GPU kernel on the whole
+    batch and on the decode/prefill split."""
+    q_lens, contexts, num_decodes = [1, 13, 1, 9], [40, 37, 3, 0], None
+    if split:
+        q_lens, contexts, num_decodes = decodes_first(q_lens, contexts)
+    batch, starts = shard_window_batch(seed, SHAPES, q_lens, contexts)
+    first_chunk = int(np.argmax(np.array(q_lens) > 1))
+    past = int(batch["cu_q_lens"][first_chunk])             # a chunk query past all its keys
+    starts[past] = contexts[first_chunk] + 1
+    out, lse = ragged_paged_attention(**batch, sm_scale=0.2, impl=impl, block_sizes=TILES,
+                                      causal=False, window_starts=starts,
+                                      num_decodes=num_decodes)
     assert_matches_oracle(out, lse, batch, 0.2, causal=False, window_starts=starts)
-    assert np.isneginf(np.asarray(lse)[1]).all()
+    assert np.isneginf(np.asarray(lse)[past]).all()
     full, _ = ragged_paged_attention(**batch, sm_scale=0.2, impl="xla", block_sizes=TILES,
                                      causal=False)
-    assert not np.allclose(np.asarray(out)[:len(seq)], np.asarray(full)[:len(seq)])
+    live = slice(0, sum(q_lens))
+    assert not np.allclose(np.asarray(out)[live], np.asarray(full)[live])
 
 
-def test_window_starts_run_on_the_xla_path_only():
-    batch = make_batch(0, SHAPES, [5], [10], causal=False)
-    with pytest.raises(ValueError, match="XLA path only, not impl='interpret'"):
-        ragged_paged_attention(**batch, sm_scale=0.2, impl="interpret", causal=False,
-                               window_starts=np.zeros(SHAPES.num_tokens, np.int32))
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
+def test_gpu_kernel_skips_tiles_before_every_window(split):
+    """Tiles wholly before every query's window_starts are not read: their pages hold NaN
+    here (0 x NaN would reach the output if they were read and masked). A sequence wholly
+    before its queries' windows (a KV shard with nothing inside them) reads no tile.
+    One KV split: the LSE merge of splits would drop a NaN partial."""
+    q_lens, contexts, num_decodes = [1, 13, 1, 9], [70, 37, 3, 20], None
+    if split:
+        q_lens, contexts, num_decodes = decodes_first(q_lens, contexts)
+    batch, starts = shard_window_batch(4, SHAPES, q_lens, contexts,
+                                       starts_past=q_lens.index(13))
+    block_kv = TILES.kv_pages_per_block * SHAPES.page_size
+    poisoned = poison_skipped_pages(batch, starts, block_kv)
+    assert np.isnan(poisoned["v_pages"]).any()
+    out, lse = ragged_paged_attention(**poisoned, sm_scale=0.2, impl="interpret",
+                                      block_sizes=dataclasses.replace(TILES, num_kv_splits=1),
+                                      causal=False, window_starts=starts,
+                                      num_decodes=num_decodes)
+    assert_matches_oracle(out, lse, batch, 0.2, causal=False, window_starts=starts)
 
 
 def test_keys_before_is_cached_on_rank_for_a_traced_rank():
@@ -142,13 +164,12 @@ def test_a_window_over_kv_shards_gives_one_device_logits(preset, parallel):
         assert (got.argmax(-1) == want.argmax(-1)).all(), kw
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("parallel", ["kvp=2", "cp=2"])
-@pytest.mark.parametrize("preset", ["tiny-mistral", "tiny-gemma3"])
-def test_engine_greedy_tokens_with_a_window_over_kv_shards(preset, parallel):
+def assert_engine_serves_one_device_tokens(preset: str, parallel: str,
+                                          attention_impl: str = "auto"):
     """Through the Engine: prompts longer than the window over both kvp shards (48 tokens
     a shard) or both cp ranks, random chunks, decodes batched with prefills past the
-    window: one device's greedy tokens."""
+    window (the decode/prefill split of the kernels): one device's greedy tokens, and
+    every page back."""
     from medha_jax import ParallelConfig, load_model
     from medha_jax.engine import Engine, EngineConfig
     from tests.hf_oracle import greedy_with_logits
@@ -161,10 +182,82 @@ def test_engine_greedy_tokens_with_a_window_over_kv_shards(preset, parallel):
     one_device = load_model(preset, verbose=False)
     want = {rid: greedy_with_logits(one_device, p, 6) for rid, p in prompts.items()}
     axis, degree = parallel.split("=")
-    model = load_model(preset, parallel=ParallelConfig(**{axis: int(degree)}), verbose=False)
+    model = load_model(preset, parallel=ParallelConfig(**{axis: int(degree)}),
+                       attention_impl=attention_impl, verbose=False)
     kvp = {"max_tokens_per_kvp_group": 48} if axis == "kvp" else {}
     engine = Engine(model, EngineConfig(page_size=16, num_pages=16, max_tokens_per_step=64,
                                         max_seqs=8, **kvp))
     arrivals = [(0, make_request(rid, p, 6)) for rid, p in prompts.items()]
     assert drive(engine, arrivals, rng=rng, max_chunk=30) == want
     assert engine.allocator.num_free_pages == engine.allocator.num_pages
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["kvp=2", "cp=2"])
+@pytest.mark.parametrize("preset", ["tiny-mistral", "tiny-gemma3"])
+def test_engine_greedy_tokens_with_a_window_over_kv_shards(preset, parallel):
+    assert_engine_serves_one_device_tokens(preset, parallel)
+
+_KERNEL_WINDOW_CHECK = """
+import numpy as np
+from medha_jax import ParallelConfig, load_model
+from tests.test_sliding_window import WINDOW_CHUNKS, WINDOW_PROMPT
+impl, preset, parallel = {args!r}
+ids = np.random.default_rng(3).integers(0, 256, size=WINDOW_PROMPT).tolist()
+want = load_model(preset, verbose=False).logits(ids)           # one device, the XLA path
+degrees = {{axis: int(n) for axis, n in (p.split("=") for p in parallel.split(","))}}
+model = load_model(preset, parallel=ParallelConfig(**degrees), attention_impl=impl,
+                   verbose=False)
+assert model.layout.attention_impl == impl
+runs = [{{"cp_variant": v}} for v in ("kv", "q")] if "cp" in degrees else [
+    {{"kv_tokens_per_shard": 48}}]
+for kw in runs:
+    got = model.logits(ids, chunk_sizes=WINDOW_CHUNKS, **kw)
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0, err_msg=str(kw))
+    assert (got.argmax(-1) == want.argmax(-1)).all(), kw
+print("ok")
+"""
+
+
+# Slow (a child process each, 50 s to 4 min on 2 cores); the kernels' own checks against
+# the dense oracle with window_starts run in the quick tests above and in
+# tpu_kernel_checks.py.
+@pytest.mark.slow
+@pytest.mark.parametrize("impl, preset, parallel", [
+    ("interpret", "tiny-gemma3", "kvp=2"),
+    pytest.param("interpret", "tiny-mistral", "kvp=2", marks=pytest.mark.slow),
+    pytest.param("interpret", "tiny-mistral", "cp=2", marks=pytest.mark.slow),
+    pytest.param("interpret", "tiny-gemma3", "cp=2", marks=pytest.mark.slow),
+    pytest.param("interpret", "tiny-mistral", "kvp=2,tp=2", marks=pytest.mark.slow),
+    pytest.param("interpret", "tiny-mistral", "cp=2,tp=2", marks=pytest.mark.slow),
+    pytest.param("interpret-tpu", "tiny-mistral", "kvp=2", marks=pytest.mark.slow),
+    pytest.param("interpret-tpu", "tiny-gemma3", "kvp=2", marks=pytest.mark.slow),
+    pytest.param("interpret-tpu", "tiny-gemma3", "cp=2", marks=pytest.mark.slow)])
+def test_a_window_over_kv_shards_on_the_kernels_gives_one_device_logits(impl, preset,
+                                                                         parallel):
+    """The same as on the XLA path, with the Pallas kernels attending each shard's part
+    of the window (window_starts): the GPU kernel in interpret mode, the TPU kernel in the
+    TPU interpreter. In a child process with the mesh's devices (the interpreters are slow
+    with many, and the TPU one hangs with 8: tests.attention_checks.run_on_devices)."""
+    from tests.attention_checks import run_on_devices
+
+    devices = int(np.prod([int(p.split("=")[1]) for p in parallel.split(",")]))
+    script = _KERNEL_WINDOW_CHECK.format(args=(impl, preset, parallel))
+    assert run_on_devices(script, devices).split()[-1] == "ok"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl, preset, parallel", [("interpret", "tiny-gemma3", "kvp=2"),
+                                                    ("interpret", "tiny-gemma3", "cp=2"),
+                                                    ("interpret-tpu", "tiny-mistral", "kvp=2")])
+def test_engine_greedy_tokens_with_a_window_over_kv_shards_on_the_kernels(impl, preset,
+                                                                            parallel):
+    """`assert_engine_serves_one_device_tokens` on the kernels, in a child process (as
+    above): the engine's steps put decodes on the kernels' decode path, window_starts
+    included."""
+    from tests.attention_checks import run_on_devices
+
+    script = ("from tests.test_sliding_window import assert_engine_serves_one_device_tokens\n"
+              f"assert_engine_serves_one_device_tokens({preset!r}, {parallel!r}, {impl!r})\n"
+              "print('ok')")
+    assert run_on_devices(script, 2).split()[-1] == "ok"

@@ -29,7 +29,8 @@ from pallas_kernels import BlockSizes, decode_attention, ragged_paged_attention
 from pallas_kernels.dense_reference import dense_attention_oracle
 from tests.attention_checks import (Shapes, as_bfloat16, assert_matches_oracle,
                                     assert_per_layer_window, decodes_first,
-                                    make_batch, mark_kernels, ragged_batches)
+                                    make_batch, mark_kernels, poison_skipped_pages,
+                                    ragged_batches, shard_window_batch)
 
 # Page sizes 16..64, GQA 1..8, head dims 64 and 128; 40 tokens, 5 sequences.
 SHAPES = (
@@ -252,19 +253,23 @@ def test_equals_jax_reference():
 @pytest.mark.slow
 def test_double_buffering_has_no_dma_race():
     """The interpreter's happens-before race detector over a multi-tile batch: the next
-    tile's DMAs must never write the buffer slot the current tile is reading."""
+    tile's DMAs must never write the buffer slot the current tile is reading; with a
+    sliding window too (blocks start past their skipped tiles, so the slots alternate
+    over the tiles copied)."""
     from jax.experimental.pallas import tpu as pltpu
     from pallas_kernels.tpu_paged_kernel import ragged_paged_attention_tpu
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
     shapes = SHAPES[3]
-    batch = make_batch(2, shapes, [1, 12], [70, 30])
+    batch = make_batch(2, shapes, [1, 12, 1], [70, 30, 50])
     params = pltpu.InterpretParams(detect_races=True)
-    out, lse = jax.jit(lambda *a: ragged_paged_attention_tpu(
-        *a, sm_scale=0.1, block_sizes=TILINGS[1], interpret=params))(
-        *(batch[k] for k in ("q", "k_pages", "v_pages", "page_table", "cu_q_lens",
-                             "kv_lens", "num_seqs")))
-    assert_matches_oracle(out, lse, batch, 0.1)
-    assert ipc.races is not None and not ipc.races.races_found
+    for window in (None, 20):
+        out, lse = jax.jit(lambda *a: ragged_paged_attention_tpu(
+            *a, sm_scale=0.1, block_sizes=TILINGS[1], interpret=params,
+            sliding_window=window))(
+            *(batch[k] for k in ("q", "k_pages", "v_pages", "page_table", "cu_q_lens",
+                                 "kv_lens", "num_seqs")))
+        assert_matches_oracle(out, lse, batch, 0.1, sliding_window=window)
+        assert ipc.races is not None and not ipc.races.races_found, window
 
 
 # Last in the module: a kernel that fails in the interpreter leaves its state to reset.
@@ -312,6 +317,55 @@ def test_sliding_window_equals_dense_oracle(path):
                                       block_sizes=tiling_of(shapes), num_decodes=num_decodes,
                                       sliding_window=20)
     assert_matches_oracle(out, lse, batch, 0.125, sliding_window=20)
+
+
+def window_tile_keys(shapes) -> int:
+    """Keys of one K/V tile of the kernel at the shape's tiling."""
+    return min(tiling_of(shapes).kv_pages_per_block, shapes.pages_per_seq) * shapes.page_size
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_sliding_window_skips_tiles_before_the_window(path):
+    """Tiles wholly before a block's window are neither copied nor computed: their pages
+    hold NaN here (read and masked, 0 x NaN would reach the output)."""
+    shapes = SHAPES[3]
+    q_lens, contexts = [1, 13, 1, 9], [70, 37, 3, 40]
+    num_decodes = None
+    if PATHS[path]:
+        q_lens, contexts, num_decodes = decodes_first(q_lens, contexts)
+    batch = make_batch(8, shapes, q_lens, contexts)
+    # The first key each query's window reaches: position context + i, minus 19.
+    starts = np.zeros(shapes.num_tokens, np.int32)
+    starts[:sum(q_lens)] = np.concatenate([np.maximum(c + np.arange(n) - 19, 0)
+                                           for n, c in zip(q_lens, contexts)])
+    poisoned = poison_skipped_pages(batch, starts, window_tile_keys(shapes))
+    assert np.isnan(poisoned["v_pages"]).any()
+    out, lse = ragged_paged_attention(**poisoned, sm_scale=0.125, impl=IMPL,
+                                      block_sizes=tiling_of(shapes), num_decodes=num_decodes,
+                                      sliding_window=20)
+    assert_matches_oracle(out, lse, batch, 0.125, sliding_window=20)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_window_starts_equal_the_oracle_and_skip_tiles(path):
+    """A window over a KV shard's keys (window_starts, the prefix mode): each query from
+    its own first key; a sequence all of whose windows start past its keys reads no tile
+    (out 0, lse -inf); tiles wholly before every window of a block are not read (NaN)."""
+    shapes = SHAPES[3]
+    q_lens, contexts, num_decodes = [1, 13, 1, 9], [70, 37, 3, 40], None
+    if PATHS[path]:
+        q_lens, contexts, num_decodes = decodes_first(q_lens, contexts)
+    batch, starts = shard_window_batch(9, shapes, q_lens, contexts,
+                                       starts_past=q_lens.index(13))
+    poisoned = poison_skipped_pages(batch, starts, window_tile_keys(shapes))
+    assert np.isnan(poisoned["v_pages"]).any()
+    out, lse = ragged_paged_attention(**poisoned, sm_scale=0.125, impl=IMPL,
+                                      block_sizes=tiling_of(shapes), num_decodes=num_decodes,
+                                      causal=False, window_starts=starts)
+    assert_matches_oracle(out, lse, batch, 0.125, causal=False, window_starts=starts)
+    chunk = q_lens.index(13)
+    past = slice(batch["cu_q_lens"][chunk], batch["cu_q_lens"][chunk + 1])
+    assert np.isneginf(np.asarray(lse)[past]).all()
 
 
 def test_per_layer_window_under_the_layer_scan():

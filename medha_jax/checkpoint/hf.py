@@ -1,5 +1,9 @@
 """Hugging Face checkpoint directories: config.json + safetensors (+ tokenizer.json).
 
+A multimodal checkpoint whose text tower is a supported family (Gemma-3 4B/12B/27B,
+`Gemma3ForConditionalGeneration`) loads as that text model: its `text_config`, and its
+text tower's tensors under their *ForCausalLM names; the vision tower's are not loaded.
+
     ckpt = load_hf_checkpoint("path/to/Llama-3.1-8B")
     ckpt.tensors["layers.wq"].read((slice(0, 4), slice(None), slice(8, 16), slice(None)))
 
@@ -34,6 +38,24 @@ HF_NAMES = checkpoint_names("hf")
 
 # config.json `architectures` -> family (config.FAMILIES).
 SUPPORTED_ARCHITECTURES = {f.hf_architecture: f.name for f in FAMILIES.values()}
+# Multimodal architectures served text-only -> their text model's architecture.
+TEXT_TOWER_ARCHITECTURES = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+# Where a multimodal checkpoint keeps its text tower's tensors -> the *ForCausalLM prefix:
+# released checkpoints (and transformers' save_pretrained) `language_model.model.*`,
+# transformers 4.52 to 4.5x's own layout `model.language_model.*` with a top-level lm_head.
+_TEXT_TOWER_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
+                        "language_model.lm_head.": "lm_head."}
+# The vision tower and its projection into the text model's embedding: not loaded.
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                    "model.multi_modal_projector.")
+# Gemma3TextConfig's defaults that the code below does not already take: the released
+# multimodal checkpoints' text_config lists only what differs from them (the 4B's: hidden
+# and intermediate size, layers, rope scaling, window), and head_dim and num_key_value_heads
+# are not derived from the heads as for the other families.
+_GEMMA3_TEXT_DEFAULTS = dict(vocab_size=262_208, hidden_size=2304, intermediate_size=9216,
+                             num_hidden_layers=26, num_attention_heads=8,
+                             num_key_value_heads=4, head_dim=256,
+                             max_position_embeddings=131_072)
 _HF_DEFAULT_ROPE_THETA = 10_000.0   # LlamaConfig's default when config.json omits it
 # Gemma3TextConfig's defaults: the full layers' and the sliding layers' RoPE base.
 _GEMMA_DEFAULT_ROPE_THETA, _GEMMA_DEFAULT_LOCAL_ROPE_THETA = 1_000_000.0, 10_000.0
@@ -45,8 +67,11 @@ def load_hf_checkpoint(path: str | pathlib.Path) -> Checkpoint:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"{path} has no config.json (not a Hugging Face checkpoint dir)")
-    config = config_from_hf(json.loads(config_file.read_text()), name=path.name)
+    hf = json.loads(config_file.read_text())
+    config = config_from_hf(hf, name=path.name)
     stored = _stored_tensors(path)
+    if _text_tower_architecture(hf) is not None:
+        stored = _text_tower_tensors(stored)
     tensors = canonical_tensors(
         config, stored, "hf",
         # Old checkpoints carry RoPE's inverse frequencies as a buffer; tied ones may still
@@ -58,16 +83,65 @@ def load_hf_checkpoint(path: str | pathlib.Path) -> Checkpoint:
     return Checkpoint(config=config, tensors=tensors, tokenizer=tokenizer)
 
 
+def _text_tower_architecture(hf: dict[str, Any]) -> str | None:
+    """The multimodal architecture of a config.json served by its text tower, or None."""
+    return next((a for a in hf.get("architectures") or [] if a in TEXT_TOWER_ARCHITECTURES),
+                None)
+
+
+def _text_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal config.json's text model as a *ForCausalLM config.json would state it:
+    its text_config, with the architecture of the text model and the top level's dtype and
+    tie_word_embeddings where text_config leaves them out."""
+    multimodal = _text_tower_architecture(hf)
+    if multimodal is None:
+        return hf
+    if not isinstance(hf.get("text_config"), dict):
+        raise CheckpointError(f"config.json of {multimodal} has no text_config")
+    text = {**hf["text_config"], "architectures": [TEXT_TOWER_ARCHITECTURES[multimodal]]}
+    if text.get("final_logit_softcapping") is not None:
+        # transformers' Gemma3ForConditionalGeneration does not apply it (its text model
+        # does): which one a checkpoint means is unclear; the releases leave it unset.
+        raise CheckpointError(
+            f"config.json text_config.final_logit_softcapping="
+            f"{text['final_logit_softcapping']!r} in a {multimodal} checkpoint is not "
+            "supported (transformers' multimodal model ignores it, its text model applies it)")
+    for key in ("dtype", "torch_dtype", "tie_word_embeddings"):
+        if text.get(key) is None and hf.get(key) is not None:
+            text[key] = hf[key]
+    return text
+
+
+def _text_tower_tensors(stored: dict[str, StoredTensor]) -> dict[str, StoredTensor]:
+    """A multimodal checkpoint's text tower under its *ForCausalLM names; the vision
+    tower's tensors dropped, any other name kept (so an unknown one is still an error)."""
+    text: dict[str, StoredTensor] = {}
+    for name, tensor in stored.items():
+        if name.startswith(_VISION_PREFIXES):
+            continue
+        prefix = next((p for p in _TEXT_TOWER_PREFIXES if name.startswith(p)), None)
+        renamed = name if prefix is None else _TEXT_TOWER_PREFIXES[prefix] + name[len(prefix):]
+        if renamed in text:
+            raise CheckpointError(f"tensor {name!r} is stored twice (as {renamed!r} too)")
+        text[renamed] = tensor
+    return text
+
+
 def config_from_hf(hf: dict[str, Any], name: str = "custom") -> ModelConfig:
-    """ModelConfig from the dict of a config.json (transformers 4 or 5 spelling)."""
+    """ModelConfig from the dict of a config.json (transformers 4 or 5 spelling); of a
+    multimodal one (TEXT_TOWER_ARCHITECTURES), its text model's."""
+    hf = _text_config(hf)
     architectures = hf.get("architectures") or []
     families = [SUPPORTED_ARCHITECTURES[a] for a in architectures if a in SUPPORTED_ARCHITECTURES]
     if not families:
         raise CheckpointError(
             f"config.json architectures={architectures!r} is not supported; supported: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}, and the text towers of "
+            f"{', '.join(TEXT_TOWER_ARCHITECTURES)}")
     family = families[0]
     gemma = family == "gemma3"
+    if gemma:
+        hf = {**hf, **{k: v for k, v in _GEMMA3_TEXT_DEFAULTS.items() if hf.get(k) is None}}
     # Gemma names its activation hidden_activation (GeGLU's tanh GELU); the others hidden_act.
     act_key, act = (("hidden_activation", "gelu_pytorch_tanh") if gemma else ("hidden_act", "silu"))
     if hf.get(act_key, act) != act:

@@ -36,7 +36,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from medha_jax.model.params import KV_CACHE_AXES, MeshLayout, window_over_shards_error
+from medha_jax.model.params import KV_CACHE_AXES, MeshLayout
 from medha_jax.model.ring_attention import ring_attention
 from pallas_kernels import merge_attention, ragged_paged_attention
 from pallas_kernels.query_blocks import cdiv, max_query_blocks, segment_of
@@ -116,7 +116,7 @@ def attention(q, k, v, k_cache, v_cache, layer_id, meta: AttentionMetadata, *,
     sliding_window: keys older than this many positions are masked (Mistral). Over KV shards
       (kvp, cp) each shard maps the window from absolute positions into its own keys, so a
       shard whose keys all lie before a query's window gives it an empty part (lse -inf),
-      which the merge ignores; that runs on the XLA path only (`MeshLayout.create`).
+      which the merge ignores (every attention path takes the mapped window_starts).
     windowed: bool [] (traced: the layer scan's per-layer flag) whether sliding_window applies
       to this layer (Gemma-3's sliding and full layers); None: it applies to every layer.
       The kernels take the window statically, so a per-layer one runs as a `lax.cond`
@@ -125,8 +125,6 @@ def attention(q, k, v, k_cache, v_cache, layer_id, meta: AttentionMetadata, *,
     """
     cp = num_cp_ranks(layout)
     sharded_window = sliding_window is not None and num_kv_shards(layout) > 1
-    if sharded_window and layout.attention_impl != "xla":
-        raise ValueError(window_over_shards_error(sliding_window, layout.attention_impl))
     if sharded_window and cp == 1 and (meta.kv_starts is None or positions is None):
         raise ValueError(f"sliding_window={sliding_window} over {num_kv_shards(layout)} kvp "
                          "shards needs the step's kv_starts and positions (the engine's "

@@ -154,14 +154,6 @@ def param_specs(config: ModelConfig) -> dict[str, ParamSpec]:
 KV_CACHE_AXES = ("layers", "pages", "page_slot", "kv_heads")
 
 
-def window_over_shards_error(sliding_window: int, impl: str) -> str:
-    """Why a sliding window over several KV shards (kvp or cp) is refused on `impl`."""
-    return (f"sliding_window={sliding_window} with the KV cache's pages over several shards "
-            f"(kvp or cp) runs on the XLA attention path only, not attention_impl={impl!r}: "
-            "the Pallas kernels (GPU and TPU) take the window from the query's position in "
-            "its own pages, not from absolute positions a shard's pages start after")
-
-
 @dataclasses.dataclass(frozen=True)
 class MeshLayout:
     """How a ModelConfig is laid out on a mesh. Static and hashable: part of the model's
@@ -186,10 +178,6 @@ class MeshLayout:
                 f"rules map kv_heads -> {kv_heads_axis!r} but heads -> {heads_axis!r}: a device "
                 "must hold the K/V heads of its own query heads (map both to the same axis, or "
                 "kv_heads to None to replicate them)")
-        if (any(config.sliding_layers()) and rules.degree(mesh, "pages") > 1
-                and attention_impl != "xla"):
-            raise ValueError(f"{config.name}: "
-                             + window_over_shards_error(config.sliding_window, attention_impl))
         kv_degree = _degree(mesh, kv_heads_axis)
         replicas = math.lcm(config.num_kv_heads, kv_degree) // config.num_kv_heads
         vocab_degree = _degree(mesh, rules.mesh_axis("vocab"))
