@@ -221,18 +221,14 @@ print("ok")
 
 # Slow (a child process each, 50 s to 4 min on 2 cores); the kernels' own checks against
 # the dense oracle with window_starts run in the quick tests above and in
-# tpu_kernel_checks.py.
+# tpu_kernel_checks.py. Between this test and the engine's below, each kernel runs both
+# families over both kvp and cp (and cp with tp), in five child processes: the suite's
+# 20-minute budget does not hold every combination (each passed when these landed).
 @pytest.mark.slow
 @pytest.mark.parametrize("impl, preset, parallel", [
     ("interpret", "tiny-gemma3", "kvp=2"),
-    pytest.param("interpret", "tiny-mistral", "kvp=2", marks=pytest.mark.slow),
-    pytest.param("interpret", "tiny-mistral", "cp=2", marks=pytest.mark.slow),
-    pytest.param("interpret", "tiny-gemma3", "cp=2", marks=pytest.mark.slow),
-    pytest.param("interpret", "tiny-mistral", "kvp=2,tp=2", marks=pytest.mark.slow),
-    pytest.param("interpret", "tiny-mistral", "cp=2,tp=2", marks=pytest.mark.slow),
-    pytest.param("interpret-tpu", "tiny-mistral", "kvp=2", marks=pytest.mark.slow),
-    pytest.param("interpret-tpu", "tiny-gemma3", "kvp=2", marks=pytest.mark.slow),
-    pytest.param("interpret-tpu", "tiny-gemma3", "cp=2", marks=pytest.mark.slow)])
+    ("interpret", "tiny-mistral", "cp=2,tp=2"),
+    ("interpret-tpu", "tiny-gemma3", "cp=2")])
 def test_a_window_over_kv_shards_on_the_kernels_gives_one_device_logits(impl, preset,
                                                                          parallel):
     """The same as on the XLA path, with the Pallas kernels attending each shard's part
@@ -247,8 +243,7 @@ def test_a_window_over_kv_shards_on_the_kernels_gives_one_device_logits(impl, pr
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("impl, preset, parallel", [("interpret", "tiny-gemma3", "kvp=2"),
-                                                    ("interpret", "tiny-gemma3", "cp=2"),
+@pytest.mark.parametrize("impl, preset, parallel", [("interpret", "tiny-gemma3", "cp=2"),
                                                     ("interpret-tpu", "tiny-mistral", "kvp=2")])
 def test_engine_greedy_tokens_with_a_window_over_kv_shards_on_the_kernels(impl, preset,
                                                                             parallel):
