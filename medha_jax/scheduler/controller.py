@@ -34,6 +34,8 @@ from medha_jax.scheduler.packer import BatchPacker
 from medha_jax.scheduler.policies import SRPT, Policy, PriorityIndex
 from medha_jax.scheduler.prefill_time_cache import PrefillTimeCache
 
+_new_tuple = tuple.__new__      # a NamedTuple's own __new__ is Python: per chunk, this is not
+
 __all__ = ["CapacityError", "KVAllocator", "ReplicaController", "run_one_step"]
 
 
@@ -424,12 +426,34 @@ class _KVGate:
         return True
 
     def reserve(self, chunk: ScheduledChunk) -> bool:
-        request = chunk.request
+        request, start, num_tokens = chunk
         rid = request.request_id
         if rid in self.preempted:
             return False
-        while not self.kv.reserve(rid, chunk.end):
-            victim = self._pick_victim(request, self.now, self.kv.shards_short(rid, chunk.end))
+        return self._grant(request, rid, start + num_tokens, num_tokens)
+
+    def prepare_and_reserve(self, request: Request, start: int, num_tokens: int
+                            ) -> ScheduledChunk | bool:
+        """`packer.prepare_then_reserve`, in one call (once per rider)."""
+        rid = request.request_id
+        if rid in self.preempted:
+            return False
+        if request.state is RequestState.WAITING and not self.kv.has(rid):   # prepare()
+            reused = self.kv.register(request)
+            request.num_computed_tokens = request.num_cached_tokens = reused
+            self.registered.append(request)
+            if reused:
+                self._requeue(request)
+                return True             # its next chunk starts past the cached prefix
+        chunk = _new_tuple(ScheduledChunk, (request, start, num_tokens))
+        return chunk if self._grant(request, rid, start + num_tokens, num_tokens) else False
+
+    def _grant(self, request: Request, rid: str, end: int, num_tokens: int) -> bool:
+        """reserve() of a chunk of num_tokens tokens that ends at `end`, of a request not
+        preempted during this packing."""
+        kv = self.kv
+        while not kv.reserve(rid, end):
+            victim = self._pick_victim(request, self.now, kv.shards_short(rid, end))
             if victim is None:
                 # Nothing less urgent to evict: this chunk waits. A waiting request gives
                 # back at once the cached prefix pages it took when prepared: held until
@@ -442,7 +466,7 @@ class _KVGate:
         self._start_running(request, self.now)
         in_flight = self.in_flight
         in_flight[rid] = in_flight.get(rid, 0) + 1
-        request.num_in_flight_tokens += chunk.num_tokens
+        request.num_in_flight_tokens += num_tokens
         return True
 
     def reserve_decodes(self, decodes: Sequence[Request], seats: int) -> list[ScheduledChunk]:

@@ -24,8 +24,8 @@ they take turns, the one that waited longest for a token first.
 KV space: packers ask a `ChunkGate` (the controller) before they commit to a chunk.
 `prepare(request)` registers a waiting request's pages (its cached prefix sets where
 the first chunk starts); `reserve(chunk)` finds KV space for it, preempting lower
-priority requests when needed; `reserve_decodes` does that for every decode of the step
-in one call. A chunk the gate refuses is left out of this batch.
+priority requests when needed; `prepare_and_reserve` does both for a rider's whole rest
+and `reserve_decodes` the latter for every decode of the step, each in one call. A chunk the gate refuses is left out of this batch.
 
 Host time (benchmarks/scheduler_overhead.py, lars-mp, 64 decodes, 1,000 queued): about 1.3 M
 instructions per batch, a few hundred microseconds on a shared 2-core host. The only loop
@@ -60,6 +60,11 @@ class ChunkGate(Protocol):
 
     def reserve(self, chunk: ScheduledChunk) -> bool: ...
 
+    def prepare_and_reserve(self, request: Request, start: int, num_tokens: int
+                            ) -> ScheduledChunk | bool:
+        """`prepare_then_reserve`: one call per rider."""
+        ...
+
     def reserve_decodes(self, decodes: Sequence[Request], seats: int) -> list[ScheduledChunk]:
         """`reserve_each_decode`: the decode chunks granted, in order, at most `seats`."""
         ...
@@ -80,6 +85,21 @@ def reserve_each_decode(gate: ChunkGate, decodes: Sequence[Request], seats: int
     return chunks
 
 
+def prepare_then_reserve(gate: ChunkGate, request: Request, start: int, num_tokens: int
+                         ) -> ScheduledChunk | bool:
+    """What `ChunkGate.prepare_and_reserve` means: prepare(request), then, if its next chunk
+    still starts at `start` (a cached prefix found at prepare moves it), reserve() of the
+    chunk [start, start + num_tokens). The chunk where granted; False where prepare or
+    reserve refused; True where the start moved (prepared: the caller sizes a chunk from
+    the new start)."""
+    if not gate.prepare(request):
+        return False
+    if request.num_scheduled_tokens != start:
+        return True
+    chunk = _new_tuple(ScheduledChunk, (request, start, num_tokens))
+    return chunk if gate.reserve(chunk) else False
+
+
 class OpenGate:
     """Admits everything: for packing without a KV cache (tests, benchmarks, Algorithm 3)."""
 
@@ -88,6 +108,10 @@ class OpenGate:
 
     def reserve(self, chunk: ScheduledChunk) -> bool:
         return True
+
+    def prepare_and_reserve(self, request: Request, start: int, num_tokens: int
+                            ) -> ScheduledChunk | bool:
+        return prepare_then_reserve(self, request, start, num_tokens)
 
     def reserve_decodes(self, decodes: Sequence[Request], seats: int) -> list[ScheduledChunk]:
         return reserve_each_decode(self, decodes, seats)
@@ -407,11 +431,9 @@ class AdaptivePacker(BatchPacker):
                 if monotone and whole <= budget and n >= 1:
                     # The whole rest: no search, unless a cached prefix moves its start
                     # (_add_chunk prepares once: a second prepare changes nothing).
-                    if not gate.prepare(rider):
-                        continue
-                    if rider.num_scheduled_tokens == start:
-                        chunk = _new_tuple(ScheduledChunk, (rider, start, n))
-                        if gate.reserve(chunk):
+                    chunk = gate.prepare_and_reserve(rider, start, n)
+                    if chunk is not True:
+                        if chunk:
                             chunks.append(chunk)
                             features = features.plus_chunk(n, start, n == remaining, buckets)
                             t_pred = whole
