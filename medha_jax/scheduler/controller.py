@@ -85,6 +85,8 @@ class ReplicaController:
         self._requests: dict[str, Request] = {}     # unfinished
         self._running: dict[str, Request] = {}      # hold KV pages
         self._decodes: dict[str, Request] = {}      # running, one token to compute
+        # slo.tpot_s -> how many of _decodes ask for it: the tightest without a pass.
+        self._decode_tpots: dict[float, int] = {}
         # Waiting + running with prefill work left; with riders also by remaining work.
         self._prefills = PriorityIndex(policy, secondary=SRPT(
             prefill_time_cache.remaining_work) if max_rider_candidates else None)
@@ -191,7 +193,7 @@ class ReplicaController:
         request.num_in_flight_tokens = 0
         if request in self._prefills:
             self._prefills.remove(request)
-        self._decodes.pop(rid, None)
+        self._drop_decode(request)
         self._running.pop(rid, None)
         del self._requests[rid]
         del self._admission[rid]
@@ -236,7 +238,14 @@ class ReplicaController:
         gate = _KVGate(self.kv, now, in_flight=self._in_flight, pick_victim=self._pick_victim,
                        preempt=self._preempt, start_running=self._start_running,
                        requeue=self._prefills.update)
-        batch = self.packer.pack(self._decode_order(), candidates, now, gate)
+        decodes = self._decode_order()
+        batch = self.packer.pack(
+            decodes, candidates, now, gate,
+            tightest_tpot=min(self._decode_tpots) if decodes and len(decodes) == len(
+                self._decodes) else None,
+            # With riders, the index keeps every queued prefill's w(t) as its SRPT key.
+            queued_work=self._prefills.secondary_offsets.__getitem__
+            if self.max_rider_candidates else None)
         gate.release_unscheduled()
         self.last_schedule_seconds = time.perf_counter() - start
         return batch
@@ -285,6 +294,8 @@ class ReplicaController:
             elif rid not in self._decodes:
                 self._prefills.remove(request)
                 self._decodes[rid] = request
+                tpot = request.slo.tpot_s
+                self._decode_tpots[tpot] = self._decode_tpots.get(tpot, 0) + 1
             updates.append(RequestUpdate(request, (token,), reason is not None))
         return updates
 
@@ -349,10 +360,21 @@ class ReplicaController:
         request.num_cached_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        if self._decodes.pop(rid, None) is not None:
+        if self._drop_decode(request):
             self._prefills.add(request)
         else:
             self._prefills.update(request)
+
+    def _drop_decode(self, request: Request) -> bool:
+        """Takes the request out of the decodes; whether it was one."""
+        if self._decodes.pop(request.request_id, None) is None:
+            return False
+        tpot = request.slo.tpot_s
+        if self._decode_tpots[tpot] == 1:
+            del self._decode_tpots[tpot]
+        else:
+            self._decode_tpots[tpot] -= 1
+        return True
 
     def _rank(self, request: Request, now: float) -> tuple[int, float, int]:
         """The order of eviction: the policy's urgency as if the request had made no

@@ -25,7 +25,8 @@ KV space: packers ask a `ChunkGate` (the controller) before they commit to a chu
 `prepare(request)` registers a waiting request's pages (its cached prefix sets where
 the first chunk starts); `reserve(chunk)` finds KV space for it, preempting lower
 priority requests when needed; `prepare_and_reserve` does both for a rider's whole rest
-and `reserve_decodes` the latter for every decode of the step, each in one call. A chunk the gate refuses is left out of this batch.
+and `reserve_decodes` the latter for every decode of the step, each in one call. A
+chunk the gate refuses is left out of this batch.
 
 Host time (benchmarks/scheduler_overhead.py, lars-mp, 64 decodes, 1,000 queued): about 1.3 M
 instructions per batch, a few hundred microseconds on a shared 2-core host. The only loop
@@ -287,9 +288,14 @@ class BatchPacker:
         self._monotone = getattr(predictor, "chunk_time_grows_with_n", False)
 
     def pack(self, decodes: Sequence[Request], prefills: Sequence[Request], now: float,
-             gate: ChunkGate = OpenGate()) -> Batch:
+             gate: ChunkGate = OpenGate(), *, tightest_tpot: float | None = None,
+             queued_work: Callable[[str], float] | None = None) -> Batch:
         """decodes: in the order they should get the step's seats (longest waiting first).
-        prefills: the most urgent prefill requests, most urgent first."""
+        prefills: the most urgent prefill requests, most urgent first.
+        tightest_tpot: the least slo.tpot_s among `decodes`, where the caller keeps it
+        (a packer that budgets by TPOT then needs no pass over them); None: not known.
+        queued_work: request id -> `remaining_work` of each of `prefills`, where the caller
+        keeps it; None: not known."""
         raise NotImplementedError
 
     def _add_decodes(self, decodes: Sequence[Request], gate: ChunkGate,
@@ -362,21 +368,35 @@ class AdaptivePacker(BatchPacker):
         self.chunk_hint = chunk_hint
         self.pipeline_stages = pipeline_stages
 
-    def t_target(self, decodes: Sequence[ScheduledChunk]) -> float:
+    def t_target(self, decodes: Sequence[ScheduledChunk], *,
+                 tightest_tpot: float | None = None, every_decode: bool = False) -> float:
         """The batch's time budget: the strictest TPOT among its decodes (over the pipeline's
-        stages), or the default."""
+        stages), or the default.
+
+        tightest_tpot: the least tpot_s of a set of requests holding every one of `decodes`
+        (the caller's, kept as they come and go), where known; `every_decode`: `decodes`
+        are that whole set. Then no pass over the decodes is needed: the least is
+        tightest_tpot itself, or, where that leaves the default, any subset's too."""
         budget = self.target_batch_time_s
         if decodes:
-            tpot = min(map(_TPOT, decodes)) / self.pipeline_stages
+            if tightest_tpot is not None and (
+                    every_decode or not tightest_tpot / self.pipeline_stages < budget):
+                tpot = tightest_tpot / self.pipeline_stages
+            else:
+                tpot = min(map(_TPOT, decodes)) / self.pipeline_stages
             if tpot < budget:
                 budget = tpot
         return budget
 
     def pack(self, decodes: Sequence[Request], prefills: Sequence[Request], now: float,
-             gate: ChunkGate = OpenGate()) -> Batch:
+             gate: ChunkGate = OpenGate(), *, tightest_tpot: float | None = None,
+             queued_work: Callable[[str], float] | None = None) -> Batch:
+        """queued_work: request id -> remaining_work of each of `prefills`, where the caller
+        keeps it (the controller's SRPT keys: a lookup instead of w(t) per rider read)."""
         chunks: list[ScheduledChunk] = []
         features = self._add_decodes(decodes, gate, chunks)
-        t_target = self.t_target(chunks)
+        t_target = self.t_target(chunks, tightest_tpot=tightest_tpot,
+                                 every_decode=len(chunks) == len(decodes))
         t_pred = self.predictor.predict_features(features)
         max_prefills = self.limits.max_seqs_per_batch if self.multi_prefill else 1
         num_prefills, has_long = 0, False
@@ -401,7 +421,8 @@ class AdaptivePacker(BatchPacker):
             # the short one's, not a token threshold (which a scaled-down CPU workload,
             # long prompts of 2-4K tokens, never reaches).
             # (None of the later ones is packed yet: riders join only the first prefill.)
-            riders = (self._iter_riders(request, itertools.islice(prefills, i, None), now)
+            riders = (self._iter_riders(request, itertools.islice(prefills, i, None), now,
+                                        queued_work)
                       if self.space_sharing and self.multi_prefill and not num_prefills
                       else ())
             # Space sharing (Algorithm 2, lines 7-10) with multi-prefill batching: the
@@ -511,16 +532,19 @@ class AdaptivePacker(BatchPacker):
         """
         return list(self._iter_riders(long, later, now))
 
-    def _iter_riders(self, long: Request, later: Iterable[Request], now: float
+    def _iter_riders(self, long: Request, later: Iterable[Request], now: float,
+                     queued_work: Callable[[str], float] | None = None
                      ) -> Iterator[tuple[Request, bool]]:
-        """`riders`, read only as far as the packer needs them."""
-        remaining_work, long_tokens = self.remaining_work, self.long_prefill_tokens
-        finish = now + remaining_work(long)
+        """`riders`, read only as far as the packer needs them (queued_work: see pack)."""
+        long_tokens = self.long_prefill_tokens
+        by_id = queued_work is not None
+        work_of = queued_work if by_id else self.remaining_work
+        finish = now + work_of(long.request_id if by_id else long)
         spare = max(0.0, long.deadline - finish)
         for request in later:
             if request.prompt_len > long_tokens:         # is_long
                 continue
-            work = remaining_work(request)
+            work = work_of(request.request_id if by_id else request)
             if work <= spare:
                 spare -= work
                 yield request, True
@@ -628,7 +652,8 @@ class TokenBudgetPacker(BatchPacker):
         self.head_of_line_blocking = head_of_line_blocking
 
     def pack(self, decodes: Sequence[Request], prefills: Sequence[Request], now: float,
-             gate: ChunkGate = OpenGate()) -> Batch:
+             gate: ChunkGate = OpenGate(), *, tightest_tpot: float | None = None,
+             queued_work: Callable[[str], float] | None = None) -> Batch:
         chunks: list[ScheduledChunk] = []
         features = self._add_decodes(decodes, gate, chunks)
         budget = min(self.token_budget or math.inf, self.limits.token_limit)

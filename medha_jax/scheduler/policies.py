@@ -162,6 +162,9 @@ class PriorityIndex:
         self._class_counts: dict[int, int] = {}            # priority class -> queued requests
         # Per policy: a key at or above the k smallest of the last single-class top().
         self._threshold: list[float | None] = [None] * len(self._policies)
+        # request_id -> the secondary policy's offset (its key where slopes are 0: SRPT's
+        # w(t)), read by id without touching the arrays.
+        self.secondary_offsets: dict[str, float] = {}
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -189,10 +192,14 @@ class PriorityIndex:
 
     def _set_keys(self, row: int, request: Request) -> None:
         for i, policy in enumerate(self._policies):
-            self._offset[i, row], self._slope[i, row] = policy.linear_key(request)
+            offset, slope = policy.linear_key(request)
+            self._offset[i, row], self._slope[i, row] = offset, slope
+        if self.secondary is not None:
+            self.secondary_offsets[request.request_id] = offset
 
     def remove(self, request: Request) -> None:
         row = self._slot.pop(request.request_id)
+        self.secondary_offsets.pop(request.request_id, None)
         klass = int(self._klass[row])
         self._class_counts[klass] -= 1
         if not self._class_counts[klass]:
