@@ -28,11 +28,13 @@ priority requests when needed; `prepare_and_reserve` does both for a rider's who
 and `reserve_decodes` the latter for every decode of the step, each in one call. A
 chunk the gate refuses is left out of this batch.
 
-Host time (benchmarks/scheduler_overhead.py, lars-mp, 64 decodes, 1,000 queued): about 1.3 M
-instructions per batch, a few hundred microseconds on a shared 2-core host. The only loop
-over every decode is the gate's `reserve_decodes`; prefills are read from the front of the
-priority order only as far as the batch has room (`riders` is lazy), and a rider whose whole
-rest fits (most of them) is granted without a search.
+Host time (benchmarks/scheduler_overhead.py, lars-mp, 64 decodes, 1,000 queued): about 1.1 M
+instructions per batch, a few hundred microseconds on a shared 2-core host: a quarter ranks
+the queue (numpy), a quarter books the decodes, half packs the ~10 prefills. The only loop
+over every decode is the gate's `reserve_decodes` (the budget reads the tightest TPOT the
+controller keeps); prefills are read from the front of the priority order only as far as
+the batch has room (`riders` is lazy, their w(t) read from the controller's SRPT keys),
+and a rider whose whole rest fits (most of them) is granted in one gate call, unsearched.
 """
 
 from __future__ import annotations
