@@ -9,7 +9,7 @@ from gguf.quants import dequantize, quantize
 from medha_jax.checkpoint import (
     CheckpointError, default_model_path, load_gguf_checkpoint)
 from medha_jax.checkpoint.hf import HF_NAMES
-from medha_jax.config import LinearScaling, model_preset
+from medha_jax.config import LinearScaling, YarnScaling, model_preset
 from medha_jax.model.params import param_specs
 from tests.test_checkpoint_hf import canonical_from_state_dict, random_state_dict
 
@@ -45,6 +45,14 @@ def write_tiny_gguf(path, config, sd, *, qtype=GGMLQuantizationType.F32, arch="l
     if isinstance(config.rope_scaling, LinearScaling):
         writer.add_string(f"{arch}.rope.scaling.type", "linear")
         writer.add_float32(f"{arch}.rope.scaling.factor", config.rope_scaling.factor)
+    if isinstance(config.rope_scaling, YarnScaling):
+        # What the converter writes for a yarn rope_scaling without beta or attention
+        # factors of its own (Qwen2.5's): llama.cpp derives the rest from the factor.
+        yarn = config.rope_scaling
+        writer.add_string(f"{arch}.rope.scaling.type", "yarn")
+        writer.add_float32(f"{arch}.rope.scaling.factor", yarn.factor)
+        writer.add_uint32(f"{arch}.rope.scaling.original_context_length",
+                          yarn.original_max_position_embeddings)
     writer.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(config.vocab_size)])
     if config.final_logit_softcapping is not None:
         writer.add_float32(f"{arch}.final_logit_softcapping", config.final_logit_softcapping)

@@ -46,8 +46,6 @@ def test_gguf_of_the_checkpoint_gives_the_same_logits(family_checkpoint, tmp_pat
     from tests.test_checkpoint_gguf import write_tiny_gguf
 
     name, path, hf_model = family_checkpoint
-    if TINY_FAMILY_CONFIGS[name][1]["rope_parameters"].get("rope_type") == "yarn":
-        pytest.skip("llama.cpp's YaRN metadata is not read (GGUF rope.scaling.type errors)")
     if name == "gemma3":
         # llama.cpp's converter writes neither the layer pattern nor query_pre_attn_scalar:
         # it assumes every 6th layer full and head_dim (but on the 27B).

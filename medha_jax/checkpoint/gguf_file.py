@@ -11,6 +11,7 @@ llama.cpp's converter permutes their rows for its interleaved RoPE and we undo t
 from __future__ import annotations
 
 import importlib.util
+import math
 import pathlib
 from typing import Any
 
@@ -23,7 +24,8 @@ from medha_jax.checkpoint.gguf_container import GGUFContainer, container_from_re
 from medha_jax.checkpoint.tensors import (
     Checkpoint, CheckpointError, StoredTensor, canonical_tensors)
 from medha_jax.checkpoint.tokenizer import Tokenizer
-from medha_jax.config import FULL_LAYER, SLIDING_LAYER, LinearScaling, ModelConfig
+from medha_jax.config import (FULL_LAYER, SLIDING_LAYER, LinearScaling, ModelConfig,
+                              YarnScaling)
 from medha_jax.model.params import checkpoint_names
 
 # Canonical name -> GGUF tensor name (llama.cpp's names, from the parameter table).
@@ -97,6 +99,30 @@ def gguf_field(reader: GGUFContainer, key: str, default: Any = ...) -> Any:
     return reader.fields[key]
 
 
+def _yarn_from_gguf(reader, arch: str) -> YarnScaling:
+    """YaRN as llama.cpp's converter writes it (Qwen2.5's long-context configs): factor and
+    original context always; beta_fast / beta_slow / attention factor only where the
+    Hugging Face config set them. llama.cpp multiplies the attention factor it reads
+    (default 1) by 0.1 ln(factor) + 1, as transformers does when none is given."""
+    def field(name, default=None):
+        return gguf_field(reader, arch + "rope.scaling." + name, default)
+
+    ext_factor = float(field("yarn_ext_factor", 1.0))
+    if ext_factor != 1.0:
+        raise CheckpointError(f"GGUF {arch}rope.scaling.yarn_ext_factor={ext_factor} is not "
+                              "supported (only YaRN's full ramp, 1.0)")
+    factor = float(field("factor"))
+    attention = float(field("yarn_attn_factor", field("attn_factor", 1.0)))
+    try:
+        return YarnScaling(
+            factor=factor, original_max_position_embeddings=int(field("original_context_length")),
+            beta_fast=float(field("yarn_beta_fast", 32.0)),
+            beta_slow=float(field("yarn_beta_slow", 1.0)),
+            attention_factor=attention * (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0))
+    except ValueError as e:
+        raise CheckpointError(f"GGUF {arch}rope.scaling (yarn): {e}") from e
+
+
 def config_from_gguf(reader: GGUFContainer | GGUFReader, name: str = "custom") -> ModelConfig:
     """ModelConfig from a GGUF file's general.* and {architecture}.* metadata."""
     reader = as_gguf_container(reader)
@@ -111,6 +137,8 @@ def config_from_gguf(reader: GGUFContainer | GGUFReader, name: str = "custom") -
     rope_scaling = None
     if scaling == "linear" and family == "gemma3":   # its full layers only, as llama.cpp
         rope_scaling = LinearScaling(float(gguf_field(reader, arch + "rope.scaling.factor")))
+    elif scaling == "yarn":
+        rope_scaling = _yarn_from_gguf(reader, arch)
     elif scaling != "none":
         raise CheckpointError(f"GGUF {arch}rope.scaling.type={scaling!r} is not supported")
     if "rope_freqs.weight" in {t.name for t in reader.tensors}:
