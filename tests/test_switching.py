@@ -219,13 +219,23 @@ def test_no_compile_after_warmup_over_a_random_workload_with_switches(engines, g
     assert_no_pages_held(engines)
 
 
+@pytest.fixture(scope="module")
+def engines8():
+    return [Engine(m, CFG) for m in replica_models("tiny", 8)]
+
+
+@pytest.fixture(scope="module")
+def group8(engines8):
+    """The TP-8 group over all eight (tiny's 2 K/V heads are kept 4 times each: its pages
+    hold 32 tokens, so it holds 1024, twice one replica)."""
+    return {(0, 8): TPGroupEngine(engines8)}
+
+
 @pytest.mark.slow
-def test_dp8_hard_preempt_on_a_tp8_group():
-    """Eight base replicas; a priority request binds all eight (tiny's 2 K/V heads are
-    kept 4 times each) while every replica's DP request pauses; all tokens are one
-    replica's."""
-    engines8 = [Engine(m, CFG) for m in replica_models("tiny", 8)]
-    c = coordinator(engines8, None, policy="priority", priority_threshold=-1,
+def test_dp8_hard_preempt_on_a_tp8_group(engines8, group8):
+    """Eight base replicas; a priority request binds all eight while every replica's DP
+    request pauses; all tokens are one replica's."""
+    c = coordinator(engines8, group8, policy="priority", priority_threshold=-1,
                     group_sizes=(8,))
     busy = [(f"e{i}", prompt(70 + i, 12), 5) for i in range(8)]
     vip_prompt = prompt(80, 40)
@@ -238,6 +248,37 @@ def test_dp8_hard_preempt_on_a_tp8_group():
     assert c.requests_per_mode == {"dp": 8, "tp8": 1}
     for rid in expected:
         assert done[rid].output_token_ids == expected[rid], rid
+    assert_no_pages_held(engines8)
+
+
+@pytest.mark.slow
+def test_dp8_soft_preempt_and_a_long_request_on_a_tp8_group(engines8, group8, big_replica):
+    """At dp=8 as at dp=4: a priority request bound softly starts in DP on an idle member
+    and finishes under TP-8; a request no replica holds is served by the TP-8 group. Every
+    token is one replica's (the long one's: one replica with room for it)."""
+    c = coordinator(engines8, group8, policy="priority", priority_threshold=-1,
+                    priority_preemption="soft", group_sizes=(8,))
+    busy = [(f"s{i}", prompt(110 + i, 30), 10) for i in range(2)]
+    vip_prompt = prompt(120, 25)
+    expected = references(engines8[0], busy + [("vip", vip_prompt, 14)])
+    submit_all(c, busy)
+    c.step()
+    c.submit(request("vip", vip_prompt, 14, priority=-1))
+    c.step()
+    assert c.replicas[2].controller.get("vip") is not None          # speculative DP run
+    done = c.run()
+    assert done["vip"].num_preemptions == 1                          # recomputed under TP
+    assert c.mode_changes == {"bind": 1, "release": 1}
+    for rid in expected:
+        assert done[rid].output_token_ids == expected[rid], rid
+
+    c = coordinator(engines8, group8, policy="memory", group_sizes=(8,))
+    long_prompt = prompt(121, 600)                # > 512 tokens of one replica
+    c.submit(request("long", long_prompt, 8))
+    c.submit(request("short", prompt(122, 20), 8))
+    done = c.run()
+    assert c.requests_per_mode == {"tp8": 1, "dp": 1}
+    assert done["long"].output_token_ids == reference(big_replica, long_prompt, 8)
     assert_no_pages_held(engines8)
 
 
