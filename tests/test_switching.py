@@ -131,27 +131,31 @@ def test_tp_program_has_two_all_reduces_per_layer_and_no_weight_all_gather(group
     assert hlo.count(" all-reduce(") + hlo.count(" all-reduce-start(") == 2, hlo.count("all-reduce")
 
 
-def test_soft_preempt_request_starts_in_dp_and_finishes_in_tp(engines, groups):
-    """Replicas 0 and 1 decode; a priority request binds the 4-group softly: it runs in DP
-    on idle replica 2 meanwhile, moves to TP-4 when 0 and 1 drain and is recomputed there.
-    Its greedy tokens are one replica's."""
-    c = coordinator(engines, groups, policy="priority", priority_threshold=-1,
-                    priority_preemption="soft", tp_group_size=4)
-    busy = [(f"b{i}", prompt(10 + i, 30), 12) for i in range(2)]
-    vip_prompt = prompt(20, 25)
-    expected = references(engines[0], busy + [("vip", vip_prompt, 16)])
+def assert_soft_preempt_keeps_one_replicas_tokens(c, engine, *, seed, busy_new, vip_new):
+    """Replicas 0 and 1 decode; a priority request binds its group softly: it runs in DP on
+    idle replica 2 meanwhile, moves to the group when 0 and 1 drain and is recomputed there.
+    Every request's greedy tokens are one replica's."""
+    busy = [(f"b{i}", prompt(seed + i, 30), busy_new) for i in range(2)]
+    vip_prompt = prompt(seed + 10, 25)
+    expected = references(engine, busy + [("vip", vip_prompt, vip_new)])
     submit_all(c, busy)
     c.step()
-    c.submit(request("vip", vip_prompt, 16, priority=-1))
+    c.submit(request("vip", vip_prompt, vip_new, priority=-1))
     c.step()
     assert c.replicas[2].controller.get("vip") is not None          # speculative DP run
     done = c.run()
-    vip = done["vip"]
-    assert vip.num_preemptions == 1                                  # recomputed under TP
-    assert c.groups[(0, 4)].controller.num_steps > 0
+    assert done["vip"].num_preemptions == 1                          # recomputed under TP
     assert c.mode_changes == {"bind": 1, "release": 1}
     for rid in expected:
         assert done[rid].output_token_ids == expected[rid], rid
+
+
+def test_soft_preempt_request_starts_in_dp_and_finishes_in_tp(engines, groups):
+    c = coordinator(engines, groups, policy="priority", priority_threshold=-1,
+                    priority_preemption="soft", tp_group_size=4)
+    assert_soft_preempt_keeps_one_replicas_tokens(c, engines[0], seed=10, busy_new=12,
+                                                  vip_new=16)
+    assert c.groups[(0, 4)].controller.num_steps > 0
     assert_no_pages_held(engines)
 
 
@@ -258,19 +262,8 @@ def test_dp8_soft_preempt_and_a_long_request_on_a_tp8_group(engines8, group8, bi
     token is one replica's (the long one's: one replica with room for it)."""
     c = coordinator(engines8, group8, policy="priority", priority_threshold=-1,
                     priority_preemption="soft", group_sizes=(8,))
-    busy = [(f"s{i}", prompt(110 + i, 30), 10) for i in range(2)]
-    vip_prompt = prompt(120, 25)
-    expected = references(engines8[0], busy + [("vip", vip_prompt, 14)])
-    submit_all(c, busy)
-    c.step()
-    c.submit(request("vip", vip_prompt, 14, priority=-1))
-    c.step()
-    assert c.replicas[2].controller.get("vip") is not None          # speculative DP run
-    done = c.run()
-    assert done["vip"].num_preemptions == 1                          # recomputed under TP
-    assert c.mode_changes == {"bind": 1, "release": 1}
-    for rid in expected:
-        assert done[rid].output_token_ids == expected[rid], rid
+    assert_soft_preempt_keeps_one_replicas_tokens(c, engines8[0], seed=110, busy_new=10,
+                                                  vip_new=14)
 
     c = coordinator(engines8, group8, policy="memory", group_sizes=(8,))
     long_prompt = prompt(121, 600)                # > 512 tokens of one replica
