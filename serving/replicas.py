@@ -105,7 +105,8 @@ class LocalReplica:
         self.scheduler_config = scheduler_config
         self.refit = None
         if predictor is None:
-            self.refit, self.predictor_how = _starting_refit(engine, cache_dir)
+            self.refit, how = starting_refit(engine, cache_dir)
+            self.predictor_how = how + ", refined online from served steps"
             predictor = self.refit.predictor
         else:
             self.predictor_how = "given"
@@ -179,7 +180,7 @@ class LocalReplica:
                                       refined_from_steps=self.refit.num_observed)
 
 
-def _starting_refit(engine, cache_dir):
+def starting_refit(engine, cache_dir):
     """(OnlineRefit, how) of the predictor a replica starts from: the one saved for this
     engine under cache_dir, else the analytical roofline's (no calibration sweep)."""
     from medha_jax.engine import cache_dirs
@@ -195,7 +196,7 @@ def _starting_refit(engine, cache_dir):
     if cache_dir is not None:          # the next start loads it (refined, once steps ran)
         path = cache_dirs.save_predictor(engine, cache_dir, refit.predictor, derived=how)
         how += f", saved to {path}"
-    return refit, how + ", refined online from served steps"
+    return refit, how
 
 
 def handed_off_request(request: Request, generated: Sequence[int]) -> Request:

@@ -532,14 +532,13 @@ def _switching_config(switching, parallel, model, replicas, cluster, roles, offl
 
 def _switching_replica(engines, config, scheduler_config, *, predictor, cache_dir, clock,
                        metrics, eos_token_ids, warmup: bool):
-    from serving.replicas import _starting_refit
+    from serving.replicas import starting_refit
     from serving.switching import SwitchingReplica
 
     how = "given"
     if predictor is None:
-        refit, how = _starting_refit(engines[0], cache_dir)
+        refit, how = starting_refit(engines[0], cache_dir)
         predictor = refit.predictor
-        how = how.replace(", refined online from served steps", "")
     return SwitchingReplica(engines, config, scheduler_config=scheduler_config,
                             predictor=predictor, predictor_how=how, clock=clock,
                             metrics=metrics, eos_token_ids=eos_token_ids, warmup=warmup)

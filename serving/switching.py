@@ -505,8 +505,7 @@ class SwitchingCoordinator:
             if member is not None:
                 found = self.replicas[member].controller.finish(request_id, reason) or found
         for unit in self._all_units():     # paused members' requests too
-            if request_id in {r.request_id for r in unit.controller.unfinished()}:
-                found = unit.controller.finish(request_id, reason) or found
+            found = unit.controller.finish(request_id, reason) or found
         return found
 
     def pop_finished(self) -> list[Request]:
@@ -515,12 +514,6 @@ class SwitchingCoordinator:
         self.finished.clear()
         self._release()
         return done
-
-    def unfinished(self) -> list[Request]:
-        waiting = [r for b in self.bindings.values() for r in b.waiting
-                   if r.request_id not in b.speculative]
-        return list(self.pool) + waiting + [r for u in self._all_units()
-                                            for r in u.controller.unfinished()]
 
     @property
     def num_waiting(self) -> int:
