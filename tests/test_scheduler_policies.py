@@ -316,6 +316,10 @@ class _SortedQueue:
     def sort_key(self, request, now):
         return self.policy.sort_key(request, now)
 
+    @property
+    def secondary_offsets(self):
+        return {rid: self.secondary.linear_key(r)[0] for rid, (_, r) in self._queued.items()}
+
     def in_policy_order(self, requests, now):
         return sorted(requests, key=lambda r: self.policy.sort_key(r, now))
 
