@@ -316,6 +316,12 @@ class _SortedQueue:
     def sort_key(self, request, now):
         return self.policy.sort_key(request, now)
 
+    @property
+    def secondary_offsets(self):
+        # Live, as the index's own dict is: the packer binds it once per batch, and a rider
+        # prepared during packing may reuse a cached prefix (its w(t) falls mid-batch).
+        return _FreshOffsets(self.secondary, self._queued)
+
     def in_policy_order(self, requests, now):
         return sorted(requests, key=lambda r: self.policy.sort_key(r, now))
 
@@ -334,6 +340,16 @@ class _SortedQueue:
         more = [r for r in self.top(now, k + riders + spare, secondary=True)
                 if r.request_id not in chosen and (runnable is None or runnable(r))]
         return top + self.in_policy_order(more[:riders], now)
+
+
+class _FreshOffsets:
+    """request_id -> the secondary policy's offset, computed afresh at every lookup."""
+
+    def __init__(self, policy, queued):
+        self.policy, self.queued = policy, queued
+
+    def __getitem__(self, request_id):
+        return self.policy.linear_key(self.queued[request_id][1])[0]
 
 
 def _random_requests(rng, n, prefix_groups):

@@ -34,6 +34,8 @@ from medha_jax.scheduler.packer import BatchPacker
 from medha_jax.scheduler.policies import SRPT, Policy, PriorityIndex
 from medha_jax.scheduler.prefill_time_cache import PrefillTimeCache
 
+_new_tuple = tuple.__new__      # a NamedTuple's own __new__ is Python: per chunk, this is not
+
 __all__ = ["CapacityError", "KVAllocator", "ReplicaController", "run_one_step"]
 
 
@@ -83,6 +85,8 @@ class ReplicaController:
         self._requests: dict[str, Request] = {}     # unfinished
         self._running: dict[str, Request] = {}      # hold KV pages
         self._decodes: dict[str, Request] = {}      # running, one token to compute
+        # slo.tpot_s -> how many of _decodes ask for it: the tightest without a pass.
+        self._decode_tpots: dict[float, int] = {}
         # Waiting + running with prefill work left; with riders also by remaining work.
         self._prefills = PriorityIndex(policy, secondary=SRPT(
             prefill_time_cache.remaining_work) if max_rider_candidates else None)
@@ -189,7 +193,7 @@ class ReplicaController:
         request.num_in_flight_tokens = 0
         if request in self._prefills:
             self._prefills.remove(request)
-        self._decodes.pop(rid, None)
+        self._drop_decode(request)
         self._running.pop(rid, None)
         del self._requests[rid]
         del self._admission[rid]
@@ -234,7 +238,14 @@ class ReplicaController:
         gate = _KVGate(self.kv, now, in_flight=self._in_flight, pick_victim=self._pick_victim,
                        preempt=self._preempt, start_running=self._start_running,
                        requeue=self._prefills.update)
-        batch = self.packer.pack(self._decode_order(), candidates, now, gate)
+        decodes = self._decode_order()
+        batch = self.packer.pack(
+            decodes, candidates, now, gate,
+            tightest_tpot=min(self._decode_tpots) if decodes and len(decodes) == len(
+                self._decodes) else None,
+            # With riders, the index keeps every queued prefill's w(t) as its SRPT key.
+            queued_work=self._prefills.secondary_offsets.__getitem__
+            if self.max_rider_candidates else None)
         gate.release_unscheduled()
         self.last_schedule_seconds = time.perf_counter() - start
         return batch
@@ -283,6 +294,8 @@ class ReplicaController:
             elif rid not in self._decodes:
                 self._prefills.remove(request)
                 self._decodes[rid] = request
+                tpot = request.slo.tpot_s
+                self._decode_tpots[tpot] = self._decode_tpots.get(tpot, 0) + 1
             updates.append(RequestUpdate(request, (token,), reason is not None))
         return updates
 
@@ -347,10 +360,21 @@ class ReplicaController:
         request.num_cached_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        if self._decodes.pop(rid, None) is not None:
+        if self._drop_decode(request):
             self._prefills.add(request)
         else:
             self._prefills.update(request)
+
+    def _drop_decode(self, request: Request) -> bool:
+        """Takes the request out of the decodes; whether it was one."""
+        if self._decodes.pop(request.request_id, None) is None:
+            return False
+        tpot = request.slo.tpot_s
+        if self._decode_tpots[tpot] == 1:
+            del self._decode_tpots[tpot]
+        else:
+            self._decode_tpots[tpot] -= 1
+        return True
 
     def _rank(self, request: Request, now: float) -> tuple[int, float, int]:
         """The order of eviction: the policy's urgency as if the request had made no
@@ -424,12 +448,34 @@ class _KVGate:
         return True
 
     def reserve(self, chunk: ScheduledChunk) -> bool:
-        request = chunk.request
+        request, start, num_tokens = chunk
         rid = request.request_id
         if rid in self.preempted:
             return False
-        while not self.kv.reserve(rid, chunk.end):
-            victim = self._pick_victim(request, self.now, self.kv.shards_short(rid, chunk.end))
+        return self._grant(request, rid, start + num_tokens, num_tokens)
+
+    def prepare_and_reserve(self, request: Request, start: int, num_tokens: int
+                            ) -> ScheduledChunk | bool:
+        """`packer.prepare_then_reserve`, in one call (once per rider)."""
+        rid = request.request_id
+        if rid in self.preempted:
+            return False
+        if request.state is RequestState.WAITING and not self.kv.has(rid):   # prepare()
+            reused = self.kv.register(request)
+            request.num_computed_tokens = request.num_cached_tokens = reused
+            self.registered.append(request)
+            if reused:
+                self._requeue(request)
+                return True             # its next chunk starts past the cached prefix
+        chunk = _new_tuple(ScheduledChunk, (request, start, num_tokens))
+        return chunk if self._grant(request, rid, start + num_tokens, num_tokens) else False
+
+    def _grant(self, request: Request, rid: str, end: int, num_tokens: int) -> bool:
+        """reserve() of a chunk of num_tokens tokens that ends at `end`, of a request not
+        preempted during this packing."""
+        kv = self.kv
+        while not kv.reserve(rid, end):
+            victim = self._pick_victim(request, self.now, kv.shards_short(rid, end))
             if victim is None:
                 # Nothing less urgent to evict: this chunk waits. A waiting request gives
                 # back at once the cached prefix pages it took when prepared: held until
@@ -442,7 +488,7 @@ class _KVGate:
         self._start_running(request, self.now)
         in_flight = self.in_flight
         in_flight[rid] = in_flight.get(rid, 0) + 1
-        request.num_in_flight_tokens += chunk.num_tokens
+        request.num_in_flight_tokens += num_tokens
         return True
 
     def reserve_decodes(self, decodes: Sequence[Request], seats: int) -> list[ScheduledChunk]:

@@ -24,14 +24,17 @@ they take turns, the one that waited longest for a token first.
 KV space: packers ask a `ChunkGate` (the controller) before they commit to a chunk.
 `prepare(request)` registers a waiting request's pages (its cached prefix sets where
 the first chunk starts); `reserve(chunk)` finds KV space for it, preempting lower
-priority requests when needed; `reserve_decodes` does that for every decode of the step
-in one call. A chunk the gate refuses is left out of this batch.
+priority requests when needed; `prepare_and_reserve` does both for a rider's whole rest
+and `reserve_decodes` the latter for every decode of the step, each in one call. A
+chunk the gate refuses is left out of this batch.
 
-Host time (benchmarks/scheduler_overhead.py, lars-mp, 64 decodes, 1,000 queued): about 1.3 M
-instructions per batch, a few hundred microseconds on a shared 2-core host. The only loop
-over every decode is the gate's `reserve_decodes`; prefills are read from the front of the
-priority order only as far as the batch has room (`riders` is lazy), and a rider whose whole
-rest fits (most of them) is granted without a search.
+Host time (benchmarks/scheduler_overhead.py, lars-mp, 64 decodes, 1,000 queued): about 1.1 M
+instructions per batch, a few hundred microseconds on a shared 2-core host: a quarter ranks
+the queue (numpy), a quarter books the decodes, half packs the ~10 prefills. The only loop
+over every decode is the gate's `reserve_decodes` (the budget reads the tightest TPOT the
+controller keeps); prefills are read from the front of the priority order only as far as
+the batch has room (`riders` is lazy, their w(t) read from the controller's SRPT keys),
+and a rider whose whole rest fits (most of them) is granted in one gate call, unsearched.
 """
 
 from __future__ import annotations
@@ -60,6 +63,11 @@ class ChunkGate(Protocol):
 
     def reserve(self, chunk: ScheduledChunk) -> bool: ...
 
+    def prepare_and_reserve(self, request: Request, start: int, num_tokens: int
+                            ) -> ScheduledChunk | bool:
+        """`prepare_then_reserve`: one call per rider."""
+        ...
+
     def reserve_decodes(self, decodes: Sequence[Request], seats: int) -> list[ScheduledChunk]:
         """`reserve_each_decode`: the decode chunks granted, in order, at most `seats`."""
         ...
@@ -80,6 +88,21 @@ def reserve_each_decode(gate: ChunkGate, decodes: Sequence[Request], seats: int
     return chunks
 
 
+def prepare_then_reserve(gate: ChunkGate, request: Request, start: int, num_tokens: int
+                         ) -> ScheduledChunk | bool:
+    """What `ChunkGate.prepare_and_reserve` means: prepare(request), then, if its next chunk
+    still starts at `start` (a cached prefix found at prepare moves it), reserve() of the
+    chunk [start, start + num_tokens). The chunk where granted; False where prepare or
+    reserve refused; True where the start moved (prepared: the caller sizes a chunk from
+    the new start)."""
+    if not gate.prepare(request):
+        return False
+    if request.num_scheduled_tokens != start:
+        return True
+    chunk = _new_tuple(ScheduledChunk, (request, start, num_tokens))
+    return chunk if gate.reserve(chunk) else False
+
+
 class OpenGate:
     """Admits everything: for packing without a KV cache (tests, benchmarks, Algorithm 3)."""
 
@@ -88,6 +111,10 @@ class OpenGate:
 
     def reserve(self, chunk: ScheduledChunk) -> bool:
         return True
+
+    def prepare_and_reserve(self, request: Request, start: int, num_tokens: int
+                            ) -> ScheduledChunk | bool:
+        return prepare_then_reserve(self, request, start, num_tokens)
 
     def reserve_decodes(self, decodes: Sequence[Request], seats: int) -> list[ScheduledChunk]:
         return reserve_each_decode(self, decodes, seats)
@@ -263,9 +290,14 @@ class BatchPacker:
         self._monotone = getattr(predictor, "chunk_time_grows_with_n", False)
 
     def pack(self, decodes: Sequence[Request], prefills: Sequence[Request], now: float,
-             gate: ChunkGate = OpenGate()) -> Batch:
+             gate: ChunkGate = OpenGate(), *, tightest_tpot: float | None = None,
+             queued_work: Callable[[str], float] | None = None) -> Batch:
         """decodes: in the order they should get the step's seats (longest waiting first).
-        prefills: the most urgent prefill requests, most urgent first."""
+        prefills: the most urgent prefill requests, most urgent first.
+        tightest_tpot: the least slo.tpot_s among `decodes`, where the caller keeps it
+        (a packer that budgets by TPOT then needs no pass over them); None: not known.
+        queued_work: request id -> `remaining_work` of each of `prefills`, where the caller
+        keeps it; None: not known."""
         raise NotImplementedError
 
     def _add_decodes(self, decodes: Sequence[Request], gate: ChunkGate,
@@ -338,21 +370,35 @@ class AdaptivePacker(BatchPacker):
         self.chunk_hint = chunk_hint
         self.pipeline_stages = pipeline_stages
 
-    def t_target(self, decodes: Sequence[ScheduledChunk]) -> float:
+    def t_target(self, decodes: Sequence[ScheduledChunk], *,
+                 tightest_tpot: float | None = None, every_decode: bool = False) -> float:
         """The batch's time budget: the strictest TPOT among its decodes (over the pipeline's
-        stages), or the default."""
+        stages), or the default.
+
+        tightest_tpot: the least tpot_s of a set of requests holding every one of `decodes`
+        (the caller's, kept as they come and go), where known; `every_decode`: `decodes`
+        are that whole set. Then no pass over the decodes is needed: the least is
+        tightest_tpot itself, or, where that leaves the default, any subset's too."""
         budget = self.target_batch_time_s
         if decodes:
-            tpot = min(map(_TPOT, decodes)) / self.pipeline_stages
+            if tightest_tpot is not None and (
+                    every_decode or not tightest_tpot / self.pipeline_stages < budget):
+                tpot = tightest_tpot / self.pipeline_stages
+            else:
+                tpot = min(map(_TPOT, decodes)) / self.pipeline_stages
             if tpot < budget:
                 budget = tpot
         return budget
 
     def pack(self, decodes: Sequence[Request], prefills: Sequence[Request], now: float,
-             gate: ChunkGate = OpenGate()) -> Batch:
+             gate: ChunkGate = OpenGate(), *, tightest_tpot: float | None = None,
+             queued_work: Callable[[str], float] | None = None) -> Batch:
+        """queued_work: request id -> remaining_work of each of `prefills`, where the caller
+        keeps it (the controller's SRPT keys: a lookup instead of w(t) per rider read)."""
         chunks: list[ScheduledChunk] = []
         features = self._add_decodes(decodes, gate, chunks)
-        t_target = self.t_target(chunks)
+        t_target = self.t_target(chunks, tightest_tpot=tightest_tpot,
+                                 every_decode=len(chunks) == len(decodes))
         t_pred = self.predictor.predict_features(features)
         max_prefills = self.limits.max_seqs_per_batch if self.multi_prefill else 1
         num_prefills, has_long = 0, False
@@ -377,7 +423,8 @@ class AdaptivePacker(BatchPacker):
             # the short one's, not a token threshold (which a scaled-down CPU workload,
             # long prompts of 2-4K tokens, never reaches).
             # (None of the later ones is packed yet: riders join only the first prefill.)
-            riders = (self._iter_riders(request, itertools.islice(prefills, i, None), now)
+            riders = (self._iter_riders(request, itertools.islice(prefills, i, None), now,
+                                        queued_work)
                       if self.space_sharing and self.multi_prefill and not num_prefills
                       else ())
             # Space sharing (Algorithm 2, lines 7-10) with multi-prefill batching: the
@@ -407,11 +454,9 @@ class AdaptivePacker(BatchPacker):
                 if monotone and whole <= budget and n >= 1:
                     # The whole rest: no search, unless a cached prefix moves its start
                     # (_add_chunk prepares once: a second prepare changes nothing).
-                    if not gate.prepare(rider):
-                        continue
-                    if rider.num_scheduled_tokens == start:
-                        chunk = _new_tuple(ScheduledChunk, (rider, start, n))
-                        if gate.reserve(chunk):
+                    chunk = gate.prepare_and_reserve(rider, start, n)
+                    if chunk is not True:
+                        if chunk:
                             chunks.append(chunk)
                             features = features.plus_chunk(n, start, n == remaining, buckets)
                             t_pred = whole
@@ -489,16 +534,19 @@ class AdaptivePacker(BatchPacker):
         """
         return list(self._iter_riders(long, later, now))
 
-    def _iter_riders(self, long: Request, later: Iterable[Request], now: float
+    def _iter_riders(self, long: Request, later: Iterable[Request], now: float,
+                     queued_work: Callable[[str], float] | None = None
                      ) -> Iterator[tuple[Request, bool]]:
-        """`riders`, read only as far as the packer needs them."""
-        remaining_work, long_tokens = self.remaining_work, self.long_prefill_tokens
-        finish = now + remaining_work(long)
+        """`riders`, read only as far as the packer needs them (queued_work: see pack)."""
+        long_tokens = self.long_prefill_tokens
+        by_id = queued_work is not None
+        work_of = queued_work if by_id else self.remaining_work
+        finish = now + work_of(long.request_id if by_id else long)
         spare = max(0.0, long.deadline - finish)
         for request in later:
             if request.prompt_len > long_tokens:         # is_long
                 continue
-            work = remaining_work(request)
+            work = work_of(request.request_id if by_id else request)
             if work <= spare:
                 spare -= work
                 yield request, True
@@ -606,7 +654,8 @@ class TokenBudgetPacker(BatchPacker):
         self.head_of_line_blocking = head_of_line_blocking
 
     def pack(self, decodes: Sequence[Request], prefills: Sequence[Request], now: float,
-             gate: ChunkGate = OpenGate()) -> Batch:
+             gate: ChunkGate = OpenGate(), *, tightest_tpot: float | None = None,
+             queued_work: Callable[[str], float] | None = None) -> Batch:
         chunks: list[ScheduledChunk] = []
         features = self._add_decodes(decodes, gate, chunks)
         budget = min(self.token_budget or math.inf, self.limits.token_limit)

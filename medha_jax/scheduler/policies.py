@@ -162,6 +162,9 @@ class PriorityIndex:
         self._class_counts: dict[int, int] = {}            # priority class -> queued requests
         # Per policy: a key at or above the k smallest of the last single-class top().
         self._threshold: list[float | None] = [None] * len(self._policies)
+        # request_id -> the secondary policy's offset (its key where slopes are 0: SRPT's
+        # w(t)), read by id without touching the arrays.
+        self.secondary_offsets: dict[str, float] = {}
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -189,10 +192,14 @@ class PriorityIndex:
 
     def _set_keys(self, row: int, request: Request) -> None:
         for i, policy in enumerate(self._policies):
-            self._offset[i, row], self._slope[i, row] = policy.linear_key(request)
+            offset, slope = policy.linear_key(request)
+            self._offset[i, row], self._slope[i, row] = offset, slope
+        if self.secondary is not None:
+            self.secondary_offsets[request.request_id] = offset
 
     def remove(self, request: Request) -> None:
         row = self._slot.pop(request.request_id)
+        self.secondary_offsets.pop(request.request_id, None)
         klass = int(self._klass[row])
         self._class_counts[klass] -= 1
         if not self._class_counts[klass]:
@@ -248,9 +255,9 @@ class PriorityIndex:
             more = (j for j in more if runnable(requests[j]))
         more = list(itertools.islice(more, riders))
         if len(more) > 1:
-            by = np.lexsort((self._offset[0, more] - self._slope[0, more] * now,
-                             self._klass[more]))
-            more = list(map(more.__getitem__, by.tolist()))
+            at = np.array(more)        # one conversion, not one per fancy index
+            by = np.lexsort((self._offset[0, at] - self._slope[0, at] * now, self._klass[at]))
+            more = at[by].tolist()
         return list(map(requests.__getitem__, rows + more))
 
     def _top_rows(self, now: float, k: int, secondary: bool) -> np.ndarray:
@@ -306,7 +313,7 @@ def _first_rows(keys: np.ndarray, order: np.ndarray, k: int, threshold: float | 
     want = min(2 * k, n)
     rows = None
     if threshold is not None:
-        rows = np.flatnonzero(keys <= threshold)
+        rows = (keys <= threshold).nonzero()[0]     # flatnonzero's wrappers cost a third
         if not k <= len(rows) <= 8 * want:
             rows = None
     if rows is None:
