@@ -28,14 +28,12 @@ the 4 TP-2 replicas binding aligned groups of 2 or 4 (TP-4, TP-8) under a policy
 run through the same coordinator loop (static ones with policy "off"), on the paper's
 workload (`workloads.AlternatingLoadSpec`: prompts U[128, 4000], outputs U[64, 512],
 2-5 req/s phases alternating with 10-30 req/s bursts, 4000 requests, seeded); static DP is
-also shown as independent replicas behind the router (`simulate()`), which do not wait for
-each other at iteration boundaries. Tables: TTFT / throughput (Fig. 8-9), priority (Table 1:
-a high-priority fraction binding a group with hard preemption, 3-5 req/s) and each
-configuration's max context (Table 2, from kv_capacity_tokens).
-`lockstep_wait`: the share of the units' device time spent waiting for their iteration's
-slowest step: the coordinator dispatches one step on every unit and collects them all
-before the next, so a decode-only unit (a TP group's priority request included) waits
-for a replica's prefill chunk every iteration.
+also shown as independent replicas behind the router (`simulate()`): the coordinator's
+units step independently too (each applied when its own step ends), so the two differ only
+in where requests are placed (least loaded at arrival vs the router). Tables: TTFT /
+throughput (Fig. 8-9), priority (Table 1: a high-priority fraction binding a group with
+hard preemption, 3-5 req/s) and each configuration's max context (Table 2, from
+kv_capacity_tokens).
 """
 
 from __future__ import annotations
@@ -206,7 +204,6 @@ def simulated_tables(args) -> dict:
                 "tpot_p50_ms": 1e3 * s["tpot_s_p50"], "queue_mean_s": s["queue_s_mean"],
                 "tok_per_s": result.throughput_tok_s(),
                 "peak_tok_per_s": result.peak_throughput_tok_s(),
-                "lockstep_wait": result.lockstep_wait_share,
                 "binds": coordinator.mode_changes.get("bind", 0),
                 "requests_per_mode": " ".join(f"{k}:{v}" for k, v in
                                               sorted(coordinator.requests_per_mode.items())),
@@ -237,7 +234,7 @@ def simulated_tables(args) -> dict:
                  "queue_mean_s": float(np.mean([r.first_scheduled_time - r.arrival_time
                                                 for r in independent.requests])),
                  "tok_per_s": out_tokens / independent.makespan_s,
-                 "peak_tok_per_s": float("nan"), "lockstep_wait": 0.0, "binds": 0,
+                 "peak_tok_per_s": float("nan"), "binds": 0,
                  "requests_per_mode": "-",
                  "sim_wall_s": wall})
     by = {r["configuration"].split(" (")[0]: r for r in rows}
@@ -272,7 +269,6 @@ def simulated_tables(args) -> dict:
                        "ttft_mean_ms_priority": 1e3 * sh["ttft_s_mean"],
                        "ttft_mean_ms_all": 1e3 * sa["ttft_s_mean"],
                        "peak_tok_per_s": result.peak_throughput_tok_s(),
-                       "lockstep_wait": result.lockstep_wait_share,
                        "binds": coordinator.mode_changes.get("bind", 0)})
 
     # Table 2: the longest request each configuration holds.

@@ -243,7 +243,7 @@ def _advance_replica(runner: InFlightRunner, policy: str, index: int) -> float |
     controller, executor = runner.controller, runner.executor
     now = controller.clock.now()
     while runner.num_in_flight and runner.oldest.done_time <= now:
-        runner.collect_oldest()
+        runner.collect_next()
     can_dispatch = runner.num_in_flight < executor.max_in_flight
     if can_dispatch and executor.next_dispatch_time <= now:
         can_dispatch = runner.dispatch_next() is not None

@@ -7,11 +7,17 @@ release again. `SwitchingCoordinator.step()` is one iteration of Algorithm 1:
 
 1. the global task pool's new requests get a mode from the policy (❷❸: one thread owns
    the pool, so every engine sees the same queue);
-2. at this safe point (every dispatched step has been collected) groups bind and release
-   (❺), and a TP group's requests have one order for every member by construction: the
+2. groups bind and release at their safe point (❺): when none of their devices has a step
+   in flight. A TP group's requests have one order for every member by construction: the
    group has one controller and runs one program over its members;
-3. every unbound replica and every bound group runs one step (❻), all dispatched before
-   any is collected, so the devices run them concurrently.
+3. every idle unbound replica and every idle bound group gets its next step (❻).
+
+The units step independently, not in lockstep: each has at most one step in flight, and
+whichever finishes first is applied and given its next step at once (`first_done`), so a
+replica decoding a few requests never waits for one running a long prefill. The serving
+loop's InFlightRunner drives this (the coordinator is its controller and its executor, up
+to one batch in flight per base replica); `step()` is one such turn. Only a binding waits:
+its members take no new step (hard) or no new request (soft) until it is active.
 
 Policies (`SwitchingConfig`; the paper leaves every threshold open):
 - "load": a request goes TP when the host is nearly idle (at most `load_max_queued`
@@ -48,9 +54,11 @@ from medha_jax.request import (Batch, FinishReason, Request, RequestUpdate, Step
                                VirtualClock, WallClock)
 from medha_jax.scheduler import SchedulerConfig
 from medha_jax.scheduler.factory import make_controller
+from medha_jax.scheduler.in_flight import InFlightRunner
 from serving.replicas import resumed_request
 
 POLICIES = ("off", "load", "priority", "memory")
+_POLL_S = 100e-6           # how often first_done looks at the units' steps on a device
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,7 +194,9 @@ class SwitchingCoordinator:
         self.last_finished: list[Request] = []             # by the last update()
         self._moved: set[str] = set()                      # speculative DP runs taken over
         self._deferred: list[Request] = []                 # placed at a later boundary
-        self._iteration_started = self.clock.now()
+        self._stepping: set[str] = set()                   # names of units with a step in flight
+        self._last_update = self.clock.now()
+        self._runner = InFlightRunner(self, self)          # step() / run() without a server
 
     # -- setup --------------------------------------------------------------------
 
@@ -324,7 +334,9 @@ class SwitchingCoordinator:
         """A group with no request left releases its members to DP (their paused requests
         go on from the pages they kept)."""
         for key, binding in list(self.bindings.items()):
-            if binding.active and not self.groups[key].controller.has_unfinished():
+            group = self.groups[key]
+            if binding.active and not group.controller.has_unfinished() and \
+                    group.name not in self._stepping:
                 del self.bindings[key]
                 self.mode_changes["release"] += 1
 
@@ -341,10 +353,13 @@ class SwitchingCoordinator:
                 member = self.replicas[binding.speculative[rid]].controller
                 if member.get(rid) is None or rid in member.finished:
                     speculative.discard(rid)
+            members = range(start, start + m)
             ready = binding.hard or all(
                 {r.request_id for r in self.replicas[i].controller.unfinished()} <= speculative
-                for i in range(start, start + m))
-            if not ready:
+                for i in members)
+            # The safe point: no member has a step in flight (the group's program takes
+            # their weights and pages).
+            if not ready or any(self.replicas[i].name in self._stepping for i in members):
                 continue
             binding.decided_at = time.perf_counter()
             for request in binding.waiting:
@@ -369,6 +384,12 @@ class SwitchingCoordinator:
         active = [self.groups[k] for k, b in self.bindings.items() if b.active]
         return [u for i, u in enumerate(self.replicas) if not self._active_over(i)] + active
 
+    def _paused(self, i: int) -> bool:
+        """Replica i is a member of a hard binding not yet active: it takes no new step, so
+        that its step in flight is its last before the group's."""
+        return any(b.hard and not b.active and b.key[0] <= i < b.key[0] + b.key[1]
+                   for b in self.bindings.values())
+
     def _all_units(self) -> list[_Unit]:
         """Every replica and group, bound or not (a paused member still holds requests)."""
         return self.replicas + list(self.groups.values())
@@ -377,56 +398,70 @@ class SwitchingCoordinator:
         return any(b.active and b.key[0] <= i < b.key[0] + b.key[1]
                    for b in self.bindings.values())
 
-    # -- one iteration as a controller's schedule() / update() around an executor --------
+    # -- the units' steps as a controller's schedule() / update() around an executor ------
     # The server's ServingLoop drives the coordinator as it drives one replica: it is the
     # controller (schedule, update, add_request, finish, ...) and the executor (dispatch,
-    # collect) at once, one iteration in flight.
+    # first_done, collect) at once, with up to one batch in flight per unit.
 
-    max_in_flight = 1
+    @property
+    def max_in_flight(self) -> int:
+        """One step in flight per base replica at most (a bound group's occupies all of
+        its members)."""
+        return len(self.replicas)
 
     def schedule(self) -> UnitBatches:
-        """Places the pool, switches at the safe point and forms every busy unit's batch."""
-        self._iteration_started = self.clock.now()
+        """At this boundary: places the pool, switches the groups at their safe point and
+        forms the next batch of one idle unit (the first in device order with a step to
+        run); empty when no idle unit has one."""
         self._place()
         self._switch()
-        parts = []
+        paused = {self.replicas[i].name for i in range(len(self.replicas)) if self._paused(i)}
         for unit in self._units():
-            if unit.controller.has_unfinished():
-                batch = unit.controller.schedule()
-                if batch:
-                    parts.append((unit, batch))
-        # The units run at once: the iteration takes as long as the slowest.
-        return UnitBatches([c for _, b in parts for c in b.chunks],
-                           max((b.predicted_time_s for _, b in parts), default=0.0),
-                           parts=parts)
+            if unit.name in self._stepping or unit.name in paused or \
+                    not unit.controller.has_unfinished():
+                continue
+            batch = unit.controller.schedule()
+            if batch:
+                return UnitBatches(batch.chunks, batch.predicted_time_s, parts=[(unit, batch)])
+        return UnitBatches([], 0.0)
 
-    def dispatch(self, batch: UnitBatches) -> list:
-        """Dispatches every unit's batch before collecting any, so the devices run them
-        concurrently."""
-        pending = []
-        for unit, part in batch.parts:
-            pending.append((unit, unit.engine.dispatch(part)))
-            if isinstance(unit.engine, TPGroupEngine):
-                for binding in self.bindings.values():
-                    if self.groups[binding.key] is unit and binding.decided_at is not None:
-                        self.switch_latencies_s.append(time.perf_counter() - binding.decided_at)
-                        binding.decided_at = None
-        return pending
+    def dispatch(self, batch: UnitBatches) -> tuple:
+        """Starts the unit's step on its devices without waiting for it."""
+        (unit, part), = batch.parts
+        handle = unit.engine.dispatch(part)
+        self._stepping.add(unit.name)
+        if isinstance(unit.engine, TPGroupEngine):
+            for binding in self.bindings.values():
+                if self.groups[binding.key] is unit and binding.decided_at is not None:
+                    self.switch_latencies_s.append(time.perf_counter() - binding.decided_at)
+                    binding.decided_at = None
+        return unit, handle
 
-    def collect(self, pending: list) -> StepResult:
-        """Every unit's result as one (request ids are unique over the units)."""
-        results = [unit.engine.collect(handle) for unit, handle in pending]
-        merged = StepResult({}, max((r.duration_s for r in results), default=0.0))
-        for r in results:
-            merged.sampled_token_ids.update(r.sampled_token_ids)
-            merged.logprobs.update(r.logprobs)
-            merged.prompt_logprobs.update(r.prompt_logprobs)
-        return merged
+    def first_done(self, handles: Sequence[tuple]) -> int:
+        """The position in `handles` of a step that has finished, waiting for one.
+
+        Simulated engines say when each step ends (`done_at`): the earliest. Device engines
+        are polled (`is_ready`): the device runs the units' programs concurrently and
+        offers no wait-for-any."""
+        if all(hasattr(unit.engine, "done_at") for unit, _ in handles):
+            ends = [unit.engine.done_at(handle) for unit, handle in handles]
+            return ends.index(min(ends))
+        while True:
+            for i, (unit, handle) in enumerate(handles):
+                if unit.engine.is_ready(handle):
+                    return i
+            time.sleep(_POLL_S)
+
+    def collect(self, pending: tuple) -> StepResult:
+        unit, handle = pending
+        try:
+            return unit.engine.collect(handle)
+        finally:
+            self._stepping.discard(unit.name)
 
     def update(self, batch: UnitBatches, result: StepResult) -> list[RequestUpdate]:
-        updates = []
-        for unit, part in batch.parts:
-            updates.extend(unit.controller.update(part, result))
+        (unit, part), = batch.parts
+        updates = unit.controller.update(part, result)
         self.last_finished = self._harvest()
         self._release()
         self._tick()
@@ -434,9 +469,10 @@ class SwitchingCoordinator:
 
     def _tick(self) -> None:
         # A virtual clock no executor moved (real engines) still ticks; simulated engines
-        # (medha_jax.cluster.switching_sim) have moved it by the iteration's time.
-        if isinstance(self.clock, VirtualClock) and self.clock.now() == self._iteration_started:
+        # (medha_jax.cluster.switching_sim) have moved it to the step's end.
+        if isinstance(self.clock, VirtualClock) and self.clock.now() == self._last_update:
             self.clock.advance(1e-3)
+        self._last_update = self.clock.now()
 
     def _harvest(self) -> list[Request]:
         """Moves the units' finished requests to `finished` (a speculative DP run dropped
@@ -453,15 +489,12 @@ class SwitchingCoordinator:
         return done
 
     def step(self) -> list[Request]:
-        """One iteration of Algorithm 1: place the pool, switch at the safe point, run one
-        step on every busy unit. Returns the requests that finished."""
-        batch = self.schedule()
-        if not batch:
+        """One turn without a server: every idle unit gets its next step, then the first
+        step to finish is applied. Returns the requests that finished."""
+        if self._runner.step() is None:
             self.last_finished = self._harvest()
             self._release()
             self._tick()
-            return self.last_finished
-        self.update(batch, self.collect(self.dispatch(batch)))
         return self.last_finished
 
     # -- what the serving loop asks of a controller --------------------------------

@@ -9,7 +9,8 @@ import pytest
 
 from medha_jax.config import ParallelConfig, model_preset
 from medha_jax.kv_cache.allocator import BlockAllocator
-from medha_jax.request import SLO, FinishReason, Request, StepResult, VirtualClock
+from medha_jax.request import (SLO, Batch, FinishReason, Request, ScheduledChunk,
+                               StepResult, VirtualClock)
 from medha_jax.sampling_params import SamplingParams
 from medha_jax.scheduler import SchedulerConfig, make_controller
 from medha_jax.scheduler.in_flight import BatchFailed, InFlightRunner
@@ -199,3 +200,51 @@ def test_simulated_spp_prefill_streams_and_decodes_pay_the_depth():
             for spp in (1, 4) for r in results[spp, "chat"].requests}
     # Per decode: one stage of a quarter of the layers, four times over.
     assert tpot[4] == pytest.approx(tpot[1], rel=0.35)
+
+
+class _Recorder:
+    """A controller that hands out numbered batches and records the order of updates."""
+
+    def __init__(self):
+        self.formed, self.updated = 0, []
+
+    def schedule(self):
+        self.formed += 1
+        return Batch([ScheduledChunk(Request(f"r{self.formed}", 4, 1, 0.0), 0, 4)], 0.0)
+
+    def update(self, batch, result):
+        self.updated.append(batch.chunks[0].request.request_id)
+        return []
+
+
+class _Units:
+    """Three batches in flight on independent units; `first_done` names which ended."""
+
+    max_in_flight = 3
+
+    def __init__(self, done_order):
+        self.done_order = list(done_order)
+
+    def dispatch(self, batch):
+        return batch.chunks[0].request.request_id
+
+    def first_done(self, handles):
+        return handles.index(next(h for h in self.done_order if h in handles))
+
+    def collect(self, handle):
+        self.done_order.remove(handle)
+        return StepResult({}, 0.0)
+
+
+def test_an_executor_with_first_done_applies_batches_as_they_end():
+    """Independent units' batches are applied in the order they end, not formed; the rest
+    stay in flight in their order (without first_done: oldest first)."""
+    controller = _Recorder()
+    runner = InFlightRunner(controller, _Units(["r2", "r3", "r1"]))
+    runner.step()
+    assert controller.updated == ["r2"] and runner.handles == ["r1", "r3"]
+    runner.step()                                   # r4 fills the seat r2 left
+    assert controller.updated == ["r2", "r3"] and runner.handles == ["r1", "r4"]
+    runner.executor.done_order += ["r4"]
+    runner.drain()
+    assert controller.updated == ["r2", "r3", "r1", "r4"]

@@ -166,17 +166,27 @@ def test_hard_preempt_pauses_dp_requests_with_their_pages_and_resumes_them(engin
     vip_prompt = prompt(40, 30)
     expected = references(engines[0], busy + [("vip", vip_prompt, 6)])
     submit_all(c, busy)
-    for _ in range(4):
-        c.step()
-    progress = {rid: len(c.replicas[i].controller.get(rid).output_token_ids)
+
+    def progress():
+        return {rid: len(c.replicas[i].controller.get(rid).output_token_ids)
                 for i, (rid, _, _) in enumerate(busy)}
-    assert all(0 < n < 10 for n in progress.values()), progress
+
+    c.step()                                    # placed: h{i} on replica i
+    while not all(progress().values()):
+        c.step()
     c.submit(request("vip", vip_prompt, 6, priority=-5))
-    c.step()                                                        # binds at once
+    # The units step independently: the members' steps in flight land first (each
+    # step() applies one), and they take no new one, so the group binds after those.
+    for _ in range(len(busy) + 1):
+        c.step()
+        if c.bindings[(0, 4)].active:
+            break
     assert c.bindings[(0, 4)].active
+    paused = progress()
+    assert all(0 < n < 10 for n in paused.values()), paused
     while "vip" not in c.finished:
         for i, (rid, _, _) in enumerate(busy):                     # paused, pages kept
-            assert len(c.replicas[i].controller.get(rid).output_token_ids) == progress[rid]
+            assert len(c.replicas[i].controller.get(rid).output_token_ids) == paused[rid]
             assert engines[i].allocator.has(rid)
         c.step()
     done = c.run()
@@ -214,8 +224,9 @@ def test_no_compile_after_warmup_over_a_random_workload_with_switches(engines, g
         for i in range(16):
             c.submit(request(f"w{i}", prompt(60 + i, int(rng.integers(5, 70))),
                              int(rng.integers(1, 6)), priority=int(rng.integers(0, 3))))
-            for _ in range(3):              # room for a group to finish and release
-                c.step()
+            c.step()
+            if i % 4 == 3:                  # drained: the next group binds afresh
+                c.run()
         c.run()
     assert c.mode_changes["bind"] >= 2
     assert compiles == []

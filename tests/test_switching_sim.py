@@ -174,10 +174,29 @@ def test_alternating_load_workload():
     assert dataclasses.replace(spec, seed=4) != spec
 
 
-def test_lockstep_wait_share():
-    """One unit never waits for another; four replicas with prefills beside decodes do."""
+def test_replicas_step_independently():
+    """Four DP replicas under "off" are four independent replicas, timestamp for timestamp:
+    each request's times equal those of `simulate()` of its replica's requests alone. So no
+    replica waits for another's step (the coordinator is not a lockstep loop: with one, a
+    replica decoding next to one running a prefill chunk waited for it every step)."""
     requests = workload(n=40)
-    units, coordinator = setup("off", 1, 8)
-    assert drive(coordinator, units, requests).lockstep_wait_share == 0.0
     units, coordinator = setup("off", 4, 2)
-    assert 0.0 < drive(coordinator, units, requests).lockstep_wait_share < 1.0
+    placed = {}
+    for i, unit in enumerate(coordinator.replicas):
+        def add(request, *, resume=False, _i=i, _add=unit.controller.add_request):
+            placed[request.request_id] = _i
+            _add(request, resume=resume)
+        unit.controller.add_request = add
+    run = drive(coordinator, units, requests)
+    assert_served(run, requests, units)
+    done = {r.request_id: r for r in run.requests}
+    assert sorted(set(placed.values())) == [0, 1, 2, 3]
+    for i in range(4):
+        mine = [r for r in requests if placed[r.request_id] == i]
+        alone = simulate(mine, scheduler=SCHED, model=MODEL, parallel=ParallelConfig(tp=2),
+                         hardware="h200", max_model_len=units.replicas[i].max_model_len)
+        for want in alone.requests:
+            got = done[want.request_id]
+            assert (got.first_scheduled_time, got.first_token_time, got.finish_time) == \
+                pytest.approx((want.first_scheduled_time, want.first_token_time,
+                               want.finish_time), rel=1e-12, abs=1e-12)

@@ -12,11 +12,12 @@ simulated ones, so the simulator runs the same policy code as the server:
   books its pages in the members' pools through the live path's `GroupAllocator` (a
   logical page of m x page_size tokens is one physical page of every member, Eqs. 2-4), so
   paused DP pages and TP pages share the pools exactly as on the devices.
-- Time: Algorithm 1 is one loop. An iteration dispatches one step on every busy unit and
-  publishes their outputs together (❻ PublishOutput), so it lasts as long as its slowest
-  step: `Iteration` holds that end, and every unit's collect moves the shared virtual clock
-  there. A coordinator with one unit is therefore exactly `medha_jax.simulator.simulate`
-  with one replica.
+- Time: one virtual clock. Each unit's step ends at its own time (its executor books it
+  from its dispatch); the coordinator applies the first to end (`done_at`) and the clock
+  moves there, so units step independently, as on the devices. A request is placed at
+  its arrival (an idle unit starts it then). A coordinator with one unit is therefore
+  exactly `medha_jax.simulator.simulate` with one replica, and N replicas under "off"
+  exactly N independent ones (tests/test_switching_sim.py).
 
 `switching_units` builds the replicas and every aligned group; `drive` feeds a coordinator
 the requests at their arrival times and returns a `SwitchingRun`. Nothing here imports
@@ -35,6 +36,7 @@ from medha_jax.config import ModelConfig, ParallelConfig
 from medha_jax.engine.tp_group import GroupAllocator
 from medha_jax.kv_cache.allocator import BlockAllocator
 from medha_jax.request import Batch, Request, StepResult, VirtualClock
+from medha_jax.scheduler.in_flight import InFlightRunner
 from medha_jax.scheduler.hardware import HardwareSpec, hardware_preset
 from medha_jax.scheduler.predictor import AnalyticalPredictor, RuntimePredictor
 from medha_jax.simulator import SimulatedExecutor, SimulatedStep, _fresh_copy, kv_capacity_tokens
@@ -50,47 +52,35 @@ class _Ladder:
     token_buckets: tuple[int, ...]
 
 
-class Iteration:
-    """The end of the coordinator's current iteration: its slowest step's."""
-
-    def __init__(self, clock: VirtualClock):
-        self.clock = clock
-        self.end = clock.now()
-        self.tokens: list[tuple[float, int]] = []     # (published at, tokens sampled)
-        self.step_s: list[float] = []                 # this iteration's units' step times
-
-    def booked(self, step: SimulatedStep) -> None:
-        self.end = max(self.end, step.done_time)
-        self.step_s.append(step.stage_s)
-
-
 class SimulatedEngine:
     """What the coordinator steps: model.config, ladder, max_seqs, allocator,
-    max_model_len, dispatch(batch) and collect(step)."""
+    max_model_len, dispatch(batch), done_at(step) and collect(step)."""
 
     def __init__(self, name: str, model: ModelConfig, predictor: RuntimePredictor,
                  allocator: BlockAllocator, max_model_len: int, token_buckets: Sequence[int],
-                 max_seqs: int, iteration: Iteration, tp: int):
+                 max_seqs: int, clock: VirtualClock, tp: int,
+                 published: list[tuple[float, int]]):
+        """published: where each collected step appends (its end, tokens it sampled)."""
         self.name, self.tp = name, tp
         self.model = _Model(model)
         self.ladder = _Ladder(tuple(token_buckets))
         self.max_seqs, self.allocator, self.max_model_len = max_seqs, allocator, max_model_len
-        self.iteration = iteration
-        self.executor = SimulatedExecutor(predictor, iteration.clock)
+        self.executor = SimulatedExecutor(predictor, clock)
+        self.published = published
 
     @property
     def busy_s(self) -> float:
         return self.executor.busy_s
 
     def dispatch(self, batch: Batch) -> SimulatedStep:
-        step = self.executor.dispatch(batch)
-        self.iteration.booked(step)
-        return step
+        return self.executor.dispatch(batch)
+
+    def done_at(self, step: SimulatedStep) -> float:
+        return step.done_time
 
     def collect(self, step: SimulatedStep) -> StepResult:
-        self.iteration.clock.advance_to(self.iteration.end)
-        result = self.executor.collect(step)
-        self.iteration.tokens.append((self.iteration.end, len(result.sampled_token_ids)))
+        result = self.executor.collect(step)          # the clock moves to its end
+        self.published.append((step.done_time, len(result.sampled_token_ids)))
         return result
 
 
@@ -102,7 +92,7 @@ class SwitchingUnits:
     replicas: list[SimulatedEngine]
     groups: dict[tuple[int, int], SimulatedEngine]
     clock: VirtualClock
-    iteration: Iteration
+    published: list[tuple[float, int]]     # (end, tokens sampled) of every collected step
     base_tp: int
     replica_kv_tokens: int          # kv_capacity_tokens of one base replica
 
@@ -126,7 +116,7 @@ def switching_units(model: ModelConfig, *, hardware: HardwareSpec | str, num_rep
     if model.num_kv_heads % base_tp:
         raise ValueError(f"base_tp={base_tp} must divide num_kv_heads={model.num_kv_heads}")
     clock = VirtualClock(start_time)
-    iteration = Iteration(clock)
+    published: list[tuple[float, int]] = []
     capacity = kv_capacity_tokens(model, ParallelConfig(tp=base_tp), hardware, memory_utilization)
     positions = max_model_len or model.max_position_embeddings
 
@@ -135,7 +125,7 @@ def switching_units(model: ModelConfig, *, hardware: HardwareSpec | str, num_rep
                                         token_buckets=token_buckets)
         return SimulatedEngine(name, model, predictor, allocator,
                                min(positions, allocator.max_tokens_per_request), token_buckets,
-                               max_seqs, iteration, tp)
+                               max_seqs, clock, tp, published)
 
     replicas = [engine(f"dp{i}", base_tp, BlockAllocator(capacity // page_size, page_size,
                                                          enable_prefix_caching=False))
@@ -152,7 +142,7 @@ def switching_units(model: ModelConfig, *, hardware: HardwareSpec | str, num_rep
             members = [r.allocator for r in replicas[start:start + m]]
             allocator = GroupAllocator(members, page_size * m, f"tp{m}@{start}")
             groups[(start, m)] = engine(f"tp{m}@{start}", base_tp * m, allocator)
-    return SwitchingUnits(replicas, groups, clock, iteration, base_tp, capacity)
+    return SwitchingUnits(replicas, groups, clock, published, base_tp, capacity)
 
 
 @dataclasses.dataclass
@@ -161,11 +151,8 @@ class SwitchingRun:
 
     requests: list[Request]                  # copies of the inputs, in input order
     makespan_s: float                        # first arrival to last finish
-    iterations: int
+    steps: int                               # unit steps collected
     tokens: list[tuple[float, int]]          # (published at, tokens sampled) per unit step
-    # Of the device time of every unit that stepped, the share it spent waiting for its
-    # iteration's slowest step (what the lockstep loop costs; 0 with one unit).
-    lockstep_wait_share: float = 0.0
 
     @property
     def output_tokens(self) -> int:
@@ -203,35 +190,41 @@ class SwitchingRun:
 
 
 def drive(coordinator, units: SwitchingUnits, requests: Sequence[Request],
-          max_iterations: int = 10_000_000) -> SwitchingRun:
+          max_steps: int = 10_000_000) -> SwitchingRun:
     """Serves `requests` (copied: lengths, arrivals, priorities; every request emits
     exactly max_new_tokens tokens) through `coordinator` (a SwitchingCoordinator over
-    `units`, on units.clock): each is submitted at the first iteration boundary at or
-    after its arrival; an idle host's clock jumps to the next arrival."""
+    `units`, on units.clock), as its server loop would: each request is submitted at its
+    arrival and idle units start at once; otherwise the clock moves to the first unit step
+    to end, which is applied and that unit given its next step."""
     if not requests:
         raise ValueError("drive needs at least one request")
     copies = [_fresh_copy(r, keep_token_ids=False) for r in requests]
     arrivals = sorted(copies, key=lambda r: r.arrival_time)
-    clock, iteration = units.clock, units.iteration
+    clock = units.clock
+    runner = InFlightRunner(coordinator, coordinator)
+    first_collected = len(units.published)
     clock.advance_to(arrivals[0].arrival_time)
-    n, iterations = 0, 0
-    waited = stepped = 0.0
+    n = steps = 0
     while n < len(arrivals) or coordinator.has_unfinished():
-        if not coordinator.has_unfinished():
-            clock.advance_to(arrivals[n].arrival_time)
         while n < len(arrivals) and arrivals[n].arrival_time <= clock.now():
             coordinator.submit(arrivals[n])
             n += 1
-        iteration.end = clock.now()
-        iteration.step_s.clear()
-        coordinator.step()
-        iterations += 1
-        # Every step starts at the boundary (each unit's previous one was collected).
-        span = max(iteration.step_s, default=0.0)
-        waited += sum(span - s for s in iteration.step_s)
-        stepped += span * len(iteration.step_s)
-        if iterations >= max_iterations:
-            raise RuntimeError(f"requests left after {max_iterations} iterations")
+        while runner.dispatch_next() is not None:
+            pass
+        next_arrival = arrivals[n].arrival_time if n < len(arrivals) else math.inf
+        if not runner.num_in_flight:
+            if next_arrival == math.inf:
+                raise RuntimeError(f"no unit can run the requests left at t={clock.now():.3f}")
+            clock.advance_to(next_arrival)
+            continue
+        next_end = min(unit.engine.done_at(step) for unit, step in runner.handles)
+        if next_arrival < next_end:
+            clock.advance_to(next_arrival)
+            continue
+        runner.collect_next()
+        steps += 1
+        if steps >= max_steps:
+            raise RuntimeError(f"requests left after {max_steps} steps")
     missing = [r.request_id for r in copies if r.request_id not in coordinator.finished]
     if missing:
         raise RuntimeError(f"{len(missing)} requests never finished, e.g. {missing[:3]}")
@@ -239,5 +232,4 @@ def drive(coordinator, units: SwitchingUnits, requests: Sequence[Request],
     # which finishes as the copy that was recomputed under TP.
     done = [coordinator.finished[r.request_id] for r in copies]
     makespan = max(r.finish_time for r in done) - arrivals[0].arrival_time
-    return SwitchingRun(done, makespan, iterations, sorted(iteration.tokens),
-                        waited / stepped if stepped else 0.0)
+    return SwitchingRun(done, makespan, steps, sorted(units.published[first_collected:]))

@@ -455,6 +455,10 @@ class Engine:
         self._num_dispatched += 1
         return PendingStep(batch, inputs, outputs, start, dispatched - start)
 
+    def is_ready(self, pending: PendingStep) -> bool:
+        """Whether a dispatched step's tokens are computed (collect would not wait)."""
+        return pending.outputs.tokens.is_ready()
+
     def collect(self, pending: PendingStep) -> StepResult:
         """Waits for a dispatched step (oldest first) and returns its sampled tokens.
 

@@ -9,6 +9,13 @@ applies results oldest first, so updates arrive in the order batches were formed
     step():  while there is room: schedule() -> executor.dispatch(batch)   (never waits)
              then: executor.collect(oldest) -> controller.update(oldest)   (waits for it)
 
+An executor whose batches in flight are independent of each other (the switching
+coordinator's units: each batch runs on its own devices, for its own requests) may say
+which one to apply first: `first_done(handles)` waits until one of them has finished and
+returns its position, so a fast unit's result is applied (and its next batch formed)
+without waiting for a slower unit's. Each request's chunks still update in scheduling
+order: a request is in one unit, which has one batch in flight.
+
 The server loop and the simulator both drive a replica through it, so what the simulator
 measures is what the server's controller does. A failure in dispatch or collect is raised
 as `BatchFailed` naming the batch, which has left the pipe; the caller fails its requests.
@@ -58,6 +65,11 @@ class InFlightRunner:
         """The executor's handle of the oldest batch in flight (None when the pipe is empty)."""
         return self._pending[0][1] if self._pending else None
 
+    @property
+    def handles(self) -> list:
+        """The executor's handles of the batches in flight, oldest first."""
+        return [handle for _, handle in self._pending]
+
     def dispatch_next(self) -> Batch | None:
         """Forms and dispatches one batch if the pipe has room; None when it has no room
         or nothing can run now. Raises BatchFailed when the executor rejects it."""
@@ -73,9 +85,17 @@ class InFlightRunner:
         self._pending.append((batch, pending))
         return batch
 
-    def collect_oldest(self) -> Collected:
-        """Waits for the oldest batch in flight and applies its result."""
-        batch, pending = self._pending.popleft()
+    def collect_next(self) -> Collected:
+        """Waits for the oldest batch in flight (or, where the executor orders them, the
+        first done: `first_done`) and applies its result."""
+        first_done = getattr(self.executor, "first_done", None)
+        if first_done is not None and len(self._pending) > 1:
+            i = first_done([handle for _, handle in self._pending])
+            self._pending.rotate(-i)
+            batch, pending = self._pending.popleft()
+            self._pending.rotate(i)
+        else:
+            batch, pending = self._pending.popleft()
         try:
             result = self.executor.collect(pending)
             updates = self.controller.update(batch, result)
@@ -84,11 +104,11 @@ class InFlightRunner:
         return Collected(batch, result, updates)
 
     def step(self) -> Collected | None:
-        """Fills the pipe, then collects its oldest batch. None when nothing is in flight
-        (nothing could be scheduled)."""
+        """Fills the pipe, then collects its oldest (or first done) batch. None when
+        nothing is in flight (nothing could be scheduled)."""
         while self.dispatch_next() is not None:
             pass
-        return self.collect_oldest() if self._pending else None
+        return self.collect_next() if self._pending else None
 
     def abandon(self) -> list[Batch]:
         """Drops every batch in flight unapplied (their results are lost: the cache they
@@ -100,4 +120,4 @@ class InFlightRunner:
 
     def drain(self) -> list[Collected]:
         """Collects every batch in flight without dispatching more."""
-        return [self.collect_oldest() for _ in range(len(self._pending))]
+        return [self.collect_next() for _ in range(len(self._pending))]
