@@ -260,6 +260,10 @@ def simulated_tables(args) -> dict:
         prio_runs[f"switching (priority, hard, TP-{m * base})"] = run(
             prio_requests, "priority", num, base, priority_threshold=-1,
             priority_preemption="hard", tp_group_size=m)
+    m = args.tp_group or num
+    prio_runs[f"switching (priority, hard, TP-{m * base}, max_pause_s 1)"] = run(
+        prio_requests, "priority", num, base, priority_threshold=-1,
+        priority_preemption="hard", tp_group_size=m, max_pause_s=1.0)
     table1 = []
     for name, (result, coordinator, _) in prio_runs.items():
         high = [r for r in result.requests if r.priority <= -1]

@@ -73,6 +73,13 @@ class SwitchingConfig:
     priority_threshold: "priority": requests with priority <= this bind a group at once.
     priority_preemption: "hard" (the paper's, for latency: the members' DP requests pause)
         or "soft" (they finish first while the request runs in DP on an idle member).
+    max_pause_s: how long a hard binding may pause its members' DP requests: after that it
+        takes no new request (they wait for its release), drains and releases, and for as
+        long again its members serve in DP, priority requests too (a hard binding over
+        them waits), so the paused requests get at least half the devices' time. None: no
+        bound (a steady stream of priority requests keeps them paused), the default: the
+        paper's, and what its Table 1 measures. The bound trades the priority requests'
+        latency for the others' (benchmarks/switching.py --sim: Table 1 with 1 s).
     """
 
     policy: str = "load"
@@ -81,6 +88,7 @@ class SwitchingConfig:
     tp_group_size: int | None = None
     priority_threshold: int = -1
     priority_preemption: str = "hard"
+    max_pause_s: float | None = None
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -95,6 +103,9 @@ class SwitchingConfig:
         if self.priority_preemption not in ("hard", "soft"):
             raise ValueError(f"SwitchingConfig.priority_preemption must be 'hard' or 'soft', "
                              f"got {self.priority_preemption!r}")
+        if self.max_pause_s is not None and not self.max_pause_s >= 0:
+            raise ValueError(f"SwitchingConfig.max_pause_s must be >= 0 or None, got "
+                             f"{self.max_pause_s!r}")
         if self.tp_group_size is not None and self.tp_group_size not in self.group_sizes:
             raise ValueError(f"SwitchingConfig.tp_group_size={self.tp_group_size} is not one of "
                              f"group_sizes={self.group_sizes}")
@@ -149,6 +160,8 @@ class _Binding:
     waiting: list = dataclasses.field(default_factory=list)      # TP requests not yet moved
     speculative: dict = dataclasses.field(default_factory=dict)  # rid -> member running it
     decided_at: float | None = None      # perf_counter of the switch (for its latency)
+    active_since: float | None = None    # clock time it became active
+    closing: bool = False                # takes no new request: drains, then releases
 
 
 class SwitchingCoordinator:
@@ -195,6 +208,9 @@ class SwitchingCoordinator:
         self._moved: set[str] = set()                      # speculative DP runs taken over
         self._deferred: list[Request] = []                 # placed at a later boundary
         self._stepping: set[str] = set()                   # names of units with a step in flight
+        # Replica index -> clock time until which no hard binding may pause it (its DP
+        # requests' turn after a binding closed on max_pause_s).
+        self._dp_turn_until: dict[int, float] = {}
         self._last_update = self.clock.now()
         self._runner = InFlightRunner(self, self)          # step() / run() without a server
 
@@ -291,6 +307,15 @@ class SwitchingCoordinator:
             if key is None:                              # every group of m overlaps another
                 self._deferred.append(request)
                 continue
+            if hard and key not in self.bindings and any(
+                    self._dp_turn_until.get(i, -1.0) > self.clock.now()
+                    for i in range(key[0], key[0] + key[1])):
+                # Its members' DP requests have their turn: it runs in DP meanwhile.
+                target = min(range(key[0], key[0] + key[1]),
+                             key=lambda i: self._load(self.replicas[i]))
+                self.replicas[target].controller.add_request(request)
+                self.requests_per_mode["dp"] += 1
+                continue
             binding = self.bindings.setdefault(key, _Binding(key, hard))
             binding.hard = binding.hard or hard
             self.requests_per_mode[f"tp{m}"] += 1
@@ -312,8 +337,8 @@ class SwitchingCoordinator:
     def _group_for(self, m: int) -> tuple[int, int] | None:
         """The aligned group of m to bind: one already bound to m, else the least loaded one
         that overlaps no bound group."""
-        for key in self.bindings:
-            if key[1] == m:
+        for key, binding in self.bindings.items():
+            if key[1] == m and not binding.closing:
                 return key
         bound = self._bound_members()
         free = [(s, k) for (s, k) in self.groups if k == m
@@ -332,11 +357,21 @@ class SwitchingCoordinator:
 
     def _release(self) -> None:
         """A group with no request left releases its members to DP (their paused requests
-        go on from the pages they kept)."""
+        go on from the pages they kept). A hard binding that has paused DP requests for
+        max_pause_s closes: it takes no new request, so it drains and releases."""
+        max_pause = self.config.max_pause_s
         for key, binding in list(self.bindings.items()):
+            if binding.hard and binding.active and not binding.closing and \
+                    max_pause is not None and \
+                    self.clock.now() - binding.active_since >= max_pause and \
+                    any(self._busy(i) for i in range(key[0], key[0] + key[1])):
+                binding.closing = True
             group = self.groups[key]
             if binding.active and not group.controller.has_unfinished() and \
                     group.name not in self._stepping:
+                if binding.closing:
+                    for i in range(key[0], key[0] + key[1]):
+                        self._dp_turn_until[i] = self.clock.now() + max_pause
                 del self.bindings[key]
                 self.mode_changes["release"] += 1
 
@@ -378,6 +413,7 @@ class SwitchingCoordinator:
                     group.controller.add_request(request)
             binding.waiting.clear()
             binding.active = True
+            binding.active_since = self.clock.now()
             self.mode_changes["bind"] += 1
 
     def _units(self) -> list[_Unit]:

@@ -197,6 +197,47 @@ def test_hard_preempt_pauses_dp_requests_with_their_pages_and_resumes_them(engin
     assert_no_pages_held(engines)
 
 
+def test_a_failing_unit_step_fails_only_its_requests(engines, groups, monkeypatch):
+    """Served by a ServingLoop, as a Server serves it: a step that raises on one replica
+    fails only that replica's batch (the units step on their own); the other replicas'
+    streams carry one replica's tokens, the loop goes on serving, every page comes back."""
+    from serving.loop import ServingLoop
+    from serving.metrics import ServerMetrics
+    from serving.outputs import IncrementalDetokenizer, RequestHandle, RequestStream
+    for engine in engines:
+        def dispatch(batch, _dispatch=engine.dispatch):
+            if any(c.request.request_id == "bad" for c in batch.chunks):
+                raise RuntimeError("injected step failure")
+            return _dispatch(batch)
+        monkeypatch.setattr(engine, "dispatch", dispatch)
+    c = coordinator(engines, groups, policy="priority", priority_threshold=-1,
+                    tp_group_size=2)
+    loop = ServingLoop(c, c, ServerMetrics())
+
+    def submit(rid, p, n, priority=0):
+        r = request(rid, p, n, priority=priority)
+        handle = RequestHandle(rid, r.prompt_token_ids, loop.cancel)
+        loop.add(RequestStream(r, handle, IncrementalDetokenizer(None)))
+        return handle
+
+    specs = [(f"g{i}", prompt(130 + i, 20), 8) for i in range(3)]
+    expected = references(engines[0], specs + [("vip", prompt(140, 20), 5)])
+    try:
+        handles = {rid: submit(rid, p, n) for rid, p, n in specs}
+        bad = submit("bad", prompt(139, 20), 8).result(timeout=300)
+        assert bad.finish_reason == "error" and "injected step failure" in bad.error
+        for rid, handle in handles.items():
+            assert list(handle.result(timeout=300).token_ids) == expected[rid], rid
+        vip = submit("vip", prompt(140, 20), 5, priority=-1).result(timeout=300)
+        assert list(vip.token_ids) == expected["vip"]              # a TP-2 group still binds
+        assert loop.thread.is_alive()
+    finally:
+        loop.close(timeout=60)
+        loop.metrics.close()
+    assert c.mode_changes == {"bind": 1, "release": 1}
+    assert_no_pages_held(engines)
+
+
 @pytest.mark.slow
 def test_a_request_no_replica_holds_runs_on_the_smallest_group_that_does(engines, groups,
                                                                           big_replica):

@@ -200,3 +200,26 @@ def test_replicas_step_independently():
             assert (got.first_scheduled_time, got.first_token_time, got.finish_time) == \
                 pytest.approx((want.first_scheduled_time, want.first_token_time,
                                want.finish_time), rel=1e-12, abs=1e-12)
+
+
+def test_max_pause_bounds_how_long_a_hard_binding_pauses_dp_requests():
+    """A steady stream of priority requests keeps a hard TP-8 binding busy. Unbounded, the
+    DP request it paused waits for the whole stream; with max_pause_s the binding closes
+    after that long, drains, releases (the DP request gets steps) and binds afresh for the
+    priority requests that waited."""
+    dp = Request("dp", 1000, 100, 0.0)
+    stream = [Request(f"vip{i}", 100, 40, 0.2 + 0.2 * i, priority=-1) for i in range(40)]
+    finish = {}
+    for pause in (None, 0.5):
+        units, coordinator = setup("priority", 4, 2, priority_threshold=-1, max_pause_s=pause)
+        run = drive(coordinator, units, [dp, *stream])
+        assert_served(run, [dp, *stream], units)
+        done = {r.request_id: r for r in run.requests}
+        finish[pause] = done["dp"].finish_time
+        binds = coordinator.mode_changes["bind"]
+        assert binds == coordinator.mode_changes["release"]
+        if pause is None:
+            assert finish[None] > max(r.finish_time for r in run.requests if r is not done["dp"])
+        else:
+            assert binds > 1
+    assert finish[0.5] < finish[None] / 2
