@@ -87,9 +87,9 @@ def _make_server(args, *, warmup: bool, calibrate: bool):
     limits = {f: getattr(args, f) for f in LIMIT_FLAGS if getattr(args, f, None) is not None}
     switching, dp = getattr(args, "switching", None), getattr(args, "dp", 1)
     if (dp != 1) != (switching is not None):
-        raise ValueError("--dp N and --switching POLICY go together: N single-device base "
-                         "replicas that switch between DP and TP (routed replicas of any "
-                         "mesh: --replicas)")
+        raise ValueError("--dp N and --switching POLICY go together: N base replicas (one "
+                         "device each, or --parallel tp=b) that switch between DP and TP "
+                         "(routed replicas of any mesh: --replicas)")
     if switching is not None:
         from serving.switching import SwitchingConfig
         SwitchingConfig(switching)                       # a bad name fails before loading
@@ -267,8 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="when a mixed replica hands a request's decode to another: time "
                             "(predicted seconds), never, always-heavy, cached-fraction, dynamo")
     serve.add_argument("--dp", type=int, default=1,
-                       help="with --switching: this many single-device base replicas (DP) "
-                            "that bind into TP groups of 2, 4, 8 and release")
+                       help="with --switching: this many base replicas (DP; one device each, "
+                            "or TP-b with --parallel tp=b) that bind into TP groups of 2, 4, "
+                            "8 of them and release")
     serve.add_argument("--switching", default=None,
                        choices=("load", "priority", "memory", "off"),
                        help="DP <-> TP switching policy (seed 004): load (TP when the host "

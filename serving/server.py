@@ -127,9 +127,9 @@ class Server:
           for mixed replicas). disagg: the hand-off's timeouts (serving.kv_transfer).
         switching: DP <-> TP switching inside this host (seed 004, serving.switching): a
           policy name ("load", "priority", "memory", "off") or a SwitchingConfig, with
-          parallel=ParallelConfig(dp=N): N single-device base replicas (engine_config
-          describes one) that bind into TP groups of 2, 4, 8 and release, moving no weight
-          and no KV page. Every group's shapes compile before the constructor returns
+          parallel=ParallelConfig(dp=N) (or dp=N, tp=b): N base replicas of one device (or
+          of TP-b; engine_config describes one) that bind into TP groups of 2, 4, 8 of them
+          and release, moving no weight and no KV page. Every group's shapes compile before the constructor returns
           (warmup="background" waits for them too), so no switch compiles. /metrics counts
           mode changes, requests per mode and switch latency.
         """
@@ -516,10 +516,10 @@ def _switching_config(switching, parallel, model, replicas, cluster, roles, offl
     if parallel is None or parallel.dp < 2:
         raise ValueError("switching needs parallel=ParallelConfig(dp=N) with N >= 2 base "
                          "replicas to switch between")
-    if parallel.num_devices != parallel.dp:
-        raise ValueError(f"switching's base replicas are single devices (TP groups are what "
-                         f"switching forms); got {parallel} (dp x tp x ... = "
-                         f"{parallel.num_devices} devices for dp={parallel.dp})")
+    if parallel.num_devices != parallel.dp * parallel.tp:
+        raise ValueError(f"switching's base replicas are one device or a TP group (spp = kvp "
+                         f"= cp = 1: the TP groups it binds take their weights and pages as "
+                         f"they lie); got {parallel}")
     others = {"replicas": replicas != 1, "cluster": cluster is not None,
               "roles": roles is not None, "offload": offload is not None,
               "disagg": disagg is not None, "an Engine as model": isinstance(model, Engine)}

@@ -1,9 +1,9 @@
 """Live DP <-> TP switching on one host: Flying Serving's Algorithm 1, in this process.
 
-The host's devices serve as single-device DP base replicas (an Engine and a controller
-each). Aligned, contiguous runs of 2, 4, 8 of them bind into one TP group
-(medha_jax.engine.tp_group: the members' weights and KV pages are used where they lie) and
-release again. `SwitchingCoordinator.step()` is one iteration of Algorithm 1:
+The host's devices serve as DP base replicas of one device or a small TP group each (an
+Engine and a controller each). Aligned, contiguous runs of 2, 4, 8 of them bind into one
+TP group (medha_jax.engine.tp_group: the members' weights and KV pages are used where they
+lie) and release again. `SwitchingCoordinator.step()` is one iteration of Algorithm 1:
 
 1. the global task pool's new requests get a mode from the policy (❷❸: one thread owns
    the pool, so every engine sees the same queue);
@@ -165,7 +165,8 @@ class _Binding:
 
 
 class SwitchingCoordinator:
-    """Algorithm 1 over `engines` (single-device DP base replicas of one model and config).
+    """Algorithm 1 over `engines` (DP base replicas of one model and config, one device or
+    one TP-b mesh each).
 
     Every aligned group's TP engine is built here and compiled by `warmup()` (every bucket
     of every group, each run once: on a GPU that first run builds the group's
@@ -191,6 +192,9 @@ class SwitchingCoordinator:
                 max_model_len=engine.max_model_len), name)
 
         self.replicas = [unit(e, f"dp{i}") for i, e in enumerate(engines)]
+        # Devices of one base replica: a group of m runs TP-(m * base_tp).
+        mesh = getattr(engines[0].model, "mesh", None)
+        self.base_tp = mesh.size if mesh is not None else engines[0].tp
         self.groups = {}
         if config.policy != "off":
             for start, m in aligned_groups(len(engines), config.group_sizes):
@@ -200,7 +204,7 @@ class SwitchingCoordinator:
         self.pool: collections.deque[Request] = collections.deque()
         self.bindings: dict[tuple[int, int], _Binding] = {}
         self.mode_changes = collections.Counter()          # "bind" / "release"
-        self.requests_per_mode = collections.Counter()     # "dp" / "tp2" / ...
+        self.requests_per_mode = collections.Counter()     # "dp" / "tp2" / ... (TP degree)
         # The last switches' latencies (bounded: a server runs for weeks).
         self.switch_latencies_s: collections.deque[float] = collections.deque(maxlen=10_000)
         self.finished: dict[str, Request] = {}
@@ -318,7 +322,7 @@ class SwitchingCoordinator:
                 continue
             binding = self.bindings.setdefault(key, _Binding(key, hard))
             binding.hard = binding.hard or hard
-            self.requests_per_mode[f"tp{m}"] += 1
+            self.requests_per_mode[f"tp{m * self.base_tp}"] += 1
             if binding.active:
                 self.groups[key].controller.add_request(request)
                 continue

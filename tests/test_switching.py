@@ -1,6 +1,7 @@
 """DP <-> TP switching inside a host (seed 004): tiny model, the CPU's virtual devices."""
 
 import dataclasses
+import re
 
 import jax
 import numpy as np
@@ -73,7 +74,8 @@ def pointers(engines):
     out = []
     for e in engines:
         leaves = jax.tree.leaves(member_weights(e)) + [e.kv_cache.k, e.kv_cache.v]
-        out.append([leaf.unsafe_buffer_pointer() for leaf in leaves])
+        out.append([shard.data.unsafe_buffer_pointer() for leaf in leaves
+                    for shard in leaf.addressable_shards])
     return out
 
 
@@ -98,6 +100,12 @@ def test_tp_shape_keeps_block_bytes_constant():
     assert [TPShape.of(tied, m, 16).page_tokens for m in (2, 4)] == [32, 64]   # B = m B_base
     with pytest.raises(ValueError, match="num_kv_heads"):
         TPShape.of(dataclasses.replace(tied, num_heads=6, num_kv_heads=3), 2, 16)
+    # Members of TP-2 hold K/2 heads per device; the group splits those m ways.
+    assert TPShape.of(llama, 2, 16, base_tp=2).page_tokens == 16     # K_b = 1 < m: kept
+    assert TPShape.of(tied, 2, 16, base_tp=2).page_tokens == 32       # K_b = 2: B = m B_base
+    assert TPShape.of(tied, 2, 16, base_tp=2).heads == tied.num_heads // 4
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        TPShape.of(llama, 2, 16, base_tp=4)                            # K = 2 < b
 
 
 @pytest.mark.slow
@@ -129,6 +137,38 @@ def test_tp_program_has_two_all_reduces_per_layer_and_no_weight_all_gather(group
     assert "f32[1,64,2,16]" in hlo and "f32[1,64,8,16]" not in hlo
     # One layer body under the scan (a while loop): wo's and w_down's all-reduce.
     assert hlo.count(" all-reduce(") + hlo.count(" all-reduce-start(") == 2, hlo.count("all-reduce")
+
+
+@pytest.fixture(scope="module")
+def engines_tp2():
+    """Two base replicas of TP-2 (devices 0-1 and 2-3)."""
+    return [Engine(m, CFG) for m in replica_models("tiny", 2, parallel=ParallelConfig(tp=2))]
+
+
+def test_tp2_base_replicas_bind_a_tp4_group_in_place(engines_tp2):
+    """Two TP-2 replicas bind one TP-4 group: device (r, j) computes the r-th half of what
+    it holds of replica r's shard j. Greedy tokens equal one TP-2 replica's; no weight or
+    cache buffer moves; per layer one all-reduce after wo and one after w_down over the 4
+    devices; the embedding and the logits are vocabulary-parallel over each member's 2
+    devices (an all-reduce of the looked-up rows, an all-gather of the logits), and
+    nothing else is gathered."""
+    group = TPGroupEngine(engines_tp2)
+    assert (group.tp.base_tp, group.tp.heads, group.tp.mlp) == (2, 2, 32)
+    before = pointers(engines_tp2)
+    for i in range(3):
+        p = prompt(150 + i, 20 + 9 * i)
+        assert reference(group, p, 4) == reference(engines_tp2[0], p, 4), i
+        assert pointers(engines_tp2) == before
+    assert_no_pages_held(engines_tp2)
+    hlo = group.executable(group.ladder.all_shapes()[0]).as_text()
+    body = [line for line in hlo.splitlines() if "while/body" in line]
+    reduces = [line for line in body if " all-reduce(" in line or " all-reduce-start(" in line]
+    assert len(reduces) == 2 and all("{{0,1,2,3}}" in line for line in reduces), reduces
+    gathers = [line for line in hlo.splitlines() if " all-gather(" in line]
+    assert gathers and all(re.search(r"= f32\[\d+,256\]", line) and "{{0,1},{2,3}}" in line
+                           for line in gathers), gathers
+    # Per layer, each device slices a quarter of wq's heads: [64, 2, 16] of [64, 8, 16].
+    assert "f32[1,64,2,16]" in hlo and "f32[1,64,4,16]" not in hlo
 
 
 def assert_soft_preempt_keeps_one_replicas_tokens(c, engine, *, seed, busy_new, vip_new):
@@ -348,8 +388,8 @@ def test_switching_arguments_are_checked_before_loading():
     from serving.server import Server
     with pytest.raises(ValueError, match="dp=N"):
         Server("tiny", switching="load")
-    with pytest.raises(ValueError, match="single devices"):
-        Server("tiny", parallel=ParallelConfig(dp=2, tp=2), switching="load")
+    with pytest.raises(ValueError, match="one device or a TP group"):
+        Server("tiny", parallel=ParallelConfig(dp=2, kvp=2), switching="load")
     with pytest.raises(ValueError, match="replicas"):
         Server("tiny", parallel=ParallelConfig(dp=2), switching="load", replicas=2)
     with pytest.raises(ValueError, match="policy must be one of"):
@@ -395,4 +435,27 @@ def test_a_switching_server_streams_one_replicas_tokens_through_a_soft_preempt(e
         assert 'medha_switching_mode_changes_total{kind="bind"} 1.0' in text
         assert 'medha_switching_requests_total{mode="tp2"} 1.0' in text
         assert 'medha_switching_latency_seconds_count 1.0' in text
+        assert server.num_free_pages == server.num_total_pages
+
+
+@pytest.mark.slow
+def test_a_switching_server_over_tp2_base_replicas(engines_tp2):
+    """Server(parallel=ParallelConfig(dp=2, tp=2), switching="priority"): base replicas of
+    TP-2; a priority request binds the TP-4 group at once (hard: the DP request decoding on
+    replica 0 pauses and resumes). Every stream carries one TP-2 replica's greedy tokens."""
+    from serving.server import Server
+    busy_prompt, vip_prompt = prompt(160, 30), prompt(161, 25)
+    expected = {"busy": reference(engines_tp2[0], busy_prompt, 12),
+                "vip": reference(engines_tp2[0], vip_prompt, 6)}
+    greedy = lambda n: SamplingParams(temperature=0.0, max_tokens=n)    # noqa: E731
+    with Server("tiny", parallel=ParallelConfig(dp=2, tp=2), switching="priority",
+                engine_config=CFG, scheduler="fcfs") as server:
+        busy = server.submit(busy_prompt, greedy(12))
+        next(iter(busy))                                       # decoding on replica 0
+        vip = server.submit(vip_prompt, greedy(6), priority=-1)
+        outputs = {"busy": busy.result(timeout=300), "vip": vip.result(timeout=300)}
+        for rid, output in outputs.items():
+            assert list(output.token_ids) == expected[rid], rid
+        assert server.switching.mode_changes == {"bind": 1, "release": 1}
+        assert server.switching.requests_per_mode == {"dp": 1, "tp4": 1}
         assert server.num_free_pages == server.num_total_pages

@@ -107,7 +107,7 @@ def test_memory_policy_binds_the_smallest_group_that_holds_it():
     short = Request("short", 100, 8, 0.0)
     run = drive(coordinator, units, [long, short])
     assert_served(run, [long, short], units)
-    assert coordinator.requests_per_mode == {"tp2": 1, "dp": 1}
+    assert coordinator.requests_per_mode == {"tp4": 1, "dp": 1}      # 2 x TP-2
     units, coordinator = setup("off", 4, 2, max_model_len=800_000)
     with pytest.raises(ValueError, match="long"):
         coordinator.submit(long)
@@ -138,7 +138,7 @@ def test_load_counts_a_bound_groups_queue():
     units, coordinator = setup("load", 4, 2, load_max_queued=2, tp_group_size=2)
     run = drive(coordinator, units, requests)
     assert_served(run, requests, units)
-    assert coordinator.requests_per_mode["tp2"] >= 1
+    assert coordinator.requests_per_mode["tp4"] >= 1
     assert coordinator.requests_per_mode["dp"] >= 6
 
 
