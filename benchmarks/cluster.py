@@ -17,6 +17,9 @@ Two parts, two tables:
     with its prefix cached on one replica (index fed by cache events): p50 / p99 of
     `Router.route` for a session's next turn, given its page hashes. Hashing the prompt
     (`prefix_page_hashes`, which the replica's allocator needs too) is reported apart.
+    The events name their orphans (none: each session's pages are a chain from the root),
+    as an allocator's do, so the index finds each replica's depth by bisection (lookup
+    `bisect`); the last row withholds them, so the index reads every page (`walk`).
 (c) live on this machine: `Server(model, replicas=2, router=policy)` in this process, a
     fresh server per policy, replaying the same slice of the trace through
     `serving.replay` (arrival times honoured, sessions passed on): the trace's sessions
@@ -121,8 +124,8 @@ def simulated(args) -> list[dict]:
 def decision_time(args, num_replicas: int = 16, page_size: int = 16) -> list[dict]:
     """Router.route on a session's next turn with `args.sessions` sessions cached."""
     from medha_jax.cluster.prefix_index import CacheEvent
-    from medha_jax.cluster.router import (ROUTING_POLICIES, ReplicaStatus, RouteRequest, Router,
-                                          RoutingConfig)
+    from medha_jax.cluster.router import (PREDICTED_TIME, ROUTING_POLICIES, ReplicaStatus,
+                                          RouteRequest, Router, RoutingConfig)
     from medha_jax.kv_cache.allocator import prefix_page_hashes
 
     rng = random.Random(0)
@@ -137,12 +140,14 @@ def decision_time(args, num_replicas: int = 16, page_size: int = 16) -> list[dic
         turn = system_prompt + [rng.randrange(32_000) for _ in range(rng.randint(500, 8000))]
         sessions.append((turn, s % num_replicas))
     rows = []
-    for policy in ROUTING_POLICIES:
+    runs = [(policy, "bisect") for policy in ROUTING_POLICIES] + [(PREDICTED_TIME, "walk")]
+    for policy, lookup in runs:
         router = Router(num_replicas, lambda: statuses, RoutingConfig(policy))
         seq = [0] * num_replicas
         for tokens, replica in sessions:     # every session's prefix cached where it lives
             router.index.apply(CacheEvent(replica, seq[replica],
-                                          stored=tuple(prefix_page_hashes(tokens, page_size))))
+                                          stored=tuple(prefix_page_hashes(tokens, page_size)),
+                                          orphaned=() if lookup == "bisect" else None))
             seq[replica] += 1
         hash_s, route_s = [], []
         for i in range(num_probes):
@@ -154,7 +159,8 @@ def decision_time(args, num_replicas: int = 16, page_size: int = 16) -> list[dic
             router.route(RouteRequest(len(prompt), hashes, f"s{i}", 100))
             route_s.append(time.perf_counter() - hashed)
             hash_s.append(hashed - start)
-        rows.append({"policy": policy, "replicas": num_replicas, "sessions": args.sessions,
+        rows.append({"policy": policy, "lookup": lookup, "replicas": num_replicas,
+                     "sessions": args.sessions,
                      "mean_prompt_pages": round(statistics.mean(
                          len(t) for t, _ in sessions) / page_size),
                      "route_p50_us": 1e6 * percentile(route_s, 50),
