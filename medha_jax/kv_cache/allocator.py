@@ -141,7 +141,9 @@ class BlockAllocator:
     prefix cache is dropped: what a router's prefix index follows
     (medha_jax.cluster.prefix_index.PrefixIndex). orphaned / adopted: registered pages whose
     parent prefix page just stopped / started being registered (orphans, `orphan_hashes`).
-    A listener attached after pages were registered calls `restate_cache()`.
+    A listener attached after construction calls `restate_cache()` (without it, events
+    carry orphaned=None: the orphans are followed only for a listener, they cost a few
+    dict operations per page).
 
     Orphans: a registered page whose parent page is not. Eviction is least recently freed
     first and a request frees its deepest page first, so a parent normally outlives its
@@ -200,11 +202,13 @@ class BlockAllocator:
         self._page_of_hash: dict[bytes, int] = {}                # hash -> global page id
         self._hash_of_page: dict[int, bytes] = {}                # global page id -> hash
         # The tree of registered prefixes, for the orphans: a registered hash's parent hash
-        # (absent for first pages: the root is always there), the registered children of a
-        # hash (registered or not), and the registered hashes whose parent is not.
+        # (absent for first pages: the root is always there); once a listener follows them
+        # (`_follows_orphans`), also the registered children of a hash (registered or
+        # not) and the registered hashes whose parent is not.
         self._parent_of_hash: dict[bytes, bytes] = {}
         self._children_of_hash: dict[bytes, set[bytes]] = {}
         self._orphans: set[bytes] = set()
+        self._follows_orphans = on_cache_change is not None
         self._requests: dict[str, _RequestPages] = {}
         self.on_cache_change = on_cache_change
 
@@ -230,9 +234,10 @@ class BlockAllocator:
         return self.num_pages - self.num_free_pages
 
     @property
-    def orphan_hashes(self) -> tuple[bytes, ...]:
-        """Registered page hashes whose parent page is not registered (see the class doc)."""
-        return tuple(self._orphans)
+    def orphan_hashes(self) -> tuple[bytes, ...] | None:
+        """Registered page hashes whose parent page is not registered (see the class doc);
+        None until a listener follows them."""
+        return tuple(self._orphans) if self._follows_orphans else None
 
     @property
     def num_cached_pages(self) -> int:
@@ -409,7 +414,9 @@ class BlockAllocator:
                     page, _ = evictable.popitem(last=False)
                     evicted.append(self._hash_of_page.pop(base + page))
                     del self._page_of_hash[evicted[-1]]
-                    self._unlink_hash(evicted[-1], orphaned)
+                    parent = self._parent_of_hash.pop(evicted[-1], None)
+                    if self._follows_orphans:
+                        self._unlink_hash(evicted[-1], parent, orphaned)
                 self._refcount[base + page] = 1
                 req.table[i] = page
                 i += 1
@@ -417,7 +424,8 @@ class BlockAllocator:
         if evicted and self.on_cache_change is not None:
             # A child evicted after its parent in this batch is no orphan any more.
             self.on_cache_change((), evicted, orphaned=tuple(
-                h for h in orphaned if h in self._orphans), adopted=())
+                h for h in orphaned if h in self._orphans) if self._follows_orphans else None,
+                adopted=())
         return True
 
     def shards_short(self, request_id: str, num_tokens: int) -> frozenset[int]:
@@ -490,15 +498,26 @@ class BlockAllocator:
                 self._page_of_hash[last_hash] = page
                 self._hash_of_page[page] = last_hash
                 stored.append(last_hash)
-                self._link_hash(last_hash, parent, orphaned, adopted)
+                if parent != _ROOT_HASH:
+                    self._parent_of_hash[last_hash] = parent
+                if self._follows_orphans:
+                    self._link_hash(last_hash, parent, orphaned, adopted)
         req.num_hashed, req.last_hash = num_full, last_hash
         if stored and self.on_cache_change is not None:
-            self.on_cache_change(stored, (), orphaned=tuple(orphaned), adopted=tuple(adopted))
+            self.on_cache_change(stored, (), orphaned=tuple(orphaned)
+                                 if self._follows_orphans else None, adopted=tuple(adopted))
 
     def restate_cache(self) -> None:
         """Sends the whole prefix cache to on_cache_change as one event (cleared, then every
-        registered page stored and every orphan named): for a listener attached after pages
-        were registered, so that it starts from what this allocator holds."""
+        registered page stored and every orphan named), and follows the orphans from now
+        on: for a listener attached after construction, so that it starts from what this
+        allocator holds."""
+        if not self._follows_orphans:
+            for h, parent in self._parent_of_hash.items():
+                self._children_of_hash.setdefault(parent, set()).add(h)
+                if parent not in self._page_of_hash:
+                    self._orphans.add(h)
+            self._follows_orphans = True
         if self.on_cache_change is not None:
             self.on_cache_change(tuple(self._page_of_hash), (), cleared=True,
                                  orphaned=self.orphan_hashes, adopted=())
@@ -507,28 +526,37 @@ class BlockAllocator:
                    adopted: list[bytes]) -> None:
         """h was just registered under `parent`: it is an orphan if the parent is not
         registered, and the children registered before it are orphans no more."""
+        children_of = self._children_of_hash
         if parent != _ROOT_HASH:
-            self._parent_of_hash[h] = parent
-            self._children_of_hash.setdefault(parent, set()).add(h)
+            siblings = children_of.get(parent)
+            if siblings is None:
+                children_of[parent] = {h}
+            else:
+                siblings.add(h)
             if parent not in self._page_of_hash:
                 self._orphans.add(h)
                 orphaned.append(h)
-        for child in self._children_of_hash.get(h, ()):
-            self._orphans.discard(child)
-            adopted.append(child)
+        children = children_of.get(h)
+        if children:
+            self._orphans.difference_update(children)
+            adopted.extend(children)
 
-    def _unlink_hash(self, h: bytes, orphaned: list[bytes]) -> None:
-        """h was just evicted: its registered children become orphans."""
-        parent = self._parent_of_hash.pop(h, None)
+    def _unlink_hash(self, h: bytes, parent: bytes | None, orphaned: list[bytes]) -> None:
+        """h (under `parent`, None for a first page) was just evicted: its registered
+        children become orphans."""
+        children_of = self._children_of_hash
         if parent is not None:
-            siblings = self._children_of_hash[parent]
-            siblings.discard(h)
-            if not siblings:
-                del self._children_of_hash[parent]
-        self._orphans.discard(h)
-        for child in self._children_of_hash.get(h, ()):
-            self._orphans.add(child)
-            orphaned.append(child)
+            siblings = children_of[parent]
+            if len(siblings) == 1:
+                del children_of[parent]
+            else:
+                siblings.discard(h)
+        if self._orphans:
+            self._orphans.discard(h)
+        children = children_of.get(h)
+        if children:
+            self._orphans.update(children)
+            orphaned.extend(children)
 
     def free(self, request_id: str) -> None:
         """Drops the request's references; registered pages stay cached (evictable), others free.
@@ -570,7 +598,7 @@ class BlockAllocator:
         self._children_of_hash.clear()
         self._orphans.clear()
         if self.on_cache_change is not None:
-            self.on_cache_change((), (), cleared=True, orphaned=(), adopted=())
+            self.on_cache_change((), (), cleared=True, orphaned=self.orphan_hashes, adopted=())
 
     def _get(self, request_id: str) -> _RequestPages:
         req = self._requests.get(request_id)
