@@ -146,7 +146,9 @@ class ReplicaActor:
         self._table: tuple[tuple[int, float], ...] = ()
         self._table_at = 0.0
         replica.engine.allocator.on_cache_change = self._on_cache_change
-        replica.engine.allocator.restate_cache()   # event 0: what its warm-up left cached
+        # Event 0, before any request reaches the loop: the cache restated with its orphans
+        # (followed from here on), so the front's index bisects this replica's pages.
+        replica.engine.allocator.restate_cache()
 
     def describe(self) -> dict:
         server = self.server

@@ -279,7 +279,9 @@ class ReplicaSet:
                 replica.step_hooks.append(lambda i=index: self._after_step(i))
         for replica in self.replicas:
             replica.engine.allocator.on_cache_change = self._listener(replica.index)
-            replica.engine.allocator.restate_cache()     # pages its warm-up left cached
+            # Before any request (the loop has not touched it): its orphans are followed
+            # from here on, so the index bisects this replica's pages.
+            replica.engine.allocator.restate_cache()
             replica.loop.on_down = self._take_over
             if metrics is not None:
                 metrics.observe_health(replica.index, True)
