@@ -17,6 +17,9 @@ Two parts, two tables:
     with its prefix cached on one replica (index fed by cache events): p50 / p99 of
     `Router.route` for a session's next turn, given its page hashes. Hashing the prompt
     (`prefix_page_hashes`, which the replica's allocator needs too) is reported apart.
+    The events name their orphans (none: each session's pages are a chain from the root),
+    as an allocator's do, so the index finds each replica's depth by bisection (lookup
+    `bisect`); the last row withholds them, so the index reads every page (`walk`).
 (c) live on this machine: `Server(model, replicas=2, router=policy)` in this process, a
     fresh server per policy, replaying the same slice of the trace through
     `serving.replay` (arrival times honoured, sessions passed on): the trace's sessions
@@ -27,6 +30,14 @@ Two parts, two tables:
     outputs at `--live-output` tokens; arrivals compressed to span `--live-seconds`.
     Prefix hit rate, TTFT p50/p90, TPOT p90 and imbalance (max / min of the replicas'
     busy seconds: the sum of their measured steps).
+(d) with --kill (needs Ray; not run by default): a streaming load of `--kill-requests`
+    requests (default 200, all submitted at once, each streamed by its own thread) on two
+    replicas that are Ray actors; `ray.kill` of `medha-replica-1` (Ray restarts it) once a
+    quarter of them have finished. Counts completed, UNAVAILABLE, lost (any other end) and
+    hung (not ended within `--kill-timeout` s), the completed ones whose tokens differ from
+    one in-process replica's greedy tokens, requests re-run elsewhere, seconds from the
+    kill until the replica left the router and until it was back in it, and the requests
+    it served of a short load after that.
 """
 
 from __future__ import annotations
@@ -74,6 +85,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="part (c): arrivals compressed to span this long (default 120; "
                         "--quick 30)")
     p.add_argument("--skip", default="", help="comma-separated parts to skip (a, b, c)")
+    p.add_argument("--kill", action="store_true",
+                   help="part (d): kill a Ray replica during a streaming load (needs Ray)")
+    p.add_argument("--kill-requests", type=int, default=200, help="part (d): requests")
+    p.add_argument("--kill-output", type=int, default=None,
+                   help="part (d): greedy output tokens per request (default 48; --quick 16)")
+    p.add_argument("--kill-timeout", type=float, default=600.0,
+                   help="part (d): seconds after which a request that has not ended hangs")
     return p.parse_args(argv)
 
 
@@ -121,8 +139,8 @@ def simulated(args) -> list[dict]:
 def decision_time(args, num_replicas: int = 16, page_size: int = 16) -> list[dict]:
     """Router.route on a session's next turn with `args.sessions` sessions cached."""
     from medha_jax.cluster.prefix_index import CacheEvent
-    from medha_jax.cluster.router import (ROUTING_POLICIES, ReplicaStatus, RouteRequest, Router,
-                                          RoutingConfig)
+    from medha_jax.cluster.router import (PREDICTED_TIME, ROUTING_POLICIES, ReplicaStatus,
+                                          RouteRequest, Router, RoutingConfig)
     from medha_jax.kv_cache.allocator import prefix_page_hashes
 
     rng = random.Random(0)
@@ -137,12 +155,14 @@ def decision_time(args, num_replicas: int = 16, page_size: int = 16) -> list[dic
         turn = system_prompt + [rng.randrange(32_000) for _ in range(rng.randint(500, 8000))]
         sessions.append((turn, s % num_replicas))
     rows = []
-    for policy in ROUTING_POLICIES:
+    runs = [(policy, "bisect") for policy in ROUTING_POLICIES] + [(PREDICTED_TIME, "walk")]
+    for policy, lookup in runs:
         router = Router(num_replicas, lambda: statuses, RoutingConfig(policy))
         seq = [0] * num_replicas
         for tokens, replica in sessions:     # every session's prefix cached where it lives
             router.index.apply(CacheEvent(replica, seq[replica],
-                                          stored=tuple(prefix_page_hashes(tokens, page_size))))
+                                          stored=tuple(prefix_page_hashes(tokens, page_size)),
+                                          orphaned=() if lookup == "bisect" else None))
             seq[replica] += 1
         hash_s, route_s = [], []
         for i in range(num_probes):
@@ -154,7 +174,8 @@ def decision_time(args, num_replicas: int = 16, page_size: int = 16) -> list[dic
             router.route(RouteRequest(len(prompt), hashes, f"s{i}", 100))
             route_s.append(time.perf_counter() - hashed)
             hash_s.append(hashed - start)
-        rows.append({"policy": policy, "replicas": num_replicas, "sessions": args.sessions,
+        rows.append({"policy": policy, "lookup": lookup, "replicas": num_replicas,
+                     "sessions": args.sessions,
                      "mean_prompt_pages": round(statistics.mean(
                          len(t) for t, _ in sessions) / page_size),
                      "route_p50_us": 1e6 * percentile(route_s, 50),
@@ -226,6 +247,74 @@ def live(args) -> list[dict]:
     return rows
 
 
+def kill(args) -> list[dict]:
+    """Part (d): ray.kill of medha-replica-1 during a streaming load on two Ray replicas."""
+    import threading
+
+    import ray
+
+    from medha_jax import SamplingParams
+    from medha_jax.engine import EngineConfig
+    from serving.ray_cluster import ACTOR_NAME, NAMESPACE
+    from serving.server import Server, TokensPrompt
+
+    engine_config = EngineConfig(max_kv_tokens=8192, max_model_len=512,
+                                 max_tokens_per_step=256, max_seqs=16)
+    params = SamplingParams(temperature=0.0, max_tokens=args.kill_output or
+                            (16 if args.quick else 48))
+    rng = random.Random(1)
+    prompts = [TokensPrompt([rng.randrange(1, 256) for _ in range(rng.randint(16, 160))])
+               for _ in range(args.kill_requests)]
+    with Server("tiny", engine_config=engine_config, warmup=False, cache_dir=False) as local:
+        expected = [out.token_ids for out in local.generate(prompts, params)]
+    if not ray.is_initialized():          # two CPUs: one per replica actor
+        ray.init(num_cpus=2, include_dashboard=False, object_store_memory=80 * 2**20,
+                 namespace=NAMESPACE, log_to_driver=False)
+    with Server("tiny", engine_config=engine_config, warmup=False, replicas=2, cluster="ray",
+                cache_dir=False) as server:
+        results: dict[int, object] = {}
+        streamed: dict[int, list[int]] = {}
+
+        def consume(i, handle):
+            tokens = streamed.setdefault(i, [])
+            for delta in handle:
+                tokens.extend(delta.token_ids)
+            results[i] = handle.result(timeout=0)
+
+        started = time.monotonic()
+        threads = [threading.Thread(target=consume, args=(i, server.submit(p, params)),
+                                    daemon=True) for i, p in enumerate(prompts)]
+        for t in threads:
+            t.start()
+        while len(results) < len(prompts) // 4 and time.monotonic() < started + args.kill_timeout:
+            time.sleep(0.01)
+        in_flight = len(prompts) - len(results)
+        ray.kill(ray.get_actor(ACTOR_NAME.format(1), namespace=NAMESPACE), no_restart=False)
+        killed_at = time.monotonic()
+        while server.healthy[1] and time.monotonic() < killed_at + 60:
+            time.sleep(0.01)
+        left_s = time.monotonic() - killed_at
+        for t in threads:
+            t.join(timeout=max(started + args.kill_timeout - time.monotonic(), 0.0))
+        hung = sum(t.is_alive() for t in threads)
+        done = [i for i, out in results.items() if out.finish_reason == "length"]
+        unavailable = [i for i, out in results.items() if out.finish_reason == "error"
+                       and out.error.startswith("UNAVAILABLE")]
+        while (server.restarts_seen[1] == 0 or not server.healthy[1]) and \
+                time.monotonic() < killed_at + args.kill_timeout:
+            time.sleep(0.1)
+        back_s = time.monotonic() - killed_at if server.healthy[1] else float("nan")
+        after = server.generate(prompts[:8], params)
+        return [{"requests": len(prompts), "in_flight_at_kill": in_flight,
+                 "completed": len(done), "unavailable": len(unavailable),
+                 "lost": len(results) - len(done) - len(unavailable), "hung": hung,
+                 "tokens_differ": sum(results[i].token_ids != expected[i]
+                                      or tuple(streamed[i]) != expected[i] for i in done),
+                 "reruns": server.reruns, "left_router_s": left_s, "back_in_router_s": back_s,
+                 "served_by_it_after": sum(o.metrics.replica == 1 for o in after),
+                 "output_tokens": params.max_tokens}]
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     skip = set(args.skip.split(",")) - {""}
@@ -233,7 +322,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                    + " --xla_force_host_platform_device_count=2").strip()
-    sim = decisions = lives = []
+    sim = decisions = lives = kills = []
     if "a" not in skip:
         sim = simulated(args)
         table(f"(a) simulated: Mooncake conversation trace, {args.replicas} replicas of "
@@ -248,6 +337,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         table(f"(c) live: 2 replicas in this process ({lives[0]['model']}, lars-mp), the "
               f"trace's multi-turn sessions, lengths x{args.live_scale:.4g}, arrivals over "
               f"{lives[0]['span_s']:.0f} s", lives)
+    if args.kill:
+        kills = kill(args)
+        table("(d) ray.kill of medha-replica-1 during a streaming load: 2 Ray replicas (tiny, "
+              "greedy), all requests submitted at once, killed when a quarter had finished",
+              kills)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         context = {**environment(), "model_simulated": args.model, "hardware": args.hardware,
@@ -255,7 +349,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                    "trace": os.path.basename(args.trace)}
         with open(args.json, "w") as f:
             json.dump({"context": context, "simulated": sim, "decision_time": decisions,
-                       "live": lives}, f, indent=2)
+                       "live": lives, "kill": kills}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -146,6 +146,9 @@ class ReplicaActor:
         self._table: tuple[tuple[int, float], ...] = ()
         self._table_at = 0.0
         replica.engine.allocator.on_cache_change = self._on_cache_change
+        # Event 0, before any request reaches the loop: the cache restated with its orphans
+        # (followed from here on), so the front's index bisects this replica's pages.
+        replica.engine.allocator.restate_cache()
 
     def describe(self) -> dict:
         server = self.server
@@ -198,17 +201,20 @@ class ReplicaActor:
         lengths = sorted({0, *range(0, max_len + 1, max(max_len // 64, 1)), max_len})
         return tuple((n, self.replica.prefill_s(n, 0)) for n in lengths)
 
-    def _on_cache_change(self, stored, removed, cleared=False) -> None:
+    def _on_cache_change(self, stored, removed, cleared=False, orphaned=None,
+                         adopted=()) -> None:
         """On the replica's loop thread (the only one touching its allocator)."""
         with self._events_lock:
             if len(self._events) >= MAX_BUFFERED_EVENTS:
                 # Nobody polled for long: one event that restates the whole cache.
                 allocator = self.replica.engine.allocator
                 self._events = [CacheEvent(self.index, self._next_seq,
-                                           tuple(allocator._page_of_hash), (), True)]
+                                           tuple(allocator._page_of_hash), (), True,
+                                           allocator.orphan_hashes)]
             else:
-                self._events.append(CacheEvent(self.index, self._next_seq, tuple(stored),
-                                               tuple(removed), cleared))
+                self._events.append(CacheEvent(
+                    self.index, self._next_seq, tuple(stored), tuple(removed), cleared,
+                    None if orphaned is None else tuple(orphaned), tuple(adopted)))
             self._next_seq += 1
 
 

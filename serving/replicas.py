@@ -279,6 +279,9 @@ class ReplicaSet:
                 replica.step_hooks.append(lambda i=index: self._after_step(i))
         for replica in self.replicas:
             replica.engine.allocator.on_cache_change = self._listener(replica.index)
+            # Before any request (the loop has not touched it): its orphans are followed
+            # from here on, so the index bisects this replica's pages.
+            replica.engine.allocator.restate_cache()
             replica.loop.on_down = self._take_over
             if metrics is not None:
                 metrics.observe_health(replica.index, True)
@@ -466,7 +469,7 @@ class ReplicaSet:
     def _listener(self, replica: int):
         apply = self.router.index.listener(replica)
 
-        def on_cache_change(stored, removed, cleared=False):
+        def on_cache_change(stored, removed, cleared=False, orphaned=None, adopted=()):
             with self._lock:
-                apply(stored, removed, cleared)
+                apply(stored, removed, cleared, orphaned, adopted)
         return on_cache_change

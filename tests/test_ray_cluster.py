@@ -72,6 +72,8 @@ def test_two_ray_replicas_give_one_replicas_greedy_tokens(ray_server):
             ray_server.router.index.num_pages_held(r) for r in (0, 1)):
         time.sleep(0.1)
     assert all(ray_server.router.index.num_pages_held(r) > 0 for r in (0, 1))
+    # The actors' events name their orphans (event 0 restates each cache): lookups bisect.
+    assert ray_server.router.index._orphans_known == 0b11
     # Every page came back, per the actors' polled state; /metrics counts per replica.
     while time.monotonic() < deadline and ray_server.num_free_pages != ray_server.num_total_pages:
         time.sleep(0.1)

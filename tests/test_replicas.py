@@ -74,6 +74,8 @@ def test_a_sessions_next_turn_goes_where_its_prefix_is_cached():
         assert second.metrics.num_cached_tokens >= 64        # turn 1's full pages
         assert third.metrics.num_cached_tokens >= 64
         assert wait_until_idle(server)
+        # Both allocators name their orphans to the index, so its lookups bisect.
+        assert server._replica_set.router.index._orphans_known == 0b11
         with pytest.raises(TypeError, match="session_id"):
             server.submit(TokensPrompt([1, 2]), GREEDY, session_id=3)
 

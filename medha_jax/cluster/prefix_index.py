@@ -8,6 +8,14 @@ allocators' cache events (`CacheEvent`: pages stored, pages removed, everything 
 numbered per replica so that a lost event is detected and the replica's entries dropped
 until it resends its state (Dynamo's KV router does the same with its event stream).
 
+A lookup need not read every page of the prompt. A replica's pages of one prompt are a
+prefix of it (its pool evicts a parent after its children) except where a page is an
+ORPHAN there (held, its parent page not: `BlockAllocator.orphan_hashes` says when that
+happens), and an allocator's events name its orphans. For the replicas whose events do
+and that hold no orphan of this prompt, the masks of the prompt's pages only lose replicas
+page after page, so each one's depth is found by bisection, O(log pages) reads per
+replica that drops out; the others are walked page by page.
+
 Inside a process the allocators call `PrefixIndex.listener(replica)` directly; across
 processes a replica ships the same events. Between a routing decision and the events that
 confirm it (the prefill has not computed the pages yet), the router marks the prompt's pages
@@ -33,7 +41,11 @@ class CacheEvent:
 
     seq: the replica's event number, 0, 1, 2, ... (a gap means events were lost);
     stored / removed: page hashes registered / evicted; cleared: the whole cache was dropped
-    (applied before `stored`).
+    (applied before `stored`);
+    orphaned / adopted: held pages whose parent page just stopped / started being held
+    there (the allocator's `orphan_hashes`; an orphan removed needs no mention). None: the
+    sender does not follow its orphans, so the index reads that replica's pages one by one
+    until a cleared event restates its cache with them.
     """
 
     replica: int
@@ -41,6 +53,8 @@ class CacheEvent:
     stored: tuple[bytes, ...] = ()
     removed: tuple[bytes, ...] = ()
     cleared: bool = False
+    orphaned: tuple[bytes, ...] | None = None
+    adopted: tuple[bytes, ...] = ()
 
 
 @dataclasses.dataclass(eq=False)
@@ -61,10 +75,11 @@ class PrefixIndex:
     plus speculative marks of where requests were just routed.
 
     A mark is one record per routed prompt (`_Tail`), not one entry per page, so routing
-    writes O(1) whatever the prompt's length: a lookup walks the confirmed pages and, where a
-    replica's run of them stops, looks up the marks that start at that page (one dict read)
-    and compares their pages with the prompt's in C (tuple equality). The marks' keys move
-    off the path: a replica's event confirming a mark's first page re-keys it to the next."""
+    writes O(1) whatever the prompt's length: a lookup finds where each replica's run of
+    confirmed pages stops (by bisection where its orphans are known, see the module doc)
+    and there looks up the marks that start at that page (one dict read) and compares
+    their pages with the prompt's in C (tuple equality). The marks' keys move off the
+    path: a replica's event confirming a mark's first page re-keys it to the next."""
 
     def __init__(self, num_replicas: int, *, speculative_ttl_s: float = 2.0,
                  clock: Callable[[], float] = time.monotonic):
@@ -79,6 +94,10 @@ class PrefixIndex:
         self._next_seq = [0] * num_replicas
         self._tails: dict[bytes, list[_Tail]] = {}            # first unconfirmed page -> marks
         self._expiries: collections.deque[_Tail] = collections.deque()   # in expiry order
+        self._orphans: dict[bytes, int] = {}                  # hash -> replicas it is one of
+        # Replicas whose orphans the index knows (every event since the last restatement
+        # named them): an empty replica has none.
+        self._orphans_known = (1 << num_replicas) - 1
         self.num_gaps = 0                                     # events lost and recovered from
 
     # ----------------------------------------------------------------- events
@@ -96,32 +115,52 @@ class PrefixIndex:
         bit = 1 << r
         if event.cleared:
             self._drop_confirmed(bit)
-        confirmed = self._confirmed
+            self._drop_orphans(bit)
+            if event.orphaned is not None:        # a restatement names every orphan
+                self._orphans_known |= bit
+        if event.orphaned is None and self._orphans_known & bit:
+            self._drop_orphans(bit)
+            self._orphans_known &= ~bit
+        confirmed, orphans = self._confirmed, self._orphans
         for h in event.removed:
             mask = confirmed.pop(h, 0) & ~bit
             if mask:
                 confirmed[h] = mask
+            if h in orphans:
+                self._clear_orphan(h, bit)
         tails = self._tails
         for h in event.stored:
             confirmed[h] = confirmed.get(h, 0) | bit
             if h in tails:
                 self._confirm_tail_start(h, bit)
+        if self._orphans_known & bit:
+            for h in event.adopted:
+                if h in orphans:
+                    self._clear_orphan(h, bit)
+            for h in event.orphaned:
+                orphans[h] = orphans.get(h, 0) | bit
         return in_order
 
-    def listener(self, replica: int) -> Callable[[Sequence[bytes], Sequence[bytes], bool], None]:
+    def listener(self, replica: int) -> Callable[..., None]:
         """A callback for an in-process allocator (`BlockAllocator(on_cache_change=...)`):
         numbers its events itself, so none can be lost."""
         r = self._check_replica(replica)
 
         def on_cache_change(stored: Sequence[bytes], removed: Sequence[bytes],
-                            cleared: bool = False) -> None:
-            self.apply(CacheEvent(r, self._next_seq[r], tuple(stored), tuple(removed), cleared))
+                            cleared: bool = False, orphaned: Sequence[bytes] | None = None,
+                            adopted: Sequence[bytes] = ()) -> None:
+            self.apply(CacheEvent(r, self._next_seq[r], tuple(stored), tuple(removed), cleared,
+                                  None if orphaned is None else tuple(orphaned),
+                                  tuple(adopted)))
         return on_cache_change
 
     def forget_replica(self, replica: int) -> None:
-        """Drops everything the index knows of a replica (it died, restarted or lost events)."""
+        """Drops everything the index knows of a replica (it died, restarted or lost
+        events); its orphans are unknown until an event restates its cache."""
         bit = 1 << self._check_replica(replica)
         self._drop_confirmed(bit)
+        self._drop_orphans(bit)
+        self._orphans_known &= ~bit
         for key in list(self._tails):
             for tail in [t for t in self._tails[key] if t.bit == bit]:
                 self._unlink(key, tail)
@@ -141,36 +180,34 @@ class PrefixIndex:
 
     def cached_pages(self, hashes: Sequence[bytes]) -> list[int]:
         """For each replica, how many leading pages of a prompt with these page hashes it
-        holds (confirmed or speculatively). The replicas holding every confirmed page so far
-        is a running AND over the pages' masks, taken in C (map, accumulate, groupby);
-        Python steps only where that set shrinks, at most once per replica, and there reads
-        the marks starting at that page."""
+        holds (confirmed or speculatively): where its confirmed pages stop (bisection for
+        the replicas without orphans in this prompt, a walk for the others), extended by the
+        marks that start there."""
         self._sweep()
-        n = self.num_replicas
-        counts = [0] * n
-        held = (1 << n) - 1
-        depth = 0
-        running = itertools.accumulate(map(self._confirmed.get, hashes, itertools.repeat(0)),
-                                       operator.and_, initial=held)
-        next(running)
-        tails = self._tails
         if not isinstance(hashes, tuple):
             hashes = tuple(hashes)
-        for mask, run in itertools.groupby(running):
-            dropped = held & ~mask
-            while dropped:
-                low = dropped & -dropped
-                r = low.bit_length() - 1
-                counts[r] = depth if not tails else self._speculative_depth(hashes, depth, low)
-                dropped ^= low
-            held = mask
-            if not held:
-                return counts
-            depth += len(list(run))
-        while held:
-            low = held & -held
-            counts[low.bit_length() - 1] = depth
-            held ^= low
+        counts = [0] * self.num_replicas
+        closed = self._orphans_known
+        orphans = self._orphans
+        if orphans and closed:
+            for h in filter(orphans.__contains__, hashes):
+                closed &= ~orphans[h]
+        if closed:
+            self._bisect(hashes, closed, counts)
+        walked = ((1 << self.num_replicas) - 1) & ~closed
+        if walked:
+            self._walk(hashes, walked, counts)
+        tails = self._tails
+        if tails:
+            # The replicas with a mark starting where their confirmed pages stop.
+            marked: dict[int, int] = {}
+            for depth in set(counts):
+                for tail in tails.get(hashes[depth], ()) if depth < len(hashes) else ():
+                    marked[depth] = marked.get(depth, 0) | tail.bit
+            if marked:
+                for r, depth in enumerate(counts):
+                    if marked.get(depth, 0) >> r & 1:
+                        counts[r] = self._speculative_depth(hashes, depth, 1 << r)
         return counts
 
     def num_pages_held(self, replica: int) -> int:
@@ -179,6 +216,55 @@ class PrefixIndex:
         return sum(1 for mask in self._confirmed.values() if mask & bit)
 
     # ----------------------------------------------------------------- internals
+
+    def _bisect(self, hashes: tuple[bytes, ...], replicas: int, counts: list[int]) -> None:
+        """counts[r] = leading confirmed pages of r, for the replicas in the `replicas` mask,
+        whose confirmed pages of this prompt are a prefix of it: the mask of page k,
+        restricted to them, only loses replicas as k grows, so the pages where it changes
+        are found by bisection (about log2(pages) reads per change)."""
+        get = self._confirmed.get
+        # (lo, hi, mask at lo, mask at hi): page -1 is held by all, page len(hashes) by none.
+        stack = [(-1, len(hashes), replicas, 0)]
+        while stack:
+            lo, hi, at_lo, at_hi = stack.pop()
+            if at_lo == at_hi:
+                continue
+            if hi - lo == 1:
+                dropped = at_lo & ~at_hi
+                while dropped:
+                    low = dropped & -dropped
+                    counts[low.bit_length() - 1] = hi
+                    dropped ^= low
+                continue
+            mid = (lo + hi) // 2
+            at_mid = get(hashes[mid], 0) & replicas
+            stack.append((mid, hi, at_mid, at_hi))
+            stack.append((lo, mid, at_lo, at_mid))
+
+    def _walk(self, hashes: tuple[bytes, ...], replicas: int, counts: list[int]) -> None:
+        """counts[r] = leading confirmed pages of r, for the replicas in the `replicas` mask,
+        page by page: the replicas holding every page so far is a running AND over the
+        pages' masks, taken in C (map, accumulate, groupby); Python steps only where that
+        set shrinks, at most once per replica."""
+        held = replicas
+        depth = 0
+        running = itertools.accumulate(map(self._confirmed.get, hashes, itertools.repeat(0)),
+                                       operator.and_, initial=held)
+        next(running)
+        for mask, run in itertools.groupby(running):
+            dropped = held & ~mask
+            while dropped:
+                low = dropped & -dropped
+                counts[low.bit_length() - 1] = depth
+                dropped ^= low
+            held = mask
+            if not held:
+                return
+            depth += len(list(run))
+        while held:
+            low = held & -held
+            counts[low.bit_length() - 1] = depth
+            held ^= low
 
     def _speculative_depth(self, hashes: tuple[bytes, ...], depth: int, bit: int) -> int:
         """How far a replica holds a prompt whose confirmed pages there stop at `depth`:
@@ -238,6 +324,17 @@ class PrefixIndex:
             tail = expiries.popleft()
             if tail.live:
                 self._unlink(tail.hashes[tail.start], tail)
+
+    def _clear_orphan(self, h: bytes, bit: int) -> None:
+        mask = self._orphans[h] & ~bit
+        if mask:
+            self._orphans[h] = mask
+        else:
+            del self._orphans[h]
+
+    def _drop_orphans(self, bit: int) -> None:
+        for h in [h for h, mask in self._orphans.items() if mask & bit]:
+            self._clear_orphan(h, bit)
 
     def _drop_confirmed(self, bit: int) -> None:
         confirmed = self._confirmed

@@ -136,9 +136,22 @@ class BlockAllocator:
     Step inputs: segments(id) (per-shard page tables) and slot_of(id, positions); with one
     shard also page_table(id) / page_table_array(id).
 
-    on_cache_change(stored, removed, cleared=False): called with the page hashes a commit
-    registered, an eviction dropped, or cleared=True when the whole prefix cache is dropped:
-    what a router's prefix index follows (medha_jax.cluster.prefix_index.PrefixIndex).
+    on_cache_change(stored, removed, cleared=False, orphaned=(), adopted=()): called with
+    the page hashes a commit registered, an eviction dropped, or cleared=True when the whole
+    prefix cache is dropped: what a router's prefix index follows
+    (medha_jax.cluster.prefix_index.PrefixIndex). orphaned / adopted: registered pages whose
+    parent prefix page just stopped / started being registered (orphans, `orphan_hashes`).
+    A listener attached after construction calls `restate_cache()` (without it, events
+    carry orphaned=None: the orphans are followed only for a listener, they cost a few
+    dict operations per page).
+
+    Orphans: a registered page whose parent page is not. Eviction is least recently freed
+    first and a request frees its deepest page first, so a parent normally outlives its
+    children, but not always: a page computed twice at once stays registered under the
+    first copy, which may be evicted while the second request's next pages stay (and with
+    several shards each pool evicts on its own). No request can reuse an orphan (reuse
+    stops at the first missing page) until its parent is registered again; the prefix index
+    needs them to know where a replica's pages have holes.
     """
 
     def __init__(self, pages_per_shard: int | None = None, page_size: int | None = None, *,
@@ -188,6 +201,14 @@ class BlockAllocator:
             collections.OrderedDict() for _ in range(num_shards)]
         self._page_of_hash: dict[bytes, int] = {}                # hash -> global page id
         self._hash_of_page: dict[int, bytes] = {}                # global page id -> hash
+        # The tree of registered prefixes, for the orphans: a registered hash's parent hash
+        # (absent for first pages: the root is always there); once a listener follows them
+        # (`_follows_orphans`), also the registered children of a hash (registered or
+        # not) and the registered hashes whose parent is not.
+        self._parent_of_hash: dict[bytes, bytes] = {}
+        self._children_of_hash: dict[bytes, set[bytes]] = {}
+        self._orphans: set[bytes] = set()
+        self._follows_orphans = on_cache_change is not None
         self._requests: dict[str, _RequestPages] = {}
         self.on_cache_change = on_cache_change
 
@@ -211,6 +232,12 @@ class BlockAllocator:
     def num_used_pages(self) -> int:
         """Pages referenced by at least one live request."""
         return self.num_pages - self.num_free_pages
+
+    @property
+    def orphan_hashes(self) -> tuple[bytes, ...] | None:
+        """Registered page hashes whose parent page is not registered (see the class doc);
+        None until a listener follows them."""
+        return tuple(self._orphans) if self._follows_orphans else None
 
     @property
     def num_cached_pages(self) -> int:
@@ -374,6 +401,7 @@ class BlockAllocator:
             req.table = grown
         i = req.num_pages
         evicted: list[bytes] = []
+        orphaned: list[bytes] = []
         for shard, count in plan:
             if shard != (req.shards[-1] if req.shards else None):
                 req.shards.append(shard)
@@ -386,12 +414,18 @@ class BlockAllocator:
                     page, _ = evictable.popitem(last=False)
                     evicted.append(self._hash_of_page.pop(base + page))
                     del self._page_of_hash[evicted[-1]]
+                    parent = self._parent_of_hash.pop(evicted[-1], None)
+                    if self._follows_orphans:
+                        self._unlink_hash(evicted[-1], parent, orphaned)
                 self._refcount[base + page] = 1
                 req.table[i] = page
                 i += 1
         req.num_pages = needed
         if evicted and self.on_cache_change is not None:
-            self.on_cache_change((), evicted)
+            # A child evicted after its parent in this batch is no orphan any more.
+            self.on_cache_change((), evicted, orphaned=tuple(
+                h for h in orphaned if h in self._orphans) if self._follows_orphans else None,
+                adopted=())
         return True
 
     def shards_short(self, request_id: str, num_tokens: int) -> frozenset[int]:
@@ -454,17 +488,75 @@ class BlockAllocator:
         data = _token_bytes(token_ids[req.num_hashed * ps:num_full * ps])
         last_hash = req.last_hash
         stored: list[bytes] = []
+        orphaned: list[bytes] = []
+        adopted: list[bytes] = []
         for offset, i in enumerate(range(req.num_hashed, num_full)):
             page_bytes = data[offset * bytes_per_page:(offset + 1) * bytes_per_page]
-            last_hash = _page_hash(last_hash, page_bytes)
+            parent, last_hash = last_hash, _page_hash(last_hash, page_bytes)
             if last_hash not in self._page_of_hash:
                 page = req.shards[i // per_segment] * self.pages_per_shard + int(req.table[i])
                 self._page_of_hash[last_hash] = page
                 self._hash_of_page[page] = last_hash
                 stored.append(last_hash)
+                if parent != _ROOT_HASH:
+                    self._parent_of_hash[last_hash] = parent
+                if self._follows_orphans:
+                    self._link_hash(last_hash, parent, orphaned, adopted)
         req.num_hashed, req.last_hash = num_full, last_hash
         if stored and self.on_cache_change is not None:
-            self.on_cache_change(stored, ())
+            self.on_cache_change(stored, (), orphaned=tuple(orphaned)
+                                 if self._follows_orphans else None, adopted=tuple(adopted))
+
+    def restate_cache(self) -> None:
+        """Sends the whole prefix cache to on_cache_change as one event (cleared, then every
+        registered page stored and every orphan named), and follows the orphans from now
+        on: for a listener attached after construction, so that it starts from what this
+        allocator holds."""
+        if not self._follows_orphans:
+            for h, parent in self._parent_of_hash.items():
+                self._children_of_hash.setdefault(parent, set()).add(h)
+                if parent not in self._page_of_hash:
+                    self._orphans.add(h)
+            self._follows_orphans = True
+        if self.on_cache_change is not None:
+            self.on_cache_change(tuple(self._page_of_hash), (), cleared=True,
+                                 orphaned=self.orphan_hashes, adopted=())
+
+    def _link_hash(self, h: bytes, parent: bytes, orphaned: list[bytes],
+                   adopted: list[bytes]) -> None:
+        """h was just registered under `parent`: it is an orphan if the parent is not
+        registered, and the children registered before it are orphans no more."""
+        children_of = self._children_of_hash
+        if parent != _ROOT_HASH:
+            siblings = children_of.get(parent)
+            if siblings is None:
+                children_of[parent] = {h}
+            else:
+                siblings.add(h)
+            if parent not in self._page_of_hash:
+                self._orphans.add(h)
+                orphaned.append(h)
+        children = children_of.get(h)
+        if children:
+            self._orphans.difference_update(children)
+            adopted.extend(children)
+
+    def _unlink_hash(self, h: bytes, parent: bytes | None, orphaned: list[bytes]) -> None:
+        """h (under `parent`, None for a first page) was just evicted: its registered
+        children become orphans."""
+        children_of = self._children_of_hash
+        if parent is not None:
+            siblings = children_of[parent]
+            if len(siblings) == 1:
+                del children_of[parent]
+            else:
+                siblings.discard(h)
+        if self._orphans:
+            self._orphans.discard(h)
+        children = children_of.get(h)
+        if children:
+            self._orphans.update(children)
+            orphaned.extend(children)
 
     def free(self, request_id: str) -> None:
         """Drops the request's references; registered pages stay cached (evictable), others free.
@@ -502,8 +594,11 @@ class BlockAllocator:
             self._evictable[shard].clear()
         self._page_of_hash.clear()
         self._hash_of_page.clear()
+        self._parent_of_hash.clear()
+        self._children_of_hash.clear()
+        self._orphans.clear()
         if self.on_cache_change is not None:
-            self.on_cache_change((), (), cleared=True)
+            self.on_cache_change((), (), cleared=True, orphaned=self.orphan_hashes, adopted=())
 
     def _get(self, request_id: str) -> _RequestPages:
         req = self._requests.get(request_id)
