@@ -44,7 +44,8 @@ __all__ = ["Prompt", "Server", "StartupReport", "TokensPrompt"]
 class StartupReport:
     """What a Server's start took and what it found in its caches (see Server cache_dir).
 
-    executables_loaded / executables_compiled_and_saved: JAX's persistent-cache hits and
+    executables_loaded / executables_compiled_and_saved: steps read from the cache (the
+    engine's step_cache, which skips tracing, and JAX's persistent-cache hits) and JAX's
     misses while warming up (compiles JAX judged too quick to be worth caching are in
     neither); ready_seconds: the constructor's time, loading the model included when it
     was given by name."""
@@ -157,7 +158,8 @@ class Server:
         if switching is not None:
             switching = _switching_config(switching, parallel, model, replicas, cluster,
                                           roles, offload, disagg)
-            engines = [Engine(m, engine_config or EngineConfig())
+            engines = [Engine(m, engine_config or EngineConfig(),
+                              step_cache_dir=cache_dirs.steps_dir(self.cache_dir))
                        for m in replica_models(model, parallel.dp,
                                                parallel=dataclasses.replace(parallel, dp=1),
                                                dtype=dtype)]
@@ -172,7 +174,8 @@ class Server:
                                  "(one engine serves one replica)")
             engines = [model]
         else:
-            engines = [Engine(m, engine_config or EngineConfig())
+            engines = [Engine(m, engine_config or EngineConfig(),
+                              step_cache_dir=cache_dirs.steps_dir(self.cache_dir))
                        for m in replica_models(model, replicas, parallel=parallel, dtype=dtype)]
         self.engine = engines[0]
         self.model = self.engine.model
@@ -191,6 +194,8 @@ class Server:
             elif warmup is True:
                 engine.warmup()
         hits2, misses2, saved2 = cache_dirs.CACHE_EVENTS.snapshot()
+        hits2 += sum(e.steps_loaded for e in engines)       # the step cache's
+        saved2 += sum(e.step_seconds_saved for e in engines)
         self._clock = WallClock()
         self.metrics = ServerMetrics()
         eos = tuple(self.tokenizer.eos_token_ids) if self.tokenizer is not None else ()

@@ -15,7 +15,7 @@ little-endian marks a big-endian file):
     padding to general.alignment (default 32) | tensor data (offsets relative to here)
 
 A string is a u64 byte length then UTF-8 bytes; an array is item_type u32, length u64, items.
-Dequantization stays with `gguf.quants`.
+Dequantization is `gguf_dequant`'s (gguf.quants for the types it does not vectorise).
 """
 
 from __future__ import annotations

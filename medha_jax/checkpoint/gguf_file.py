@@ -4,7 +4,7 @@
 
 The file is memory-mapped; a read dequantizes only the rows it needs (quantization blocks
 run along the input dimension, so a row is the unit) to float32 with
-`gguf.quants.dequantize`. Q and K come back in Hugging Face's rotate_half layout:
+`gguf_dequant.dequantize` (vectorised for Q4_0 / Q4_1 / Q8_0, gguf's otherwise). Q and K come back in Hugging Face's rotate_half layout:
 llama.cpp's converter permutes their rows for its interleaved RoPE and we undo that.
 """
 
@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
-from gguf.quants import dequantize
 
 from medha_jax.checkpoint.gguf_container import GGUFContainer, container_from_reader, read_gguf
+from medha_jax.checkpoint.gguf_dequant import dequantize
 
 from medha_jax.checkpoint.tensors import (
     Checkpoint, CheckpointError, StoredTensor, canonical_tensors)

@@ -6,7 +6,8 @@ runtime predictor, kept on disk between runs.
     predictor, how = load_or_fit_predictor(engine, root)
 
 Both live under one directory: `xla/` (JAX's executables, keyed by JAX itself on the HLO, the
-compile options, the devices and the jax/jaxlib versions) and `predictors/` (one JSON per
+compile options, the devices and the jax/jaxlib versions), `steps/` (the engine's steps
+keyed without tracing them, `medha_jax.engine.step_cache`) and `predictors/` (one JSON per
 (model config, dtype, mesh, engine config, device kind, code that shapes a step's time);
 the key is written beside the coefficients). MEDHA_CACHE_DIR=off (or cache_dir=False) turns
 both off. The cache is trusted, as JAX's is: whoever can write to it can run code here.
@@ -114,6 +115,11 @@ def enable_compilation_cache(root: pathlib.Path | None) -> pathlib.Path | None:
     # compiled before now (loading, a test before this one) decided "no directory".
     compilation_cache.reset_cache()
     return directory
+
+
+def steps_dir(root: pathlib.Path | None) -> pathlib.Path | None:
+    """Where a Server's engines keep their compiled steps (None when caching is off)."""
+    return None if root is None else root / "steps"
 
 
 # --- Fitted predictors -----------------------------------------------------------------------

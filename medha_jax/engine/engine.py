@@ -28,6 +28,7 @@ from flax import nnx
 
 from medha_jax.buckets import BucketLadder
 from medha_jax.engine.logprobs import StepOutputs, sample_with_logprobs
+from medha_jax.engine import step_cache
 from medha_jax.engine.pipeline import PipelinedStep, StageHook
 from medha_jax.engine.step_inputs import StepInputs, build_step_inputs, unpack_int32
 from medha_jax.kv_cache.allocator import BlockAllocator
@@ -173,8 +174,13 @@ class Engine:
     """
 
     def __init__(self, model: Model, config: EngineConfig | None = None, *,
-                 stage_hook: StageHook | None = None, cp_variant: str | None = None):
+                 stage_hook: StageHook | None = None, cp_variant: str | None = None,
+                 step_cache_dir=None):
+        """step_cache_dir: where compiled steps are kept between runs, keyed without
+        tracing them (medha_jax.engine.step_cache; a Server passes its cache's); None:
+        every step is traced and compiled (JAX's own cache may still hold it)."""
         config = config or EngineConfig()
+        self.step_cache_dir = step_cache_dir
         model.require_weights()
         if cp_variant not in (None, PASS_KV, PASS_Q):
             raise ValueError(f"{cp_variant=} must be None, {PASS_KV!r} or {PASS_Q!r}")
@@ -256,6 +262,8 @@ class Engine:
         self._warmup_thread: threading.Thread | None = None
         self._stop_warmup = threading.Event()
         self.compiles_waited_for = 0
+        # Executables read from step_cache, and what compiling them had taken.
+        self.steps_loaded, self.step_seconds_saved = 0, 0.0
         # Host seconds on the critical path of the last collected step: while no step of
         # this engine was queued on the device (see dispatch and collect).
         self.last_host_seconds: float | None = None
@@ -282,9 +290,20 @@ class Engine:
             return executable
         inputs = StepInputs.padding(shape, self.pad_slot, self.num_kv_shards, self.cp_ranks)
         args = self.step_args(inputs, kv_cache=self._kv_cache_spec)
-        with jax.set_mesh(self.model.mesh):
-            executable = step.lower(*args, shape=shape, num_kv_shards=self.num_kv_shards,
-                                    cp_ranks=self.cp_ranks).compile()
+        static = (args[0], shape, self.num_kv_shards, self.cp_ranks)
+        devices = list(self.model.mesh.devices.flat)
+
+        def compile_():
+            with jax.set_mesh(self.model.mesh):
+                return step.lower(*args, shape=shape, num_kv_shards=self.num_kv_shards,
+                                  cp_ranks=self.cp_ranks).compile()
+
+        executable, saved = step_cache.load_or_compile(
+            step_cache.step_key("engine.step", static, args[1:], devices), compile_, devices,
+            self.step_cache_dir)
+        if saved is not None:
+            self.steps_loaded += 1
+            self.step_seconds_saved += saved
         self.executables[shape] = executable
         return executable
 

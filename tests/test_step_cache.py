@@ -1,0 +1,57 @@
+"""The engine's on-disk step cache: a second engine of the same key loads its steps without
+tracing them and computes the same tokens; a different program is another key."""
+
+import dataclasses
+
+import jax
+import pytest
+
+from medha_jax.engine import Engine, EngineConfig, step_cache
+from medha_jax.engine import engine as engine_module
+from serving.replicas import replica_models
+from tests.test_switching import WHOLE, drive, prompt, request
+
+CFG = EngineConfig(page_size=16, max_kv_tokens=256, max_model_len=256, max_tokens_per_step=32,
+                   max_seqs=4, enable_prefix_caching=False)
+
+
+def tokens(engine, seed):
+    return drive(engine, [(0, request("r", prompt(seed, 20), 4))], rng=None, max_chunk=0,
+                 chunk_of=WHOLE)["r"]
+
+
+def test_a_second_engine_loads_its_steps_untraced_with_the_same_tokens(tmp_path, monkeypatch):
+    model = replica_models("tiny", 1)[0]
+    first = Engine(model, CFG, step_cache_dir=tmp_path)
+    first.warmup(progress=False)
+    assert first.steps_loaded == 0
+    saved = sorted(tmp_path.glob("*.pkl"))
+    assert len(saved) == len(first.ladder.all_shapes())
+    expected = tokens(first, 1)
+
+    def no_trace(*args, **kwargs):
+        raise AssertionError("a cached step was traced")
+
+    monkeypatch.setattr(engine_module.step, "lower", no_trace)
+    second = Engine(model, CFG, step_cache_dir=tmp_path)
+    second.warmup(progress=False)
+    assert second.steps_loaded == len(saved) and second.step_seconds_saved > 0
+    assert tokens(second, 1) == expected
+    # Another engine config is another program: it compiles (and here, fails to trace).
+    with pytest.raises(AssertionError, match="traced"):
+        Engine(model, dataclasses.replace(CFG, max_seqs=2),
+               step_cache_dir=tmp_path).warmup(progress=False)
+    # Without a directory nothing is read: the engine traces (a patched model must).
+    with pytest.raises(AssertionError, match="traced"):
+        Engine(model, CFG).warmup(progress=False)
+
+
+def test_keys_name_the_program():
+    devices = jax.devices()[:1]
+    args = (jax.ShapeDtypeStruct((4, 8), "float32"),)
+    key = step_cache.step_key("s", (1,), args, devices)
+    assert key == step_cache.step_key("s", (1,), args, devices)
+    assert key != step_cache.step_key("s", (2,), args, devices)
+    assert key != step_cache.step_key("s", (1,), (jax.ShapeDtypeStruct((4, 8), "bfloat16"),),
+                                      devices)
+    assert key != step_cache.step_key("s", (1,), args, jax.devices()[1:2])
