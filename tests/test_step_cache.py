@@ -55,3 +55,26 @@ def test_keys_name_the_program():
     assert key != step_cache.step_key("s", (1,), (jax.ShapeDtypeStruct((4, 8), "bfloat16"),),
                                       devices)
     assert key != step_cache.step_key("s", (1,), args, jax.devices()[1:2])
+
+
+def test_a_tp_groups_steps_are_kept_too(tmp_path, monkeypatch):
+    """A TP group of two replicas keeps its steps in its members' step cache: a second
+    group over them loads every step untraced and gives the same tokens."""
+    from medha_jax.engine import tp_group
+
+    members = [Engine(m, CFG, step_cache_dir=tmp_path) for m in replica_models("tiny", 2)]
+    first = tp_group.TPGroupEngine(members)
+    first.warmup(progress=False)
+    expected = tokens(first, 2)
+    saved = len(list(tmp_path.glob("*.pkl")))
+    assert saved == len(first.ladder.all_shapes())
+
+    class Untraceable:
+        def lower(self, *args, **kwargs):
+            raise AssertionError("a cached step was traced")
+
+    monkeypatch.setattr(tp_group, "tp_step_fn", lambda *args, **kwargs: Untraceable())
+    second = tp_group.TPGroupEngine(members)
+    second.warmup(progress=False)
+    assert tokens(second, 2) == expected
+    assert len(list(tmp_path.glob("*.pkl"))) == saved

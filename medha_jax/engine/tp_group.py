@@ -60,6 +60,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from medha_jax.buckets import BucketLadder
+from medha_jax.engine import step_cache
 from medha_jax.engine.engine import Engine, EngineConfig
 from medha_jax.engine.logprobs import sample_with_logprobs
 from medha_jax.engine.step_inputs import StepInputs, unpack_int32
@@ -441,8 +442,13 @@ class TPGroupEngine(Engine):
         _, floats, rng_keys = inputs.pack()
         floats, rng_keys = (jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self._replicated)
                             for a in (floats, rng_keys))
-        executable = self._step.lower(self.weights, self._kv_cache_spec, ints, floats,
-                                      rng_keys, shape=shape).compile()
+        args = (self.weights, self._kv_cache_spec, ints, floats, rng_keys)
+        devices = list(self.mesh.devices.flat)
+        static = (shape, self.tp, self.model.config, self.model.layout.attention_impl)
+        executable, _ = step_cache.load_or_compile(
+            step_cache.step_key("tp_group.step", static, args, devices),
+            lambda: self._step.lower(*args, shape=shape).compile(), devices,
+            self.members[0].step_cache_dir)
         self.executables[shape] = executable
         return executable
 
