@@ -55,8 +55,8 @@ def test_generate_prints_the_greedy_text(model_dir, capsys):
     (["serve", "--replicas", "2", "--roles", "prefill:1,decode:2"], "roles name 3 replicas"),
     (["serve", "--replicas", "2", "--offload", "sometimes"], "unknown gate 'sometimes'"),
     (["serve", "--dp", "2"], "--dp N and --switching POLICY go together"),
-    (["serve", "--dp", "2", "--switching", "load", "--parallel", "tp=2"],
-     "switching's base replicas are single devices"),
+    (["serve", "--dp", "2", "--switching", "load", "--parallel", "kvp=2"],
+     "switching's base replicas are one device or a TP group"),
 ])
 def test_errors_name_the_value(model_dir, capsys, argv, message):
     assert main([*argv, "--model", model_dir, *SMALL_ENGINE]) == 2
