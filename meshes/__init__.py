@@ -16,6 +16,7 @@ _LAZY = {
     "LOGICAL_AXES": "meshes.rules",
     "LogicalRules": "meshes.rules",
     "put": "meshes.rules",
+    "put_replicated": "meshes.rules",
     "replicated": "meshes.rules",
 }
 

@@ -1,0 +1,119 @@
+"""One replica over two processes (serving.multihost): 4 virtual CPU devices each, one
+global mesh of 8, process 0 scheduling and sending each step's inputs to process 1.
+
+One launch of the two processes serves the module (tests/multihost_leader.py is process
+0): each mesh's greedy tokens, with preemption and prefix reuse, must equal this (one)
+process's on the same mesh shape; no process compiles after warm-up; and killing process
+1 mid-request fails the request with UNAVAILABLE within the step timeout."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from tests.multihost_leader import ENGINE_CONFIG, MODEL, run_workload
+
+# Each crosses the process boundary (devices 0-3 on process 0, 4-7 on process 1): tp over
+# all 8; kvp (outer to tp) and cp (outer to tp) split between the processes.
+MESHES = ("tp=8", "kvp=2,tp=4", "cp=2,tp=4")
+STEP_TIMEOUT_S = 20.0
+LAUNCH_TIMEOUT_S = 900
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def launch():
+    """Runs both processes once; returns process 0's RESULT lines and process 1's report."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=4 "
+                         "--xla_backend_optimization_level=0")
+    coordinator = f"127.0.0.1:{_free_port()}"
+    channel_port = _free_port()
+    meshes = [a for m in MESHES for a in ("--parallel", m)]
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "serving.multihost", "--process-id", "1", "--num-processes", "2",
+         "--coordinator", coordinator, "--channel", f"127.0.0.1:{channel_port}",
+         "--model", MODEL, "--engine-config", json.dumps(ENGINE_CONFIG), *meshes],
+        cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    leader = subprocess.Popen(
+        [sys.executable, "-m", "tests.multihost_leader", "--coordinator", coordinator,
+         "--channel-port", str(channel_port), "--kill-phase",
+         "--step-timeout-s", str(STEP_TIMEOUT_S), *meshes],
+        cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    follower_out = []
+    reader = threading.Thread(target=lambda: follower_out.extend(follower.stdout), daemon=True)
+    reader.start()
+    results, log = [], []
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+    watchdog = threading.Timer(LAUNCH_TIMEOUT_S, lambda: (leader.kill(), follower.kill()))
+    watchdog.start()
+    try:
+        for line in leader.stdout:
+            log.append(line)
+            if line.startswith("KILL"):
+                follower.send_signal(signal.SIGKILL)
+            elif line.startswith("RESULT "):
+                results.append(json.loads(line[len("RESULT "):]))
+                if len(results) == len(MESHES) + 1:
+                    break
+        leader.wait(timeout=max(deadline - time.monotonic(), 1))
+    finally:
+        watchdog.cancel()
+        for p in (leader, follower):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        reader.join(5)
+    assert len(results) == len(MESHES) + 1, "".join(log[-40:]) + "".join(follower_out[-40:])
+    reports = [json.loads(line) for line in follower_out if line.startswith("{")]
+    return results, reports
+
+
+@pytest.mark.parametrize("index", range(len(MESHES)), ids=MESHES)
+def test_two_processes_give_one_process_tokens(launch, index):
+    from medha_jax.engine import EngineConfig
+    from meshes import ParallelConfig
+    from serving.server import Server
+
+    results, reports = launch
+    got = results[index]
+    assert got["parallel"] == MESHES[index]
+    with Server(MODEL, parallel=ParallelConfig.parse(MESHES[index]),
+                engine_config=EngineConfig(**ENGINE_CONFIG), warmup=True, cache_dir=False) as server:
+        want = run_workload(server)
+    assert got["tokens"] == want["tokens"]
+    assert (got["preemptions"], got["cached_tokens"]) == (want["preemptions"], want["cached_tokens"])
+    # kvp and cp multiply the pool (a shard's pages each; cp pages of 16 tokens make an
+    # allocator page, so 32 of the 48 shared tokens are whole pages): only the one-pool
+    # mesh runs short of pages.
+    assert got["cached_tokens"] >= 32 and (got["preemptions"] > 0 or index > 0)
+    # The guard on every process: nothing compiled while serving.
+    assert got["compiles_after_warmup"] == 0
+    follower = [r for r in reports if r["parallel"] == MESHES[index]]
+    if index < len(MESHES) - 1:        # the last replica's follower is killed, not stopped
+        assert follower and follower[0]["compiles_after_warmup"] == 0
+        assert follower[0]["steps"] > 0
+
+
+def test_killing_process_1_fails_the_request_unavailable_without_a_hang(launch):
+    results, _ = launch
+    killed = results[-1]
+    assert killed["error"] and "UNAVAILABLE" in killed["error"], killed
+    assert killed["mirror_broken"].startswith("UNAVAILABLE: multi-host replica")
+    assert killed["seconds_to_error"] < STEP_TIMEOUT_S + 5
