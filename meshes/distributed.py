@@ -29,9 +29,7 @@ def initialize_distributed(coordinator_address: str | None = None,
         num_processes = int(os.environ["MEDHA_NUM_PROCESSES"])
     if process_id is None and "MEDHA_PROCESS_ID" in os.environ:
         process_id = int(os.environ["MEDHA_PROCESS_ID"])
-    cluster_detected = any(k in os.environ for k in ("TPU_WORKER_HOSTNAMES", "SLURM_JOB_ID",
-                                                     "OMPI_COMM_WORLD_SIZE"))
-    if coordinator_address is None and not cluster_detected:
+    if coordinator_address is None and not cluster_detected():
         return False
     if coordinator_address is not None and (num_processes is None or process_id is None):
         raise ValueError(
@@ -46,3 +44,10 @@ def initialize_distributed(coordinator_address: str | None = None,
                                num_processes=num_processes, process_id=process_id,
                                initialization_timeout=init_timeout_s, **timeouts)
     return True
+
+
+def cluster_detected() -> bool:
+    """Whether the environment names a multi-host job: MEDHA_COORDINATOR, or a TPU pod,
+    SLURM or Open MPI, from which `jax.distributed.initialize` finds its peers."""
+    return any(k in os.environ for k in ("MEDHA_COORDINATOR", "TPU_WORKER_HOSTNAMES",
+                                         "SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE"))

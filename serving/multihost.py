@@ -152,9 +152,18 @@ class StepMirror:
             self.followers[int(meta["process_id"])] = sock
         listener.close()
 
-    @property
-    def healthy(self) -> bool:
-        return self.broken is None
+    def poll(self) -> str | None:
+        """Why the replica cannot step (None: it can), checking without blocking whether a
+        follower's end of the channel closed while idle (a dead process's socket is closed
+        by its OS at once). Safe from any thread: it only peeks."""
+        if self.broken is None:
+            for pid, sock in list(self.followers.items()):
+                try:
+                    if select.select([sock], [], [], 0)[0] and not sock.recv(1, socket.MSG_PEEK):
+                        self._fail(f"process {pid} closed the step channel (it died?)")
+                except (OSError, ValueError) as e:
+                    self._fail(f"process {pid}'s step channel failed: {type(e).__name__}: {e}")
+        return self.broken
 
     def _fail(self, reason: str) -> ReplicaUnavailable:
         self.broken = self.broken or f"UNAVAILABLE: multi-host replica: {reason}"
@@ -229,12 +238,15 @@ class StepMirror:
             self.broken = "UNAVAILABLE: multi-host replica: its step channel is closed"
 
 
-def listen_socket(port: int, host: str = "0.0.0.0") -> socket.socket:
-    """The step channel's listening socket on process 0 (bind it before the followers
-    start connecting: they retry until their timeout)."""
+def listen_socket(address: str) -> socket.socket:
+    """The step channel's listening socket on process 0 at "host:port" (the followers
+    retry until their timeout, so it may open after they start). A loopback host binds
+    loopback only; any other binds every interface (the hosts' private network)."""
+    host, port = address.rsplit(":", 1)
+    host = host if host in ("127.0.0.1", "localhost") else "0.0.0.0"
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    sock.bind((host, int(port)))
     sock.listen()
     return sock
 
@@ -397,6 +409,68 @@ def main(argv=None) -> None:
                           "compiles_after_warmup": report.compiles}),
               flush=True)
         del engine
+
+
+
+def channel_address() -> str:
+    """Process 0's step channel, "host:port": $MEDHA_STEP_CHANNEL, else the JAX
+    coordinator's host at its port + 1."""
+    if "MEDHA_STEP_CHANNEL" in os.environ:
+        return os.environ["MEDHA_STEP_CHANNEL"]
+    import jax
+
+    coordinator = jax.distributed.global_state.coordinator_address
+    if coordinator is None:
+        raise ValueError("no step channel: set MEDHA_STEP_CHANNEL=host:port (process 0's "
+                         "address, reachable from every host)")
+    host, port = coordinator.rsplit(":", 1)
+    return f"{host}:{int(port) + 1}"
+
+
+def launch_local(num_processes: int, argv: Sequence[str], *, devices_per_process: int = 4
+                 ) -> int:
+    """Starts the `num_processes` processes of a replica on this machine, each running
+    `python argv` with the job in its environment (a free coordinator port on
+    127.0.0.1, this process count, its id) and `devices_per_process` virtual CPU
+    devices; waits for them. Process 0's output is this command's; SIGINT / SIGTERM go
+    to process 0, which stops the others through the step channel. When any process
+    exits, the rest are stopped too. Returns process 0's exit code."""
+    import signal
+    import subprocess
+    import sys
+
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    flags = os.environ.get("XLA_FLAGS", "")
+    flags = " ".join(f for f in flags.split() if "xla_force_host_platform_device_count" not in f)
+    base = dict(os.environ, MEDHA_COORDINATOR=f"127.0.0.1:{ports[0]}",
+                MEDHA_STEP_CHANNEL=f"127.0.0.1:{ports[1]}",
+                MEDHA_NUM_PROCESSES=str(num_processes),
+                XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={devices_per_process}"
+                .strip())
+    base.setdefault("JAX_PLATFORMS", "cpu")
+    procs = [subprocess.Popen([sys.executable, *argv],
+                              env=dict(base, MEDHA_PROCESS_ID=str(i)))
+             for i in range(num_processes)]
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: procs[0].send_signal(signum))
+    try:
+        while all(p.poll() is None for p in procs):
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    return procs[0].returncode
 
 
 if __name__ == "__main__":

@@ -60,7 +60,7 @@ def main() -> None:
     compiles = []
     multihost.join(0, 2, args.coordinator)
     for i, parallel in enumerate(args.parallel):
-        listener = multihost.listen_socket(args.channel_port, "127.0.0.1")
+        listener = multihost.listen_socket(f"127.0.0.1:{args.channel_port}")
         engine = multihost.build_engine(MODEL, ParallelConfig.parse(parallel),
                                         EngineConfig(**ENGINE_CONFIG))
         engine.mirror = multihost.StepMirror(listener, 1, step_timeout_s=args.step_timeout_s)
@@ -99,9 +99,15 @@ def _kill_phase(server, engine) -> None:
         error = out.error if hasattr(out, "error") else None
     except Exception as e:
         error = f"{type(e).__name__}: {e}"
+    seconds = time.monotonic() - killed_at
+    try:
+        server.submit(_prompt(6, 4), SamplingParams(max_tokens=1))
+        refused = None
+    except RuntimeError as e:
+        refused = str(e)
     print("RESULT " + json.dumps({
-        "error": error, "seconds_to_error": time.monotonic() - killed_at,
-        "mirror_broken": engine.mirror.broken}), flush=True)
+        "error": error, "seconds_to_error": seconds, "unavailable": server.unavailable,
+        "new_request_refused": refused}), flush=True)
     # Process 1 is gone and process 0's device threads sit in its dead collective: exit
     # without the distributed shutdown (it would wait for process 1).
     os._exit(0)
