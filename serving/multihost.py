@@ -144,7 +144,7 @@ class StepMirror:
                 missing = num_followers - len(self.followers)
                 raise ReplicaUnavailable(
                     f"UNAVAILABLE: {missing} of {num_followers} follower process(es) did not "
-                    f"connect to the step channel within {connect_timeout_s:.0f} s "
+                    f"connect to the step channel within {connect_timeout_s:g} s "
                     f"(connected: {sorted(self.followers)})") from None
             sock.settimeout(connect_timeout_s)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -280,7 +280,7 @@ def connect(address: str, process_id: int, *,
             if time.monotonic() > deadline:
                 raise ReplicaUnavailable(
                     f"UNAVAILABLE: process {process_id} could not reach process 0's step "
-                    f"channel at {address} within {timeout_s:.0f} s: {e}") from e
+                    f"channel at {address} within {timeout_s:g} s: {e}") from e
             time.sleep(0.2)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.settimeout(None)              # idle between requests for as long as it likes

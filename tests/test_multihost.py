@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from tests.multihost_leader import ENGINE_CONFIG, MODEL, run_workload
@@ -27,9 +28,6 @@ from tests.multihost_leader import ENGINE_CONFIG, MODEL, run_workload
 MESHES = ("tp=8", "kvp=2,tp=4", "cp=2,tp=4")
 STEP_TIMEOUT_S = 20.0
 LAUNCH_TIMEOUT_S = 900
-
-pytestmark = pytest.mark.slow
-
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -86,6 +84,7 @@ def launch():
     return results, reports
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(MESHES)), ids=MESHES)
 def test_two_processes_give_one_process_tokens(launch, index):
     from medha_jax.engine import EngineConfig
@@ -113,6 +112,7 @@ def test_two_processes_give_one_process_tokens(launch, index):
         assert follower[0]["steps"] > 0
 
 
+@pytest.mark.slow
 def test_killing_process_1_fails_the_request_unavailable_without_a_hang(launch):
     results, _ = launch
     killed = results[-1]
@@ -128,6 +128,7 @@ SERVE_ENGINE = ["--max-model-len", "128", "--max-tokens-per-step", "16", "--max-
                 "--max-kv-tokens", "1024"]
 
 
+@pytest.mark.slow
 def test_serve_hosts_2_starts_both_processes_and_gives_one_process_tokens():
     """`medha-jax serve --hosts 2` with no job in the environment starts the two processes
     itself; process 0 serves gRPC; SIGTERM stops both."""
@@ -181,3 +182,103 @@ def test_serve_hosts_2_starts_both_processes_and_gives_one_process_tokens():
                 warmup=False, cache_dir=False) as server:
         want = server.submit(prompt, SamplingParams(temperature=0, max_tokens=6)).result()
     assert got == list(want.token_ids)
+
+
+# ------------------------------------------------------------ the step channel alone
+# No JAX job: process 0's StepMirror against followers played by sockets in this process.
+
+
+class _Ready:
+    """Stands in for process 0's tokens (a jax.Array) in StepMirror.wait."""
+
+    def __init__(self, tokens):
+        self.tokens = tokens
+
+    def is_ready(self):
+        return True
+
+    def __array__(self, dtype=None, copy=None):
+        return np.asarray(self.tokens, dtype)
+
+
+def _mirror_with_follower(step_timeout_s=0.5):
+    from serving import multihost
+
+    port = _free_port()
+    listener = multihost.listen_socket(f"127.0.0.1:{port}")
+    box = {}
+    thread = threading.Thread(target=lambda: box.update(
+        sock=multihost.connect(f"127.0.0.1:{port}", 1, timeout_s=10)))
+    thread.start()
+    mirror = multihost.StepMirror(listener, 1, step_timeout_s=step_timeout_s,
+                                  connect_timeout_s=10)
+    thread.join()
+    return mirror, box["sock"]
+
+
+def test_the_channel_carries_the_bucket_and_packed_arrays_exactly():
+    from serving import multihost
+
+    mirror, follower = _mirror_with_follower()
+    rng = np.random.default_rng(0)
+    packed = (rng.integers(-2**31, 2**31 - 1, 1000, dtype=np.int32),
+              rng.random((2, 8), dtype=np.float32),
+              rng.integers(0, 2**32 - 1, (8, 2), dtype=np.uint32))
+    mirror.send((64, 8, 16, 4), packed)
+    meta, arrays = multihost._recv(follower)
+    assert meta == {"kind": "step", "step": 0, "shape": [64, 8, 16, 4]}
+    for got, want in zip(arrays, packed, strict=True):
+        assert got.dtype == want.dtype and np.array_equal(got, want)
+    tokens = np.array([3, 1, 4, 1], np.int32)
+    multihost._send(follower, {"step": 0, "digest": multihost.tokens_digest(tokens)})
+    mirror.wait(_Ready(tokens))                       # the same tokens: no error
+    assert mirror.poll() is None
+    mirror.close()
+    assert multihost._recv(follower)[0] == {"kind": "stop"}
+
+
+def test_a_follower_that_hangs_times_out_unavailable():
+    from serving import multihost
+
+    mirror, follower = _mirror_with_follower(step_timeout_s=0.3)
+    mirror.send((16, 1, 1), (np.zeros(4, np.int32),))
+    start = time.monotonic()
+    with pytest.raises(multihost.ReplicaUnavailable, match=r"^UNAVAILABLE: .*process\(es\) \[1\] "
+                       r"did not finish step 0 within 0.3 s"):
+        mirror.wait(_Ready([1]))
+    assert time.monotonic() - start < 5
+    # From then on every step fails at once, and the server reads why.
+    with pytest.raises(multihost.ReplicaUnavailable):
+        mirror.send((16, 1, 1), (np.zeros(4, np.int32),))
+    assert mirror.poll().startswith("UNAVAILABLE: multi-host replica")
+    follower.close()
+
+
+def test_a_follower_with_other_tokens_fails_the_step():
+    from serving import multihost
+
+    mirror, follower = _mirror_with_follower()
+    mirror.send((16, 1, 1), (np.zeros(4, np.int32),))
+    multihost._send(follower, {"step": 0, "digest": multihost.tokens_digest(np.array([7]))})
+    with pytest.raises(multihost.ReplicaUnavailable, match="sampled different tokens"):
+        mirror.wait(_Ready(np.array([8], np.int32)))
+    follower.close()
+
+
+def test_a_follower_that_dies_while_idle_is_seen_without_a_step():
+    mirror, follower = _mirror_with_follower()
+    assert mirror.poll() is None
+    follower.close()
+    deadline = time.monotonic() + 5
+    while mirror.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "process 1 closed the step channel" in mirror.poll()
+
+
+def test_a_follower_that_never_joins_is_named():
+    from serving import multihost
+
+    listener = multihost.listen_socket(f"127.0.0.1:{_free_port()}")
+    with pytest.raises(multihost.ReplicaUnavailable,
+                       match=r"1 of 1 follower process\(es\) did not connect .* within 0.3 s"):
+        multihost.StepMirror(listener, 1, connect_timeout_s=0.3)
