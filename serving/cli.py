@@ -160,7 +160,7 @@ def _multihost_engine(args):
             raise ValueError(f"--hosts does not combine with --{flag} yet")
     if args.replicas != 1:
         raise ValueError("--hosts N serves one replica over N processes: --replicas must be 1")
-    initialize_distributed(heartbeat_timeout_s=10)
+    initialize_distributed(heartbeat_timeout_s=10, init_timeout_s=120)
     if jax.process_count() != args.hosts:
         raise ValueError(f"--hosts {args.hosts} but the job has {jax.process_count()} processes")
     parallel = (ParallelConfig.parse(args.parallel) if args.parallel.strip()

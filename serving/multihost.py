@@ -22,9 +22,19 @@ What works on jaxlib 0.10.2 (CPU, two processes of 4 virtual devices each on 127
 - Ahead-of-time `lower().compile()` needs no peer: each process compiles the same step.
 What does not, and what this module does instead:
 - `jax.device_put(host array, sharding over both processes)` first runs
-  `multihost_utils.assert_equal`, a collective (with no timeout, compiled per new shape)
-  on every call: the engine places its step inputs with `meshes.put_replicated`
+  `multihost_utils.assert_equal`, a collective with no timeout, on every call: 6-11 ms a
+  call here against 0.15-0.65 ms without it, and one compile per new shape (measured by a
+  probe). The engine places its step inputs with `meshes.put_replicated`
   (`make_array_from_process_local_data`: each process its own copy, no check).
+- `jax.device_put` from a sub-mesh on process 0 to one on process 1 (what the spp stages'
+  hand-off is) raises "does not support cross-host device transfers" on the CPU unless
+  every process sets `jax_cross_host_transfer_socket_address`; with it, it works (about
+  2 s for the first transfer, then ~0.6 ms for 32 bytes). Not used yet: spp across
+  processes is not built (below).
+- When process 0 (the coordinator) dies, the coordination service terminates the others
+  (fatal log): a follower never outlives its leader. A process that never joins makes
+  `jax.distributed.initialize` abort the others after `initialization_timeout` (fatal log,
+  DEADLINE_EXCEEDED), not raise: the start fails loudly, it does not hang.
 - A process that dies: by default the coordination service notices its missing
   heartbeats after `heartbeat_timeout` and *terminates the survivors* (a fatal log and
   abort, not an exception). With `jax_enable_recoverability` process 0 lives on, but a
@@ -46,9 +56,15 @@ processes diverged fails loudly rather than serving one process's tokens. It is 
 trusted as the JAX coordinator it sits beside (cluster-internal, unauthenticated): bind it
 on the hosts' private network only.
 
+Measured (`python -m benchmarks.multihost --quick`, tiny at tp=8, this 2-core CPU): the
+channel's send is 0.1-1 ms a step and process 0's host overhead per step 1.2-1.9x one
+process's (4 ms -> 5-8 ms); the step itself is 6-10x slower over two processes, which is
+gloo's all-reduces over TCP on shared cores, not the channel.
+
 Scope (this slice): one program per step (spp = 1), warm-up of every shape before serving
 on every process (no background warm-up: a follower must hold every shape the leader may
-send), one replica per set of processes.
+send), one replica per set of processes, no restart in place (a lost replica is started
+again as new processes), no Ray start-up (`--ray` with `--hosts`).
 """
 
 from __future__ import annotations
