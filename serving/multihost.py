@@ -449,8 +449,10 @@ def launch_local(num_processes: int, argv: Sequence[str], *, devices_per_process
     `python argv` with the job in its environment (a free coordinator port on
     127.0.0.1, this process count, its id) and `devices_per_process` virtual CPU
     devices; waits for them. Process 0's output is this command's; SIGINT / SIGTERM go
-    to process 0, which stops the others through the step channel. When any process
-    exits, the rest are stopped too. Returns process 0's exit code."""
+    to process 0, which stops the others through the step channel. A follower that exits
+    early leaves process 0 serving, reporting the replica unavailable (as on real hosts);
+    once process 0 exits, followers still running after 30 s are stopped. Returns process
+    0's exit code."""
     import signal
     import subprocess
     import sys
@@ -474,18 +476,21 @@ def launch_local(num_processes: int, argv: Sequence[str], *, devices_per_process
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, frame: procs[0].send_signal(signum))
     try:
-        while all(p.poll() is None for p in procs):
-            time.sleep(0.2)
+        procs[0].wait()
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
+        # A SIGTERM to process 0 while it shuts down (its handlers already gone) would
+        # kill it: only followers are stopped, and only when they outstay it.
+        deadline = time.monotonic() + 30
         for p in procs:
             try:
-                p.wait(timeout=30)
+                p.wait(timeout=max(deadline - time.monotonic(), 0.1))
             except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+                p.terminate()
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
     return procs[0].returncode
 
 
