@@ -36,7 +36,15 @@ def run_workload(server) -> dict:
     tokens = [list(h.result().token_ids) for h in handles]
     prompt, n = PREFIX_REUSE
     reuse = server.submit(prompt, SamplingParams(temperature=0, max_tokens=n)).result()
-    return {"tokens": tokens + [list(reuse.token_ids)],
+    # The model's log-softmax (of logits gathered over the processes' vocab shards): each
+    # prompt token's and each sampled token's, with the 3 likeliest alternatives.
+    scored = server.submit(_prompt(7, 20), SamplingParams(
+        temperature=0, max_tokens=4, logprobs=3, prompt_logprobs=3)).result()
+    logprobs = [[e.logprob, *[lp for _, lp in e.top]]
+                for e in (*scored.prompt_logprobs[1:], *scored.logprobs)]
+    top_ids = [[t for t, _ in e.top] for e in (*scored.prompt_logprobs[1:], *scored.logprobs)]
+    return {"tokens": tokens + [list(reuse.token_ids), list(scored.token_ids)],
+            "top_ids": top_ids, "logprobs": logprobs,
             "preemptions": server.controller.num_preemptions,
             "cached_tokens": reuse.metrics.num_cached_tokens}
 

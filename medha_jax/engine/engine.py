@@ -127,10 +127,12 @@ class EngineConfig:
         return min(pool, -(-longest // (kvp * page)) * page)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "shape", "num_kv_shards", "cp_ranks"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "shape", "num_kv_shards", "cp_ranks",
+                                             "replicate_outputs"),
                    donate_argnames=("kv_cache",))
 def step(graphdef, state, kv_cache: KVCache, ints, floats, rng_keys, *,
-         shape: tuple[int, ...], num_kv_shards: int = 1, cp_ranks: int = 1):
+         shape: tuple[int, ...], num_kv_shards: int = 1, cp_ranks: int = 1,
+         replicate_outputs: bool = False):
     """One engine step: forward, last-token logits per sequence, sampling, logprobs. Pure.
 
     ints: the packed int32 inputs of bucket `shape` = (T, S, W) (see StepInputs.pack);
@@ -138,13 +140,20 @@ def step(graphdef, state, kv_cache: KVCache, ints, floats, rng_keys, *,
     Returns (StepOutputs: sampled token ids int32 [S] and the logprobs asked for, the
     updated cache). The cache is donated, so XLA writes the new K/V in place. Engines over
     the same model share jit's cache.
+    replicate_outputs: every output whole on every device (a mesh over several processes,
+    where process 0 can read only what its own devices hold: cp's prompt logprobs are
+    split by token over the ranks otherwise).
     """
     x = unpack_int32(ints, shape, num_kv_shards, cp_ranks)
     meta = AttentionMetadata.of(x)
     module = nnx.merge(graphdef, state)
     hidden, kv_cache = module(x["token_ids"], x["positions"], kv_cache, meta)
-    return sample_with_logprobs(module.logits, hidden, x, floats, rng_keys,
-                                vocab_size=module.config.vocab_size), kv_cache
+    outputs = sample_with_logprobs(module.logits, hidden, x, floats, rng_keys,
+                                   vocab_size=module.config.vocab_size)
+    if replicate_outputs:
+        outputs = jax.tree.map(
+            lambda a: jax.lax.with_sharding_constraint(a, jax.sharding.PartitionSpec()), outputs)
+    return outputs, kv_cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,8 +307,9 @@ class Engine:
         inputs = StepInputs.padding(shape, self.pad_slot, self.num_kv_shards, self.cp_ranks)
         args = self.step_args(inputs, kv_cache=self._kv_cache_spec)
         with jax.set_mesh(self.model.mesh):
-            executable = step.lower(*args, shape=shape, num_kv_shards=self.num_kv_shards,
-                                    cp_ranks=self.cp_ranks).compile()
+            executable = step.lower(
+                *args, shape=shape, num_kv_shards=self.num_kv_shards, cp_ranks=self.cp_ranks,
+                replicate_outputs=not self._replicated.is_fully_addressable).compile()
         self.executables[shape] = executable
         return executable
 
