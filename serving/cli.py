@@ -170,9 +170,11 @@ def _multihost_engine(args):
                                     dtype=args.dtype)
     channel = multihost.channel_address()
     if jax.process_index() > 0:
-        report = multihost.follow(engine, multihost.connect(channel, jax.process_index()))
+        sock = multihost.connect(channel, jax.process_index())
+        report = multihost.follow(engine, sock)
         print(f"process {jax.process_index()}: stopped after {report.steps} steps "
               f"({report.compiles} compiles while serving)", flush=True)
+        multihost.leave(sock)
         return None
     engine.mirror = multihost.StepMirror(multihost.listen_socket(channel), args.hosts - 1,
         step_timeout_s=args.step_timeout_s)

@@ -26,6 +26,9 @@ What does not, and what this module does instead:
   call here against 0.15-0.65 ms without it, and one compile per new shape (measured by a
   probe). The engine places its step inputs with `meshes.put_replicated`
   (`make_array_from_process_local_data`: each process its own copy, no check).
+- An output sharded over the mesh (cp's prompt logprobs are split by token over the
+  ranks) cannot be read on process 0 ("spans non-addressable devices"): on a mesh over
+  several processes the step returns every output replicated (`replicate_outputs`).
 - `jax.device_put` from a sub-mesh on process 0 to one on process 1 (what the spp stages'
   hand-off is) raises "does not support cross-host device transfers" on the CPU unless
   every process sets `jax_cross_host_transfer_socket_address`; with it, it works (about
@@ -48,8 +51,9 @@ What does not, and what this module does instead:
 
 Why a socket channel and not `broadcast_one_to_all` (the issue left the choice open):
 broadcast is a device collective, so (1) it has no timeout and a dead follower hangs
-process 0 inside it, (2) it compiles one program per input shape (every bucket), and
-(3) it costs a device program per step on top of the step. The channel sends the packed
+process 0 inside it, (2) like `assert_equal` above it runs a jitted program per input
+shape (one compile per bucket), and (3) it costs a device program per step on top of the
+step (~5 ms a call here for 4 KB, the first compile included). The channel sends the packed
 int32/float32/uint32 arrays (a few KB) and the bucket with one `sendall` per follower,
 and its acknowledgements carry a checksum of each follower's tokens, so a replica whose
 processes diverged fails loudly rather than serving one process's tokens. It is as
@@ -60,6 +64,10 @@ Measured (`python -m benchmarks.multihost --quick`, tiny at tp=8, this 2-core CP
 channel's send is 0.1-1 ms a step and process 0's host overhead per step 1.2-1.9x one
 process's (4 ms -> 5-8 ms); the step itself is 6-10x slower over two processes, which is
 gloo's all-reduces over TCP on shared cores, not the channel.
+
+Not tried here (no GPU or TPU in this session): on GPUs, JAX's fault-tolerance guide
+also sets `--xla_gpu_nccl_terminate_on_error=false` so that NCCL does not abort process 0
+when a peer dies; on TPU pods the same timeouts apply.
 
 Scope (this slice): one program per step (spp = 1), warm-up of every shape before serving
 on every process (no background warm-up: a follower must hold every shape the leader may
@@ -240,12 +248,22 @@ class StepMirror:
                              f"(digests {digests}, process 0 {mine})")
         self._acked += 1
 
-    def close(self) -> None:
-        """Tells the followers to stop and closes the channel."""
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Tells the followers to stop, then waits (bounded) for each to close its end:
+        a follower leaves the JAX job first (`leave`), so process 0's coordination service,
+        which goes with process 0, is still there for it."""
         for sock in self.followers.values():
             try:
                 sock.settimeout(1.0)
                 _send(sock, {"kind": _STOP})
+            except OSError:
+                pass
+        deadline = time.monotonic() + timeout_s
+        for sock in self.followers.values():
+            try:
+                sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+                while sock.recv(4096):
+                    pass
             except OSError:
                 pass
             sock.close()
@@ -322,8 +340,17 @@ def follow(engine, sock: socket.socket) -> FollowerReport:
         _follow(engine, sock, report)
     finally:
         jax.monitoring.unregister_event_duration_listener(count_compile)
-    sock.close()
     return report
+
+
+def leave(sock: socket.socket) -> None:
+    """A follower's exit after process 0 stopped it: leaves the JAX job, then closes the
+    channel, which tells process 0 it may go (its coordination service goes with it: a
+    follower still in the job then would be aborted)."""
+    import jax
+
+    jax.distributed.shutdown()
+    sock.close()
 
 
 def _follow(engine, sock: socket.socket, report: FollowerReport) -> None:
@@ -419,12 +446,17 @@ def main(argv=None) -> None:
         engine = build_engine(args.model, ParallelConfig.parse(parallel),
                               EngineConfig(**json.loads(args.engine_config)), dtype=args.dtype,
                               shapes=shapes)
-        report = follow(engine, connect(args.channel, args.process_id))
+        sock = connect(args.channel, args.process_id)
+        report = follow(engine, sock)
         print(json.dumps({"process_id": args.process_id, "parallel": parallel,
                           "steps": report.steps,
                           "compiles_after_warmup": report.compiles}),
               flush=True)
         del engine
+        if parallel == args.parallel[-1]:
+            leave(sock)
+        else:
+            sock.close()
 
 
 

@@ -56,6 +56,7 @@ def main() -> None:
     parser.add_argument("--parallel", action="append", required=True)
     parser.add_argument("--kill-phase", action="store_true")
     parser.add_argument("--step-timeout-s", type=float, default=20.0)
+    parser.add_argument("--model", default=MODEL)
     args = parser.parse_args()
 
     import jax
@@ -69,7 +70,7 @@ def main() -> None:
     multihost.join(0, 2, args.coordinator)
     for i, parallel in enumerate(args.parallel):
         listener = multihost.listen_socket(f"127.0.0.1:{args.channel_port}")
-        engine = multihost.build_engine(MODEL, ParallelConfig.parse(parallel),
+        engine = multihost.build_engine(args.model, ParallelConfig.parse(parallel),
                                         EngineConfig(**ENGINE_CONFIG))
         engine.mirror = multihost.StepMirror(listener, 1, step_timeout_s=args.step_timeout_s)
         with Server(engine, warmup=False) as server:

@@ -242,7 +242,7 @@ def test_the_channel_carries_the_bucket_and_packed_arrays_exactly():
     multihost._send(follower, {"step": 0, "digest": multihost.tokens_digest(tokens)})
     mirror.wait(_Ready(tokens))                       # the same tokens: no error
     assert mirror.poll() is None
-    mirror.close()
+    mirror.close(timeout_s=0.2)       # the follower never closes its end: bounded
     assert multihost._recv(follower)[0] == {"kind": "stop"}
 
 
