@@ -221,7 +221,7 @@ class StepMirror:
         pending = dict(self.followers)
         while pending:
             left = deadline - time.monotonic()
-            ready = select.select(list(pending.values()), [], [], max(left, 0))[0] if left > 0 else []
+            ready = select.select(list(pending.values()), [], [], left)[0] if left > 0 else []
             if not ready:
                 raise self._fail(f"process(es) {sorted(pending)} did not finish step {step} "
                                  f"within {self.step_timeout_s:.1f} s")

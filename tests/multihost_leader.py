@@ -116,10 +116,37 @@ def _kill_phase(server, engine) -> None:
         refused = str(e)
     print("RESULT " + json.dumps({
         "error": error, "seconds_to_error": seconds, "unavailable": server.unavailable,
-        "new_request_refused": refused}), flush=True)
+        "new_request_refused": refused, **_health(server)}), flush=True)
     # Process 1 is gone and process 0's device threads sit in its dead collective: exit
     # without the distributed shutdown (it would wait for process 1).
     os._exit(0)
+
+
+def _health(server) -> dict:
+    """What the fronts' health checks answer: gRPC's status name, HTTP's code and body."""
+    import http.client
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from serving.grpc_service import GrpcServer
+    from serving.http_server import HttpServer
+
+    grpc_server = GrpcServer(server, port=0)
+    try:
+        with grpc.insecure_channel(grpc_server.address) as channel:
+            status = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=10).status
+    finally:
+        grpc_server.stop(grace=0)
+    with HttpServer(server) as front:
+        conn = http.client.HTTPConnection(front.host, front.port, timeout=10)
+        conn.request("GET", "/health")
+        response = conn.getresponse()
+        body = json.loads(response.read())
+        conn.close()
+    return {"grpc_health": health_pb2.HealthCheckResponse.ServingStatus.Name(status),
+            "http_health": [response.status, body]}
 
 
 if __name__ == "__main__":

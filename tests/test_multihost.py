@@ -3,8 +3,9 @@ global mesh of 8, process 0 scheduling and sending each step's inputs to process
 
 One launch of the two processes serves the module (tests/multihost_leader.py is process
 0): each mesh's greedy tokens, with preemption and prefix reuse, and its logprobs (within
-1e-4) must equal this (one) process's on the same mesh shape; no process compiles after warm-up; and killing process
-1 mid-request fails the request with UNAVAILABLE within the step timeout."""
+1e-4) must equal this (one) process's on the same mesh shape; no process compiles after
+warm-up; and killing process 1 mid-request fails the request with UNAVAILABLE within the
+step timeout."""
 
 from __future__ import annotations
 
@@ -94,8 +95,8 @@ def test_two_processes_give_one_process_tokens(launch, index):
     results, reports = launch
     got = results[index]
     assert got["parallel"] == MESHES[index]
-    with Server(MODEL, parallel=ParallelConfig.parse(MESHES[index]),
-                engine_config=EngineConfig(**ENGINE_CONFIG), warmup=True, cache_dir=False) as server:
+    with Server(MODEL, parallel=ParallelConfig.parse(MESHES[index]), warmup=True,
+                engine_config=EngineConfig(**ENGINE_CONFIG), cache_dir=False) as server:
         want = run_workload(server)
     assert got["tokens"] == want["tokens"]
     assert got["top_ids"] == want["top_ids"]
@@ -120,9 +121,12 @@ def test_killing_process_1_fails_the_request_unavailable_without_a_hang(launch):
     killed = results[-1]
     assert killed["error"] and "UNAVAILABLE" in killed["error"], killed
     assert killed["seconds_to_error"] < STEP_TIMEOUT_S + 5
-    # The replica says it is down (Server.unavailable: /health 503) and refuses new work.
+    # The replica says it is down (Server.unavailable; gRPC and HTTP health) and refuses
+    # new work.
     assert killed["unavailable"].startswith("UNAVAILABLE: multi-host replica: process 1")
     assert killed["new_request_refused"] == killed["unavailable"]
+    assert killed["grpc_health"] == "NOT_SERVING"
+    assert killed["http_health"] == [503, {"status": "unavailable", "error": killed["unavailable"]}]
 
 
 # One step shape per process (16-token rung only), as tests/test_cli.py's SMALL_ENGINE.
