@@ -239,7 +239,12 @@ def _serve_fronts(args, token, engine) -> int:
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
-        stop.wait()
+        # Timed waits: Python runs a signal's handler only in the main thread, between
+        # bytecodes; a SIGTERM taken by another thread (XLA's, gloo's, gRPC's) left the
+        # main thread asleep in an untimed wait (seen once with --hosts 2: process 0 never
+        # stopped).
+        while not stop.wait(0.5):
+            pass
         print("stopping: finishing open calls", flush=True)
         for stop_frontend in frontends:
             stop_frontend()

@@ -154,11 +154,11 @@ def test_serve_hosts_2_starts_both_processes_and_gives_one_process_tokens(tmp_pa
         [sys.executable, "-m", "serving.cli", "serve", "--hosts", "2", "--model", MODEL,
          "--parallel", "tp=8", "--port", "0", "--no-cache", *SERVE_ENGINE],
         cwd=root, env=env, stdout=subprocess.PIPE, stderr=(tmp_path / "stderr").open("w"),
-        text=True)
+        text=True, start_new_session=True)   # its own group: a failure kills both children
     prompt = [5, 17, 99, 3, 42, 7, 250, 1, 8]
     try:
         banner, lines = "", []
-        timer = threading.Timer(LAUNCH_TIMEOUT_S, proc.kill)
+        timer = threading.Timer(LAUNCH_TIMEOUT_S, lambda: os.killpg(proc.pid, signal.SIGKILL))
         timer.start()
         for line in proc.stdout:              # blocks until process 0 serves
             lines.append(line)
@@ -187,9 +187,11 @@ def test_serve_hosts_2_starts_both_processes_and_gives_one_process_tokens(tmp_pa
         stopped = re.search(r"process 1: stopped after (\d+) steps \((\d+) compiles", rest)
         assert stopped and int(stopped.group(1)) >= 6 and stopped.group(2) == "0", rest
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)     # the launcher and whatever it left
+        except ProcessLookupError:
+            pass
+        proc.wait()
     sizes = dict(max_model_len=128, max_tokens_per_step=16, max_seqs=4, max_kv_tokens=1024)
     with Server(MODEL, parallel=ParallelConfig(tp=8), engine_config=EngineConfig(**sizes),
                 warmup=False, cache_dir=False) as server:
