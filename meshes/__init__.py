@@ -9,6 +9,7 @@ import importlib
 from meshes.parallel import MESH_AXES, ParallelConfig
 
 _LAZY = {
+    "cluster_detected": "meshes.distributed",
     "initialize_distributed": "meshes.distributed",
     "make_mesh": "meshes.mesh",
     "parallel_config_of": "meshes.mesh",
@@ -16,6 +17,7 @@ _LAZY = {
     "LOGICAL_AXES": "meshes.rules",
     "LogicalRules": "meshes.rules",
     "put": "meshes.rules",
+    "put_replicated": "meshes.rules",
     "replicated": "meshes.rules",
 }
 

@@ -112,6 +112,19 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
+def put_replicated(arrays, sharding: NamedSharding):
+    """Places host arrays (a pytree) whole on every device of a replicated `sharding`.
+
+    On a mesh spanning several processes, `jax.device_put` of a host array first checks
+    that every process passed the same value (`multihost_utils.assert_equal`: a collective
+    with no timeout, and a compile per new shape); a multi-host replica's processes hold
+    the same step inputs by construction (serving.multihost), so each process places its
+    own copy on its own devices instead."""
+    if sharding.is_fully_addressable:
+        return jax.device_put(arrays, sharding)
+    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), arrays)
+
+
 def put(x, mesh: Mesh, logical_axes: Sequence[str | None], rules: LogicalRules = DEFAULT_RULES):
     """Places a host array on the mesh according to its logical axes."""
     return jax.device_put(x, rules.sharding(mesh, x.shape, logical_axes))

@@ -5,6 +5,7 @@
     medha-jax serve --http-port 8000 --no-grpc      # OpenAI API at http://127.0.0.1:8000/v1
     medha-jax serve --replicas 2 --router predicted-time   # 2 replicas, one per device group
     medha-jax serve --dp 8 --switching load    # DP <-> TP switching over 8 devices
+    medha-jax serve --hosts 2 --parallel tp=8  # one replica over 2 processes (4 CPU devices each)
     medha-jax demo
 """
 
@@ -59,9 +60,10 @@ LIMIT_FLAGS = ("min_ttft_s", "max_ttft_s", "min_tpot_s", "max_tpot_s", "min_prio
                "max_priority")
 
 
-def _make_server(args, *, warmup: bool, calibrate: bool):
+def _make_server(args, *, warmup: bool, calibrate: bool, engine=None):
     """calibrate=False plans with the analytical predictor instead of timing a sweep of
-    steps: enough for one request, whose schedule is the same whatever the timings."""
+    steps: enough for one request, whose schedule is the same whatever the timings.
+    engine: one already built and warmed up (process 0 of a --hosts N replica)."""
     from medha_jax.cluster.router import PREDICTED_TIME, RoutingConfig
     from medha_jax.config import ParallelConfig
     from medha_jax.engine import EngineConfig
@@ -90,6 +92,10 @@ def _make_server(args, *, warmup: bool, calibrate: bool):
         raise ValueError("--dp N and --switching POLICY go together: N base replicas (one "
                          "device each, or --parallel tp=b) that switch between DP and TP "
                          "(routed replicas of any mesh: --replicas)")
+    if engine is not None:
+        return Server(engine, scheduler=scheduler, limits=RequestLimits(**limits),
+                      metrics_port=getattr(args, "metrics_port", None), warmup=False,
+                      cache_dir=False if args.no_cache else args.cache_dir)
     if switching is not None:
         from serving.switching import SwitchingConfig
         SwitchingConfig(switching)                       # a bad name fails before loading
@@ -138,14 +144,70 @@ def _generate(args) -> int:
     return 0
 
 
-def _serve(args) -> int:
-    from serving.grpc_service import GrpcServer
-    from serving.http_server import HttpServer
+def _multihost_engine(args):
+    """This process's engine of a `--hosts N` replica, the job joined from the environment
+    (meshes.initialize_distributed); None on a follower process, once process 0 stopped
+    it (a follower serves only process 0's steps: serving.multihost)."""
+    import jax
 
+    from medha_jax.config import ParallelConfig
+    from medha_jax.engine import EngineConfig
+    from meshes import initialize_distributed
+    from serving import multihost
+
+    for flag in ("ray", "switching", "roles", "offload"):
+        if getattr(args, flag, None) is not None:
+            raise ValueError(f"--hosts does not combine with --{flag} yet")
+    if args.replicas != 1:
+        raise ValueError("--hosts N serves one replica over N processes: --replicas must be 1")
+    initialize_distributed(heartbeat_timeout_s=10, init_timeout_s=120)
+    if jax.process_count() != args.hosts:
+        raise ValueError(f"--hosts {args.hosts} but the job has {jax.process_count()} processes")
+    parallel = (ParallelConfig.parse(args.parallel) if args.parallel.strip()
+                else ParallelConfig(tp=jax.device_count()))
+    sizes = {f: getattr(args, f) for f in ENGINE_FLAGS if getattr(args, f) is not None}
+    engine = multihost.build_engine(args.model, parallel, EngineConfig(**sizes),
+                                    dtype=args.dtype)
+    channel = multihost.channel_address()
+    if jax.process_index() > 0:
+        sock = multihost.connect(channel, jax.process_index())
+        report = multihost.follow(engine, sock)
+        print(f"process {jax.process_index()}: stopped after {report.steps} steps "
+              f"({report.compiles} compiles while serving)", flush=True)
+        multihost.leave(sock)
+        return None
+    engine.mirror = multihost.StepMirror(multihost.listen_socket(channel), args.hosts - 1,
+        step_timeout_s=args.step_timeout_s)
+    return engine
+
+
+def _serve(args) -> int:
     if args.no_grpc and args.http_port is None:
         raise ValueError("--no-grpc needs --http-port: nothing would be served")
     token = args.token or os.environ.get("MEDHA_TOKEN") or None
-    with _make_server(args, warmup=True, calibrate=True) as server:
+    engine = None
+    if args.hosts > 1:
+        from meshes import cluster_detected
+        from serving import multihost
+
+        if not cluster_detected():    # on this machine: start the N processes, then wait
+            return multihost.launch_local(args.hosts, ["-m", "serving.cli", *args.argv],
+                                          devices_per_process=args.devices_per_host)
+        engine = _multihost_engine(args)
+        if engine is None:
+            return 0
+    try:
+        return _serve_fronts(args, token, engine)
+    finally:
+        if engine is not None:
+            engine.mirror.close()          # stops the followers
+
+
+def _serve_fronts(args, token, engine) -> int:
+    from serving.grpc_service import GrpcServer
+    from serving.http_server import HttpServer
+
+    with _make_server(args, warmup=True, calibrate=True, engine=engine) as server:
         if getattr(server, "ray_address", None):
             print(f"ray address: {server.ray_address}", flush=True)
         frontends, addresses = [], []
@@ -177,7 +239,12 @@ def _serve(args) -> int:
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
-        stop.wait()
+        # Timed waits: Python runs a signal's handler only in the main thread, between
+        # bytecodes; a SIGTERM taken by another thread (XLA's, gloo's, gRPC's) left the
+        # main thread asleep in an untimed wait (seen once with --hosts 2: process 0 never
+        # stopped).
+        while not stop.wait(0.5):
+            pass
         print("stopping: finishing open calls", flush=True)
         for stop_frontend in frontends:
             stop_frontend()
@@ -277,6 +344,18 @@ def build_parser() -> argparse.ArgumentParser:
                             "priority <= -1 binds a TP group at once, pausing the members' "
                             "DP requests), memory (a request longer than one replica holds "
                             "binds the smallest group that holds it), off (DP only)")
+    hosts = serve.add_argument_group("one replica over several processes (serving.multihost)")
+    hosts.add_argument("--hosts", type=int, default=1,
+                       help="processes the replica spans, one per host: every process runs "
+                            "this same command (the job from $MEDHA_COORDINATOR, "
+                            "$MEDHA_NUM_PROCESSES, $MEDHA_PROCESS_ID, or a TPU pod / SLURM "
+                            "environment); process 0 serves the fronts. With no job in the "
+                            "environment, starts the N processes on this machine")
+    hosts.add_argument("--devices-per-host", type=int, default=4,
+                       help="with --hosts on this machine: virtual CPU devices per process")
+    hosts.add_argument("--step-timeout-s", type=float, default=60.0,
+                       help="longest wait for a step on any process before the replica is "
+                            "reported unavailable")
     serve.add_argument("--grace", type=float, default=5.0,
                        help="seconds open calls get to finish on shutdown")
     _add_model_args(serve)
@@ -290,7 +369,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv        # what --hosts N runs again in each process it starts
     try:
         return args.run(args)
     except ValueError as e:          # bad arguments: the message names the value

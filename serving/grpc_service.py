@@ -168,6 +168,22 @@ class _BearerToken(grpc.ServerInterceptor):
         return self._deny
 
 
+class _ServerHealth(health.HealthServicer):
+    """The standard health service, answering NOT_SERVING for every service once the server
+    cannot serve at all (Server.unavailable: a multi-host replica that lost a process), so
+    a gateway routes away from it."""
+
+    def __init__(self, server):
+        super().__init__()
+        self._server = server
+
+    def Check(self, request, context):
+        if getattr(self._server, "unavailable", None) is not None:
+            return health_pb2.HealthCheckResponse(
+                status=health_pb2.HealthCheckResponse.NOT_SERVING)
+        return super().Check(request, context)
+
+
 class GrpcServer:
     """Serves a Server over gRPC on host:port (port 0 picks a free one: see `.port`)."""
 
@@ -184,7 +200,7 @@ class GrpcServer:
         access = Access.of(token, priority_tokens)
         self.server = server
         # The standard health protocol: "" (the whole server) and "medha.v1.Medha".
-        self.health = health.HealthServicer()
+        self.health = _ServerHealth(server)
         self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         self._grpc = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_concurrent_rpcs,

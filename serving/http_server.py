@@ -491,6 +491,10 @@ class _Api:
     async def health(self, request):
         if self.server.closed:
             return JSONResponse({"status": "closing"}, status_code=503)
+        unavailable = getattr(self.server, "unavailable", None)     # RayServer has none
+        if unavailable is not None:
+            return JSONResponse({"status": "unavailable", "error": unavailable},
+                                status_code=503)
         return JSONResponse({"status": "ok"})
 
     async def metrics(self, request):

@@ -265,6 +265,17 @@ class Server:
         return self._loops[0].closing
 
     @property
+    def unavailable(self) -> str | None:
+        """Why this server cannot serve at all (None: it can): a multi-host replica that
+        lost a process (serving.multihost). Such a server refuses new requests with
+        RuntimeError (gRPC UNAVAILABLE, HTTP 503) and /health says so."""
+        for engine in getattr(self, "_engines", ()):           # RayServer has none
+            mirror = getattr(engine, "mirror", None)
+            if mirror is not None and mirror.poll() is not None:
+                return mirror.broken
+        return None
+
+    @property
     def router(self):
         """The router placing requests (None with one replica)."""
         return None if self._replica_set is None else self._replica_set.router
@@ -301,6 +312,9 @@ class Server:
         except (ValueError, TypeError):
             self.metrics.requests_rejected.inc()
             raise
+        unavailable = self.unavailable
+        if unavailable is not None:
+            raise RuntimeError(unavailable)
         # The server names every request (unique, never reused); the caller's request_id
         # is only a label, so a reused label can never reach another request.
         server_ids = [f"{self._id_prefix}-{next(self._ids)}" for _ in range(params.n)]

@@ -41,7 +41,7 @@ from medha_jax.request import Batch, StepResult, TokenLogprobs
 from medha_jax.scheduler.cp_cost import PASS_KV, PASS_Q, RingCost
 from medha_jax.scheduler.hardware import hardware_for_device_kind
 from medha_jax.scheduler.predictor import BatchFeatures, batch_features
-from meshes import replicated
+from meshes import put_replicated, replicated
 from pallas_kernels import order_decodes_first
 from pallas_kernels.block_sizes import device_kind_of
 from pallas_kernels.dispatch import choose_attention, prefill_query_block
@@ -128,10 +128,12 @@ class EngineConfig:
         return min(pool, -(-longest // (kvp * page)) * page)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "shape", "num_kv_shards", "cp_ranks"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "shape", "num_kv_shards", "cp_ranks",
+                                             "replicate_outputs"),
                    donate_argnames=("kv_cache",))
 def step(graphdef, state, kv_cache: KVCache, ints, floats, rng_keys, *,
-         shape: tuple[int, ...], num_kv_shards: int = 1, cp_ranks: int = 1):
+         shape: tuple[int, ...], num_kv_shards: int = 1, cp_ranks: int = 1,
+         replicate_outputs: bool = False):
     """One engine step: forward, last-token logits per sequence, sampling, logprobs. Pure.
 
     ints: the packed int32 inputs of bucket `shape` = (T, S, W) (see StepInputs.pack);
@@ -139,13 +141,20 @@ def step(graphdef, state, kv_cache: KVCache, ints, floats, rng_keys, *,
     Returns (StepOutputs: sampled token ids int32 [S] and the logprobs asked for, the
     updated cache). The cache is donated, so XLA writes the new K/V in place. Engines over
     the same model share jit's cache.
+    replicate_outputs: every output whole on every device (a mesh over several processes,
+    where process 0 can read only what its own devices hold: cp's prompt logprobs are
+    split by token over the ranks otherwise).
     """
     x = unpack_int32(ints, shape, num_kv_shards, cp_ranks)
     meta = AttentionMetadata.of(x)
     module = nnx.merge(graphdef, state)
     hidden, kv_cache = module(x["token_ids"], x["positions"], kv_cache, meta)
-    return sample_with_logprobs(module.logits, hidden, x, floats, rng_keys,
-                                vocab_size=module.config.vocab_size), kv_cache
+    outputs = sample_with_logprobs(module.logits, hidden, x, floats, rng_keys,
+                                   vocab_size=module.config.vocab_size)
+    if replicate_outputs:
+        outputs = jax.tree.map(
+            lambda a: jax.lax.with_sharding_constraint(a, jax.sharding.PartitionSpec()), outputs)
+    return outputs, kv_cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,6 +252,10 @@ class Engine:
                                           num_kv_shards=self.num_kv_shards, hook=stage_hook)
             self.kv_cache = None
         self._replicated = replicated(model.mesh)
+        # A multi-host replica's process 0 (serving.multihost.StepMirror): sends every
+        # step's packed inputs to the other processes before running it, and bounds the
+        # wait for its tokens. None: this process holds the whole mesh.
+        self.mirror = None
         # (tokens, seqs, width) bucket -> its ahead-of-time compiled step (with spp > 1, the
         # stages' programs in stage order).
         self.executables: dict[tuple[int, int, int], jax.stages.Compiled | tuple] = {}
@@ -274,11 +287,22 @@ class Engine:
 
     # -- compilation -------------------------------------------------------------
 
-    def step_args(self, inputs: StepInputs, kv_cache: KVCache | None = None) -> tuple:
-        """Positional arguments of `step` (graphdef first) with the inputs on the device."""
-        packed = jax.device_put(inputs.pack(), self._replicated)
+    def step_args(self, inputs: StepInputs | tuple[np.ndarray, ...],
+                  kv_cache: KVCache | None = None) -> tuple:
+        """Positional arguments of `step` (graphdef first) with the inputs on the device.
+        inputs: StepInputs, or what its `pack()` gave."""
+        packed = inputs.pack() if isinstance(inputs, StepInputs) else inputs
+        packed = put_replicated(packed, self._replicated)
         kv_cache = self.kv_cache if kv_cache is None else kv_cache
         return (self.model.graphdef, self.model.state, kv_cache, *packed)
+
+    def run_packed(self, shape: tuple[int, ...], packed: tuple[np.ndarray, ...]) -> StepOutputs:
+        """Starts the one-program step of bucket `shape` on packed host inputs
+        (`StepInputs.pack()`) and rebinds the KV cache to its output; does not wait. What
+        `dispatch` runs, and what a follower process of a multi-host replica runs on the
+        inputs process 0 sent it (serving.multihost)."""
+        outputs, self.kv_cache = self.executable(shape)(*self.step_args(packed)[1:])
+        return outputs
 
     def _compile(self, shape: tuple[int, int, int]) -> jax.stages.Compiled | tuple:
         """The one way a step shape is compiled: ahead of time, into `executables`.
@@ -290,13 +314,14 @@ class Engine:
             return executable
         inputs = StepInputs.padding(shape, self.pad_slot, self.num_kv_shards, self.cp_ranks)
         args = self.step_args(inputs, kv_cache=self._kv_cache_spec)
-        static = (args[0], shape, self.num_kv_shards, self.cp_ranks)
+        replicate = not self._replicated.is_fully_addressable
+        static = (args[0], shape, self.num_kv_shards, self.cp_ranks, replicate)
         devices = list(self.model.mesh.devices.flat)
 
         def compile_():
             with jax.set_mesh(self.model.mesh):
                 return step.lower(*args, shape=shape, num_kv_shards=self.num_kv_shards,
-                                  cp_ranks=self.cp_ranks).compile()
+                                  cp_ranks=self.cp_ranks, replicate_outputs=replicate).compile()
 
         executable, saved = step_cache.load_or_compile(
             step_cache.step_key("engine.step", static, args[1:], devices), compile_, devices,
@@ -461,10 +486,13 @@ class Engine:
                                    cp_variant=self.cp_variant)
         if inputs.cp_pass_q is not None:
             self.cp_variant_counts[PASS_Q if inputs.cp_pass_q[0] else PASS_KV] += 1
-        executable = self.executable(inputs.padded_shape)
         if self.pipeline is None:
-            outputs, self.kv_cache = executable(*self.step_args(inputs)[1:])
+            packed = inputs.pack()
+            if self.mirror is not None:       # the other processes start the same step
+                self.mirror.send(inputs.padded_shape, packed)
+            outputs = self.run_packed(inputs.padded_shape, packed)
         else:
+            self.executable(inputs.padded_shape)
             outputs = self.pipeline.dispatch(inputs)
         dispatched = time.perf_counter()
         if self._device_idle_since is not None:
@@ -489,6 +517,8 @@ class Engine:
         batch = pending.batch
         # While the device runs, do this step's bookkeeping (asynchronous dispatch).
         features = batch_features(batch, self.ladder.token_buckets)
+        if self.mirror is not None:           # waits, with a timeout, for every process
+            self.mirror.wait(pending.outputs.tokens)
         tokens = np.asarray(pending.outputs.tokens)       # waits for the device
         returned = time.perf_counter()
         sampled = {chunk.request.request_id: int(tokens[i])
@@ -524,6 +554,10 @@ class Engine:
         caller must recompute every request from its tokens and drop the prefix cache
         (`ReplicaController.preempt_all`).
         """
+        if self.mirror is not None and self.mirror.broken is not None:
+            # A multi-host replica that lost a process: its cache is the output of a step
+            # stuck in a collective (waiting on it would hang), and no step runs any more.
+            return False
         caches = [self.kv_cache] if self.pipeline is None else self.pipeline.kv_caches
         leaves = jax.tree.leaves(caches)
         try:

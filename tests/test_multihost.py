@@ -1,0 +1,299 @@
+"""One replica over two processes (serving.multihost): 4 virtual CPU devices each, one
+global mesh of 8, process 0 scheduling and sending each step's inputs to process 1.
+
+One launch of the two processes serves the module (tests/multihost_leader.py is process
+0): each mesh's greedy tokens, with preemption and prefix reuse, and its logprobs (within
+1e-4) must equal this (one) process's on the same mesh shape; no process compiles after
+warm-up; and killing process 1 mid-request fails the request with UNAVAILABLE within the
+step timeout."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from tests.multihost_leader import ENGINE_CONFIG, MODEL, run_workload
+
+# Each crosses the process boundary (devices 0-3 on process 0, 4-7 on process 1): tp over
+# all 8; kvp (outer to tp) and cp (outer to tp) split between the processes.
+MESHES = ("tp=8", "kvp=2,tp=4", "cp=2,tp=4")
+STEP_TIMEOUT_S = 20.0
+LAUNCH_TIMEOUT_S = 900
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def launch():
+    """Runs both processes once; returns process 0's RESULT lines and process 1's report."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=4 "
+                         "--xla_backend_optimization_level=0")
+    coordinator = f"127.0.0.1:{_free_port()}"
+    channel_port = _free_port()
+    meshes = [a for m in MESHES for a in ("--parallel", m)]
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "serving.multihost", "--process-id", "1", "--num-processes", "2",
+         "--coordinator", coordinator, "--channel", f"127.0.0.1:{channel_port}",
+         "--model", MODEL, "--engine-config", json.dumps(ENGINE_CONFIG), *meshes],
+        cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    leader = subprocess.Popen(
+        [sys.executable, "-m", "tests.multihost_leader", "--coordinator", coordinator,
+         "--channel-port", str(channel_port), "--kill-phase",
+         "--step-timeout-s", str(STEP_TIMEOUT_S), *meshes],
+        cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    follower_out = []
+    reader = threading.Thread(target=lambda: follower_out.extend(follower.stdout), daemon=True)
+    reader.start()
+    results, log = [], []
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+    watchdog = threading.Timer(LAUNCH_TIMEOUT_S, lambda: (leader.kill(), follower.kill()))
+    watchdog.start()
+    try:
+        for line in leader.stdout:
+            log.append(line)
+            if line.startswith("KILL"):
+                follower.send_signal(signal.SIGKILL)
+            elif line.startswith("RESULT "):
+                results.append(json.loads(line[len("RESULT "):]))
+                if len(results) == len(MESHES) + 1:
+                    break
+        leader.wait(timeout=max(deadline - time.monotonic(), 1))
+    finally:
+        watchdog.cancel()
+        for p in (leader, follower):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        reader.join(5)
+    assert len(results) == len(MESHES) + 1, "".join(log[-40:]) + "".join(follower_out[-40:])
+    reports = [json.loads(line) for line in follower_out if line.startswith("{")]
+    return results, reports
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", range(len(MESHES)), ids=MESHES)
+def test_two_processes_give_one_process_tokens(launch, index):
+    from medha_jax.engine import EngineConfig
+    from meshes import ParallelConfig
+    from serving.server import Server
+
+    results, reports = launch
+    got = results[index]
+    assert got["parallel"] == MESHES[index]
+    with Server(MODEL, parallel=ParallelConfig.parse(MESHES[index]), warmup=True,
+                engine_config=EngineConfig(**ENGINE_CONFIG), cache_dir=False) as server:
+        want = run_workload(server)
+    assert got["tokens"] == want["tokens"]
+    assert got["top_ids"] == want["top_ids"]
+    np.testing.assert_allclose(got["logprobs"], want["logprobs"], atol=1e-4, rtol=0)
+    # How many preemptions, and which cached pages survive them, depend on the batches the
+    # scheduler forms from measured step times, so they are not compared; that they
+    # happened is. kvp and cp multiply the pool (a shard's pages each; cp pages of 16
+    # tokens make an allocator page, so 32 of the 48 shared tokens are whole pages): only
+    # the one-pool mesh runs short of pages.
+    assert got["cached_tokens"] >= 16 and (got["preemptions"] > 0 or index > 0)
+    # The guard on every process: nothing compiled while serving.
+    assert got["compiles_after_warmup"] == 0
+    follower = [r for r in reports if r["parallel"] == MESHES[index]]
+    if index < len(MESHES) - 1:        # the last replica's follower is killed, not stopped
+        assert follower and follower[0]["compiles_after_warmup"] == 0
+        assert follower[0]["steps"] > 0
+
+
+@pytest.mark.slow
+def test_killing_process_1_fails_the_request_unavailable_without_a_hang(launch):
+    results, _ = launch
+    killed = results[-1]
+    assert killed["error"] and "UNAVAILABLE" in killed["error"], killed
+    assert killed["seconds_to_error"] < STEP_TIMEOUT_S + 5
+    # The replica says it is down (Server.unavailable; gRPC and HTTP health) and refuses
+    # new work.
+    assert killed["unavailable"].startswith("UNAVAILABLE: multi-host replica: process 1")
+    assert killed["new_request_refused"] == killed["unavailable"]
+    assert killed["grpc_health"] == "NOT_SERVING"
+    assert killed["http_health"] == [503, {"status": "unavailable", "error": killed["unavailable"]}]
+
+
+# One step shape per process (16-token rung only), as tests/test_cli.py's SMALL_ENGINE.
+SERVE_ENGINE = ["--max-model-len", "128", "--max-tokens-per-step", "16", "--max-seqs", "4",
+                "--max-kv-tokens", "1024"]
+
+
+@pytest.mark.slow
+def test_serve_hosts_2_starts_both_processes_and_gives_one_process_tokens(tmp_path):
+    """`medha-jax serve --hosts 2` with no job in the environment starts the two processes
+    itself; process 0 serves gRPC; SIGTERM stops both."""
+    import grpc
+
+    from medha_jax import SamplingParams
+    from medha_jax.engine import EngineConfig
+    from meshes import ParallelConfig
+    from serving.proto import medha_pb2, medha_pb2_grpc
+    from serving.server import Server
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MEDHA_COORDINATOR", "MEDHA_NUM_PROCESSES", "MEDHA_PROCESS_ID",
+                        "SLURM_JOB_ID", "TPU_WORKER_HOSTNAMES", "OMPI_COMM_WORLD_SIZE")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "serving.cli", "serve", "--hosts", "2", "--model", MODEL,
+         "--parallel", "tp=8", "--port", "0", "--no-cache", *SERVE_ENGINE],
+        cwd=root, env=env, stdout=subprocess.PIPE, stderr=(tmp_path / "stderr").open("w"),
+        text=True, start_new_session=True)   # its own group: a failure kills both children
+    prompt = [5, 17, 99, 3, 42, 7, 250, 1, 8]
+    try:
+        banner, lines = "", []
+        timer = threading.Timer(LAUNCH_TIMEOUT_S, lambda: os.killpg(proc.pid, signal.SIGKILL))
+        timer.start()
+        for line in proc.stdout:              # blocks until process 0 serves
+            lines.append(line)
+            if line.startswith("serving "):
+                banner = line
+                break
+        timer.cancel()
+        address = banner.split(" on ")[-1].split()[0] if banner else None
+        assert address, "".join(lines[-30:])
+        with grpc.insecure_channel(address) as channel:
+            request = medha_pb2.GenerateRequest(
+                token_ids=medha_pb2.TokenIds(ids=prompt),
+                sampling=medha_pb2.SamplingParams(temperature=0.0, max_tokens=6))
+            responses = list(medha_pb2_grpc.MedhaStub(channel).Generate(request, timeout=120))
+        got = [t for r in responses for t in r.token_ids]
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            code = "still running after 120 s"
+        errors = "\n".join(line for line in (tmp_path / "stderr").read_text().splitlines()
+                           if "Gloo" not in line)[-4000:]
+        assert code == 0, errors
+        rest = proc.stdout.read()
+        # Process 1 ran the steps and was stopped by process 0, compiling nothing meanwhile.
+        stopped = re.search(r"process 1: stopped after (\d+) steps \((\d+) compiles", rest)
+        assert stopped and int(stopped.group(1)) >= 6 and stopped.group(2) == "0", rest
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)     # the launcher and whatever it left
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    sizes = dict(max_model_len=128, max_tokens_per_step=16, max_seqs=4, max_kv_tokens=1024)
+    with Server(MODEL, parallel=ParallelConfig(tp=8), engine_config=EngineConfig(**sizes),
+                warmup=False, cache_dir=False) as server:
+        want = server.submit(prompt, SamplingParams(temperature=0, max_tokens=6)).result()
+    assert got == list(want.token_ids)
+
+
+# ------------------------------------------------------------ the step channel alone
+# No JAX job: process 0's StepMirror against followers played by sockets in this process.
+
+
+class _Ready:
+    """Stands in for process 0's tokens (a jax.Array) in StepMirror.wait."""
+
+    def __init__(self, tokens):
+        self.tokens = tokens
+
+    def is_ready(self):
+        return True
+
+    def __array__(self, dtype=None, copy=None):
+        return np.asarray(self.tokens, dtype)
+
+
+def _mirror_with_follower(step_timeout_s=0.5):
+    from serving import multihost
+
+    port = _free_port()
+    listener = multihost.listen_socket(f"127.0.0.1:{port}")
+    box = {}
+    thread = threading.Thread(target=lambda: box.update(
+        sock=multihost.connect(f"127.0.0.1:{port}", 1, timeout_s=10)))
+    thread.start()
+    mirror = multihost.StepMirror(listener, 1, step_timeout_s=step_timeout_s,
+                                  connect_timeout_s=10)
+    thread.join()
+    return mirror, box["sock"]
+
+
+def test_the_channel_carries_the_bucket_and_packed_arrays_exactly():
+    from serving import multihost
+
+    mirror, follower = _mirror_with_follower()
+    rng = np.random.default_rng(0)
+    packed = (rng.integers(-2**31, 2**31 - 1, 1000, dtype=np.int32),
+              rng.random((2, 8), dtype=np.float32),
+              rng.integers(0, 2**32 - 1, (8, 2), dtype=np.uint32))
+    mirror.send((64, 8, 16, 4), packed)
+    meta, arrays = multihost._recv(follower)
+    assert meta == {"kind": "step", "step": 0, "shape": [64, 8, 16, 4]}
+    for got, want in zip(arrays, packed, strict=True):
+        assert got.dtype == want.dtype and np.array_equal(got, want)
+    tokens = np.array([3, 1, 4, 1], np.int32)
+    multihost._send(follower, {"step": 0, "digest": multihost.tokens_digest(tokens)})
+    mirror.wait(_Ready(tokens))                       # the same tokens: no error
+    assert mirror.poll() is None
+    mirror.close(timeout_s=0.2)       # the follower never closes its end: bounded
+    assert multihost._recv(follower)[0] == {"kind": "stop"}
+
+
+def test_a_follower_that_hangs_times_out_unavailable():
+    from serving import multihost
+
+    mirror, follower = _mirror_with_follower(step_timeout_s=0.3)
+    mirror.send((16, 1, 1), (np.zeros(4, np.int32),))
+    start = time.monotonic()
+    with pytest.raises(multihost.ReplicaUnavailable, match=r"^UNAVAILABLE: .*process\(es\) \[1\] "
+                       r"did not finish step 0 within 0.3 s"):
+        mirror.wait(_Ready([1]))
+    assert time.monotonic() - start < 5
+    # From then on every step fails at once, and the server reads why.
+    with pytest.raises(multihost.ReplicaUnavailable):
+        mirror.send((16, 1, 1), (np.zeros(4, np.int32),))
+    assert mirror.poll().startswith("UNAVAILABLE: multi-host replica")
+    follower.close()
+
+
+def test_a_follower_with_other_tokens_fails_the_step():
+    from serving import multihost
+
+    mirror, follower = _mirror_with_follower()
+    mirror.send((16, 1, 1), (np.zeros(4, np.int32),))
+    multihost._send(follower, {"step": 0, "digest": multihost.tokens_digest(np.array([7]))})
+    with pytest.raises(multihost.ReplicaUnavailable, match="sampled different tokens"):
+        mirror.wait(_Ready(np.array([8], np.int32)))
+    follower.close()
+
+
+def test_a_follower_that_dies_while_idle_is_seen_without_a_step():
+    mirror, follower = _mirror_with_follower()
+    assert mirror.poll() is None
+    follower.close()
+    deadline = time.monotonic() + 5
+    while mirror.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "process 1 closed the step channel" in mirror.poll()
+
+
+def test_a_follower_that_never_joins_is_named():
+    from serving import multihost
+
+    listener = multihost.listen_socket(f"127.0.0.1:{_free_port()}")
+    with pytest.raises(multihost.ReplicaUnavailable,
+                       match=r"1 of 1 follower process\(es\) did not connect .* within 0.3 s"):
+        multihost.StepMirror(listener, 1, connect_timeout_s=0.3)
