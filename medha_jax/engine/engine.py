@@ -296,6 +296,14 @@ class Engine:
         kv_cache = self.kv_cache if kv_cache is None else kv_cache
         return (self.model.graphdef, self.model.state, kv_cache, *packed)
 
+    def _start(self, inputs: StepInputs) -> StepOutputs:
+        """Starts the one-program step on `inputs` (on a multi-host replica, the other
+        processes' first); does not wait."""
+        packed = inputs.pack()
+        if self.mirror is not None:       # the other processes start the same step
+            self.mirror.send(inputs.padded_shape, packed)
+        return self.run_packed(inputs.padded_shape, packed)
+
     def run_packed(self, shape: tuple[int, ...], packed: tuple[np.ndarray, ...]) -> StepOutputs:
         """Starts the one-program step of bucket `shape` on packed host inputs
         (`StepInputs.pack()`) and rebinds the KV cache to its output; does not wait. What
@@ -487,10 +495,7 @@ class Engine:
         if inputs.cp_pass_q is not None:
             self.cp_variant_counts[PASS_Q if inputs.cp_pass_q[0] else PASS_KV] += 1
         if self.pipeline is None:
-            packed = inputs.pack()
-            if self.mirror is not None:       # the other processes start the same step
-                self.mirror.send(inputs.padded_shape, packed)
-            outputs = self.run_packed(inputs.padded_shape, packed)
+            outputs = self._start(inputs)
         else:
             self.executable(inputs.padded_shape)
             outputs = self.pipeline.dispatch(inputs)

@@ -62,7 +62,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from medha_jax.buckets import BucketLadder
 from medha_jax.engine import step_cache
 from medha_jax.engine.engine import Engine, EngineConfig
-from medha_jax.engine.logprobs import sample_with_logprobs
+from medha_jax.engine.logprobs import StepOutputs, sample_with_logprobs
 from medha_jax.engine.step_inputs import StepInputs, unpack_int32
 from medha_jax.kv_cache.allocator import BlockAllocator
 from medha_jax.model import AttentionMetadata, KVCache
@@ -392,6 +392,7 @@ class TPGroupEngine(Engine):
         self._backlog, self._compiling = [], {}
         self._warmup_thread, self._stop_warmup = None, threading.Event()
         self.compiles_waited_for = 0
+        self.mirror = None                        # a group runs in this process only
         self.last_host_seconds = None
         self._num_dispatched = 0
         self._device_idle_since = time.perf_counter()
@@ -427,6 +428,13 @@ class TPGroupEngine(Engine):
                 page_table=physical[inputs.page_table].astype(np.int32))
             rows.append(rank_inputs.pack()[0])
         return np.stack(rows)
+
+    def _start(self, inputs: StepInputs) -> StepOutputs:
+        """The group's step: each rank reads its own page ids (`rank_ints`), which the
+        unranked packed inputs of Engine.run_packed do not carry."""
+        outputs, self.kv_cache = self.executable(inputs.padded_shape)(
+            *self.step_args(inputs)[1:])
+        return outputs
 
     def step_args(self, inputs: StepInputs, kv_cache: KVCache | None = None) -> tuple:
         _, floats, rng_keys = inputs.pack()
