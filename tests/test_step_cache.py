@@ -78,3 +78,39 @@ def test_a_tp_groups_steps_are_kept_too(tmp_path, monkeypatch):
     second.warmup(progress=False)
     assert tokens(second, 2) == expected
     assert len(list(tmp_path.glob("*.pkl"))) == saved
+
+
+_RUN_ONE_STEP = """
+import sys, jax
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+if sys.argv[1]:
+    jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+from medha_jax.engine import EngineConfig
+from medha_jax.engine.cache_dirs import CACHE_EVENTS
+from tests.test_step_cache import CFG, Engine, replica_models, tokens
+CACHE_EVENTS.register()
+engine = Engine(replica_models("tiny", 1)[0], CFG, step_cache_dir=sys.argv[2] or None)
+print("tokens", tokens(engine, 3), engine.steps_loaded)
+"""
+
+
+@pytest.mark.slow
+def test_a_step_jax_loaded_from_its_own_cache_is_not_kept(tmp_path):
+    """On the CPU backend an executable JAX loaded from its persistent cache serializes
+    without its compiled functions (running the copy in another process fails with
+    NOT_FOUND). Process 1 fills JAX's cache, process 2 compiles through it (a JAX hit: not
+    kept), process 3 must then compile, not load a broken copy, and give the same tokens."""
+    import subprocess
+    import sys
+
+    def run(jax_dir, steps_dir):
+        out = subprocess.run([sys.executable, "-c", _RUN_ONE_STEP, jax_dir, steps_dir],
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout.split("tokens ", 1)[1].strip()
+
+    jax_dir, steps_dir = str(tmp_path / "xla"), str(tmp_path / "steps")
+    first = run(jax_dir, "")
+    assert run(jax_dir, steps_dir) == first
+    assert not list((tmp_path / "steps").glob("*.pkl"))
+    assert run("", steps_dir) == first

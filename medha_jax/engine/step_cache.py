@@ -26,6 +26,8 @@ from collections.abc import Callable, Sequence
 import jax
 import jaxlib
 
+from medha_jax.engine.cache_dirs import CACHE_EVENTS
+
 # The packages whose source builds a step's program (a change to any file re-keys it).
 _PACKAGES = ("medha_jax", "pallas_kernels", "meshes")
 
@@ -76,10 +78,15 @@ def load_or_compile(key: str, compile_: Callable[[], jax.stages.Compiled],
                                         execution_devices=list(devices)), seconds
         except Exception:           # a partial write or another jaxlib's: compile afresh
             pass
+    # An executable JAX itself loaded from its persistent cache serializes without its
+    # compiled functions on the CPU backend (jaxlib 0.10.2: running the copy fails with
+    # "NOT_FOUND: Function ... not found"), so only a real compile is kept.
+    CACHE_EVENTS.register()
+    hits_before = CACHE_EVENTS.snapshot()[0]
     start = time.perf_counter()
     executable = compile_()
     seconds = time.perf_counter() - start
-    if path is not None:
+    if path is not None and CACHE_EVENTS.snapshot()[0] == hits_before:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
