@@ -80,7 +80,9 @@ def load_or_compile(key: str, compile_: Callable[[], jax.stages.Compiled],
             pass
     # An executable JAX itself loaded from its persistent cache serializes without its
     # compiled functions on the CPU backend (jaxlib 0.10.2: running the copy fails with
-    # "NOT_FOUND: Function ... not found"), so only a real compile is kept.
+    # "NOT_FOUND: Function ... not found"), so only a real compile is kept. A step JAX's
+    # cache already holds (compiled before this cache existed) is therefore never kept
+    # here: such a start traces as before; clearing the cache directory ends that.
     CACHE_EVENTS.register()
     hits_before = CACHE_EVENTS.snapshot()[0]
     start = time.perf_counter()
