@@ -67,13 +67,13 @@ def faulty_step(fault: DeviceFault):
     real_step = engine_module.step
 
     @functools.partial(jax.jit, static_argnames=("graphdef", "shape", "num_kv_shards",
-                                                 "cp_ranks"),
+                                                 "cp_ranks", "replicate_outputs"),
                        donate_argnames=("kv_cache",))
     def step(graphdef, state, kv_cache, ints, floats, rng_keys, *, shape, num_kv_shards=1,
-             cp_ranks=1):
+             cp_ranks=1, replicate_outputs=False):
         outputs, kv_cache = real_step(graphdef, state, kv_cache, ints, floats, rng_keys,
                                       shape=shape, num_kv_shards=num_kv_shards,
-                                      cp_ranks=cp_ranks)
+                                      cp_ranks=cp_ranks, replicate_outputs=replicate_outputs)
         token_sum = jnp.sum(unpack_int32(ints, shape, num_kv_shards, cp_ranks)["token_ids"])
         zero = jax.pure_callback(fault, jax.ShapeDtypeStruct((), jnp.int32), token_sum)
         return dataclasses.replace(outputs, tokens=outputs.tokens + zero), kv_cache

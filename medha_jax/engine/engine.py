@@ -332,7 +332,8 @@ class Engine:
                                   cp_ranks=self.cp_ranks, replicate_outputs=replicate).compile()
 
         executable, saved = step_cache.load_or_compile(
-            step_cache.step_key("engine.step", static, args[1:], devices), compile_, devices,
+            step_cache.step_key(f"engine.step:{step_cache.code_digest(step)}", static,
+                                args[1:], devices), compile_, devices,
             self.step_cache_dir)
         if saved is not None:
             self.steps_loaded += 1

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import marshal
 import os
 import pathlib
 import pickle
@@ -42,6 +43,13 @@ def _source_digest() -> str:
             digest.update(str(path.relative_to(root)).encode())
             digest.update(path.read_bytes())
     return digest.hexdigest()
+
+
+def code_digest(fn) -> str:
+    """A digest of a (jitted) function's own code, for keys of programs it traces: a
+    function swapped in at run time (a test's fault-injecting step) is another program."""
+    fn = getattr(fn, "__wrapped__", fn)
+    return hashlib.sha256(marshal.dumps(fn.__code__)).hexdigest()[:16]
 
 
 def _describe(leaf) -> str:
