@@ -15,6 +15,16 @@ CFG = EngineConfig(page_size=16, max_kv_tokens=256, max_model_len=256, max_token
                    max_seqs=4, enable_prefix_caching=False)
 
 
+@pytest.fixture(autouse=True)
+def without_jax_cache():
+    """JAX's persistent cache off: a step JAX loads from it is not kept (step_cache says
+    why), and earlier tests of a suite may have put these very programs there."""
+    before = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    yield
+    jax.config.update("jax_enable_compilation_cache", before)
+
+
 def tokens(engine, seed):
     return drive(engine, [(0, request("r", prompt(seed, 20), 4))], rng=None, max_chunk=0,
                  chunk_of=WHOLE)["r"]
