@@ -11,7 +11,10 @@ Two parts, two tables:
     predictor) with real prefix caches (`simulate(..., prefix_caching=True)`), once per
     routing policy, on the same requests: prefix hit rate (cached / prompt tokens), TTFT
     p50/p90, TPOT p90, load imbalance (max / min busy seconds of the replicas) and the
-    router's decision time. Arrivals are compressed `--time-scale` times so that the
+    router's decision time. `trace_reuse` is the hit rate one cache that never evicts
+    would give the same requests: no routing gets above it, and a replica's cache that
+    cannot hold a session's pages from one turn to its next (the H100 preset's, at 8
+    replicas' worth of arrivals or more) keeps every policy well under it. Arrivals are compressed `--time-scale` times so that the
     replicas are loaded (the trace's own rate is 3.4 requests/s).
 (b) measured: the router's decision time at 16 replicas with 10,000 live sessions, each
     with its prefix cached on one replica (index fed by cache events): p50 / p99 of
@@ -28,8 +31,8 @@ Two parts, two tables:
     have nothing to cache). Lengths are the trace's times `--live-scale` (prompt and
     prefix blocks alike, so sharing is kept), prompts capped at the engine's context,
     outputs at `--live-output` tokens; arrivals compressed to span `--live-seconds`.
-    Prefix hit rate, TTFT p50/p90, TPOT p90 and imbalance (max / min of the replicas'
-    busy seconds: the sum of their measured steps).
+    Prefix hit rate (and `trace_reuse`, as in (a)), TTFT p50/p90, TPOT p90 and imbalance
+    (max / min of the replicas' busy seconds: the sum of their measured steps).
 (d) with --kill (needs Ray; not run by default): a streaming load of `--kill-requests`
     requests (default 200, all submitted at once, each streamed by its own thread) on two
     replicas that are Ray actors; `ray.kill` of `medha-replica-1` (Ray restarts it) once a
@@ -112,6 +115,7 @@ def simulated(args) -> list[dict]:
     # Token ids in a small vocabulary keep the prompts' lists small (Python caches small
     # ints); ids only name prefixes here, no model reads them.
     requests = to_requests(trace, vocab_size=256)
+    reuse = trace_reuse(trace)
     model = model_preset(args.model)
     policies = args.policies.split(",") if args.policies else list(ROUTING_POLICIES)
     rows = []
@@ -127,6 +131,7 @@ def simulated(args) -> list[dict]:
         rows.append({
             "policy": policy, "requests": len(requests), "finished": len(done),
             "hit_rate": sum(r.num_cached_tokens for r in done) / sum(r.prompt_len for r in done),
+            "trace_reuse": reuse,
             "ttft_p50_s": percentile(ttft, 50), "ttft_p90_s": percentile(ttft, 90),
             "tpot_p90_s": percentile(tpot, 90),
             "imbalance_max_over_min_busy": max(busy) / max(min(busy), 1e-9),
@@ -134,6 +139,20 @@ def simulated(args) -> list[dict]:
             "decision_p99_us": 1e6 * percentile(result.decision_s, 99),
             "wall_s": result.wall_s})
     return rows
+
+
+def trace_reuse(trace) -> float:
+    """The prefix hit rate one cache that never evicts would give these requests (cached /
+    prompt tokens, in whole prefix blocks): the most any routing can reach on them."""
+    seen, cached, total = set(), 0, 0
+    for r in trace:
+        blocks = 0
+        while blocks < len(r.prefix_blocks) and r.prefix_blocks[blocks] in seen:
+            blocks += 1
+        cached += min(blocks * r.block_tokens, r.prompt_tokens)
+        total += r.prompt_tokens
+        seen.update(r.prefix_blocks)
+    return cached / max(total, 1)
 
 
 def decision_time(args, num_replicas: int = 16, page_size: int = 16) -> list[dict]:
@@ -147,7 +166,8 @@ def decision_time(args, num_replicas: int = 16, page_size: int = 16) -> list[dic
     num_probes = 500 if args.quick else 2000
     statuses = [ReplicaStatus(prefill_s=lambda n, cached: 0.01 + 2e-5 * (n - cached),
                               page_size=page_size, num_waiting=rng.randrange(8),
-                              num_running=rng.randrange(32), queued_work_s=rng.random(),
+                              num_running=rng.randrange(32),
+                              queued_prefills_s=tuple(rng.random() for _ in range(8)),
                               decode_token_s=1e-3) for _ in range(num_replicas)]
     system_prompt = [rng.randrange(32_000) for _ in range(512)]
     sessions = []
@@ -240,6 +260,7 @@ def live(args) -> list[dict]:
             "completed": len(done),
             "hit_rate": sum(r.num_cached_tokens for r in done) / sum(r.prompt_tokens
                                                                      for r in done),
+            "trace_reuse": trace_reuse(trace),
             "ttft_p50_s": percentile(ttft, 50), "ttft_p90_s": percentile(ttft, 90),
             "tpot_p90_s": percentile(tpot, 90),
             "imbalance_max_over_min_busy": max(busy) / max(min(busy), 1e-9),

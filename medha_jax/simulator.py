@@ -226,13 +226,13 @@ def _fresh_copy(r: Request, keep_token_ids: bool) -> Request:
 
 def _replica_status(controller: ReplicaController, page_size: int,
                     decode_token_s: float) -> ReplicaStatus:
-    """What the router reads of a simulated replica: its queue, its queued predicted work
-    and its Algorithm-3 prefill times."""
+    """What the router reads of a simulated replica: its queue, its queued prefills'
+    predicted seconds and its Algorithm-3 prefill times."""
     prefill_time = controller.prefill_time_cache.prefill_time
     return ReplicaStatus(
         prefill_s=lambda n, cached: prefill_time(n) - prefill_time(cached), page_size=page_size,
         num_waiting=controller.num_waiting, num_running=controller.num_running,
-        queued_work_s=controller.outstanding_work_s(decode_token_s), decode_token_s=decode_token_s)
+        queued_prefills_s=controller.queued_prefills_s(), decode_token_s=decode_token_s)
 
 
 def _advance_replica(runner: InFlightRunner, policy: str, index: int) -> float | None:

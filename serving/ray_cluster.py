@@ -114,7 +114,7 @@ class ReplicaState:
     incarnation: str
     num_waiting: int
     num_running: int
-    queued_work_s: float
+    queued_prefills_s: tuple[float, ...]
     decode_token_s: float
     prefill_table: tuple[tuple[int, float], ...]
     events: tuple[CacheEvent, ...]
@@ -186,12 +186,13 @@ class ReplicaActor:
             if incarnation == self.incarnation:
                 self._events = [e for e in self._events if e.seq >= after_seq]
             events = tuple(self._events)
-        waiting, running, work = self.replica.loop.load
+        waiting, running, _ = self.replica.loop.load
+        prefills = self.replica.loop.queued_prefills_s
         now = time.monotonic()
         if now - self._table_at > 1.0:        # refits change it rarely; computing is cheap
             self._table, self._table_at = self._prefill_table(), now
         allocator = self.replica.engine.allocator
-        return ReplicaState(self.incarnation, waiting, running, work,
+        return ReplicaState(self.incarnation, waiting, running, prefills,
                             self.replica.decode_token_s, self._table, events,
                             allocator.num_pages - allocator.num_free_pages, allocator.num_pages,
                             self.replica.controller.num_preemptions)
@@ -514,7 +515,8 @@ class RayServer(Server):
                 self._statuses = [*self._statuses[:i], ReplicaStatus(
                     prefill_s=_prefill_s(state.prefill_table), page_size=self.page_size,
                     num_waiting=state.num_waiting, num_running=state.num_running,
-                    queued_work_s=state.queued_work_s, decode_token_s=state.decode_token_s,
+                    queued_prefills_s=state.queued_prefills_s,
+                    decode_token_s=state.decode_token_s,
                     healthy=True), *self._statuses[i + 1:]]
                 self._pages[i] = (state.pages_in_use, state.pages_total)
             self.metrics.observe_state(

@@ -458,10 +458,10 @@ class ReplicaSet:
     def _statuses(self) -> list[ReplicaStatus]:
         statuses = []
         for replica in self.replicas:
-            waiting, running, queued_work_s = replica.loop.load
+            waiting, running, _ = replica.loop.load
             statuses.append(ReplicaStatus(
                 prefill_s=replica.prefill_s, page_size=self.page_size, num_waiting=waiting,
-                num_running=running, queued_work_s=queued_work_s,
+                num_running=running, queued_prefills_s=replica.loop.queued_prefills_s,
                 decode_token_s=replica.decode_token_s,
                 healthy=replica.loop.healthy and replica.index not in self._exclude))
         return statuses

@@ -49,30 +49,52 @@ def test_sglang_cache_aware_follows_the_cache_above_its_threshold_unless_imbalan
 
 
 def test_predicted_time_prices_new_tokens_not_prompt_length():
-    """Replica 0 has more queued work but caches 90% of the prompt: fewer seconds there."""
-    statuses = [status(queued_work_s=2.0), status(queued_work_s=0.5)]
+    """Replica 0 has more queued prefill but caches 90% of the prompt: fewer seconds there."""
+    statuses = [status(queued_prefills_s=(2.0,)), status(queued_prefills_s=(0.5,))]
     request = RouteRequest(8000)
     decision = decide(request, snapshot(statuses, [7200, 0]))
     assert decision.replica == 0 and decision.policy == PREDICTED_TIME
     assert decision.cached_tokens == 7200
-    assert decision.predicted_ttft_s == pytest.approx(2.0 + 0.01 + 0.8)
-    # Without that cache the queue decides.
+    # Its 0.81 s prefill shares the steps with the 2 s one queued there: 0.81 + 0.81.
+    assert decision.predicted_ttft_s == pytest.approx(2 * (0.01 + 0.8))
+    # Without that cache the queue decides: 8.01 + 2 there, 8.01 + 0.5 here.
     assert decide(request, snapshot(statuses, [0, 0])).replica == 1
+
+
+def test_a_short_prefill_is_not_priced_as_waiting_behind_a_long_one():
+    """Prefills share steps (processor sharing): each queued prefill delays a new one by
+    min(its remaining seconds, the new one's), not by all of its remaining seconds."""
+    statuses = [status(queued_prefills_s=(10.0,)), status(queued_prefills_s=(0.5, 0.5, 0.5))]
+    short = decide(RouteRequest(100), snapshot(statuses, [0, 0]))
+    assert short.replica == 0 and short.predicted_ttft_s == pytest.approx(0.11 + 0.11)
+    long = decide(RouteRequest(5000), snapshot(statuses, [0, 0]))
+    assert long.replica == 1 and long.predicted_ttft_s == pytest.approx(5.01 + 1.5)
+
+
+def test_prefill_repeating_work_cached_elsewhere_is_charged():
+    """Replica 1 would give this request its first token 10 ms sooner by recomputing half
+    of the prompt that replica 0 has cached; the recomputed seconds are charged to it."""
+    statuses = [status(queued_prefills_s=(1.0,)), status()]     # 0.51 + 0.51 vs 1.01
+    no_margin = dict(affinity_margin=0.0, affinity_margin_s=0.0)
+    snap = snapshot(statuses, [500, 0])
+    assert decide(RouteRequest(1000), snap, RoutingConfig(**no_margin)).replica == 0
+    assert decide(RouteRequest(1000), snap,
+                  RoutingConfig(recompute_weight=0.0, **no_margin)).replica == 1
 
 
 def test_each_replica_is_priced_by_its_own_predictor():
     slow, fast = linear_prefill(4e-3), linear_prefill(1e-3)
-    statuses = [status(prefill_s=slow), status(prefill_s=fast, queued_work_s=1.0)]
-    assert decide(RouteRequest(1000), snapshot(statuses, [0, 0])).replica == 1   # 1.01 < 4.01
+    statuses = [status(prefill_s=slow), status(prefill_s=fast, queued_prefills_s=(0.1,) * 10)]
+    assert decide(RouteRequest(1000), snapshot(statuses, [0, 0])).replica == 1   # 2.01 < 4.01
     assert decide(RouteRequest(100), snapshot(statuses, [0, 0])).replica == 0    # 0.41 < 1.11
 
 
 def test_session_affinity_holds_within_the_margin_and_yields_beyond_it():
     config = RoutingConfig(affinity_margin=0.2, affinity_margin_s=0.0)
     request = RouteRequest(1000, session_id="s")
-    near = [status(queued_work_s=0.1), status(queued_work_s=0.0)]       # 1.11 vs 1.01
+    near = [status(queued_prefills_s=(0.1,)), status()]                 # 1.11 vs 1.01
     assert decide(request, snapshot(near, [0, 0], session=0), config).replica == 0
-    far = [status(queued_work_s=1.0), status(queued_work_s=0.0)]        # 2.01 vs 1.01
+    far = [status(queued_prefills_s=(1.0,)), status()]                  # 2.01 vs 1.01
     assert decide(request, snapshot(far, [0, 0], session=0), config).replica == 1
 
 
@@ -82,6 +104,16 @@ def test_a_sessions_first_turn_goes_where_the_least_load_was_placed_lately():
     request = RouteRequest(500, session_id="new")
     decision = decide(request, snapshot(statuses, [0, 0], recent=[30.0, 5.0]))
     assert decision.replica == 1
+
+
+def test_a_replica_that_has_served_nothing_gets_first_turns_under_light_load():
+    """Replicas 0 and 1 hold the system prompt every prompt starts with; replica 2 has
+    served nothing. Its charge (recomputing those 64 tokens) is within the margin, and no
+    load was placed on it lately: a new session goes there."""
+    statuses = [status(), status(), status()]
+    decision = decide(RouteRequest(1000, session_id="new"),
+                      snapshot(statuses, [64, 64, 0], recent=[3.0, 2.0, 0.0]))
+    assert decision.replica == 2
 
 
 def test_no_healthy_replica_is_a_clear_error():

@@ -19,15 +19,30 @@ Policies (`ROUTING_POLICIES`):
   text; here it reads the same exact index as `predicted-time`, so the comparison is of
   the rules, not of the indexes.
 - `predicted-time` (default; seed 003: the size that matters is the new tokens to
-  compute): for each replica, the predicted TTFT there = its queued predicted work + the
-  predicted prefill of the prompt minus the prefix it has cached, from that replica's own
-  runtime predictor (its PrefillTimeCache, Medha Algorithm 3). The minimum wins. The
-  session's previous replica is kept unless another is predicted faster by more than
+  compute): for each replica, the predicted TTFT there = the queued prefill work this
+  prefill waits for + the predicted prefill of the prompt minus the prefix it has cached,
+  from that replica's own runtime predictor (its PrefillTimeCache, Medha Algorithm 3).
+  The queued work it waits for is not the replica's whole queue: LARS packs several
+  prefills into each step and decodes ride along in the same steps, so a new prefill of x
+  seconds shares the steps with the prefills queued there the way a processor-sharing
+  server shares its time: each one queued delays it by min(its remaining seconds, x), and
+  queued decodes by nothing the predictor can tell apart (seed 001's mixed batches; a
+  short request does not wait behind a long one, which is Medha's point). Pricing the
+  decodes' remaining tokens as a serial queue instead made the router move a session away
+  from its cache whenever its replica had many long decodes left, and hit half of what
+  the cache could give.
+  Each replica is then charged, on top of that TTFT, `recompute_weight` x the prefill
+  seconds it would spend on prompt tokens another replica has cached: repeated work takes
+  steps from every request queued behind it there, which this request's own TTFT does not
+  see (seed 003 H2: a cold prefill cannot beat the cached one), and leaves the prefix
+  cached twice. The lowest charge wins. The weight 2 is measured, not derived: in the
+  simulated 16-replica Mooncake run (`benchmarks/cluster.py`) it held 0.1-0.3 points more
+  of the prefix cache than 1, at the same TTFT p90; 0 held 1-2 points less.
+  The session's previous replica is kept unless another's charge is lower by more than
   `affinity_margin` (relative) + `affinity_margin_s`; a session's first turn goes, among
-  the replicas within that margin of the fastest, to the one with the most of its prompt
-  cached, then the least load placed on it lately (seed 003 H7: imbalance is decided at
-  turn-1 placement, and a snapshot of the queues does not see the turns that sessions
-  placed there will bring).
+  the replicas within that margin of the lowest, to the one with the least load placed on
+  it lately (seed 003 H7: imbalance is decided at turn-1 placement, and a snapshot of the
+  queues does not see the turns that sessions placed there will bring).
 """
 
 from __future__ import annotations
@@ -62,17 +77,19 @@ class RouteRequest:
 class ReplicaStatus:
     """One replica as the router sees it at decision time.
 
-    queued_work_s: predicted seconds of work queued there (remaining prefills and decodes).
     prefill_s(num_tokens, cached_tokens): predicted seconds to prefill a prompt of
       num_tokens whose first cached_tokens are cached there (its own predictor).
-    decode_token_s: predicted seconds one decode token adds to its queue.
+    queued_prefills_s: each request there with prefill work left, its predicted seconds
+      of it (`ReplicaController.queued_prefills_s`), in any order.
+    decode_token_s: predicted seconds one decode token adds to its work (the load placed
+      on it lately counts its decodes at this price).
     """
 
     prefill_s: Callable[[int, int], float]
     page_size: int
     num_waiting: int = 0
     num_running: int = 0
-    queued_work_s: float = 0.0
+    queued_prefills_s: tuple[float, ...] = ()
     decode_token_s: float = 0.0
     healthy: bool = True
 
@@ -93,7 +110,8 @@ class RouterSnapshot:
 @dataclasses.dataclass(frozen=True)
 class Decision:
     """The replica chosen, the prompt's tokens cached there, and the predicted TTFT there
-    (queued work + prefill of the new tokens) by that replica's predictor."""
+    (the queued prefill work it shares steps with + the prefill of its new tokens) by that
+    replica's predictor."""
 
     replica: int
     cached_tokens: int
@@ -108,6 +126,7 @@ class RoutingConfig:
     policy: str = PREDICTED_TIME
     affinity_margin: float = 0.2
     affinity_margin_s: float = 0.05
+    recompute_weight: float = 2.0
     recent_load_halflife_s: float = 60.0
     sglang_cache_threshold: float = 0.3
     sglang_balance_abs: int = 64
@@ -118,8 +137,8 @@ class RoutingConfig:
         if self.policy not in ROUTING_POLICIES:
             raise ValueError(f"unknown routing policy {self.policy!r}; choose one of "
                              f"{', '.join(ROUTING_POLICIES)}")
-        for name in ("affinity_margin", "affinity_margin_s", "sglang_cache_threshold",
-                     "speculative_ttl_s"):
+        for name in ("affinity_margin", "affinity_margin_s", "recompute_weight",
+                     "sglang_cache_threshold", "speculative_ttl_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"RoutingConfig.{name} must be >= 0, got {getattr(self, name)!r}")
         if not self.recent_load_halflife_s > 0:
@@ -155,10 +174,11 @@ def decide(request: RouteRequest, snapshot: RouterSnapshot,
 
 
 def predicted_ttft_s(request: RouteRequest, snapshot: RouterSnapshot, replica: int) -> float:
-    """Queued predicted work on the replica + its predicted prefill of the new tokens."""
+    """The replica's predicted prefill x of the new tokens + min(w, x) for each prefill
+    queued there with w seconds left (processor sharing; the module docstring says why)."""
     status = snapshot.replicas[replica]
-    return status.queued_work_s + status.prefill_s(request.prompt_len,
-                                                   snapshot.cached_tokens[replica])
+    x = status.prefill_s(request.prompt_len, snapshot.cached_tokens[replica])
+    return x + sum(w if w < x else x for w in status.queued_prefills_s)
 
 
 def _vllm_load(status: ReplicaStatus) -> int:
@@ -180,20 +200,27 @@ def _sglang_cache_aware(request: RouteRequest, snapshot: RouterSnapshot, healthy
 
 def _predicted_time(request: RouteRequest, snapshot: RouterSnapshot, healthy: list[int],
                     config: RoutingConfig) -> int:
-    ttft = {i: predicted_ttft_s(request, snapshot, i) for i in healthy}
-    fastest = min(ttft.values())
-    within = fastest * (1 + config.affinity_margin) + config.affinity_margin_s
+    most_cached = max(snapshot.cached_tokens[i] for i in healthy)
+    charge = {}
+    for i in healthy:
+        status, cached = snapshot.replicas[i], snapshot.cached_tokens[i]
+        recompute = (status.prefill_s(request.prompt_len, cached)
+                     - status.prefill_s(request.prompt_len, most_cached))
+        charge[i] = predicted_ttft_s(request, snapshot, i) + config.recompute_weight * recompute
+    lowest = min(charge.values())
+    within = lowest * (1 + config.affinity_margin) + config.affinity_margin_s
     session = snapshot.session_replica
-    if session is not None and session in ttft and ttft[session] <= within:
+    if session is not None and session in charge and charge[session] <= within:
         return session
     if session is None:
-        # A session's first turn: among the near-fastest, the one that has most of its
-        # prompt cached (the work it saves is real even where the predictor cannot tell
-        # the prefills apart), then the least load placed lately.
-        near = [i for i in healthy if ttft[i] <= within]
-        return min(near, key=lambda i: (-snapshot.cached_tokens[i], snapshot.recent_load_s[i],
-                                        ttft[i], i))
-    return min(healthy, key=lambda i: (ttft[i], i))
+        # A session's first turn: among the near-lowest, the one with the least load placed
+        # lately. Not the one with most of the prompt cached first: the charge prices what
+        # the cache saves, and a replica that has served nothing yet lacks even the prefix
+        # every prompt shares (a system prompt), so it would never be picked while load is
+        # light.
+        near = [i for i in healthy if charge[i] <= within]
+        return min(near, key=lambda i: (snapshot.recent_load_s[i], charge[i], i))
+    return min(healthy, key=lambda i: (charge[i], i))
 
 
 # ----------------------------------------------------------------------------- router state
@@ -249,7 +276,7 @@ class Router:
         # Pages already held there need no mark: only the prompt's new tail does.
         self.index.mark_routed(r, request.page_hashes[decision.cached_tokens // page_size:])
         status = snapshot.replicas[r]
-        self._recent_load[r] += (decision.predicted_ttft_s - status.queued_work_s
+        self._recent_load[r] += (status.prefill_s(request.prompt_len, decision.cached_tokens)
                                  + request.max_new_tokens * status.decode_token_s)
         if len(self.decision_seconds) >= 100_000:
             del self.decision_seconds[:50_000]

@@ -136,6 +136,11 @@ class ReplicaController:
             work += (r.max_new_tokens - len(r.output_token_ids)) * decode_token_s
         return work
 
+    def queued_prefills_s(self) -> tuple[float, ...]:
+        """Each request here with prefill work left: its predicted seconds of it (w(t)),
+        in no particular order (what a new prefill would share steps with)."""
+        return tuple(self.prefill_time_cache.remaining_work(r) for r in self._prefills)
+
     # ------------------------------------------------------------ admission / exit
 
     def add_request(self, request: Request, *, resume: bool = False) -> None:

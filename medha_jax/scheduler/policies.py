@@ -172,6 +172,10 @@ class PriorityIndex:
     def __contains__(self, request: Request) -> bool:
         return request.request_id in self._slot
 
+    def __iter__(self):
+        """The queued requests, in no particular order."""
+        return iter(self._requests)
+
     def add(self, request: Request) -> None:
         if request.request_id in self._slot:
             raise ValueError(f"request {request.request_id} is already queued")
