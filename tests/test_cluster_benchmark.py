@@ -1,0 +1,17 @@
+"""The cluster benchmark's ceiling: the hit rate one never-evicting cache gives a trace."""
+
+import pytest
+
+from benchmarks.cluster import trace_reuse
+from medha_jax.workloads import TraceRequest
+
+
+def test_trace_reuse_counts_the_leading_blocks_seen_before():
+    trace = [TraceRequest(0.0, 40, 1, prefix_blocks=(0, 1, 2), block_tokens=16),
+             # blocks 0 and 1 seen, then a new one: 32 of 40 tokens; block 2 after a new
+             # block is not a prefix and does not count.
+             TraceRequest(1.0, 40, 1, prefix_blocks=(0, 1, 9, 2), block_tokens=16),
+             # every block seen, but the prompt is shorter than they span: 20 of 20.
+             TraceRequest(2.0, 20, 1, prefix_blocks=(0, 1), block_tokens=16)]
+    assert trace_reuse(trace) == pytest.approx((0 + 32 + 20) / (40 + 40 + 20))
+    assert trace_reuse([]) == 0.0
