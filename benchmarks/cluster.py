@@ -26,9 +26,9 @@ Two parts, two tables:
 (c) live on this machine: `Server(model, replicas=2, router=policy)` in this process, a
     fresh server per policy, replaying the same slice of the trace through
     `serving.replay` (arrival times honoured, sessions passed on): the trace's sessions
-    that have two or more turns, in order of their first turn, until `--live-requests`
-    requests (the first requests of the trace are all first turns: a slice by time would
-    have nothing to cache). Lengths are the trace's times `--live-scale` (prompt and
+    that have two or more turns (`--live-min-turns`), in order of their first turn, until
+    `--live-requests` requests (the first requests of the trace are all first turns: a
+    slice by time would have nothing to cache). Lengths are the trace's times `--live-scale` (prompt and
     prefix blocks alike, so sharing is kept), prompts capped at the engine's context,
     outputs at `--live-output` tokens; arrivals compressed to span `--live-seconds`.
     Prefix hit rate (and `trace_reuse`, as in (a)), TTFT p50/p90, TPOT p90 and imbalance
@@ -84,6 +84,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--live-scale", type=float, default=1 / 32,
                    help="part (c): prompt lengths x this (Mooncake's p50 6.9K -> 216)")
     p.add_argument("--live-output", type=int, default=16, help="part (c): output tokens at most")
+    p.add_argument("--live-min-turns", type=int, default=2,
+                   help="part (c): only sessions with at least this many turns (4: the trace's "
+                        "long conversations, reuse like seed 003's agentic sessions)")
     p.add_argument("--live-seconds", type=float, default=None,
                    help="part (c): arrivals compressed to span this long (default 120; "
                         "--quick 30)")
@@ -204,15 +207,15 @@ def decision_time(args, num_replicas: int = 16, page_size: int = 16) -> list[dic
     return rows
 
 
-def multi_turn_slice(trace, num_requests: int):
-    """The requests of the trace's sessions with two or more turns, sessions in order of
-    their first turn, until num_requests requests; arrivals shifted to start at 0."""
+def multi_turn_slice(trace, num_requests: int, min_turns: int = 2):
+    """The requests of the trace's sessions with min_turns or more turns, sessions in order
+    of their first turn, until num_requests requests; arrivals shifted to start at 0."""
     import collections
 
     turns = collections.Counter(r.session_id for r in trace)
     chosen, taken, reserved = set(), [], 0
     for r in trace:
-        if turns[r.session_id] < 2:
+        if turns[r.session_id] < min_turns:
             continue
         if r.session_id not in chosen:
             if reserved + turns[r.session_id] > num_requests:
@@ -238,7 +241,7 @@ def live(args) -> list[dict]:
     span_s = args.live_seconds or (30.0 if args.quick else 120.0)
     engine_config = EngineConfig(max_kv_tokens=16_384, max_model_len=1024,
                                  max_tokens_per_step=256, max_seqs=16)
-    trace = multi_turn_slice(load_mooncake_trace(args.trace), num_requests)
+    trace = multi_turn_slice(load_mooncake_trace(args.trace), num_requests, args.live_min_turns)
     trace = scale_lengths(trace, short_prompt_scale=args.live_scale,
                           max_prompt_tokens=engine_config.max_model_len - args.live_output,
                           max_output_tokens=args.live_output)

@@ -15,3 +15,20 @@ def test_trace_reuse_counts_the_leading_blocks_seen_before():
              TraceRequest(2.0, 20, 1, prefix_blocks=(0, 1), block_tokens=16)]
     assert trace_reuse(trace) == pytest.approx((0 + 32 + 20) / (40 + 40 + 20))
     assert trace_reuse([]) == 0.0
+
+
+def test_multi_turn_slice_keeps_whole_sessions_of_enough_turns():
+    from benchmarks.cluster import multi_turn_slice
+
+    def turn(t, session):
+        return TraceRequest(float(t), 10, 1, session_id=session)
+    trace = [turn(5, "a"), turn(6, "b"), turn(7, "a"), turn(8, "c"), turn(9, "b"),
+             turn(10, "b"), turn(11, "c")]
+    two = multi_turn_slice(trace, num_requests=10)
+    assert [r.session_id for r in two] == ["a", "b", "a", "c", "b", "b", "c"]
+    assert two[0].arrival_s == 0.0
+    three = multi_turn_slice(trace, num_requests=10, min_turns=3)
+    assert [r.session_id for r in three] == ["b", "b", "b"]
+    # Sessions are taken whole: "b" (3 turns) does not fit in 4 after "a" (2).
+    assert [r.session_id for r in multi_turn_slice(trace, num_requests=4)] == \
+        ["a", "a", "c", "c"]
