@@ -96,10 +96,9 @@ class ServingLoop:
         # router reads from other threads (one tuple, replaced whole).
         self.load: tuple[int, int, float] = (0, 0, 0.0)
         # Each request here with prefill left, its predicted seconds of it (what a new
-        # prefill shares steps with: the router's predicted TTFT), and their sum (what
-        # slows decodes here: the offload decision, medha_jax.cluster.offload).
+        # prefill shares steps with: the router's predicted TTFT; their sum is what slows
+        # decodes here: the offload decision, medha_jax.cluster.offload).
         self.queued_prefills_s: tuple[float, ...] = ()
-        self.queued_prefill_s = 0.0
         # Context lengths of the requests that decode here (one tuple, replaced whole): the
         # offload decision prices this replica's decode step with them.
         self.decode_contexts: tuple[int, ...] = ()
@@ -466,7 +465,6 @@ class ServingLoop:
         self.load = (waiting, running, work)
         if self._decode_token_s is not None:
             self.queued_prefills_s = controller.queued_prefills_s()
-            self.queued_prefill_s = sum(self.queued_prefills_s)
             self.decode_contexts = tuple(r.prompt_len + len(r.output_token_ids)
                                          for r in controller.unfinished()
                                          if r.max_new_tokens > 1)

@@ -323,7 +323,7 @@ class ReplicaSet:
                                  self.replicas[prefill].prefill_s(prompt_len, cached_tokens),
                                  prompt_len // self.page_size, page_bytes)
         views = [OffloadReplica(can_decode=r.loop.healthy, prefill_only=i in self._prefill_only,
-                                queued_prefill_s=r.loop.queued_prefill_s,
+                                queued_prefill_s=sum(r.loop.queued_prefills_s),
                                 chunk_step_s=r.chunk_step_s, decode_token_s=r.decode_token_s,
                                 cached_pages=cached_pages[i], prefill_share=r.prefill_share,
                                 decode_step_s=decode_step_seconds(

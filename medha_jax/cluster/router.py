@@ -177,8 +177,13 @@ def predicted_ttft_s(request: RouteRequest, snapshot: RouterSnapshot, replica: i
     """The replica's predicted prefill x of the new tokens + min(w, x) for each prefill
     queued there with w seconds left (processor sharing; the module docstring says why)."""
     status = snapshot.replicas[replica]
-    x = status.prefill_s(request.prompt_len, snapshot.cached_tokens[replica])
-    return x + sum(w if w < x else x for w in status.queued_prefills_s)
+    return _shared_steps_ttft_s(status, status.prefill_s(request.prompt_len,
+                                                         snapshot.cached_tokens[replica]))
+
+
+def _shared_steps_ttft_s(status: ReplicaStatus, prefill_s: float) -> float:
+    """A prefill of prefill_s seconds, sharing steps with the prefills queued there."""
+    return prefill_s + sum(w if w < prefill_s else prefill_s for w in status.queued_prefills_s)
 
 
 def _vllm_load(status: ReplicaStatus) -> int:
@@ -203,10 +208,10 @@ def _predicted_time(request: RouteRequest, snapshot: RouterSnapshot, healthy: li
     most_cached = max(snapshot.cached_tokens[i] for i in healthy)
     charge = {}
     for i in healthy:
-        status, cached = snapshot.replicas[i], snapshot.cached_tokens[i]
-        recompute = (status.prefill_s(request.prompt_len, cached)
-                     - status.prefill_s(request.prompt_len, most_cached))
-        charge[i] = predicted_ttft_s(request, snapshot, i) + config.recompute_weight * recompute
+        status = snapshot.replicas[i]
+        prefill = status.prefill_s(request.prompt_len, snapshot.cached_tokens[i])
+        recompute = prefill - status.prefill_s(request.prompt_len, most_cached)
+        charge[i] = _shared_steps_ttft_s(status, prefill) + config.recompute_weight * recompute
     lowest = min(charge.values())
     within = lowest * (1 + config.affinity_margin) + config.affinity_margin_s
     session = snapshot.session_replica
