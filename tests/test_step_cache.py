@@ -124,3 +124,46 @@ def test_a_step_jax_loaded_from_its_own_cache_is_not_kept(tmp_path):
     assert run(jax_dir, steps_dir) == first
     assert not list((tmp_path / "steps").glob("*.pkl"))
     assert run("", steps_dir) == first
+
+
+_COMPILE_ONE_PROGRAM = """
+import sys, jax, jax.numpy as jnp, numpy as np
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+if sys.argv[1]:
+    jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+from medha_jax.engine import step_cache
+
+@jax.jit
+def program(x, y):
+    return jnp.where(x > 0, x * y + 1.0, jnp.tanh(y) - x).sum(-1)
+
+x = jnp.arange(64.0).reshape(8, 8) - 20
+for directory in sys.argv[2:]:
+    executable, _ = step_cache.load_or_compile(
+        "program", lambda: program.lower(x, x).compile(), jax.devices()[:1], directory)
+    print("result", np.asarray(executable(x, x)).tolist())
+"""
+
+
+def test_only_what_xla_compiled_in_the_call_is_kept(tmp_path):
+    """JAX's in-memory cache serves a second compile of a program with no cache event, and
+    what it serves may be the executable JAX had loaded from its persistent cache: process
+    2 compiles through JAX's cache (a hit, not kept), then again into another directory
+    (from memory: not kept either). Before this was checked that copy was kept, and
+    process 3 failed running it with NOT_FOUND (so did every step of a Server started a
+    third time in one process, from the copies of its second start)."""
+    import subprocess
+    import sys
+
+    def run(jax_dir, *step_dirs):
+        out = subprocess.run([sys.executable, "-c", _COMPILE_ONE_PROGRAM, jax_dir, *step_dirs],
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout.split("result ")[1:]
+
+    jax_dir, steps = str(tmp_path / "xla"), [str(tmp_path / f"steps{i}") for i in range(3)]
+    (want,) = run(jax_dir, steps[0])            # a real compile: kept
+    assert (tmp_path / "steps0" / "program.pkl").is_file()
+    assert run(jax_dir, steps[1], steps[2]) == [want, want]
+    assert not (tmp_path / "steps1").exists() and not (tmp_path / "steps2").exists()
+    assert run("", steps[2], steps[0]) == [want, want]     # compiled; loaded

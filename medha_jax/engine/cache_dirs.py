@@ -53,13 +53,21 @@ def cache_root(cache_dir: str | os.PathLike | bool | None = None) -> pathlib.Pat
 # --- JAX's persistent compilation cache ------------------------------------------------------
 
 class _CacheEvents:
-    """Counts JAX's compilation-cache events (a process-wide listener, registered once)."""
+    """Counts JAX's compilation-cache events (a process-wide listener, registered once):
+    process-wide for the start-up report, and per thread for `compiled_here`."""
+
+    _HIT = "/jax/compilation_cache/cache_hits"
+    _MISS = "/jax/compilation_cache/cache_misses"
+    # Around XLA's compile or JAX's persistent-cache read: not fired when JAX serves the
+    # executable from its in-memory cache (jax._src.dispatch.BACKEND_COMPILE_EVENT).
+    _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 
     def __init__(self):
         self._lock = threading.Lock()
         self.hits = self.misses = 0
         self.seconds_saved = 0.0
         self._registered = False
+        self._thread = threading.local()        # this thread's (hits, backend compiles)
 
     def register(self) -> None:
         import jax
@@ -72,21 +80,37 @@ class _CacheEvents:
         jax.monitoring.register_event_duration_secs_listener(self._on_duration)
 
     def _on_event(self, event: str, **kwargs) -> None:
-        if event == "/jax/compilation_cache/cache_hits":
+        if event == self._HIT:
+            self._thread.hits = getattr(self._thread, "hits", 0) + 1
             with self._lock:
                 self.hits += 1
-        elif event == "/jax/compilation_cache/cache_misses":
+        elif event == self._MISS:
             with self._lock:
                 self.misses += 1
 
     def _on_duration(self, event: str, duration: float, **kwargs) -> None:
-        if event == "/jax/compilation_cache/compile_time_saved_sec":
+        if event == self._BACKEND_COMPILE:
+            self._thread.compiles = getattr(self._thread, "compiles", 0) + 1
+        elif event == "/jax/compilation_cache/compile_time_saved_sec":
             with self._lock:
                 self.seconds_saved += duration
 
     def snapshot(self) -> tuple[int, int, float]:
         with self._lock:
             return self.hits, self.misses, self.seconds_saved
+
+    def thread_snapshot(self) -> tuple[int, int]:
+        """(persistent-cache hits, backend compiles) seen so far on this thread: JAX fires
+        both on the thread that compiles."""
+        return getattr(self._thread, "hits", 0), getattr(self._thread, "compiles", 0)
+
+    def compiled_here(self, before: tuple[int, int]) -> bool:
+        """Whether, since `before` (a thread_snapshot), this thread's compiles were all real
+        XLA compiles: at least one backend compile and no persistent-cache hit. False also
+        for an executable JAX served from its in-memory cache, which may be one it had
+        loaded from its persistent cache earlier in this process."""
+        hits, compiles = self.thread_snapshot()
+        return compiles > before[1] and hits == before[0]
 
 
 CACHE_EVENTS = _CacheEvents()

@@ -88,15 +88,18 @@ def load_or_compile(key: str, compile_: Callable[[], jax.stages.Compiled],
             pass
     # An executable JAX itself loaded from its persistent cache serializes without its
     # compiled functions on the CPU backend (jaxlib 0.10.2: running the copy fails with
-    # "NOT_FOUND: Function ... not found"), so only a real compile is kept. A step JAX's
-    # cache already holds (compiled before this cache existed) is therefore never kept
-    # here: such a start traces as before; clearing the cache directory ends that.
+    # "NOT_FOUND: Function ... not found"), and JAX's in-memory cache may hand that very
+    # executable to a later compile of the same program in this process with no cache
+    # event (a Server started again in one process: every step of its copies failed). So
+    # only what XLA compiled in this call is kept. A step JAX's cache already holds
+    # (compiled before this cache existed) is therefore never kept here: such a start
+    # traces as before; clearing the cache directory ends that.
     CACHE_EVENTS.register()
-    hits_before = CACHE_EVENTS.snapshot()[0]
+    before = CACHE_EVENTS.thread_snapshot()
     start = time.perf_counter()
     executable = compile_()
     seconds = time.perf_counter() - start
-    if path is not None and CACHE_EVENTS.snapshot()[0] == hits_before:
+    if path is not None and CACHE_EVENTS.compiled_here(before):
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
