@@ -499,7 +499,7 @@ class SimulatedHandoffs:
         full = request.prompt_len // page_size
         cached_pages = self.router.index.cached_pages(tuple(hashes))
         pt = self.controllers[p].prefill_time_cache.prefill_time
-        views = [OffloadReplica(True, queued_prefill_s=c.outstanding_work_s(0.0),
+        views = [OffloadReplica(True, queued_prefill_s=sum(c.queued_prefills_s()),
                                 chunk_step_s=self._chunk_step_s(c),
                                 decode_token_s=self.decode_token_s, cached_pages=cached_pages[j],
                                 prefill_share=self._prefill_share(j, request.arrival_time),
