@@ -296,7 +296,14 @@ def test_a_request_no_replica_holds_runs_on_the_smallest_group_that_does(engines
 
 
 @pytest.mark.slow
-def test_no_compile_after_warmup_over_a_random_workload_with_switches(engines, groups):
+def test_no_compile_after_warmup_over_a_random_workload_with_switches():
+    # Replicas of their own whose context (256) is as long as this workload needs: warm-up
+    # compiles every bucket of every replica and group, and half of the module's buckets
+    # are for contexts over 256 tokens.
+    engines = [Engine(m, dataclasses.replace(CFG, max_model_len=256))
+               for m in replica_models("tiny", 4)]
+    groups = {key: TPGroupEngine(engines[key[0]:key[0] + key[1]])
+              for key in aligned_groups(len(engines), (2, 4))}
     c = coordinator(engines, groups, policy="priority", priority_threshold=0, tp_group_size=2)
     c.warmup()
     before = pointers(engines)
