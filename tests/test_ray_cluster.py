@@ -27,10 +27,11 @@ PROMPTS = [TokensPrompt([int(t) for t in np.random.default_rng(i).integers(1, 25
            for i in range(6)]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_cluster():
-    """One small local Ray for every test that needs it: two CPUs (one per replica actor),
-    no dashboard, an 80 MB object store (deltas are small)."""
+    """One small local Ray for every test that needs it (all in this module, so its ~11
+    processes and ~800 MB go when the module ends): two CPUs (one per replica actor), no
+    dashboard, an 80 MB object store (deltas are small)."""
     if not ray.is_initialized():
         ray.init(num_cpus=2, include_dashboard=False, object_store_memory=80 * 2**20,
                  namespace=NAMESPACE, log_to_driver=False)
