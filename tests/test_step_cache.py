@@ -90,6 +90,17 @@ def test_a_tp_groups_steps_are_kept_too(tmp_path, monkeypatch):
     assert len(list(tmp_path.glob("*.pkl"))) == saved
 
 
+def run_script(script: str, *args: str) -> str:
+    """stdout of `script` run in a fresh Python process (its own JAX caches) with `args`."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", script, *args], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
 _RUN_ONE_STEP = """
 import sys, jax
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
@@ -110,14 +121,8 @@ def test_a_step_jax_loaded_from_its_own_cache_is_not_kept(tmp_path):
     without its compiled functions (running the copy in another process fails with
     NOT_FOUND). Process 1 fills JAX's cache, process 2 compiles through it (a JAX hit: not
     kept), process 3 must then compile, not load a broken copy, and give the same tokens."""
-    import subprocess
-    import sys
-
     def run(jax_dir, steps_dir):
-        out = subprocess.run([sys.executable, "-c", _RUN_ONE_STEP, jax_dir, steps_dir],
-                             capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, out.stderr[-2000:]
-        return out.stdout.split("tokens ", 1)[1].strip()
+        return run_script(_RUN_ONE_STEP, jax_dir, steps_dir).split("tokens ", 1)[1].strip()
 
     jax_dir, steps_dir = str(tmp_path / "xla"), str(tmp_path / "steps")
     first = run(jax_dir, "")
@@ -152,14 +157,8 @@ def test_only_what_xla_compiled_in_the_call_is_kept(tmp_path):
     (from memory: not kept either). Before this was checked that copy was kept, and
     process 3 failed running it with NOT_FOUND (so did every step of a Server started a
     third time in one process, from the copies of its second start)."""
-    import subprocess
-    import sys
-
     def run(jax_dir, *step_dirs):
-        out = subprocess.run([sys.executable, "-c", _COMPILE_ONE_PROGRAM, jax_dir, *step_dirs],
-                             capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, out.stderr[-2000:]
-        return out.stdout.split("result ")[1:]
+        return run_script(_COMPILE_ONE_PROGRAM, jax_dir, *step_dirs).split("result ")[1:]
 
     jax_dir, steps = str(tmp_path / "xla"), [str(tmp_path / f"steps{i}") for i in range(3)]
     (want,) = run(jax_dir, steps[0])            # a real compile: kept

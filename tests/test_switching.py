@@ -24,16 +24,24 @@ CFG = EngineConfig(page_size=16, max_kv_tokens=512, max_model_len=1024, max_toke
 WHOLE = lambda request: 32      # noqa: E731  (drive's chunks: the ladder's largest bucket)
 
 
+def base_replicas(config: EngineConfig = CFG) -> list[Engine]:
+    return [Engine(m, config) for m in replica_models("tiny", 4)]
+
+
+def tp_groups(engines: list[Engine]) -> dict[tuple[int, int], TPGroupEngine]:
+    """The aligned TP-2 and TP-4 groups over the base replicas."""
+    return {key: TPGroupEngine(engines[key[0]:key[0] + key[1]])
+            for key in aligned_groups(len(engines), (2, 4))}
+
+
 @pytest.fixture(scope="module")
 def engines():
-    models = replica_models("tiny", 4)
-    return [Engine(m, CFG) for m in models]
+    return base_replicas()
 
 
 @pytest.fixture(scope="module")
 def groups(engines):
-    return {key: TPGroupEngine(engines[key[0]:key[0] + key[1]])
-            for key in aligned_groups(len(engines), (2, 4))}
+    return tp_groups(engines)
 
 
 def request(rid, prompt, max_new, priority=0):
@@ -300,11 +308,8 @@ def test_no_compile_after_warmup_over_a_random_workload_with_switches():
     # Replicas of their own whose context (256) is as long as this workload needs: warm-up
     # compiles every bucket of every replica and group, and half of the module's buckets
     # are for contexts over 256 tokens.
-    engines = [Engine(m, dataclasses.replace(CFG, max_model_len=256))
-               for m in replica_models("tiny", 4)]
-    groups = {key: TPGroupEngine(engines[key[0]:key[0] + key[1]])
-              for key in aligned_groups(len(engines), (2, 4))}
-    c = coordinator(engines, groups, policy="priority", priority_threshold=0, tp_group_size=2)
+    engines = base_replicas(dataclasses.replace(CFG, max_model_len=256))
+    c = coordinator(engines, tp_groups(engines), policy="priority", priority_threshold=0, tp_group_size=2)
     c.warmup()
     before = pointers(engines)
     with backend_compiles() as compiles:

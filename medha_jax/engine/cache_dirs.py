@@ -58,6 +58,7 @@ class _CacheEvents:
 
     _HIT = "/jax/compilation_cache/cache_hits"
     _MISS = "/jax/compilation_cache/cache_misses"
+    _SECONDS_SAVED = "/jax/compilation_cache/compile_time_saved_sec"
     # Around XLA's compile or JAX's persistent-cache read: not fired when JAX serves the
     # executable from its in-memory cache (jax._src.dispatch.BACKEND_COMPILE_EVENT).
     _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
@@ -91,7 +92,7 @@ class _CacheEvents:
     def _on_duration(self, event: str, duration: float, **kwargs) -> None:
         if event == self._BACKEND_COMPILE:
             self._thread.compiles = getattr(self._thread, "compiles", 0) + 1
-        elif event == "/jax/compilation_cache/compile_time_saved_sec":
+        elif event == self._SECONDS_SAVED:
             with self._lock:
                 self.seconds_saved += duration
 
