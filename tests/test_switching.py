@@ -201,8 +201,11 @@ def assert_soft_preempt_keeps_one_replicas_tokens(c, engine, *, seed, busy_new, 
 def test_soft_preempt_request_starts_in_dp_and_finishes_in_tp(engines, groups):
     c = coordinator(engines, groups, policy="priority", priority_threshold=-1,
                     priority_preemption="soft", tp_group_size=4)
-    assert_soft_preempt_keeps_one_replicas_tokens(c, engines[0], seed=10, busy_new=12,
-                                                  vip_new=16)
+    # The units step independently, as their steps end: the priority request's idle
+    # replica must not finish all of it before the busy two drain (under load it ran 16
+    # tokens while they ran 12), so it asks for 4x their tokens.
+    assert_soft_preempt_keeps_one_replicas_tokens(c, engines[0], seed=10, busy_new=6,
+                                                  vip_new=24)
     assert c.groups[(0, 4)].controller.num_steps > 0
     assert_no_pages_held(engines)
 
