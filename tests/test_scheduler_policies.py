@@ -102,9 +102,41 @@ def test_priority_index_top_equals_a_full_sort(policy_name):
             more = [r for r in index.top(now, k + riders + spare, secondary=True)
                     if r.request_id not in chosen and (runnable is None or runnable(r))]
             expected = top + index.in_policy_order(more[:riders], now)
-        got = index.top_with_riders(now, k, riders, spare=spare, runnable=runnable)
+        got = index.candidates(now, k, riders, spare=spare, runnable=runnable)
+        # Read as the packer reads: by position (ordering a part at a time), then whole.
+        assert [got[j].request_id for j in range(min(2, len(expected)))] == \
+            [r.request_id for r in expected[:2]]
         assert [r.request_id for r in got] == [r.request_id for r in expected]
+        assert len(got) == len(expected)
         assert len(index) == len(live)
+
+
+@pytest.mark.parametrize("policy_name", ["lars", "edf"])
+def test_candidates_read_later_keep_the_order_they_were_made_in(policy_name):
+    """The packer reads candidates while the gate moves keys (a cached prefix found at
+    prepare, a preempted decode requeued): the parts ordered later must still follow the
+    order of the moment the candidates were made, with no request twice or skipped."""
+    rng = random.Random(7)
+    w = _work_per_token(0.002)
+    policy = LARS(w) if policy_name == "lars" else EDF()
+    index = PriorityIndex(policy, capacity=4, secondary=SRPT(w))
+    queued = []
+    for i in range(200):
+        n = rng.randint(10, 5000)
+        r = _request(f"r{i}", prompt_len=n, arrival=rng.uniform(0, 50), ttft=rng.uniform(1, 100),
+                     computed=rng.randint(0, n - 1), w_total=n * 0.002)
+        index.add(r)
+        queued.append(r)
+    expected = [r.request_id for r in index.candidates(30.0, 16, 6)]
+    assert len(expected) == 16 + 6
+    got = index.candidates(30.0, 16, 6)
+    assert [got[j].request_id for j in range(2)] == expected[:2]      # the first part only
+    for r in rng.sample(queued, 120):       # progress moves keys, in both orders
+        r.num_computed_tokens = rng.randint(0, r.prompt_len - 1)
+        index.update(r)
+    for i in range(20):                     # and requests join (preempted decodes)
+        index.add(_request(f"late{i}", prompt_len=20, ttft=0.01, w_total=0.04))
+    assert [r.request_id for r in got] == expected
 
 
 def test_priority_class_comes_before_the_key():
@@ -330,10 +362,8 @@ class _SortedQueue:
         ranked = sorted(self._queued.values(), key=lambda e: (*policy.sort_key(e[1], now), e[0]))
         return [r for _, r in ranked[:k]]
 
-    def top_with_riders(self, now, k, riders, *, spare=0, runnable=None):
-        top = self.top(now, k + spare)
-        if runnable is not None:
-            top = [r for r in top if runnable(r)][:k]
+    def candidates(self, now, k, riders, *, spare=0, runnable=None):
+        top = [r for r in self.top(now, k + spare) if runnable is None or runnable(r)][:k]
         if not riders or len(self) <= k + spare:
             return top
         chosen = {r.request_id for r in top}

@@ -304,9 +304,10 @@ class ReplicaController:
             updates.append(RequestUpdate(request, (token,), reason is not None))
         return updates
 
-    def _candidates(self, now: float) -> list[Request]:
+    def _candidates(self, now: float) -> Sequence[Request]:
         """The prefills the packer is offered, in policy order: the max_prefill_candidates
-        most urgent, then up to max_rider_candidates of least remaining work among the rest.
+        most urgent, then up to max_rider_candidates of least remaining work among the rest
+        (ordered only as far as the packer reads them: `Candidates`).
 
         The packer reads only a few, so only the top is ordered. But space sharing runs a
         short request beside a long one as soon as it arrives, when the policy (LARS: its
@@ -316,16 +317,16 @@ class ReplicaController:
         policy's order and the packer's reading of it holds."""
         in_flight = self._in_flight
         if not in_flight:
-            return self._prefills.top_with_riders(now, self.max_prefill_candidates,
-                                                  self.max_rider_candidates)
+            return self._prefills.candidates(now, self.max_prefill_candidates,
+                                             self.max_rider_candidates)
 
         def runnable(r: Request) -> bool:
             # A request in flight may get its next prefill chunk, never a second sample.
             return r.request_id not in in_flight or r.num_scheduled_tokens < r.num_tokens
 
-        return self._prefills.top_with_riders(now, self.max_prefill_candidates,
-                                              self.max_rider_candidates,
-                                              spare=len(in_flight), runnable=runnable)
+        return self._prefills.candidates(now, self.max_prefill_candidates,
+                                         self.max_rider_candidates, spare=len(in_flight),
+                                         runnable=runnable)
 
     def _decode_order(self) -> list[Request]:
         decodes = list(self._decodes.values())

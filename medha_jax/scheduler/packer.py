@@ -28,13 +28,14 @@ priority requests when needed; `prepare_and_reserve` does both for a rider's who
 and `reserve_decodes` the latter for every decode of the step, each in one call. A
 chunk the gate refuses is left out of this batch.
 
-Host time (benchmarks/scheduler_overhead.py, lars-mp, 64 decodes, 1,000 queued): about 1.1 M
-instructions per batch, a few hundred microseconds on a shared 2-core host: a quarter ranks
-the queue (numpy), a quarter books the decodes, half packs the ~10 prefills. The only loop
-over every decode is the gate's `reserve_decodes` (the budget reads the tightest TPOT the
-controller keeps); prefills are read from the front of the priority order only as far as
-the batch has room (`riders` is lazy, their w(t) read from the controller's SRPT keys),
-and a rider whose whole rest fits (most of them) is granted in one gate call, unsearched.
+Host time (benchmarks/scheduler_overhead.py, lars-mp, 64 decodes, 1,000 queued): about 1.0 M
+instructions per batch, about 210 microseconds on a quiet 2-core host: a sixth ranks the
+queue (numpy, and only the first half of the candidates unless the packer reads on), a
+fifth books the decodes, the rest packs the ~10 prefills. The only loop over every decode
+is the gate's `reserve_decodes` (the budget reads the tightest TPOT the controller keeps);
+prefills are read from the front of the priority order only as far as the batch has room
+(`riders` is lazy, their w(t) read from the controller's SRPT keys), and a rider whose
+whole rest fits (most of them) is granted in one gate call, unsearched.
 """
 
 from __future__ import annotations
@@ -404,9 +405,14 @@ class AdaptivePacker(BatchPacker):
         num_prefills, has_long = 0, False
         packed: set[str] = set()          # riders packed ahead of their turn
         unserved: list[Request] = []      # prepared, but no chunk fit the budget
+        # Read in order, only as far as the batch has room (the controller orders its
+        # candidates as far as they are read).
+        heads = iter(prefills)
         i = 0
-        while i < len(prefills) and t_pred < t_target and num_prefills < max_prefills:
-            request = prefills[i]
+        while t_pred < t_target and num_prefills < max_prefills:
+            request = next(heads, None)
+            if request is None:
+                break
             i += 1
             if request.request_id in packed:
                 continue
@@ -488,8 +494,9 @@ class AdaptivePacker(BatchPacker):
             num_prefills += 1
             has_long = has_long or is_long
         if num_prefills == 0:
-            progress = self._guarantee_progress(unserved + list(prefills[i:]), features, gate,
-                                                chunks)
+            progress = self._guarantee_progress(
+                itertools.chain(unserved, itertools.islice(prefills, i, None)), features, gate,
+                chunks)
             if progress is not features:
                 features, t_pred = progress, self.predictor.predict_features(progress)
         return Batch(chunks, t_pred)
@@ -612,7 +619,7 @@ class AdaptivePacker(BatchPacker):
         n = whole_query_block(n, max_tokens, self.limits)
         return n, fitted.get(n)
 
-    def _guarantee_progress(self, candidates: Sequence[Request], features: BatchFeatures,
+    def _guarantee_progress(self, candidates: Iterable[Request], features: BatchFeatures,
                             gate: ChunkGate, chunks: list[ScheduledChunk]) -> BatchFeatures:
         """The most urgent prefill that can run gets a minimum chunk (deviation from
         Algorithm 1, which would starve prefills while decodes alone fill t_target)."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -160,8 +160,10 @@ class PriorityIndex:
         self._order = np.empty(capacity, dtype=np.int64)   # insertion number: the tie-break
         self._next_order = 0
         self._class_counts: dict[int, int] = {}            # priority class -> queued requests
-        # Per policy: a key at or above the k smallest of the last single-class top().
-        self._threshold: list[float | None] = [None] * len(self._policies)
+        # (policy, k) -> a key at or above the k smallest of the last single-class top() of
+        # that size: a size of its own each, since the candidates ask for a few and then
+        # more (a small one's threshold would send the next larger one to a full partition).
+        self._threshold: dict[tuple[int, int], float] = {}
         # request_id -> the secondary policy's offset (its key where slopes are 0: SRPT's
         # w(t)), read by id without touching the arrays.
         self.secondary_offsets: dict[str, float] = {}
@@ -236,59 +238,57 @@ class PriorityIndex:
     def top(self, now: float, k: int, *, secondary: bool = False) -> list[Request]:
         """The k most urgent requests at time `now`, most urgent first (by the secondary
         policy's keys if `secondary`): by priority class, then key, then insertion."""
-        return list(map(self._requests.__getitem__, self._top_rows(now, k, secondary).tolist()))
-
-    def top_with_riders(self, now: float, k: int, riders: int, *, spare: int = 0,
-                        runnable: Callable[[Request], bool] | None = None) -> list[Request]:
-        """top(now, k), then up to `riders` more: the first of the secondary order among the
-        rest, themselves in the policy's order (a stable sort: equal keys keep the
-        secondary order). With `runnable`, requests it rejects are skipped in both; `spare`
-        more of each order are read so that up to that many rejected leave k and `riders`.
-
-        What top(k + spare), top(k + riders + spare, secondary=True) and in_policy_order
-        of the riders give, in row space: one Request list, built at the end."""
-        requests = self._requests
-        rows = self._top_rows(now, k + spare, False).tolist()
-        if runnable is not None:
-            rows = [j for j in rows if runnable(requests[j])][:k]
-        if not riders or len(requests) <= k + spare:
-            return list(map(requests.__getitem__, rows))
-        more = itertools.filterfalse(set(rows).__contains__,
-                                     self._top_rows(now, k + riders + spare, True).tolist())
-        if runnable is not None:
-            more = (j for j in more if runnable(requests[j]))
-        more = list(itertools.islice(more, riders))
-        if len(more) > 1:
-            at = np.array(more)        # one conversion, not one per fancy index
-            by = np.lexsort((self._offset[0, at] - self._slope[0, at] * now, self._klass[at]))
-            more = at[by].tolist()
-        return list(map(requests.__getitem__, rows + more))
-
-    def _top_rows(self, now: float, k: int, secondary: bool) -> np.ndarray:
-        """top()'s rows."""
-        n = len(self._requests)
-        if n == 0 or k <= 0:
-            return np.empty(0, dtype=np.int64)
+        i = int(secondary)
         if secondary and self.secondary is None:
             raise ValueError("this index keeps no secondary policy")
-        i = int(secondary)
-        keys = self._offset[i, :n] if self._policies[i].constant_keys else \
-            self._offset[i, :n] - self._slope[i, :n] * now
-        if len(self._class_counts) > 1:
-            return self._top_rows_by_class(keys, k)
-        rows, self._threshold[i] = _first_rows(keys, self._order[:n], k, self._threshold[i])
+        rows = self._top_rows(self._keys(i, now), k, i, self._class_counts)
+        return list(map(self._requests.__getitem__, rows.tolist()))
+
+    def candidates(self, now: float, k: int, riders: int = 0, *, spare: int = 0,
+                   runnable: Callable[[Request], bool] | None = None) -> Candidates:
+        """top(now, k), then up to `riders` more: the first of the secondary order among the
+        rest, themselves in the policy's order (a stable sort: equal keys keep the secondary
+        order). With `runnable`, requests it rejects are skipped in both; `spare` more of
+        each order are read so that up to that many rejected leave k and `riders`.
+
+        What top(k + spare), top(k + riders + spare, secondary=True) and in_policy_order
+        of the riders give, ordered only as far as it is read (`Candidates`)."""
+        if riders and self.secondary is None:
+            raise ValueError("this index keeps no secondary policy")
+        return Candidates(self, now, k, riders, spare, runnable)
+
+    def _keys(self, i: int, now: float) -> np.ndarray:
+        """Every queued request's key at `now` by policy i: [rows], a fresh array (later
+        updates leave it as it is)."""
+        n = len(self._requests)
+        if self._policies[i].constant_keys:
+            return self._offset[i, :n].copy()
+        return self._offset[i, :n] - self._slope[i, :n] * now
+
+    def _top_rows(self, keys: np.ndarray, k: int, i: int, class_counts: dict[int, int]
+                  ) -> np.ndarray:
+        """The rows of the k smallest (class, key, insertion) among the first len(keys)
+        rows; keys: [rows] by policy i (whose threshold it reads and keeps); class_counts:
+        queued requests per priority class among those rows."""
+        if len(keys) == 0 or k <= 0:
+            return np.empty(0, dtype=np.int64)
+        if len(class_counts) > 1:
+            return self._top_rows_by_class(keys, k, class_counts)
+        rows, self._threshold[i, k] = _first_rows(keys, self._order[:len(keys)], k,
+                                                  self._threshold.get((i, k)))
         return rows
 
-    def _top_rows_by_class(self, keys: np.ndarray, k: int) -> np.ndarray:
+    def _top_rows_by_class(self, keys: np.ndarray, k: int, class_counts: dict[int, int]
+                           ) -> np.ndarray:
         """top()'s rows with several priority classes: every row of the more important
         classes that the first k reach, and the best of the class where they end."""
         n = len(keys)
         klass, order = self._klass[:n], self._order[:n]
         taken = 0
-        for last in sorted(self._class_counts):
-            if taken + self._class_counts[last] >= k:
+        for last in sorted(class_counts):
+            if taken + class_counts[last] >= k:
                 break
-            taken += self._class_counts[last]
+            taken += class_counts[last]
         else:
             return np.lexsort((order, keys, klass))      # fewer than k queued
         rows = np.flatnonzero(klass < last)
@@ -303,6 +303,102 @@ class PriorityIndex:
         self._slope = np.pad(self._slope, ((0, 0), (0, size - self._slope.shape[1])))
         self._klass = np.resize(self._klass, size)
         self._order = np.resize(self._order, size)
+
+
+class Candidates(Sequence[Request]):
+    """The prefills the controller offers the packer (`PriorityIndex.candidates`), ordered
+    only as far as it is read.
+
+    The packer reads about one batch's worth (ten or so at 1,000 queued, against 64 + 16
+    candidates), so the first half of the top is ordered first, the rest of the top and
+    then the riders only when reading goes past them (a quarter first would be cheaper at
+    1,000 queued but dearer at 10,000, where batches read more: callgrind).
+
+    Each part is ordered by the keys as they stood when this was made: while packing,
+    the gate moves keys (a prepared request's cached prefix, a preemption), and a later
+    part ordered by the moved keys could repeat or skip a request of an earlier one. So
+    the whole is what ordering everything at once would have given. Rows stay put while
+    packing (the index only appends, and those rows are not read here); the priority
+    classes' counts are kept as they were too.
+    """
+
+    def __init__(self, index: PriorityIndex, now: float, k: int, riders: int, spare: int,
+                 runnable: Callable[[Request], bool] | None):
+        self._index = index
+        self._keys = index._keys(0, now)
+        # Snapshot now: the secondary keys a later part orders by may move in place.
+        self._secondary_keys = index._keys(1, now) if riders and len(self._keys) > k + spare \
+            else None
+        self._class_counts = dict(index._class_counts)
+        self._k, self._riders, self._spare, self._runnable = k, riders, spare, runnable
+        self._items: list[Request] = []
+        self._parts = self._ordered_parts()
+
+    def _ordered_parts(self) -> Iterator[list[Request]]:
+        """The candidates part after part, each following the last."""
+        index, keys, k, spare = self._index, self._keys, self._k, self._spare
+        requests, n = index._requests, len(keys)
+        runnable, classes = self._runnable, self._class_counts
+        rows: list[int] = []
+
+        def unblocked(top: list[int]) -> list[int]:
+            # What `runnable` said when this was made: it changes while packing only for
+            # requests the packer read (a chunk granted puts one in flight), the earlier
+            # parts' rows, which stay.
+            if runnable is None:
+                return top
+            read = set(rows)
+            return [j for j in top if j in read or runnable(requests[j])]
+
+        for size in (-(-k // 2), k):             # half the top, then the whole top
+            if n <= size + spare:
+                size = k                      # every row is ranked: the whole top at once
+            # The first `size` of the first size + spare: a prefix of the next part's.
+            top = unblocked(index._top_rows(keys, size + spare, 0, classes).tolist())[:size]
+            yield list(map(requests.__getitem__, top[len(rows):]))
+            rows = top
+            if size == k:
+                break
+        if not self._riders or n <= k + spare:
+            return
+        taken = set(rows)
+        more = itertools.filterfalse(taken.__contains__, index._top_rows(
+            self._secondary_keys, k + self._riders + spare, 1, classes).tolist())
+        more = list(itertools.islice(unblocked(list(more)), self._riders))
+        if len(more) > 1:
+            at = np.array(more)        # one conversion, not one per fancy index
+            more = at[np.lexsort((keys[at], index._klass[at]))].tolist()
+        yield list(map(requests.__getitem__, more))
+
+    def _read_part(self) -> bool:
+        """Orders the next part; False when every part was read."""
+        part = next(self._parts, None)
+        if part is None:
+            return False
+        self._items += part
+        return True
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return list(self)[i]
+        if i < 0:
+            i += len(self)
+        items = self._items
+        while i >= len(items) and self._read_part():
+            pass
+        return items[i]
+
+    def __iter__(self) -> Iterator[Request]:
+        i, items = 0, self._items
+        while i < len(items) or self._read_part():
+            if i < len(items):          # (a part may be empty)
+                yield items[i]
+                i += 1
+
+    def __len__(self) -> int:
+        while self._read_part():
+            pass
+        return len(self._items)
 
 
 def _first_rows(keys: np.ndarray, order: np.ndarray, k: int, threshold: float | None
