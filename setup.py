@@ -68,6 +68,7 @@ EXTRAS_REQUIRE = {
     "dev": [
         "pytest",
         "pytest-timeout",
+        "pytest-xdist",     # make test runs two workers
         "hypothesis",
         "nbclient",
         "nbformat",
