@@ -97,6 +97,9 @@ class ReplicaController:
         self.num_preemptions = 0
         self.num_steps = 0                          # batches update()d
         self.last_schedule_seconds = 0.0            # host time of the last batch formation
+        # Over the unfinished requests: max_new_tokens less the tokens generated, kept as
+        # they come, generate and go (outstanding_work_s without a pass over them).
+        self._decode_tokens_left = 0
 
     # ------------------------------------------------------------------ queries
 
@@ -129,16 +132,20 @@ class ReplicaController:
         return done
 
     def outstanding_work_s(self, decode_token_s: float) -> float:
-        """Predicted seconds of work left: remaining prefills plus remaining decode tokens."""
-        work = 0.0
-        for r in self._requests.values():
-            work += self.prefill_time_cache.remaining_work(r)
-            work += (r.max_new_tokens - len(r.output_token_ids)) * decode_token_s
-        return work
+        """Predicted seconds of work left: the queued prefills' (`queued_prefills_s`) plus
+        every decode token the unfinished requests may still ask for (max_tokens, less
+        what they generated) at decode_token_s each."""
+        return sum(self.queued_prefills_s()) + self._decode_tokens_left * decode_token_s
 
     def queued_prefills_s(self) -> tuple[float, ...]:
         """Each request here with prefill work left: its predicted seconds of it (w(t)),
-        in no particular order (what a new prefill would share steps with)."""
+        in no particular order (what a new prefill would share steps with).
+
+        A server reads this every step: where the index keeps every queued prefill's w(t)
+        as its SRPT key (lars-mp) it is read from there, one C-level pass (1,000 queued:
+        about 900 us computed, 10 us read)."""
+        if self.max_rider_candidates:
+            return tuple(self._prefills.secondary_offsets.values())
         return tuple(self.prefill_time_cache.remaining_work(r) for r in self._prefills)
 
     # ------------------------------------------------------------ admission / exit
@@ -160,6 +167,7 @@ class ReplicaController:
         self._requests[rid] = request
         self._admission[rid] = self._num_admitted
         self._num_admitted += 1
+        self._decode_tokens_left += request.max_new_tokens - len(request.output_token_ids)
         self._prefills.add(request)
 
     def check_fits(self, prompt_len: int, max_new_tokens: int, *, request_id: str = "") -> None:
@@ -202,6 +210,7 @@ class ReplicaController:
         self._running.pop(rid, None)
         del self._requests[rid]
         del self._admission[rid]
+        self._decode_tokens_left -= request.max_new_tokens - len(request.output_token_ids)
         request.state = RequestState.FINISHED
         request.finish_reason = reason
         request.finish_time = now
@@ -290,6 +299,7 @@ class ReplicaController:
                 continue
             token = int(result.sampled_token_ids[rid])
             request.output_token_ids.append(token)
+            self._decode_tokens_left -= 1
             if request.first_token_time is None:
                 request.first_token_time = now
             request.last_token_time = now
