@@ -14,7 +14,10 @@ steps run first and are not timed. Batches run on the simulator's executor (Llam
 TP-8 on H100, analytical predictor), so the queue evolves as in service. Reports the
 p50 and p99 over the timed steps, of the wall time and of the thread's CPU time
 (`time.thread_time`: on a shared machine the wall time also counts the other processes'
-turns). --instructions counts the instructions of one schedule() under callgrind (the mean
+turns). state_us: the host time of what the serving loop of a routed replica reads of
+the controller after every step for the router (`ServingLoop._observe_state`: each queued
+prefill's w(t), and the work queued; from the index's SRPT keys under lars-mp, a pass
+over the queue otherwise). --instructions counts the instructions of one schedule() under callgrind (the mean
 over the timed steps; valgrind must be installed): deterministic, what to compare on a noisy
 machine. --baseline DIR measures the same rows with DIR's medha_jax (e.g. a checkout of
 main) in child processes, alternating with this checkout's, and prints the ratios.
@@ -44,7 +47,7 @@ from medha_jax.config import ParallelConfig, model_preset
 from medha_jax.request import SLO, Request, VirtualClock
 from medha_jax.scheduler import POLICY_NAMES, SchedulerConfig, make_controller, run_one_step
 from medha_jax.scheduler.hardware import hardware_preset
-from medha_jax.scheduler.predictor import AnalyticalPredictor
+from medha_jax.scheduler.predictor import AnalyticalPredictor, decode_token_seconds
 from medha_jax.simulator import CountingAllocator, SimulatedExecutor, kv_capacity_tokens
 
 MODEL = "llama3-8b"
@@ -106,6 +109,8 @@ def measure(policy: str, queued: int, *, decodes: int, max_seqs: int, warmup_ste
         run_one_step(controller, executor)
     added = 0
     schedule_s, cpu_s, batch_decodes, batch_prefills, batch_tokens = [], [], [], [], []
+    state_s = []
+    decode_token_s = decode_token_seconds(predictor, max_seqs)
     for step in range(warmup_steps + timed_steps):
         while controller.num_waiting + controller.num_running < queued + decodes:
             controller.add_request(_queued_request(added, rng, clock.now(), prefill_time))
@@ -120,6 +125,10 @@ def measure(policy: str, queued: int, *, decodes: int, max_seqs: int, warmup_ste
         cpu = time.thread_time() - cpu_start
         if batch:
             controller.update(batch, executor.execute(batch))     # run_one_step's other half
+        if timed and not callgrind:
+            state_start = time.perf_counter()
+            sum(controller.queued_prefills_s()) + controller.decode_tokens_left * decode_token_s
+            state_s.append(time.perf_counter() - state_start)
         if timed:
             # The controller times its own batch formation (wall); execution is simulated.
             schedule_s.append(controller.last_schedule_seconds)
@@ -132,6 +141,7 @@ def measure(policy: str, queued: int, *, decodes: int, max_seqs: int, warmup_ste
             "p99_us": _percentile(us, 0.99), "min_us": us[0], "max_us": us[-1],
             "cpu_p50_us": statistics.median(cpu_us), "cpu_p99_us": _percentile(cpu_us, 0.99),
             "cpu_min_us": cpu_us[0],
+            "state_us": statistics.median(state_s) * 1e6 if state_s else None,
             "decodes_per_batch": statistics.median(batch_decodes),
             "prefills_per_batch": statistics.median(batch_prefills),
             "tokens_per_batch": statistics.median(batch_tokens), "steps": len(us)}
@@ -265,7 +275,8 @@ def main(argv=None):
             json.dump({"median_us": {str(r["queued"]): r["median_us"] for r in primary},
                        "policy": policies[0], "rows": rows, "context": _context(args)}, f, indent=2)
 
-    columns = ["policy", "queued", "median_us", "p99_us", "cpu_p50_us", "cpu_p99_us", "cpu_min_us"]
+    columns = ["policy", "queued", "median_us", "p99_us", "cpu_p50_us", "cpu_p99_us", "cpu_min_us",
+               "state_us"]
     if args.instructions:
         columns.append("instructions")
     if args.baseline:

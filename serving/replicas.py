@@ -273,6 +273,7 @@ class ReplicaSet:
         for replica, role in zip(self.replicas, self.roles):
             replica.role = role
             if self.transfers is not None:
+                replica.loop.publishes_decode_contexts = True   # offload_decision reads them
                 index = replica.index
                 replica.loop.on_prefilled = (
                     lambda stream, i=index: self.transfers.on_prefilled(i, stream))

@@ -98,7 +98,7 @@ class ReplicaController:
         self.num_steps = 0                          # batches update()d
         self.last_schedule_seconds = 0.0            # host time of the last batch formation
         # Over the unfinished requests: max_new_tokens less the tokens generated, kept as
-        # they come, generate and go (outstanding_work_s without a pass over them).
+        # they come, generate and go (`decode_tokens_left`: no pass over them).
         self._decode_tokens_left = 0
 
     # ------------------------------------------------------------------ queries
@@ -131,11 +131,11 @@ class ReplicaController:
         self.finished.clear()
         return done
 
-    def outstanding_work_s(self, decode_token_s: float) -> float:
-        """Predicted seconds of work left: the queued prefills' (`queued_prefills_s`) plus
-        every decode token the unfinished requests may still ask for (max_tokens, less
-        what they generated) at decode_token_s each."""
-        return sum(self.queued_prefills_s()) + self._decode_tokens_left * decode_token_s
+    @property
+    def decode_tokens_left(self) -> int:
+        """Every decode token the unfinished requests may still ask for: their max_tokens,
+        less what they generated (kept as requests come, generate and go: no pass)."""
+        return self._decode_tokens_left
 
     def queued_prefills_s(self) -> tuple[float, ...]:
         """Each request here with prefill work left: its predicted seconds of it (w(t)),
@@ -147,6 +147,12 @@ class ReplicaController:
         if self.max_rider_candidates:
             return tuple(self._prefills.secondary_offsets.values())
         return tuple(self.prefill_time_cache.remaining_work(r) for r in self._prefills)
+
+    def decode_contexts(self) -> tuple[int, ...]:
+        """The context length of each unfinished request that decodes (max_tokens > 1),
+        in no particular order: the decode batch a request joining here would share."""
+        return tuple(r.prompt_len + len(r.output_token_ids) for r in self._requests.values()
+                     if r.max_new_tokens > 1)
 
     # ------------------------------------------------------------ admission / exit
 
