@@ -28,7 +28,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                         help="weights and KV-cache dtype (default float32)")
     parser.add_argument("--parallel", default="",
-                        help="mesh degrees, e.g. 'tp=2' (default: one device)")
+                        help="mesh degrees, e.g. 'tp=2' (default: one device); with "
+                             "--replicas, one per replica split by '/', e.g. 'tp=2/tp=1' "
+                             "(a prefill replica at tp=2, a decode replica at tp=1)")
     parser.add_argument("--policy", default="lars-mp",
                         help="scheduling policy: lars-mp (default: the full Medha scheduler), "
                              "lars, lrs, edf, fcfs, fcfs-np, sarathi-512, sarathi-2048")
@@ -84,7 +86,11 @@ def _make_server(args, *, warmup: bool, calibrate: bool, engine=None):
     if getattr(args, "offload", None) is not None:
         from medha_jax.cluster.offload import OffloadConfig
         OffloadConfig(args.offload)
-    parallel = ParallelConfig.parse(args.parallel)
+    per_replica = [ParallelConfig.parse(part) for part in args.parallel.split("/")]
+    if len(per_replica) > 1 and len(per_replica) != replicas:
+        raise ValueError(f"--parallel names {len(per_replica)} replica meshes but "
+                         f"--replicas is {replicas}")
+    parallel = per_replica[0]
     sizes = {f: getattr(args, f) for f in ENGINE_FLAGS if getattr(args, f) is not None}
     limits = {f: getattr(args, f) for f in LIMIT_FLAGS if getattr(args, f, None) is not None}
     switching, dp = getattr(args, "switching", None), getattr(args, "dp", 1)
@@ -113,11 +119,14 @@ def _make_server(args, *, warmup: bool, calibrate: bool, engine=None):
                       replicas=replicas, router=router, cluster=args.ray)
     model = load_model(args.model, parallel=parallel, dtype=args.dtype)
     disagg = {k: v for k in ("roles", "offload") if (v := getattr(args, k, None)) is not None}
+    if len(per_replica) > 1:       # each replica's own predictor, from its own mesh
+        disagg["parallel"] = per_replica
     return Server(model, scheduler=scheduler, engine_config=EngineConfig(**sizes),
                   limits=RequestLimits(**limits), replicas=replicas, router=router, **disagg,
                   metrics_port=getattr(args, "metrics_port", None), warmup=warmup,
                   cache_dir=False if args.no_cache else args.cache_dir,
-                  predictor=None if calibrate else AnalyticalPredictor(model.config, parallel))
+                  predictor=None if calibrate or len(per_replica) > 1
+                  else AnalyticalPredictor(model.config, parallel))
 
 
 def _generate(args) -> int:

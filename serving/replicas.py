@@ -47,47 +47,73 @@ logger = logging.getLogger(__name__)
 PREFILL_SHARE_WINDOW_S = 10.0
 
 
-def device_groups(num_devices_per_replica: int, num_replicas: int,
+def device_groups(num_devices_per_replica: int | Sequence[int], num_replicas: int,
                   devices: Sequence | None = None) -> list[list]:
     """Disjoint, contiguous groups of devices, one per replica (contiguous: on GPUs and TPUs
-    neighbouring ids share the fastest links, which a replica's tp wants)."""
+    neighbouring ids share the fastest links, which a replica's tp wants), in device order.
+    num_devices_per_replica: one size for every replica, or each replica's own."""
     import jax
 
     devices = list(jax.devices() if devices is None else devices)
     if not isinstance(num_replicas, int) or num_replicas < 1:
         raise ValueError(f"replicas must be an int >= 1, got {num_replicas!r}")
-    needed = num_devices_per_replica * num_replicas
+    sizes = ([num_devices_per_replica] * num_replicas if isinstance(num_devices_per_replica, int)
+             else list(num_devices_per_replica))
+    if len(sizes) != num_replicas:
+        raise ValueError(f"{len(sizes)} device group sizes for {num_replicas} replicas")
+    needed = sum(sizes)
     if needed > len(devices):
-        raise ValueError(f"{num_replicas} replicas of {num_devices_per_replica} devices each need "
-                         f"{needed} devices, but {len(devices)} are visible")
-    k = num_devices_per_replica
-    return [devices[i * k:(i + 1) * k] for i in range(num_replicas)]
+        each = (f"{sizes[0]} devices each" if len(set(sizes)) == 1
+                else f"{'+'.join(map(str, sizes))} devices")
+        raise ValueError(f"{num_replicas} replicas of {each} need {needed} devices, but "
+                         f"{len(devices)} are visible")
+    starts = [sum(sizes[:i]) for i in range(num_replicas)]
+    return [devices[start:start + size] for start, size in zip(starts, sizes)]
 
 
 def replica_models(model, num_replicas: int, *, parallel=None, dtype: str | None = None):
     """The model loaded on the first device group and copied to the others (each device
-    takes its own slices). `model`: what `load_model` takes; a loaded Model keeps its own
-    mesh's axes (then `parallel` must be None)."""
+    takes its own slices). `model`: what `load_model` takes, or a loaded Model.
+    parallel: every replica's mesh (a ParallelConfig; a loaded Model keeps its own mesh's
+    axes, so then it must be None), or one ParallelConfig per replica (replicas of different
+    shapes, e.g. a prefill replica at tp=1 beside a decode replica at tp=2: each is
+    placed from the same weights on its own mesh)."""
     from medha_jax.model import Model, load_model
     from meshes import ParallelConfig, make_mesh
 
-    if isinstance(model, Model):
-        if parallel is not None or dtype is not None:
-            raise ValueError("parallel and dtype must be None when model is a loaded Model "
-                             "(it was loaded with its own)")
-        parallel = model.parallel
-    parallel = parallel or ParallelConfig()
-    if parallel.dp != 1:
-        raise ValueError(f"ParallelConfig(dp={parallel.dp}) describes one replica's mesh here; "
-                         "give the number of replicas as replicas=, or with switching= the "
-                         "base replicas DP <-> TP switching forms groups of")
-    groups = device_groups(parallel.num_devices, num_replicas)
-    if isinstance(model, Model):
-        base = model if list(model.mesh.devices.flat) == groups[0] else model.on_mesh(
-            make_mesh(parallel, groups[0]))
+    per_replica = isinstance(parallel, Sequence)
+    if per_replica:
+        if len(parallel) != num_replicas:
+            raise ValueError(f"parallel names {len(parallel)} replica meshes but "
+                             f"replicas={num_replicas}")
+        for p in parallel:
+            if not isinstance(p, ParallelConfig):
+                raise TypeError(f"parallel's entries must be ParallelConfig, got "
+                                f"{type(p).__name__}")
+        parallels = list(parallel)
+    elif isinstance(model, Model):
+        if parallel is not None:
+            raise ValueError("parallel must be None when model is a loaded Model (it was "
+                             "loaded with its own), or one ParallelConfig per replica")
+        parallels = [model.parallel] * num_replicas
     else:
-        base = load_model(model, dtype=dtype, mesh=make_mesh(parallel, groups[0]))
-    return [base] + [base.on_mesh(make_mesh(parallel, group)) for group in groups[1:]]
+        parallels = [parallel or ParallelConfig()] * num_replicas
+    if isinstance(model, Model) and dtype is not None:
+        raise ValueError("dtype must be None when model is a loaded Model (it was loaded "
+                         "with its own)")
+    for p in parallels:
+        if p.dp != 1:
+            raise ValueError(f"ParallelConfig(dp={p.dp}) describes one replica's mesh here; "
+                             "give the number of replicas as replicas=, or with switching= the "
+                             "base replicas DP <-> TP switching forms groups of")
+    groups = device_groups([p.num_devices for p in parallels], num_replicas)
+    meshes = [make_mesh(p, group) for p, group in zip(parallels, groups)]
+    if isinstance(model, Model):
+        base = model if (model.parallel == parallels[0] and
+                         list(model.mesh.devices.flat) == groups[0]) else model.on_mesh(meshes[0])
+    else:
+        base = load_model(model, dtype=dtype, mesh=meshes[0])
+    return [base] + [base.on_mesh(mesh) for mesh in meshes[1:]]
 
 
 class LocalReplica:

@@ -116,6 +116,9 @@ class Server:
         replicas: how many replicas of the model this process serves, each an engine with
           its own KV pool, controller and loop thread on its own group of devices (groups of
           `parallel`'s size, in device order); the API is the same for any number.
+          `parallel` may also be one ParallelConfig per replica, so replicas differ in shape
+          (with roles, e.g. a prefill replica at tp=1 and a decode replica at tp=2 or kvp=2:
+          serving.kv_copy says which pairs a hand-off takes).
         router: with several replicas, how a request picks one: a policy name
           (medha_jax.cluster.router.ROUTING_POLICIES; default "predicted-time") or a
           RoutingConfig. `output.metrics.replica` says which served a request.

@@ -94,6 +94,29 @@ def test_disaggregated_tokens_equal_colocated_pages_streamed_and_registered(colo
         assert transfers.stale_writes == 0
 
 
+@pytest.mark.parametrize("prefill, decode", [(dict(tp=2), dict(tp=1)),
+                                             (dict(tp=1), dict(kvp=2))])
+def test_replicas_of_different_shapes_hand_off_with_colocated_tokens(colocated_tokens,
+                                                                      prefill, decode):
+    """parallel= one ParallelConfig per replica: a prefill replica and a decode replica of
+    different tp / kvp (the tiny model's 2 K/V heads keep the folded head axis's layout)
+    give one replica's greedy tokens over 5-6-chunk prompts, the pages streamed between
+    the two meshes, and every page of both pools comes back."""
+    from meshes import ParallelConfig
+
+    parallel = [ParallelConfig(**prefill), ParallelConfig(**decode)]
+    with Server(tiny_model(), engine_config=TINY_ENGINE, warmup=False, replicas=2,
+                parallel=parallel, roles="prefill:1,decode:1") as server:
+        assert [r.engine.model.parallel for r in server.replicas] == parallel
+        outputs = server.generate(PROMPTS[:2], GREEDY)
+        assert [o.token_ids for o in outputs] == colocated_tokens[:2]
+        assert [o.metrics.replica for o in outputs] == [1, 1]
+        records = server._replica_set.transfers.records
+        assert [(r.prefill, r.decode) for r in records] == [(0, 1), (0, 1)]
+        assert all(r.first_send < r.last_send for r in records)
+        assert pools_full(server)
+
+
 def test_next_turn_on_the_decode_replica_hits_the_moved_pages(colocated_tokens):
     """Offload between mixed replicas (gate always-heavy at 1 token): turn 1 prefills on
     one and decodes on the other; turn 2 sent to the decode replica finds turn 1's prompt

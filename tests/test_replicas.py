@@ -31,6 +31,12 @@ def test_device_groups_are_disjoint_and_contiguous():
     assert groups == [[0, 1], [2, 3], [4, 5]]
     with pytest.raises(ValueError, match="need 10 devices, but 8"):
         device_groups(2, 5, devices=list(range(8)))
+    # One size per replica: replicas of different shapes.
+    assert device_groups([1, 2, 4], 3, devices=list(range(8))) == [[0], [1, 2], [3, 4, 5, 6]]
+    with pytest.raises(ValueError, match=r"3 replicas of 4\+2\+4 devices need 10"):
+        device_groups([4, 2, 4], 3, devices=list(range(8)))
+    with pytest.raises(ValueError, match="2 device group sizes for 3 replicas"):
+        device_groups([1, 2], 3, devices=list(range(8)))
 
 
 def test_replica_models_hold_the_same_weights_on_their_own_devices():
