@@ -7,7 +7,9 @@ process, one Server, the offload gate switched between runs.
 Four tables:
 
 (a) transfer bandwidth: `PageCopier` (gather on replica 0's devices, `jax.device_put` to
-    replica 1's, scatter there) of N pages, waited for; median of --repeats copies.
+    replica 1's, scatter there) of N pages, waited for; median of --repeats copies. And
+    between processes (serving.kv_wire): a replica in a child process offers N pages
+    (gathered ahead), replica 1 pulls them over `jax.experimental.transfer` and scatters.
 (b) the hand-off's gap: one long prompt at a time, prefilled on replica 0 and decoded on
     replica 1, streamed (pages move after each chunk's step) vs shipped at the end (every
     page after the prefill), against co-located; gap = arrival of token 2 - arrival of
@@ -33,6 +35,7 @@ Four tables:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -78,19 +81,22 @@ def percentile(values, q: float) -> float:
     return values[lo] + (values[hi] - values[lo]) * (k - lo)
 
 
+def engine_config(quick: bool):
+    from medha_jax.engine import EngineConfig
+
+    return EngineConfig(page_size=16, max_kv_tokens=16_384, max_model_len=2048,
+                        max_tokens_per_step=128 if quick else 256, max_seqs=16 if quick else 8)
+
+
 def make_server(args):
     from medha_jax.cluster.offload import OffloadConfig
-    from medha_jax.engine import EngineConfig
     from medha_jax.model import load_model
     from medha_jax.scheduler.config import SchedulerConfig
     from serving.server import Server
 
-    engine_config = EngineConfig(page_size=16, max_kv_tokens=16_384, max_model_len=2048,
-                                 max_tokens_per_step=128 if args.quick else 256,
-                                 max_seqs=16 if args.quick else 8)
     model = load_model(args.model, verbose=False)
     # Transfers on from the start (a gate other than never); each run sets its own gate.
-    return Server(model, engine_config=engine_config, replicas=2, warmup=True,
+    return Server(model, engine_config=engine_config(args.quick), replicas=2, warmup=True,
                   scheduler=SchedulerConfig("lars-mp", target_batch_time_s=0.2),
                   offload=OffloadConfig("always-heavy", heavy_new_tokens=1),
                   metrics_port=None)
@@ -110,13 +116,21 @@ def bandwidth(args, server) -> list[dict]:
     import jax
     import numpy as np
 
+    from serving.kv_wire import PageReceiver
+
     copier = server._replica_set.transfers._copier(0, 1)
     source, destination = server.replicas[0].engine, server.replicas[1].engine
     k = source.kv_cache.k
     page_bytes = 2 * k.shape[0] * k.shape[2] * k.shape[3] * k.dtype.itemsize
     rows = []
+
+    def row(path, pages, seconds):
+        s = statistics.median(seconds[1:])
+        rows.append({"path": path, "pages": pages, "MB": pages * page_bytes / 1e6,
+                     "copy_ms": 1e3 * s, "GB_per_s": pages * page_bytes / s / 1e9})
+
     # Between requests nothing else touches the caches; the loops are idle.
-    for pages in (8, 64, 256):
+    for pages in PAGE_COUNTS:
         ids = np.arange(pages)
         seconds = []
         for _ in range(args.repeats + 1):
@@ -124,11 +138,67 @@ def bandwidth(args, server) -> list[dict]:
             copier.write(ids + 300, copier.read(ids))
             jax.block_until_ready(destination.kv_cache.k)
             seconds.append(time.perf_counter() - start)
-        s = statistics.median(seconds[1:])
-        rows.append({"pages": pages, "MB": pages * page_bytes / 1e6, "copy_ms": 1e3 * s,
-                     "GB_per_s": pages * page_bytes / s / 1e9})
+        row("in process", pages, seconds)
     server._measured_link_bytes_per_s = rows[-1]["GB_per_s"] * 1e9
+    # Between processes: a child replica offers the same page counts, replica 1 pulls them.
+    receiver = PageReceiver(destination)
+    with page_sender_process(args) as wires:
+        for pages in PAGE_COUNTS:
+            seconds = []
+            for wire in wires[str(pages)]:
+                start = time.perf_counter()
+                receiver.receive(wire, np.arange(pages) + 300)
+                jax.block_until_ready(destination.kv_cache.k)
+                seconds.append(time.perf_counter() - start)
+            row("between processes", pages, seconds)
     return rows
+
+
+PAGE_COUNTS = (8, 64, 256)
+
+# A replica in a child process that offers PAGE_COUNTS pages (repeats + 1 times each) over
+# serving.kv_wire, prints the WireChunks, and keeps them offered until stdin closes.
+_SENDER = """
+import dataclasses, json, sys
+import numpy as np
+from benchmarks.disagg import PAGE_COUNTS, engine_config
+from medha_jax.engine import Engine
+from medha_jax.model import load_model
+from serving.kv_wire import PageSender
+model, quick, repeats = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3])
+sender = PageSender(Engine(load_model(model, verbose=False), engine_config(quick)))
+wires = {n: [dataclasses.asdict(sender.send(np.arange(n))) for _ in range(repeats + 1)]
+         for n in PAGE_COUNTS}
+print(json.dumps(wires), flush=True)
+sys.stdin.read()
+"""
+
+
+@contextlib.contextmanager
+def page_sender_process(args):
+    """The child's offers: {str(pages): [WireChunk, ...]}; the child ends on exit."""
+    import subprocess
+    import sys
+
+    from serving.kv_wire import WireChunk
+
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    child = subprocess.Popen(
+        [sys.executable, "-c", _SENDER, args.model, "1" if args.quick else "0",
+         str(args.repeats)], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), text=True)
+    try:
+        line = child.stdout.readline()
+        if not line:
+            raise RuntimeError("the page sender process failed (its stderr is above)")
+        yield {n: [WireChunk(**{**w, "shape": tuple(w["shape"])}) for w in ws]
+               for n, ws in json.loads(line).items()}
+    finally:
+        child.stdin.close()
+        try:
+            child.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            child.kill()
 
 
 def stream_times(server, prompt, max_tokens: int):
@@ -319,8 +389,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     with make_server(args) as server:
         if "a" not in skip:
             band = bandwidth(args, server)
-            table(f"(a) KV page copy between the replicas' devices ({args.model}, "
-                  "gather + device_put + scatter, waited for)", band)
+            table(f"(a) KV page copy to replica 1 ({args.model}, waited for): from replica "
+                  "0 in process (gather + device_put + scatter), from a replica in another "
+                  "process (pull + scatter)", band)
         if "b" not in skip:
             gaps = handoff_gap(args, server)
             table(f"(b) hand-off gap: a {args.prompt_tokens}-token prompt on replica 0, "

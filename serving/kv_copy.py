@@ -86,43 +86,52 @@ def _chunk_sharding(cache_sharding) -> NamedSharding:
     return NamedSharding(cache_sharding.mesh, PartitionSpec(spec[0], None, spec[2], spec[3]))
 
 
-class PageCopier:
-    """Copies pages from one engine's cache into another's. One per (source, destination)
-    pair of engines; the caller runs `read` on the source's loop thread and `write` on the
-    destination's (each thread owns its engine's cache)."""
+def check_copyable(name: str, engine) -> None:
+    """Raises unless `engine`'s cache is one program's, unsplit by ring ranks (what a
+    hand-off copies)."""
+    if engine.kv_cache is None:
+        raise ValueError(f"the {name} replica runs spp > 1 stages: its KV cache is "
+                         "split over stage programs, which the hand-off does not copy")
+    if engine.cp_ranks > 1:
+        raise ValueError(f"the {name} replica runs cp={engine.cp_ranks}: its pages are "
+                         "split over ring ranks, which the hand-off does not copy")
 
-    def __init__(self, source, destination, scatter=None):
+
+def check_same_layout(source: tuple, destination: tuple) -> None:
+    """source, destination: (shape, dtype) of two caches' K ([L, P, ps, F]); raises unless
+    their pages can be exchanged."""
+    (src_shape, src_dtype), (dst_shape, dst_dtype) = source, destination
+    if (src_shape[0], src_shape[2], src_shape[3], str(src_dtype)) != \
+            (dst_shape[0], dst_shape[2], dst_shape[3], str(dst_dtype)):
+        raise ValueError(f"KV caches of different layouts cannot exchange pages: "
+                         f"{tuple(src_shape)} {src_dtype} vs {tuple(dst_shape)} {dst_dtype} "
+                         "(layers, page_size, folded K/V heads and dtype must match)")
+
+
+def read_pages(engine, page_ids: np.ndarray) -> KVCache:
+    """The pages (global ids) of `engine`'s cache gathered on its devices, padded to
+    `padded_count` pages (not waited for). On the engine's loop thread."""
+    cache = engine.kv_cache
+    ids = jax.device_put(padded_ids(page_ids, cache.num_pages),
+                         NamedSharding(cache.k.sharding.mesh, PartitionSpec()))
+    return gather_pages(cache, ids)
+
+
+class PageWriter:
+    """The destination's half of a copy: writes chunks of pages into one engine's cache,
+    on its loop thread (which owns the cache)."""
+
+    def __init__(self, destination, scatter=None):
         """scatter: `page_scatter(destination)` to share (made here when None)."""
-        for name, engine in (("source", source), ("destination", destination)):
-            if engine.kv_cache is None:
-                raise ValueError(f"the {name} replica runs spp > 1 stages: its KV cache is "
-                                 "split over stage programs, which the hand-off does not copy")
-            if engine.cp_ranks > 1:
-                raise ValueError(f"the {name} replica runs cp={engine.cp_ranks}: its pages are "
-                                 "split over ring ranks, which the hand-off does not copy")
-        src, dst = source.kv_cache.k, destination.kv_cache.k
-        if (src.shape[0], src.shape[2], src.shape[3], src.dtype) != \
-                (dst.shape[0], dst.shape[2], dst.shape[3], dst.dtype):
-            raise ValueError(f"KV caches of different layouts cannot exchange pages: "
-                             f"{src.shape} {src.dtype} vs {dst.shape} {dst.dtype} (layers, "
-                             "page_size, folded K/V heads and dtype must match)")
-        self.source, self.destination = source, destination
-        self._chunk_sharding = _chunk_sharding(dst.sharding)
-        self._ids_sharding = NamedSharding(dst.sharding.mesh, PartitionSpec())
+        check_copyable("destination", destination)
+        self.destination = destination
+        sharding = destination.kv_cache.k.sharding
+        self.chunk_sharding = _chunk_sharding(sharding)
+        self._ids_sharding = NamedSharding(sharding.mesh, PartitionSpec())
         self._scatter = scatter or page_scatter(destination)
 
-    def read(self, page_ids: np.ndarray) -> KVCache:
-        """Source loop thread: starts copying the pages (global ids) to the destination's
-        devices; returns the chunk there (not waited for)."""
-        cache = self.source.kv_cache
-        ids = jax.device_put(padded_ids(page_ids, cache.num_pages),
-                             NamedSharding(cache.k.sharding.mesh, PartitionSpec()))
-        chunk = gather_pages(cache, ids)
-        return jax.device_put(chunk, self._chunk_sharding)
-
     def write(self, page_ids: np.ndarray, chunk: KVCache) -> None:
-        """Destination loop thread: writes the chunk's first len(page_ids) pages into those
-        pages (global ids) of its cache."""
+        """Writes the chunk's first len(page_ids) pages into those pages (global ids)."""
         engine = self.destination
         ids = padded_ids(page_ids, engine.kv_cache.num_pages)
         if len(ids) != chunk.k.shape[1]:
@@ -130,6 +139,30 @@ class PageCopier:
                              f"{chunk.k.shape[1]} padded pages")
         engine.kv_cache = self._scatter(engine.kv_cache,
                                         jax.device_put(ids, self._ids_sharding), chunk)
+
+
+class PageCopier:
+    """Copies pages from one engine's cache into another's in this process. One per
+    (source, destination) pair of engines; the caller runs `read` on the source's loop
+    thread and `write` on the destination's (each thread owns its engine's cache)."""
+
+    def __init__(self, source, destination, scatter=None):
+        """scatter: `page_scatter(destination)` to share (made here when None)."""
+        check_copyable("source", source)
+        self.writer = PageWriter(destination, scatter)
+        src, dst = source.kv_cache.k, destination.kv_cache.k
+        check_same_layout((src.shape, src.dtype), (dst.shape, dst.dtype))
+        self.source, self.destination = source, destination
+
+    def read(self, page_ids: np.ndarray) -> KVCache:
+        """Source loop thread: starts copying the pages (global ids) to the destination's
+        devices; returns the chunk there (not waited for)."""
+        return jax.device_put(read_pages(self.source, page_ids), self.writer.chunk_sharding)
+
+    def write(self, page_ids: np.ndarray, chunk: KVCache) -> None:
+        """Destination loop thread: writes the chunk's first len(page_ids) pages into those
+        pages (global ids) of its cache."""
+        self.writer.write(page_ids, chunk)
 
 
 @functools.cache
