@@ -28,8 +28,10 @@ from medha_jax.model import KVCache
 
 
 def padded_count(n: int) -> int:
-    """Pages per copy, padded to a power of two (at least 1)."""
-    return 1 << max(n - 1, 0).bit_length()
+    """Pages per copy, padded to a power of two, at least 2: XLA rewrites a one-page
+    scatter as a dynamic-update-slice guarded by a select (the drop of an out-of-range
+    id), which cannot update in place and copies the whole cache."""
+    return 1 << max(n - 1, 1).bit_length()
 
 
 def padded_ids(page_ids: np.ndarray, num_pages: int) -> np.ndarray:
@@ -65,7 +67,7 @@ def warm_up(engine, scatter, max_pages: int) -> int:
     Returns the shapes compiled."""
     cache = engine.kv_cache
     mesh = cache.k.sharding.mesh
-    n, count = 1, 0
+    n, count = padded_count(1), 0
     while True:
         ids = jax.device_put(np.full(n, cache.num_pages, np.int32),
                              NamedSharding(mesh, PartitionSpec()))

@@ -92,21 +92,24 @@ def test_pallas_on_the_cpu_is_a_clear_error():
 
 # ------------------------------------------------------------- the cache is never copied
 
-def cache_copies(parallel, pages_per_shard, preset="tiny"):
+def cache_copies(parallel, pages_per_shard, preset="tiny", tokens=16):
     """(bytes of one layer of one device's K cache, the copies, transposes and
-    dynamic-update-slices at least that large) of the engine's compiled decode step."""
+    dynamic-update-slices at least that large) of the engine's compiled decode step of
+    `tokens` tokens."""
     from medha_jax import hlo
     from medha_jax.engine import Engine, EngineConfig
 
     model = load_model(preset, parallel=parallel, verbose=False)
     # max_model_len fixes the page tables' width, so only the cache differs between sizes.
     engine = Engine(model, EngineConfig(page_size=16, num_pages=pages_per_shard,
-                                        max_tokens_per_step=16, max_seqs=8, max_model_len=256))
+                                        max_tokens_per_step=16, max_seqs=8, max_model_len=256,
+                                        min_token_bucket=tokens))
     shape, sharding = model.kv_cache_sharding(engine.num_kv_shards * pages_per_shard, 16)
     local = sharding.shard_shape(shape)                          # [L, pages, page_size, ...]
     layer_bytes = math.prod(local[1:]) * np.dtype(np.float32).itemsize
-    # The narrowest 16-token, 8-sequence shape (with cp also its fewest packed pages).
-    compiled = engine.executable(min(s for s in engine.ladder.all_shapes() if s[:2] == (16, 8)))
+    # The narrowest 8-sequence shape of `tokens` (with cp also its fewest packed pages).
+    compiled = engine.executable(min(s for s in engine.ladder.all_shapes()
+                                     if s[:2] == (tokens, 8)))
     return layer_bytes, hlo.copies(compiled.as_text(), min_bytes=layer_bytes)
 
 
@@ -124,6 +127,16 @@ def test_the_decode_step_never_copies_the_kv_cache(parallel):
         # Only the scatters of this step's slots touch the cache; nothing rewrites a layer.
         assert not found, (pages_per_shard, layer_bytes,
                            [(c.op, c.shape, c.count, c.computation) for c in found])
+
+
+@pytest.mark.parametrize("parallel", [ParallelConfig(), ParallelConfig(kvp=2)], ids=str)
+def test_a_one_token_step_never_copies_the_kv_cache(parallel):
+    """A one-token step (min_token_bucket=1: a lone decode) writes one slot: XLA turns a
+    one-row scatter into a dynamic-update-slice guarded by a select (mode="drop"), which
+    cannot run in place, and copied the whole cache three times per layer (21 s for one
+    SmolLM2 decode on 2 cores) until the write kept a second, dropped row."""
+    layer_bytes, found = cache_copies(parallel, 1024, tokens=1)
+    assert not found, (layer_bytes, [(c.op, c.shape, c.count, c.computation) for c in found])
 
 
 @pytest.mark.parametrize("parallel", [ParallelConfig(), ParallelConfig(tp=2)], ids=str)

@@ -318,6 +318,13 @@ def _write(cache, layer_id, new, slot_mapping):
     num_layers, num_pages, page_size, features = cache.shape
     flat = cache.reshape(num_layers, num_pages * page_size, features)
     new = new.reshape(new.shape[0], features).astype(flat.dtype)
+    if new.shape[0] == 1:
+        # XLA rewrites a one-row scatter as a dynamic-update-slice guarded by a select (the
+        # drop of an out-of-range slot), which cannot update in place: it copied the whole
+        # cache three times per layer. A second row, always dropped, keeps it a scatter.
+        new = jnp.concatenate([new, jnp.zeros_like(new)])
+        slot_mapping = jnp.concatenate(
+            [slot_mapping, jnp.full((1,), num_pages * page_size, slot_mapping.dtype)])
     flat = flat.at[layer_id, slot_mapping].set(new, mode="drop")
     return flat.reshape(cache.shape)
 
