@@ -14,6 +14,12 @@ tp=8): a step reads only its sequences' pages, so its time must not grow with th
 (`vs_small_cache`: device time over the same mesh's at the smallest cache). It grew
 before the cache folded its heads axis (issue 25: XLA re-laid out a size-1 heads axis,
 copying the whole cache every step).
+
+The rows "decode xN, min_token_bucket B" run a lone decode and two decodes on engines whose
+token ladder starts at 16 (the default) and at 1 (`vs_bucket_16`, in the ratio column: the
+device time over the 16-token step's). A one-token step copied the whole KV cache three
+times per layer until the cache write kept a second, dropped row (21 s for one SmolLM2
+decode on 2 cores).
 """
 
 from __future__ import annotations
@@ -116,6 +122,30 @@ def run(model_name: str, quick: bool, repeats: int):
     return model, rows
 
 
+def run_small_token_buckets(model_name: str, repeats: int) -> list[dict]:
+    """A lone decode and two decodes on engines whose token ladder starts at 16 (the
+    default) and at 1, side by side: on the CPU a step costs in proportion to its padded
+    tokens even this small (`vs_bucket_16`: device time over the 16-token step's)."""
+    from medha_jax import load_model
+    from medha_jax.engine import Engine, EngineConfig
+
+    model = load_model(model_name, verbose=False)
+    rows, padded16 = [], {}
+    for min_bucket in (16, 1):
+        engine = Engine(model, EngineConfig(max_kv_tokens=16_384, max_tokens_per_step=512,
+                                            max_seqs=32, max_model_len=2048,
+                                            min_token_bucket=min_bucket))
+        for n in (1, 2):
+            chunks = [(int(c), 1) for c in np.random.default_rng(n).integers(200, 600, n)]
+            row = measure(engine, f"decode x{n}, min_token_bucket {min_bucket}", chunks,
+                          np.random.default_rng(1), repeats)
+            padded16.setdefault(n, row["device_ms"])
+            row["vs_bucket_16"] = row["device_ms"] / padded16[n]
+            rows.append(row)
+        del engine
+    return rows
+
+
 # Whole KV caches (K and V, all layers, all devices) the decode batch runs against.
 CACHE_SIZES_MIB = (2, 128)
 
@@ -169,22 +199,24 @@ def main(argv=None):
     args = parser.parse_args(argv)
     repeats = args.repeats or (5 if args.quick else 15)
     model, rows = run(args.model, args.quick, repeats)
+    rows += run_small_token_buckets(args.model, repeats)
     rows += run_cache_sizes(args.cache_model, repeats)
 
     width = max(len(r["model"]) for r in rows)
     header = f"{'scenario':<32} {'model':<{width}} {'mesh':<5} {'kv_cache_mib':>12} {'tokens':>6} " \
              f"{'T,S,W':>14} {'step_ms':>9} {'device_ms':>9} {'host_overhead_ms':>16} " \
-             f"{'build_inputs_ms':>15} {'tok_per_s':>10} {'vs_small_cache':>14}"
+             f"{'build_inputs_ms':>15} {'tok_per_s':>10} {'ratio':>6}"
     print(f"engine benchmark: model={args.model}, cache sizes: {args.cache_model}; "
           f"backend={jax.default_backend()} devices={jax.device_count()} repeats={repeats} "
           f"(median)")
     print(header)
     for r in rows:
-        ratio = f"{r['vs_small_cache']:.2f}" if "vs_small_cache" in r else "-"
+        ratio = next((f"{r[k]:.2f}" for k in ("vs_small_cache", "vs_bucket_16") if k in r),
+                     "-")
         print(f"{r['scenario']:<32} {r['model']:<{width}} {r['mesh']:<5} {r['kv_cache_mib']:>12.1f} "
               f"{r['tokens']:>6} {str(tuple(r['padded_shape'])):>14} "
               f"{r['step_ms']:>9.2f} {r['device_ms']:>9.2f} {r['host_overhead_ms']:>16.3f} "
-              f"{r['build_inputs_ms']:>15.3f} {r['tok_per_s']:>10.1f} {ratio:>14}")
+              f"{r['build_inputs_ms']:>15.3f} {r['tok_per_s']:>10.1f} {ratio:>6}")
     if args.json:
         context = {
             "backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind,
