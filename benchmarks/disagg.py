@@ -177,28 +177,13 @@ sys.stdin.read()
 @contextlib.contextmanager
 def page_sender_process(args):
     """The child's offers: {str(pages): [WireChunk, ...]}; the child ends on exit."""
-    import subprocess
-    import sys
-
+    from benchmarks.report import json_line_child
     from serving.kv_wire import WireChunk
 
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
-    child = subprocess.Popen(
-        [sys.executable, "-c", _SENDER, args.model, "1" if args.quick else "0",
-         str(args.repeats)], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), text=True)
-    try:
-        line = child.stdout.readline()
-        if not line:
-            raise RuntimeError("the page sender process failed (its stderr is above)")
-        yield {n: [WireChunk(**{**w, "shape": tuple(w["shape"])}) for w in ws]
-               for n, ws in json.loads(line).items()}
-    finally:
-        child.stdin.close()
-        try:
-            child.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            child.kill()
+    argv = [args.model, "1" if args.quick else "0", str(args.repeats)]
+    with json_line_child(_SENDER, argv, env) as offered:
+        yield {n: [WireChunk.from_dict(w) for w in ws] for n, ws in offered.items()}
 
 
 def stream_times(server, prompt, max_tokens: int):

@@ -3,8 +3,13 @@ context for the JSON file and a markdown table."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import json
+import os
 import platform
+import subprocess
+import sys
 
 
 def environment() -> dict:
@@ -27,3 +32,25 @@ def table(title: str, rows: list[dict]) -> None:
     print(" | ".join("---" for _ in columns))
     for row in rows:
         print(" | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in row.values()))
+
+
+@contextlib.contextmanager
+def json_line_child(script: str, argv: list[str], env: dict):
+    """Runs `python -c script *argv` in the repository root and yields the JSON of the
+    first line it prints; the child keeps running (e.g. serving what it offered) until
+    its stdin closes on exit, then is waited for (killed after 30 s)."""
+    child = subprocess.Popen([sys.executable, "-c", script, *argv], env=env,
+                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        line = child.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the child process failed:\n{child.stderr.read()[-3000:]}")
+        yield json.loads(line)
+    finally:
+        child.stdin.close()
+        try:
+            child.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            child.kill()

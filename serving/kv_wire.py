@@ -47,6 +47,11 @@ class WireChunk:
     dtype: str
     num_pages: int                    # real pages; the rest of shape[1] is padding
 
+    @classmethod
+    def from_dict(cls, fields: dict) -> WireChunk:
+        """From `dataclasses.asdict` after a trip through JSON (the shape as a list)."""
+        return cls(**{**fields, "shape": tuple(fields["shape"])})
+
 
 def _transfer_server(engine, bind_host: str):
     from jax.experimental import transfer

@@ -5,15 +5,14 @@ and a cache of another layout is refused before anything moves."""
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import numpy as np
 import pytest
 
+from benchmarks.report import json_line_child
 from medha_jax.engine import Engine
-from medha_jax.model import KVCache, load_model
+from medha_jax.model import load_model
 from meshes import ParallelConfig, make_mesh
 from serving.kv_wire import PageReceiver, PageSender, WireChunk
 from tests.test_server import TINY_ENGINE
@@ -50,24 +49,9 @@ def sender():
     """The child's cache values (seeded) and the two WireChunks of SOURCE_PAGES it offers."""
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    child = subprocess.Popen([sys.executable, "-c", SENDER, json.dumps(SOURCE_PAGES)],
-                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                             env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
-    try:
-        line = child.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the sender failed:\n{child.stderr.read()[-3000:]}")
-        sent = json.loads(line)
+    with json_line_child(SENDER, [json.dumps(SOURCE_PAGES)], env) as sent:
         values = np.random.default_rng(0).standard_normal(sent["cache_shape"]).astype(np.float32)
-        yield values, [WireChunk(**{**fields, "shape": tuple(fields["shape"])})
-                       for fields in sent["wires"]]
-    finally:
-        child.stdin.close()
-        try:
-            child.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            child.kill()
+        yield values, [WireChunk.from_dict(fields) for fields in sent["wires"]]
 
 
 @pytest.mark.parametrize("offer, destination", [(0, dict(tp=1)), (1, dict(kvp=2))])
