@@ -156,6 +156,20 @@ def test_outputs_do_not_depend_on_batching_or_chunking(model, sampling):
         assert alone == greedy_with_logits(model, prompt, 8)
 
 
+def test_one_token_steps_give_the_model_greedy_tokens(model):
+    """With the token ladder from 1, a request fed one token a step runs every step at
+    T = 1, whose cache write carries a second, dropped row (the one-row scatter XLA would
+    turn into a whole-cache copy): the tokens are the model's greedy ones."""
+    engine = Engine(model, dataclasses.replace(SMALL, min_token_bucket=1))
+    assert engine.ladder.token_buckets[0] == 1
+    prompt = np.random.default_rng(3).integers(0, 256, 20).tolist()
+    shapes = count_compiles(engine)
+    done = drive(engine, [(0, make_request("x", prompt, 6))], rng=np.random.default_rng(0),
+                 max_chunk=0, chunk_of=lambda r: 1)
+    assert {shape[0] for shape in shapes} == {1}
+    assert done["x"] == greedy_with_logits(model, prompt, 6)
+
+
 def test_prefix_reuse_gives_the_same_tokens(model):
     engine = Engine(model, dataclasses.replace(SMALL, enable_prefix_caching=True))
     prompt = np.random.default_rng(3).integers(0, 256, 70).tolist()
