@@ -44,7 +44,10 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     for flag, help in [("--max-kv-tokens", "KV-cache capacity in tokens"),
                        ("--max-model-len", "longest prompt + output, in tokens"),
                        ("--max-tokens-per-step", "tokens in one step (largest shape bucket)"),
-                       ("--max-seqs", "sequences in one step")]:
+                       ("--max-seqs", "sequences in one step"),
+                       ("--min-token-bucket", "tokens in the smallest step shape (default 16; "
+                        "1 on a CPU halves a lone decode's step, for 16 more shapes to "
+                        "compile)")]:
         engine.add_argument(flag, type=int, default=None, help=help)
 
 
@@ -57,7 +60,8 @@ def _add_ray_args(parser: argparse.ArgumentParser) -> None:
                           "--replicas actors")
 
 
-ENGINE_FLAGS = ("max_kv_tokens", "max_model_len", "max_tokens_per_step", "max_seqs")
+ENGINE_FLAGS = ("max_kv_tokens", "max_model_len", "max_tokens_per_step", "max_seqs",
+                "min_token_bucket")
 LIMIT_FLAGS = ("min_ttft_s", "max_ttft_s", "min_tpot_s", "max_tpot_s", "min_priority",
                "max_priority")
 
