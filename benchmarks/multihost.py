@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -96,18 +95,14 @@ def _worker(args) -> None:
         "mesh": dict(engine.model.mesh.shape)}}), flush=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_config(processes: int, model: str, quick: bool, repeats: int) -> dict:
     """Runs one configuration's processes and returns process 0's rows and context."""
+    from serving.multihost import free_port
+
     devices = 8 // processes
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-    coordinator, channel = f"127.0.0.1:{_free_port()}", f"127.0.0.1:{_free_port()}"
+    coordinator, channel = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     worker = [sys.executable, "-m", "benchmarks.multihost", "--worker", "--model", model,
               "--processes", str(processes), "--coordinator", coordinator, "--channel",
               channel, "--repeats", str(repeats)] + (["--quick"] if quick else [])

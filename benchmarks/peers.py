@@ -45,7 +45,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -57,6 +56,7 @@ import numpy as np
 
 from benchmarks.disagg import percentile
 from benchmarks.report import environment, table
+from serving.multihost import free_port
 
 TRACE = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "..", "shared",
                                       "traces", "azure2023_splitwise_conv.csv"))
@@ -348,12 +348,6 @@ def run_stream(port: int, bodies: list[dict], arrivals: list[float], timeout_s: 
     for t in threads:
         t.join()
     return records
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -475,6 +475,14 @@ def channel_address() -> str:
     return f"{host}:{int(port) + 1}"
 
 
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now (bound and released: another process may take it
+    before the caller binds it, which on one machine's loopback is rare)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
 def launch_local(num_processes: int, argv: Sequence[str], *, devices_per_process: int = 4
                  ) -> int:
     """Starts the `num_processes` processes of a replica on this machine, each running
@@ -489,11 +497,7 @@ def launch_local(num_processes: int, argv: Sequence[str], *, devices_per_process
     import subprocess
     import sys
 
-    ports = []
-    for _ in range(2):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
+    ports = [free_port(), free_port()]
     flags = os.environ.get("XLA_FLAGS", "")
     flags = " ".join(f for f in flags.split() if "xla_force_host_platform_device_count" not in f)
     base = dict(os.environ, MEDHA_COORDINATOR=f"127.0.0.1:{ports[0]}",

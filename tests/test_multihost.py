@@ -13,7 +13,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +21,7 @@ import time
 import numpy as np
 import pytest
 
+from serving.multihost import free_port
 from tests.multihost_leader import ENGINE_CONFIG, MODEL, run_workload
 
 # Each crosses the process boundary (devices 0-3 on process 0, 4-7 on process 1): tp over
@@ -30,12 +30,6 @@ MESHES = ("tp=8", "kvp=2,tp=4", "cp=2,tp=4")
 STEP_TIMEOUT_S = 20.0
 LAUNCH_TIMEOUT_S = 900
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def launch():
     """Runs both processes once; returns process 0's RESULT lines and process 1's report."""
@@ -43,8 +37,8 @@ def launch():
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS="--xla_force_host_platform_device_count=4 "
                          "--xla_backend_optimization_level=0")
-    coordinator = f"127.0.0.1:{_free_port()}"
-    channel_port = _free_port()
+    coordinator = f"127.0.0.1:{free_port()}"
+    channel_port = free_port()
     meshes = [a for m in MESHES for a in ("--parallel", m)]
     follower = subprocess.Popen(
         [sys.executable, "-m", "serving.multihost", "--process-id", "1", "--num-processes", "2",
@@ -219,7 +213,7 @@ class _Ready:
 def _mirror_with_follower(step_timeout_s=0.5):
     from serving import multihost
 
-    port = _free_port()
+    port = free_port()
     listener = multihost.listen_socket(f"127.0.0.1:{port}")
     box = {}
     thread = threading.Thread(target=lambda: box.update(
@@ -293,7 +287,7 @@ def test_a_follower_that_dies_while_idle_is_seen_without_a_step():
 def test_a_follower_that_never_joins_is_named():
     from serving import multihost
 
-    listener = multihost.listen_socket(f"127.0.0.1:{_free_port()}")
+    listener = multihost.listen_socket(f"127.0.0.1:{free_port()}")
     with pytest.raises(multihost.ReplicaUnavailable,
                        match=r"1 of 1 follower process\(es\) did not connect .* within 0.3 s"):
         multihost.StepMirror(listener, 1, connect_timeout_s=0.3)
