@@ -94,6 +94,9 @@ def _make_server(args, *, warmup: bool, calibrate: bool, engine=None):
     if len(per_replica) > 1 and len(per_replica) != replicas:
         raise ValueError(f"--parallel names {len(per_replica)} replica meshes but "
                          f"--replicas is {replicas}")
+    if len(per_replica) > 1 and getattr(args, "ray", None) is not None:
+        raise ValueError("--parallel with one mesh per replica is not supported with --ray "
+                         "yet: every Ray replica runs the same mesh")
     parallel = per_replica[0]
     sizes = {f: getattr(args, f) for f in ENGINE_FLAGS if getattr(args, f) is not None}
     limits = {f: getattr(args, f) for f in LIMIT_FLAGS if getattr(args, f, None) is not None}

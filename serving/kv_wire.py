@@ -9,9 +9,9 @@ decode replica live in different processes or hosts (serving.kv_copy is the in-p
 
 The bytes move with `jax.experimental.transfer` (measured on jaxlib 0.10.2: it works
 between CPU processes, over its own TCP transport): the sender's transfer server holds the
-gathered pages until the receiver pulls them by the chunk's id, device to device where the
-backend can (on GPUs, without staging through the host). Only the small `WireChunk` goes
-over the caller's channel.
+gathered pages until the receiver pulls them by the chunk's id (on GPUs the library is
+meant to copy device to device; not tried here, no GPU was lent). Only the small
+`WireChunk` goes over the caller's channel.
 
 Each side's chunk lives on one device of its replica (the sender gathers its pages there,
 the receiver pulls them there and then spreads them over its own mesh), so the two

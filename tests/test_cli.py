@@ -56,6 +56,8 @@ def test_generate_prints_the_greedy_text(model_dir, capsys):
     (["serve", "--replicas", "2", "--offload", "sometimes"], "unknown gate 'sometimes'"),
     (["serve", "--replicas", "3", "--parallel", "tp=2/tp=1"],
      "--parallel names 2 replica meshes but --replicas is 3"),
+    (["serve", "--replicas", "2", "--parallel", "tp=2/tp=1", "--ray"],
+     "not supported with --ray yet"),
     (["serve", "--dp", "2"], "--dp N and --switching POLICY go together"),
     (["serve", "--dp", "2", "--switching", "load", "--parallel", "kvp=2"],
      "switching's base replicas are one device or a TP group"),
