@@ -4,7 +4,7 @@ process, one Server, the offload gate switched between runs.
     python -m benchmarks.disagg --quick              # a few minutes on a 2-core CPU
     python -m benchmarks.disagg --json results/disagg.json
 
-Four tables:
+Six tables:
 
 (a) transfer bandwidth: `PageCopier` (gather on replica 0's devices, `jax.device_put` to
     replica 1's, scatter there) of N pages, waited for; median of --repeats copies. And
@@ -25,6 +25,10 @@ Four tables:
     each request's mean seconds per output token after the first), requests offloaded.
 (d) H6: the next turn's cached share of its prompt after a disaggregated turn vs after a
     co-located one (turns of (c)).
+(f) the hand-off between replicas that are Ray actors (serving.ray_handoff; needs the
+    [cluster] extra, else skipped): one long prompt at a time on a prefill:1,decode:1 pair
+    of actors (pages pulled over serving.kv_wire by the decode actor while the prefill
+    runs) vs on one actor alone; TTFT p50, gap token 1 -> 2 p50, page chunks moved.
 (e) the same experiment simulated at --sim-replicas replicas (llama3-8b, one H100 each,
     the analytical predictor, real prefix caches; `simulate(offload=...)` models the
     handshake and the transfer): sessions whose first turn is HEAVY (20K cold tokens, half
@@ -242,6 +246,58 @@ def handoff_gap(args, server) -> list[dict]:
     return rows
 
 
+def ray_handoff(args) -> list[dict]:
+    """Part (f): the pair's server, then the lone actor's (a RayServer names its actors
+    from 0, so two at once would replace each other's), on the same prompts; no CPU is
+    booked per actor, so they start on a 2-core Ray."""
+    try:
+        import ray
+    except ImportError:
+        print("(f) skipped: Ray is not installed (pip install -e '.[cluster]')")
+        return []
+    from serving.server import Server
+
+    options = dict(engine_config=engine_config(args.quick), warmup=True, cluster="ray",
+                   actor_options={"num_cpus": 0}, metrics_port=None)
+    rng = random.Random(2)
+    rows = []
+    try:
+        with Server(args.model, replicas=2, roles="prefill:1,decode:1", **options) as pair:
+            seen = {"handed off between actors": [], "one actor": []}
+            for _ in range(args.repeats):
+                prompt = [rng.randrange(1, pair.config.vocab_size)
+                          for _ in range(args.prompt_tokens)]
+                chunks = pair.chunks_moved
+                start, arrivals = stream_times(pair, prompt, 4)
+                seen["handed off between actors"].append(
+                    (arrivals[0] - start, arrivals[1] - arrivals[0], pair.chunks_moved - chunks))
+                time.sleep(0.2)
+        with Server(args.model, replicas=1, **options) as alone:
+            rng = random.Random(2)
+            for _ in range(args.repeats):
+                prompt = [rng.randrange(1, alone.config.vocab_size)
+                          for _ in range(args.prompt_tokens)]
+                start, arrivals = stream_times(alone, prompt, 4)
+                seen["one actor"].append((arrivals[0] - start, arrivals[1] - arrivals[0], 0))
+                time.sleep(0.2)
+    finally:
+        ray.shutdown()
+    for mode, got in seen.items():
+        rows.append({"mode": mode, "prompt_tokens": args.prompt_tokens,
+                     "ttft_p50_s": statistics.median(g[0] for g in got),
+                     "gap_token1_to_2_p50_s": statistics.median(g[1] for g in got),
+                     "chunks_moved": statistics.median(g[2] for g in got)})
+    return rows
+
+
+def ray_part(args, skip) -> list[dict]:
+    rows = [] if "f" in skip else ray_handoff(args)
+    if rows:
+        table(f"(f) hand-off between Ray actors: a {args.prompt_tokens}-token prompt "
+              f"(median of {args.repeats})", rows)
+    return rows
+
+
 def h8(args, server) -> tuple[list[dict], list[dict]]:
     """Parts (c) and (d)."""
     from medha_jax import SamplingParams
@@ -373,7 +429,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         table(f"(e) simulated: {args.sim_replicas} replicas of llama3-8b (one H100 each), "
               f"{args.sim_sessions} sessions x 4 turns, half HEAVY (20K cold tokens)", sim)
     if not {"a", "b", "c"} - skip:
-        return _write(args, band, gaps, runs, cached, sim)
+        return _write(args, band, gaps, runs, cached, sim, ray_part(args, skip))
     with make_server(args) as server:
         if "a" in skip:             # the gates of (b) and (c) are priced at the link's speed
             bandwidth(args, server, between_processes=False)
@@ -393,19 +449,20 @@ def main(argv: Sequence[str] | None = None) -> None:
                   f"third HEAVY ({args.heavy_tokens} cold tokens), 2 mixed replicas, "
                   "predicted-time router, per offload gate", runs)
             table("(d) H6: the next turn's cached share of its prompt", cached)
+    ray_rows = ray_part(args, skip)         # after the in-process replicas are gone
     if sim:
         table(f"(e) simulated: {args.sim_replicas} replicas of llama3-8b (one H100 each), "
               f"{args.sim_sessions} sessions x 4 turns, half HEAVY (20K cold tokens)", sim)
-    _write(args, band, gaps, runs, cached, sim)
+    _write(args, band, gaps, runs, cached, sim, ray_rows)
 
 
-def _write(args, band, gaps, runs, cached, sim) -> None:
+def _write(args, band, gaps, runs, cached, sim, ray_rows=()) -> None:
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"context": {**environment(), **vars(args)}, "bandwidth": band,
                        "gap": gaps, "h8": runs, "next_turn_cache": cached,
-                       "simulated": sim}, f, indent=2)
+                       "simulated": sim, "ray_handoff": list(ray_rows)}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -117,15 +117,15 @@ def _make_server(args, *, warmup: bool, calibrate: bool, engine=None):
                       engine_config=EngineConfig(**sizes), limits=RequestLimits(**limits),
                       metrics_port=getattr(args, "metrics_port", None), warmup=warmup,
                       cache_dir=False if args.no_cache else args.cache_dir)
+    disagg = {k: v for k in ("roles", "offload") if (v := getattr(args, k, None)) is not None}
     if getattr(args, "ray", None) is not None:
         # The replica actors load the model themselves, on whichever hosts Ray places them.
         return Server(args.model, parallel=parallel, dtype=args.dtype, scheduler=scheduler,
                       engine_config=EngineConfig(**sizes), limits=RequestLimits(**limits),
                       metrics_port=getattr(args, "metrics_port", None), warmup=warmup,
                       cache_dir=False if args.no_cache else args.cache_dir,
-                      replicas=replicas, router=router, cluster=args.ray)
+                      replicas=replicas, router=router, cluster=args.ray, **disagg)
     model = load_model(args.model, parallel=parallel, dtype=args.dtype)
-    disagg = {k: v for k in ("roles", "offload") if (v := getattr(args, k, None)) is not None}
     if len(per_replica) > 1:       # each replica's own predictor, from its own mesh
         disagg["parallel"] = per_replica
     return Server(model, scheduler=scheduler, engine_config=EngineConfig(**sizes),

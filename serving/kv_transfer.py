@@ -279,7 +279,7 @@ class KVTransfers:
             if not live:
                 queue.popleft()
                 continue
-            res_id = _reservation_id(t.request_id, tid)
+            res_id = reservation_id(t.request_id, tid)
             tokens = t.tokens[:t.num_pages * ps + 1]
             reused = allocator.allocate(res_id, tokens)
             if not allocator.reserve(res_id, t.num_pages * ps):
@@ -369,7 +369,7 @@ class KVTransfers:
         if hi <= lo:
             return
         source = self.set.replicas[t.prefill].engine
-        ids = _global_pages(source.allocator, source_id)[lo:hi]
+        ids = global_pages(source.allocator, source_id)[lo:hi]
         copier = self._copier(t.prefill, t.decode)
         chunk = copier.read(ids)
         now = time.perf_counter()
@@ -379,9 +379,9 @@ class KVTransfers:
                                     now, 0.0)
             self._record_of[t.tid] = record
         record.pages_moved += hi - lo
-        record.bytes_moved += (hi - lo) * _page_bytes(source)
+        record.bytes_moved += (hi - lo) * page_bytes(source)
         record.last_send = now
-        res_id, decode = _reservation_id(t.request_id, t.tid), t.decode
+        res_id, decode = reservation_id(t.request_id, t.tid), t.decode
         self.set.replicas[decode].loop.call(
             lambda: self._land(decode, copier, res_id, lo, hi, chunk))
 
@@ -432,7 +432,7 @@ class KVTransfers:
         if res is None:
             self.stale_writes += 1                  # its transfer is gone: write nothing
             return
-        ids = _global_pages(self.set.replicas[decode].engine.allocator, res_id)[lo:hi]
+        ids = global_pages(self.set.replicas[decode].engine.allocator, res_id)[lo:hi]
         copier.write(ids, chunk)
         if lo <= res.landed:
             res.landed = max(res.landed, hi)
@@ -442,7 +442,7 @@ class KVTransfers:
         first in this loop's inbox): the pages enter the prefix cache under the prompt's
         page hashes, and the reservation pins them until the request takes them."""
         allocator = self.set.replicas[decode].engine.allocator
-        res_id = _reservation_id(t.request_id, tid)
+        res_id = reservation_id(t.request_id, tid)
         res = self._reservations[decode].get(res_id)
         if res is not None:
             allocator.commit(res_id, res.tokens, res.landed * allocator.page_size)
@@ -473,7 +473,7 @@ class KVTransfers:
             self._settle(replica)
 
     def _release_reservation(self, t: _Transfer, register_landed: bool) -> None:
-        res_id, decode = _reservation_id(t.request_id, t.tid), t.decode
+        res_id, decode = reservation_id(t.request_id, t.tid), t.decode
 
         def release():
             res = self._reservations[decode].pop(res_id, None)
@@ -614,16 +614,19 @@ class KVTransfers:
         return copier
 
 
-def _reservation_id(request_id: str, tid: int) -> str:
+def reservation_id(request_id: str, tid: int) -> str:
     return f"kv-in:{request_id}:{tid}"
 
 
-def _global_pages(allocator, owner: str) -> np.ndarray:
+def global_pages(allocator, owner: str) -> np.ndarray:
     """The owner's pages as ids into the engine's whole cache (shard-major), token order."""
     return np.concatenate([seg.shard * allocator.pages_per_shard + seg.table.astype(np.int64)
                            for seg in allocator.segments(owner)] or [np.zeros(0, np.int64)])
 
 
-def _page_bytes(engine) -> int:
+def page_bytes(engine) -> int:
+    """Bytes of one page of K and V over every layer (0 before the cache exists)."""
+    if engine.kv_cache is None:
+        return 0
     k = engine.kv_cache.k
     return 2 * k.shape[0] * k.shape[2] * k.shape[3] * k.dtype.itemsize

@@ -103,7 +103,10 @@ class PageReceiver:
         self._lock = threading.Lock()
 
     def pull(self, wire: WireChunk) -> KVCache:
-        """The chunk's pages on this replica's devices (spread as its cache's heads are)."""
+        """The chunk's pages on this replica's devices (spread as its cache's heads are),
+        waited for: a pull that fails (its sender died) raises here. Not waited for, the
+        failure would surface in the write that consumes the chunk, whose output is the
+        whole cache, and fail every later step of the replica."""
         k = self.engine.kv_cache.k
         check_same_layout((wire.shape, wire.dtype), (k.shape, k.dtype))
         with self._lock:
@@ -114,7 +117,8 @@ class PageReceiver:
         spec = jax.ShapeDtypeStruct(wire.shape, np.dtype(wire.dtype),
                                     sharding=jax.sharding.SingleDeviceSharding(self._device))
         k, v = connection.pull(wire.uuid, [spec, spec])
-        return jax.device_put(KVCache(k=k, v=v), self.writer.chunk_sharding)
+        return jax.block_until_ready(
+            jax.device_put(KVCache(k=k, v=v), self.writer.chunk_sharding))
 
     def receive(self, wire: WireChunk, page_ids: np.ndarray) -> None:
         """Pulls the chunk and writes its pages into `page_ids` (global ids, as many as it

@@ -296,6 +296,15 @@ class RequestHandle:
         if self._output is not None:
             self._done.set()
 
+    def _push_item(self, item) -> None:
+        """An item that is not a delta, for the asyncio consumer, in order with the deltas
+        (a replica actor's prefill stream: serving.ray_handoff); `item.finished` ends the
+        iteration as a final delta does, without finishing the handle."""
+        try:
+            self._loop.call_soon_threadsafe(self._async_deltas.put_nowait, item)
+        except RuntimeError:
+            pass                     # the caller's event loop is closed: nobody is listening
+
     def _final_output(self) -> RequestOutput:
         outputs = tuple(sample.output(i) for i, sample in enumerate(self._samples))
         first = outputs[0]

@@ -52,11 +52,15 @@ from medha_jax.cluster.prefix_index import CacheEvent
 from medha_jax.cluster.router import (PREDICTED_TIME, NoHealthyReplica, ReplicaStatus,
                                       RouteRequest, Router, RoutingConfig)
 from medha_jax.request import SLO
+from medha_jax.scheduler.predictor import decode_step_seconds
 from medha_jax.sampling_params import SamplingParams
 from serving import validation
+from serving.kv_transfer import DisaggConfig, page_bytes, parse_roles, reservation_id
+from serving.kv_wire import WireChunk
 from serving.metrics import ServerMetrics
 from serving.outputs import (IncrementalDetokenizer, RequestHandle, RequestMetrics,
                              StreamDelta)
+from serving.ray_handoff import HandedOff, PagesOffered, ReplicaHandoffs
 from serving.server import Server
 
 NAMESPACE = "medha"
@@ -64,6 +68,7 @@ ACTOR_NAME = "medha-replica-{}"
 POLL_S = 0.05                 # how often the front reads each replica's load and events
 MAX_BUFFERED_EVENTS = 10_000  # past this an actor folds its events into one resync event
 UNAVAILABLE = "UNAVAILABLE"
+LANDS_AFTER_DEATH_S = 5.0     # how long pulls started before a prefill actor died may end
 
 
 def connect(cluster: str) -> str:
@@ -103,6 +108,7 @@ class ReplicaSpec:
     predictor: object = None
     cache_dir: object = None
     limits: validation.RequestLimits | None = None
+    disagg: DisaggConfig | None = None        # set: the replica takes part in KV hand-offs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +127,14 @@ class ReplicaState:
     pages_in_use: int = 0
     pages_total: int = 0
     num_preemptions: int = 0
+    # With hand-offs, what the front's offload decision reads (serving.replicas'
+    # offload_decision reads the same of its replicas): seconds of a chunked prefill step,
+    # the share of recent time spent on prefill steps, and [(context, seconds)] of a decode
+    # step of its decodes plus one request of that context; hand-offs still kept here.
+    chunk_step_s: float = 0.0
+    prefill_share: float = 0.0
+    decode_step_table: tuple[tuple[int, float], ...] = ()
+    handoffs_in_flight: int = 0
 
 
 class ReplicaActor:
@@ -149,6 +163,19 @@ class ReplicaActor:
         # Event 0, before any request reaches the loop: the cache restated with its orphans
         # (followed from here on), so the front's index bisects this replica's pages.
         replica.engine.allocator.restate_cache()
+        self.handoffs = None
+        if spec.disagg is not None:
+            self.handoffs = ReplicaHandoffs(replica, spec.disagg)
+            if spec.warmup:           # the page copies' shapes, before any request
+                done = threading.Event()
+
+                def warm_up():
+                    try:
+                        self.handoffs.warm_up()
+                    finally:
+                        done.set()
+                replica.loop.call(warm_up)
+                done.wait()
 
     def describe(self) -> dict:
         server = self.server
@@ -157,7 +184,8 @@ class ReplicaActor:
                     self.replica.engine.allocator.page_size,
                 "num_pages": server.num_total_pages, "default_slo": server.default_slo,
                 "policy": server.policy, "startup": server.startup,
-                "incarnation": self.incarnation, "pid": os.getpid()}
+                "incarnation": self.incarnation, "pid": os.getpid(),
+                "page_bytes": page_bytes(self.replica.engine)}
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                        slo: SLO | None, priority: int):
@@ -166,6 +194,8 @@ class ReplicaActor:
                                     priority=priority, request_id=request_id,
                                     _loop=asyncio.get_running_loop())
         self._handles[request_id] = handle
+        if self.handoffs is not None:         # a hand-off's pages may be waiting for it here
+            self.replica.loop.call(lambda: self.handoffs.bind(request_id, handle.id))
         try:
             async for delta in handle:
                 yield delta
@@ -173,10 +203,87 @@ class ReplicaActor:
             self._handles.pop(request_id, None)
             if not handle.finished:       # the front went away: free its pages
                 handle.cancel()
+            if self.handoffs is not None:     # a reservation or hold it took its pages from
+                self.replica.loop.call(lambda: self.handoffs.request_ended(request_id))
 
     async def cancel(self, request_id: str) -> bool:
         handle = self._handles.get(request_id)
         return handle is not None and handle.cancel()
+
+    # ------------------------------------------------------------------ KV hand-offs
+    # The actor side of serving.ray_handoff; the front (RayServer._hand_off) calls these.
+
+    async def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                      slo: SLO | None, priority: int, start_page: int):
+        """generate(), with the decode handed off: the first token's delta, PagesOffered
+        items as the prompt's pages fill (from start_page), then HandedOff; a final delta
+        instead when the request ends here (at its first token, cancelled, failed)."""
+        handle = self.server.submit(validation.TokensPrompt(prompt_ids), params, slo=slo,
+                                    priority=priority, request_id=request_id,
+                                    _loop=asyncio.get_running_loop())
+        self._handles[request_id] = handle
+        # After the add (the loop takes its inbox in order): a first token sampled before
+        # this call reached the loop just stays here (the front then releases D's pages).
+        handoffs = self.handoffs
+        num_pages = len(prompt_ids) // self.replica.engine.allocator.page_size
+        self.replica.loop.call(lambda: handoffs.expect(request_id, handle.id, prompt_ids,
+                                                       start_page, num_pages,
+                                                       handle._push_item))
+        handed = False
+        try:
+            async for item in handle:
+                handed = isinstance(item, HandedOff)
+                yield item
+        finally:
+            self._handles.pop(request_id, None)
+            if not handle.finished and not handed:
+                handle.cancel()
+
+    async def reserve(self, request_id: str, tid: int, prompt_ids: list[int]) -> int | None:
+        """The handshake: returns once every full prompt page is booked here (the pages
+        already cached here), or None when the front withdrew it first."""
+        aloop = asyncio.get_running_loop()
+        granted = aloop.create_future()
+        self.replica.loop.call(lambda: self.handoffs.reserve(
+            request_id, tid, prompt_ids,
+            lambda start: aloop.call_soon_threadsafe(_resolve, granted, start)))
+        return await granted
+
+    async def land(self, res_id: str, wire: WireChunk, lo: int, hi: int) -> bool:
+        """Pulls offered pages (off the loop thread) and writes them into the reservation."""
+        chunk = await asyncio.to_thread(self.handoffs.pull, wire)
+        return await self._on_loop(lambda: self.handoffs.land(res_id, chunk, lo, hi))
+
+    async def register(self, res_id: str) -> bool:
+        return await self._on_loop(lambda: self.handoffs.register(res_id))
+
+    async def release_reservation(self, res_id: str, register_landed: bool = False) -> None:
+        await self._on_loop(lambda: self.handoffs.release_reservation(res_id, register_landed))
+
+    async def release_hold(self, request_id: str) -> None:
+        await self._on_loop(lambda: self.handoffs.release_hold(request_id))
+
+    async def handoffs_state(self) -> dict:
+        """For tests: hand-offs kept, pages written here, stale writes dropped."""
+        return await self._on_loop(lambda: {"in_flight": self.handoffs.in_flight,
+                                            "pages_landed": self.handoffs.pages_landed,
+                                            "stale_writes": self.handoffs.stale_writes})
+
+    def _on_loop(self, fn) -> asyncio.Future:
+        """fn() run on the replica's loop thread, as a future of this event loop."""
+        aloop = asyncio.get_running_loop()
+        future = aloop.create_future()
+
+        def run():
+            try:
+                result = fn()
+            except BaseException as e:        # noqa: BLE001 - handed to the caller
+                aloop.call_soon_threadsafe(_fail, future, e)
+            else:
+                aloop.call_soon_threadsafe(_resolve, future, result)
+        if not self.replica.loop.call(run):
+            future.set_exception(RuntimeError(f"replica {self.index}'s loop has stopped"))
+        return future
 
     async def state(self, incarnation: str, after_seq: int) -> ReplicaState:
         """Load, prefill table and the events numbered from after_seq (those before it the
@@ -192,10 +299,21 @@ class ReplicaActor:
         if now - self._table_at > 1.0:        # refits change it rarely; computing is cheap
             self._table, self._table_at = self._prefill_table(), now
         allocator = self.replica.engine.allocator
+        handoffs = {}
+        if self.handoffs is not None:
+            self.replica.loop.call(lambda: self.handoffs.sweep(time.monotonic()))
+            replica = self.replica
+            contexts = replica.loop.decode_contexts
+            handoffs = dict(
+                chunk_step_s=replica.chunk_step_s, prefill_share=replica.prefill_share,
+                decode_step_table=tuple(
+                    (n, decode_step_seconds(replica.predictor, contexts + (n,)))
+                    for n, _ in self._table[::8] + self._table[-1:]),
+                handoffs_in_flight=self.handoffs.in_flight)
         return ReplicaState(self.incarnation, waiting, running, prefills,
                             self.replica.decode_token_s, self._table, events,
                             allocator.num_pages - allocator.num_free_pages, allocator.num_pages,
-                            self.replica.controller.num_preemptions)
+                            self.replica.controller.num_preemptions, **handoffs)
 
     def _prefill_table(self) -> tuple[tuple[int, float], ...]:
         max_len = self.server.max_model_len
@@ -219,18 +337,37 @@ class ReplicaActor:
             self._next_seq += 1
 
 
-def _prefill_s(table: Sequence[tuple[int, float]]):
-    """prefill_s(num_tokens, cached_tokens) by linear interpolation in an actor's table."""
+def _resolve(future: asyncio.Future, result) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+def _fail(future: asyncio.Future, error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)
+
+
+def _interpolated(table: Sequence[tuple[int, float]]):
+    """seconds(n) by linear interpolation in a [(n, seconds)] table, sorted by n (0 for an
+    empty table)."""
     import bisect
 
     lengths = [n for n, _ in table]
     seconds = [s for _, s in table]
 
     def at(n: int) -> float:
+        if len(lengths) < 2:
+            return seconds[0] if seconds else 0.0
         k = min(max(bisect.bisect_left(lengths, n), 1), len(lengths) - 1)
         n0, n1 = lengths[k - 1], lengths[k]
         s0, s1 = seconds[k - 1], seconds[k]
         return s0 + (s1 - s0) * (n - n0) / (n1 - n0) if n1 > n0 else s1
+    return at
+
+
+def _prefill_s(table: Sequence[tuple[int, float]]):
+    """prefill_s(num_tokens, cached_tokens) by linear interpolation in an actor's table."""
+    at = _interpolated(table)
 
     def prefill_s(num_tokens: int, cached_tokens: int) -> float:
         return max(at(num_tokens) - at(cached_tokens), 0.0)
@@ -254,6 +391,11 @@ class _InFlight:
     stopped: bool = False                 # a stop string ended it; the replica is told
     sent_prompt_logprobs: bool = False
     reruns: int = 0
+    hashes: tuple = ()                    # the prompt's page hashes
+    cached_tokens: int = 0                # on the replica it was routed to
+    prefill_metrics: RequestMetrics | None = None   # its prefill side's, once handed off
+    submitted: float = dataclasses.field(default_factory=time.monotonic)
+    first_token_at: float | None = None   # when its first token reached this process
 
 
 class RayServer(Server):
@@ -266,14 +408,20 @@ class RayServer(Server):
                  warmup: bool | str = "background", predictor=None, cache_dir=None,
                  limits: validation.RequestLimits | None = None, replicas: int = 1,
                  router: str | RoutingConfig = PREDICTED_TIME, cluster: str = "ray",
+                 roles=None, offload=None, disagg: DisaggConfig | None = None,
                  actor_options: dict | None = None, max_restarts: int = 3,
                  ready_timeout_s: float = 600.0):
         """The Server's arguments (model: a preset name, checkpoint directory or .gguf
-        path, which every host must be able to load), plus:
+        path, which every host must be able to load; roles, offload and disagg: prefill
+        on one replica and decode on another, the KV moved between the actors by
+        serving.ray_handoff), plus:
         cluster: "ray" or a Ray address (see `connect`).
         actor_options: Ray's resources per replica actor (default {"num_cpus": 1}; e.g.
           {"num_gpus": 1}, or {"resources": {"TPU": 4}} for one actor per TPU host).
         max_restarts: how many times Ray restarts a replica that died (-1: forever)."""
+        from medha_jax.cluster.offload import OffloadConfig
+        from serving.kv_transfer import DECODE, MIXED, PREFILL
+
         ray = _import_ray()
         if not isinstance(model, str):
             raise TypeError(f"model must be a name or path that every Ray host can load, "
@@ -284,11 +432,23 @@ class RayServer(Server):
         if not isinstance(routing, RoutingConfig):
             raise TypeError(f"router must be a policy name or a RoutingConfig, got "
                             f"{type(router).__name__}")
+        if isinstance(offload, str):
+            offload = OffloadConfig(offload)
+        if (roles is not None or offload is not None) and replicas < 2:
+            raise ValueError("roles and offload need replicas >= 2 (a hand-off goes from "
+                             "one replica to another)")
+        self.roles = parse_roles(roles, replicas)
+        self.offload = offload or OffloadConfig("never")
+        self.disagg = disagg or DisaggConfig()
+        handoffs = self.roles != (MIXED,) * replicas or self.offload.gate != "never"
+        self._decode_only = frozenset(i for i, r in enumerate(self.roles) if r == DECODE)
+        self._prefill_only = frozenset(i for i, r in enumerate(self.roles) if r == PREFILL)
         started = time.perf_counter()
         self.ray_address = connect(cluster)
         self.limits = validation.DEFAULT_LIMITS if limits is None else limits
         spec = ReplicaSpec(model, parallel, scheduler, engine_config, default_slo, dtype,
-                           warmup, predictor, cache_dir, limits)
+                           warmup, predictor, cache_dir, limits,
+                           self.disagg if handoffs else None)
         options = {"num_cpus": 1, **(actor_options or {})}
         env = {k: os.environ[k] for k in ("JAX_PLATFORMS", "XLA_FLAGS", "MEDHA_CACHE_DIR")
                if k in os.environ}
@@ -319,6 +479,7 @@ class RayServer(Server):
         self._max_model_len = first["max_model_len"]
         self._num_pages = [info["num_pages"] for info in infos]
         self.page_size = first["page_size"]
+        self._page_bytes = first["page_bytes"]
         self.default_slo, self.policy = first["default_slo"], first["policy"]
         self.startup = first["startup"]
         self.replica_pids = [info["pid"] for info in infos]
@@ -335,7 +496,12 @@ class RayServer(Server):
         self.restarts_seen = [0] * replicas
         self._preemptions_by_replica = [(0, 0)] * replicas   # (earlier lives, this life)
         self.reruns = 0                    # requests re-run after their replica died
-        self._router = Router(replicas, lambda: self._statuses, routing)
+        self._states: list[ReplicaState | None] = [None] * replicas   # last poll's
+        self.handoffs = 0                  # requests whose decode moved to another replica
+        self.chunks_moved = 0              # page chunks they moved (several per long prompt)
+        self.offload_decisions: list = []  # (request id, OffloadDecision), bounded
+        self._tids = itertools.count(1)
+        self._router = Router(replicas, self._routable, routing)
         self._closing = False
         self._aloop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._aloop.run_forever,
@@ -349,6 +515,16 @@ class RayServer(Server):
         self.ready_seconds = time.perf_counter() - started
         self.metrics_port = (self.metrics.serve_http(metrics_port)
                              if metrics_port is not None else None)
+
+    def _routable(self) -> list[ReplicaStatus]:
+        """The statuses the router places new requests by: decode-only replicas prefill
+        only when no other replica is healthy."""
+        statuses = self._statuses
+        if self._decode_only and any(s.healthy for i, s in enumerate(statuses)
+                                     if i not in self._decode_only):
+            statuses = [dataclasses.replace(s, healthy=False) if i in self._decode_only else s
+                        for i, s in enumerate(statuses)]
+        return statuses
 
     @staticmethod
     def _kill_leftover(ray, name: str) -> None:
@@ -421,13 +597,15 @@ class RayServer(Server):
         hashes = tuple(prefix_page_hashes(prompt_ids, self.page_size))
         route = RouteRequest(len(prompt_ids), hashes, session_id, params.max_tokens)
         with self._lock:
-            replica = self._router.route(route).replica
+            decision = self._router.route(route)
             decision_s = self._router.decision_seconds[-1]
+        replica = decision.replica
         self.metrics.observe_routed(replica, decision_s)
         handle = RequestHandle(request_id or server_id, prompt_ids, self.cancel, loop=_loop,
                                id=server_id)
         request = _InFlight(handle, list(prompt_ids), params, slo, priority, session_id,
-                            replica, detokenizer)
+                            replica, detokenizer, hashes=hashes,
+                            cached_tokens=decision.cached_tokens)
         with self._lock:
             self._in_flight[server_id] = request
         asyncio.run_coroutine_threadsafe(self._serve(server_id, request), self._aloop)
@@ -519,6 +697,7 @@ class RayServer(Server):
                     decode_token_s=state.decode_token_s,
                     healthy=True), *self._statuses[i + 1:]]
                 self._pages[i] = (state.pages_in_use, state.pages_total)
+                self._states[i] = state
             self.metrics.observe_state(
                 pages_in_use=state.pages_in_use, pages_total=state.pages_total,
                 waiting=state.num_waiting, running=state.num_running,
@@ -547,6 +726,9 @@ class RayServer(Server):
         from ray.exceptions import RayActorError, RayTaskError
 
         try:
+            decode = self._offload_target(server_id, request)
+            if decode is not None and await self._hand_off(server_id, request, decode):
+                return
             while True:
                 params = request.params
                 remaining = params.max_tokens - len(request.tokens)
@@ -584,10 +766,7 @@ class RayServer(Server):
                                  unavailable=True)
                     return
                 try:
-                    with self._lock:
-                        request.replica = self._router.route(RouteRequest(
-                            len(request.prompt_ids) + len(request.tokens), (),
-                            request.session_id, remaining)).replica
+                    request.replica = self._reroute(request)
                 except NoHealthyReplica as e:
                     self._finish(server_id, request, "error", None,
                                  f"{UNAVAILABLE}: {error}; {e}", unavailable=True)
@@ -598,9 +777,143 @@ class RayServer(Server):
             self._finish(server_id, request, "error", None,
                          f"front failed: {type(e).__name__}: {e}")
 
+    def _reroute(self, request: _InFlight) -> int:
+        """Another replica for a request whose replica went away (raises NoHealthyReplica);
+        by its prompt's pages, so one that has them (a decode side they landed on) wins."""
+        with self._lock:
+            return self._router.route(RouteRequest(
+                len(request.prompt_ids) + len(request.tokens), request.hashes,
+                request.session_id, request.params.max_tokens - len(request.tokens))).replica
+
+    # ------------------------------------------------------------------ KV hand-offs
+
+    def _offload_target(self, server_id: str, request: _InFlight) -> int | None:
+        """The replica to decode a new request on, when not where it prefills
+        (medha_jax.cluster.offload.choose_decode on the replicas as last polled). A seeded
+        sampled request stays: its random stream could not go on elsewhere."""
+        from medha_jax.cluster.offload import OffloadReplica, OffloadRequest, choose_decode
+
+        params = request.params
+        if (self._states.count(None) == len(self._states) or params.max_tokens <= 1
+                or (params.seed is not None and not params.greedy)):
+            return None
+        prefill, prompt_len = request.replica, len(request.prompt_ids)
+        with self._lock:
+            statuses, states = list(self._statuses), list(self._states)
+            cached_pages = self._router.index.cached_pages(request.hashes)
+        offload_request = OffloadRequest(
+            prompt_len, request.cached_tokens, params.max_tokens,
+            statuses[prefill].prefill_s(prompt_len, request.cached_tokens),
+            prompt_len // self.page_size, self._page_bytes)
+        views = [OffloadReplica(
+            can_decode=status.healthy and state is not None,
+            prefill_only=i in self._prefill_only,
+            queued_prefill_s=sum(status.queued_prefills_s),
+            chunk_step_s=state.chunk_step_s if state else 0.0,
+            decode_token_s=status.decode_token_s, cached_pages=cached_pages[i],
+            prefill_share=state.prefill_share if state else 0.0,
+            decode_step_s=_interpolated(state.decode_step_table)(prompt_len) if state else 0.0)
+            for i, (status, state) in enumerate(zip(statuses, states))]
+        decision = choose_decode(offload_request, prefill, views, self.offload)
+        with self._lock:
+            if len(self.offload_decisions) >= 10_000:
+                del self.offload_decisions[:5_000]
+            self.offload_decisions.append((server_id, decision))
+        return decision.decode
+
+    async def _hand_off(self, server_id: str, request: _InFlight, decode: int) -> bool:
+        """Prefills on request.replica while the KV streams to `decode`, then moves the
+        request there (serving.ray_handoff). True when the request finished meanwhile;
+        False: `_serve` runs the rest on request.replica (the decode side, or the prefill
+        side when the hand-off could not happen; a replica's death re-routes it)."""
+        from ray.exceptions import RayActorError, RayTaskError
+
+        prefill = request.replica
+        source, destination = self._actors[prefill], self._actors[decode]
+        tid = next(self._tids)
+        res_id = reservation_id(server_id, tid)
+        try:
+            start = await asyncio.wait_for(
+                destination.reserve.remote(server_id, tid, request.prompt_ids),
+                self.disagg.handshake_timeout_s)
+        except (asyncio.TimeoutError, RayActorError):
+            start = None
+        if start is None:                   # no pages there in time: served co-located
+            destination.release_reservation.remote(res_id)
+            return False
+        params = dataclasses.replace(request.params, stop=())
+        lands, handed = [], None
+        try:
+            stream = source.prefill.remote(server_id, request.prompt_ids, params, request.slo,
+                                           request.priority, start)
+            async for ref in stream:
+                item = await ref
+                if isinstance(item, PagesOffered):
+                    self.chunks_moved += 1
+                    lands.append(destination.land.remote(res_id, item.wire, item.lo, item.hi))
+                elif isinstance(item, HandedOff):
+                    handed = item
+                elif self._deliver(server_id, request, item):     # it ended on P
+                    destination.release_reservation.remote(res_id)
+                    return True
+        except RayActorError:                # P died: D keeps what landed as prefix cache
+            self._replica_down(prefill)
+            # Pulls of what P offered before it died end first (those of chunks still in
+            # P's transfer server fail; bounded, in case one hangs on the dead peer).
+            try:
+                await asyncio.wait_for(asyncio.gather(*lands, return_exceptions=True),
+                                       LANDS_AFTER_DEATH_S)
+            except asyncio.TimeoutError:
+                pass
+            destination.release_reservation.remote(res_id, True)
+            try:
+                request.replica = self._reroute(request)
+            except NoHealthyReplica as e:
+                self._finish(server_id, request, "error", None,
+                             f"{UNAVAILABLE}: replica {prefill} died; {e}", unavailable=True)
+                return True
+            request.reruns += 1
+            self.reruns += 1
+            return False
+        except RayTaskError as e:
+            destination.release_reservation.remote(res_id)
+            self._finish(server_id, request, "error", None, f"replica {prefill}: {e.cause!r}")
+            return True
+        if handed is None:
+            destination.release_reservation.remote(res_id)
+            raise RuntimeError(f"replica {prefill} ended a prefill stream without its end")
+        if request.cancelled or request.stopped or self._closing:
+            destination.release_reservation.remote(res_id)
+            source.release_hold.remote(server_id)
+            self._finish(server_id, request, "stop" if request.stopped else "cancelled",
+                         None, None)
+            return True
+        try:
+            await asyncio.gather(*lands)
+            registered = await destination.register.remote(res_id)
+        except (RayActorError, RayTaskError) as e:
+            if isinstance(e, RayActorError):
+                self._replica_down(decode)
+            registered = False
+        if not registered:
+            # The decode side is gone: decode where the pages are held (taken by prefix
+            # reuse; the hold goes once the re-run has them, or at ack_timeout_s).
+            destination.release_reservation.remote(res_id)
+            return False
+        request.replica, request.prefill_metrics = decode, handed.metrics
+        self.handoffs += 1
+        source.release_hold.remote(server_id)
+        if request.cancelled or self._closing:     # while the pages moved
+            destination.release_reservation.remote(res_id)
+            self._finish(server_id, request, "cancelled", None, None)
+            return True
+        return False
+
     def _deliver(self, server_id: str, request: _InFlight, delta: StreamDelta) -> bool:
         """Passes one replica delta to the caller (text decoded here). True when final."""
         tokens = () if request.stopped else delta.token_ids
+        if tokens and request.first_token_at is None:
+            request.first_token_at = time.monotonic()
         request.tokens.extend(tokens)
         if delta.prompt_logprobs is not None:
             request.sent_prompt_logprobs = True
@@ -632,6 +945,18 @@ class RayServer(Server):
         metrics = dataclasses.replace(metrics, replica=request.replica,
                                       num_prompt_tokens=len(request.prompt_ids),
                                       num_output_tokens=len(request.tokens))
+        prefilled = request.prefill_metrics
+        if prefilled is not None:
+            # Handed off: two replicas on two clocks (hosts), so the times are this
+            # process's (TTFT counts the handshake), the TPOT the decode side's (its tokens
+            # after the first), the queue time and the prompt's cached tokens the prefill
+            # side's.
+            metrics = dataclasses.replace(
+                metrics, arrival_time=request.submitted,
+                first_token_time=request.first_token_at, finish_time=time.monotonic(),
+                ttft=request.first_token_at - request.submitted,
+                queue_time=prefilled.queue_time,
+                num_cached_tokens=prefilled.num_cached_tokens)
         request.handle._push(StreamDelta(
             request.handle.request_id, tuple(tokens), request.detokenizer.take_delta(final=True),
             finished=True, finish_reason=reason, metrics=metrics, error=error,

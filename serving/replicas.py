@@ -343,12 +343,12 @@ class ReplicaSet:
                          max_new_tokens: int, hashes: Sequence[bytes]):
         """medha_jax.cluster.offload.choose_decode on the replicas as they are now."""
         cached_pages = self.router.index.cached_pages(tuple(hashes))
-        engine = self.replicas[prefill].engine
-        k = engine.kv_cache.k if engine.kv_cache is not None else None
-        page_bytes = 0 if k is None else 2 * k.shape[0] * k.shape[2] * k.shape[3] * k.dtype.itemsize
+        from serving.kv_transfer import page_bytes
+
         request = OffloadRequest(prompt_len, cached_tokens, max_new_tokens,
                                  self.replicas[prefill].prefill_s(prompt_len, cached_tokens),
-                                 prompt_len // self.page_size, page_bytes)
+                                 prompt_len // self.page_size,
+                                 page_bytes(self.replicas[prefill].engine))
         views = [OffloadReplica(can_decode=r.loop.healthy, prefill_only=i in self._prefill_only,
                                 queued_prefill_s=sum(r.loop.queued_prefills_s),
                                 chunk_step_s=r.chunk_step_s, decode_token_s=r.decode_token_s,

@@ -149,6 +149,103 @@ def test_a_killed_replica_loses_no_request_and_serves_again(ray_server):
     assert {o.metrics.replica for o in outputs} == {0, 1}
 
 
+# ---------------------------------------------------------------------- KV hand-offs
+
+# 70..88 tokens: 4-5 full pages of 16, prefilled in 5-6 steps of TINY_ENGINE's 16 tokens.
+HANDOFF_PROMPTS = [TokensPrompt([int(t) for t in np.random.default_rng(50 + i).integers(
+    1, 256, size=70 + 9 * i)]) for i in range(3)]
+
+
+def _settled(replicas=(0, 1), timeout=30.0) -> bool:
+    """Every page of the listed actors' pools free again (cached pages count as free) and
+    no hand-off kept there, as the actors report."""
+    actors = [ray.get_actor(ACTOR_NAME.format(i), namespace=NAMESPACE) for i in replicas]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = ray.get([a.state.remote("", 0) for a in actors])
+        if not any(s.pages_in_use or s.handoffs_in_flight for s in states):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _handoff_server(**kwargs):
+    """Two tiny actors, prefill:1,decode:1. No CPU booked: the module's other server may
+    hold Ray's two while it lives."""
+    return Server("tiny", engine_config=TINY_ENGINE, warmup=False, replicas=2, cluster="ray",
+                  cache_dir=False, roles="prefill:1,decode:1",
+                  actor_options={"num_cpus": 0}, **kwargs)
+
+
+def test_ray_roles_prefill_on_one_actor_decode_on_the_other(ray_cluster):
+    """roles prefill:1,decode:1 over two Ray actors: every request prefills on actor 0 and
+    decodes on actor 1 with one in-process replica's greedy tokens; its pages went over
+    serving.kv_wire in several chunks while the prefill ran, entered actor 1's prefix cache
+    under the prompt's hashes (seed 003 H6) and stay in actor 0's; a request cancelled
+    during its prefill and the completed ones leave every page of both pools free."""
+    from medha_jax.kv_cache.allocator import prefix_page_hashes
+
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    with Server("tiny", engine_config=TINY_ENGINE, warmup=False, cache_dir=False) as local:
+        expected = [out.token_ids for out in local.generate(HANDOFF_PROMPTS, params)]
+    with _handoff_server() as server:
+        outputs = server.generate(HANDOFF_PROMPTS, params)
+        assert [o.token_ids for o in outputs] == expected
+        assert [o.metrics.replica for o in outputs] == [1, 1, 1]
+        assert server.handoffs == 3 and server.chunks_moved > 3      # streamed per chunk
+        assert all(o.metrics.ttft > 0 and o.metrics.num_output_tokens == 8 for o in outputs)
+        hashes = tuple(prefix_page_hashes(HANDOFF_PROMPTS[2].prompt_token_ids,
+                                          TINY_ENGINE.page_size))
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and server.router.index.cached_pages(hashes) != [
+                len(hashes)] * 2:
+            time.sleep(0.1)
+        assert server.router.index.cached_pages(hashes) == [len(hashes)] * 2
+        # Cancelled while it prefills (200 tokens: 13 steps): no page kept anywhere.
+        long = TokensPrompt([int(t) for t in np.random.default_rng(9).integers(1, 256, 200)])
+        handle = server.submit(long, SamplingParams(temperature=0.0, max_tokens=20))
+        while server.chunks_moved < 5:
+            time.sleep(0.01)
+        assert handle.cancel()
+        assert handle.result(timeout=60).finish_reason == "cancelled"
+        assert _settled()
+
+
+
+@pytest.mark.parametrize("dies", ["decode", "prefill"])
+def test_ray_handoff_survives_either_actor_dying_mid_transfer(ray_cluster, dies):
+    """An actor killed while a 200-token prompt's pages stream: the request still gives the
+    one replica's greedy tokens. Decode side dead: the prefill actor decodes it on the
+    pages it holds (no re-prefill). Prefill side dead: the pages that landed stay in the
+    decode actor's prefix cache and the re-run there computes only the rest. The
+    survivor's pool comes back whole."""
+    long = TokensPrompt([int(t) for t in np.random.default_rng(11).integers(1, 256, 200)])
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    with Server("tiny", engine_config=TINY_ENGINE, warmup=False, cache_dir=False) as local:
+        expected = local.generate(long, params).token_ids
+    victim, survivor = (1, 0) if dies == "decode" else (0, 1)
+    with _handoff_server(max_restarts=0) as server:
+        decode_actor = ray.get_actor(ACTOR_NAME.format(1), namespace=NAMESPACE)
+        handle = server.submit(long, params)
+        deadline = time.monotonic() + 60
+        while ray.get(decode_actor.handoffs_state.remote())["pages_landed"] < 3 and \
+                time.monotonic() < deadline:
+            time.sleep(0.005)
+        ray.kill(ray.get_actor(ACTOR_NAME.format(victim), namespace=NAMESPACE),
+                 no_restart=True)
+        assert not handle.finished
+        out = handle.result(timeout=120)
+        assert out.token_ids == expected and out.finish_reason == "length", (out.finish_reason, out.error)
+        assert out.metrics.replica == survivor
+        if dies == "prefill":
+            # At least the 3 pages that had landed (a chunk: a step's 16 tokens, one page).
+            assert out.metrics.num_cached_tokens >= 3 * TINY_ENGINE.page_size
+            assert server.reruns == 1
+        else:
+            assert server.handoffs == 0
+        assert _settled([survivor])
+
+
 def test_serve_takes_a_ray_address():
     from serving.cli import build_parser
 

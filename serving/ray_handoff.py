@@ -1,0 +1,308 @@
+"""Prefill on one Ray replica actor, decode on another: the replica actors' side of the KV
+hand-off (seeds 001 and 003). serving.kv_transfer runs the same protocol between the
+replicas of one process; here each side is a process of its own (serving.ray_cluster's
+ReplicaActor) and the front (RayServer) carries every message, so only it talks to both:
+
+    front                          decode actor D                prefill actor P
+    reserve(id, tid, prompt) -----> books every full prompt page
+                                    (handshakes in arrival order)
+          <------------------------ granted: the pages D had cached
+    prefill(id, prompt, ...) ----------------------------------> prefills; after each step
+          <---------------------------------------------------- PagesOffered(wire, lo, hi)
+    land(res, wire, lo, hi) ------> pulls them (serving.kv_wire), writes
+          <---------------------------------------------------- first token, HandedOff
+                                                                  (P pins its pages: a hold)
+    register(res) ----------------> the pages enter D's prefix cache under the prompt's
+                                    page hashes (seed 003 H6)
+    generate(prompt + token) -----> takes the pages by prefix reuse, computes only the
+                                    last partial page and the first token, decodes
+    release_hold(id) ------------------------------------------> unpins (they stay cached)
+
+Ids: the front names a request by its own id; inside an actor the request has the id its
+Server gave it (`bind` ties the two), which is what the loop and the allocator know.
+
+Ownership: a reservation is the allocator id `kv-in:{request}:{tid}` (serving.kv_transfer's
+reservation_id); a land names it and writes nothing once it is gone (cancelled, timed out),
+so a stale transfer can never reach pages that now belong to another request.
+
+Faults, decided by the front from which call raised: P dies mid-transfer: D registers what
+landed and frees the rest, and the request re-runs (the router sends it where those pages
+are, so only what did not arrive is recomputed). D dies before registering: P still holds the
+pages, so the request decodes on P, which takes them by prefix reuse (no re-prefill).
+Timeouts (DisaggConfig, swept on the loop thread after each step and on the front's polls):
+a reservation not registered within transfer_timeout_s, or registered and not taken within
+ack_timeout_s, is freed; a hold not released within ack_timeout_s is dropped; the front gives
+a handshake not granted within handshake_timeout_s back to co-located serving.
+
+Pages move per chunk, after the step that computed them (not per layer: the layers of a step
+run as one scanned program), as in serving.kv_transfer. Pulls run off the loop thread; only
+the write into the cache runs on it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from medha_jax.request import RequestState
+from serving.kv_copy import page_scatter, warm_up
+from serving.kv_transfer import DisaggConfig, global_pages, reservation_id
+from serving.kv_wire import PageReceiver, PageSender, WireChunk
+from serving.outputs import RequestMetrics
+
+
+@dataclasses.dataclass(frozen=True)
+class PagesOffered:
+    """An item of a prefill stream: the prompt's pages [lo, hi) are offered for pulling."""
+
+    wire: WireChunk
+    lo: int
+    hi: int
+    finished: bool = False        # (a stream item; RequestHandle counts finals)
+
+
+@dataclasses.dataclass(frozen=True)
+class HandedOff:
+    """The last item of a prefill stream whose decode goes on elsewhere: its first token
+    went out in the delta before it; metrics: the prefill side's (TTFT, cached tokens)."""
+
+    metrics: RequestMetrics
+    finished: bool = True
+
+
+@dataclasses.dataclass
+class _Outgoing:
+    internal: str                 # the request's id in this replica
+    push: Callable                # puts an item in the request's stream (any thread)
+    tokens: list[int]
+    num_pages: int                # full prompt pages the decode side needs
+    sent: int                     # pages [.., sent) offered (from the first not cached there)
+    hold: str | None = None
+    held_at: float = 0.0
+    taker: str | None = None      # a re-run here that takes the held pages (decode side died)
+
+
+@dataclasses.dataclass
+class _Incoming:
+    request_id: str               # the front's
+    tokens: list[int]
+    num_pages: int
+    created: float
+    granted: Callable | None      # resolves the front's reserve() call, until granted
+    landed: np.ndarray | None = None      # per page: written here (or cached here)
+    registered_at: float | None = None
+    taker: str | None = None      # the request here that takes the pages (`bind`)
+
+    @property
+    def landed_prefix(self) -> int:
+        """Leading pages landed (what may enter the prefix cache)."""
+        if self.landed is None:
+            return 0
+        missing = np.flatnonzero(~self.landed)
+        return int(missing[0]) if len(missing) else self.num_pages
+
+
+class ReplicaHandoffs:
+    """Both sides of one replica actor's hand-offs (see the module's docstring). Its state
+    is touched only on the replica's loop thread, except `pull`."""
+
+    def __init__(self, replica, config: DisaggConfig):
+        self.replica, self.config = replica, config
+        self.engine = replica.engine
+        self._outgoing: dict[str, _Outgoing] = {}     # the front's request id -> its prefill
+        self._front_id: dict[str, str] = {}           # this replica's request id -> front's
+        self._incoming: dict[str, _Incoming] = {}     # reservation id -> its booking
+        self._queue: collections.deque[str] = collections.deque()   # arrival order
+        self._sender: PageSender | None = None
+        self._receiver: PageReceiver | None = None
+        self._scatter = page_scatter(self.engine)      # the receiver's writes, warmed up once
+        self.stale_writes = 0
+        self.pages_landed = 0
+        replica.loop.on_prefilled = self._on_prefilled
+        replica.loop.publishes_decode_contexts = True     # the front's offload decision
+        replica.step_hooks.append(lambda: self.sweep(time.monotonic()))
+
+    def warm_up(self) -> int:
+        """Loop thread, before any request: compiles the page gather and write of every
+        padded page count up to a whole prompt's pages. Returns the shapes compiled."""
+        engine = self.engine
+        return warm_up(engine, self._scatter, engine.allocator.pages_needed(engine.max_model_len))
+
+    # ------------------------------------------------------------------ prefill side
+
+    def expect(self, request_id: str, internal: str, tokens: list[int], start_page: int,
+               num_pages: int, push: Callable) -> None:
+        """The request (added just before as `internal`) hands its decode off: offer its
+        full prompt pages from start_page (those before it the decode side has cached) as
+        they fill."""
+        self._outgoing[request_id] = _Outgoing(internal, push, tokens, num_pages, start_page)
+        self._front_id[internal] = request_id
+
+    def _ship_filled(self) -> None:
+        ps = self.engine.allocator.page_size
+        for request_id, out in list(self._outgoing.items()):
+            if out.hold is not None:
+                continue
+            request = self.replica.controller.get(out.internal)
+            if request is None or request.state is RequestState.FINISHED:
+                self._forget(request_id)           # ended before its first token
+                continue
+            if self.config.stream_chunks and self.engine.allocator.has(out.internal):
+                full = min(request.num_computed_tokens // ps, out.num_pages)
+                self._offer(out, out.internal, full)
+
+    def _offer(self, out: _Outgoing, owner: str, hi: int) -> None:
+        if hi <= out.sent:
+            return
+        if self._sender is None:
+            self._sender = PageSender(self.engine)
+        ids = global_pages(self.engine.allocator, owner)[out.sent:hi]
+        out.push(PagesOffered(self._sender.send(ids), out.sent, hi))
+        out.sent = hi
+
+    def _on_prefilled(self, stream) -> bool:
+        """The loop's hook at the first token: offers what is left, pins the pages and ends
+        the stream with HandedOff (the loop then releases the request here)."""
+        request_id = self._front_id.get(stream.request_id)
+        out = self._outgoing.get(request_id)
+        if out is None or out.hold is not None:
+            return False
+        self._offer(out, out.internal, out.num_pages)
+        allocator = self.engine.allocator
+        hold = f"kv-out:{request_id}"
+        allocator.allocate(hold, out.tokens[:out.num_pages * allocator.page_size + 1])
+        out.hold, out.held_at = hold, time.monotonic()
+        out.push(HandedOff(RequestMetrics.from_request(stream.request)))
+        return True
+
+    def release_hold(self, request_id: str) -> None:
+        out = self._forget(request_id)
+        if out is not None and out.hold is not None and self.engine.allocator.has(out.hold):
+            self.engine.allocator.free(out.hold)
+
+    def _forget(self, request_id: str) -> _Outgoing | None:
+        out = self._outgoing.pop(request_id, None)
+        if out is not None:
+            self._front_id.pop(out.internal, None)
+        return out
+
+    # ------------------------------------------------------------------ decode side
+
+    def reserve(self, request_id: str, tid: int, tokens: list[int],
+                granted: Callable[[int | None], None]) -> None:
+        """Queues the handshake; `granted(pages cached here)` once every full prompt page
+        is booked, or granted(None) when it is withdrawn first."""
+        res_id = reservation_id(request_id, tid)
+        self._incoming[res_id] = _Incoming(request_id, list(tokens),
+                                           len(tokens) // self.engine.allocator.page_size,
+                                           time.monotonic(), granted)
+        self._queue.append(res_id)
+        self._admit()
+
+    def _admit(self) -> None:
+        """Grants queued handshakes in arrival order: the head waits for pages and none
+        behind it passes it."""
+        allocator = self.engine.allocator
+        ps = allocator.page_size
+        while self._queue:
+            res_id = self._queue[0]
+            res = self._incoming.get(res_id)
+            if res is None:                        # withdrawn
+                self._queue.popleft()
+                continue
+            reused = allocator.allocate(res_id, res.tokens[:res.num_pages * ps + 1])
+            if not allocator.reserve(res_id, res.num_pages * ps):
+                allocator.free(res_id)
+                return
+            self._queue.popleft()
+            res.landed = np.arange(res.num_pages) < reused // ps
+            granted, res.granted = res.granted, None
+            granted(reused // ps)
+
+    def pull(self, wire: WireChunk):
+        """Any thread: the offered pages on this replica's devices."""
+        if self._receiver is None:
+            self._receiver = PageReceiver(self.engine, scatter=self._scatter)
+        return self._receiver.pull(wire)
+
+    def land(self, res_id: str, chunk, lo: int, hi: int) -> bool:
+        """Writes pulled pages [lo, hi) into the reservation; False (nothing written) when
+        it is gone."""
+        res = self._incoming.get(res_id)
+        if res is None or res.landed is None or res.registered_at is not None:
+            self.stale_writes += 1
+            return False
+        self._receiver.writer.write(global_pages(self.engine.allocator, res_id)[lo:hi], chunk)
+        res.landed[lo:hi] = True
+        self.pages_landed += hi - lo
+        return True
+
+    def register(self, res_id: str) -> bool:
+        """The landed pages enter the prefix cache; the reservation pins them until the
+        request takes them. False when the reservation is gone."""
+        res = self._incoming.get(res_id)
+        if res is None or res.landed is None:
+            return False
+        allocator = self.engine.allocator
+        allocator.commit(res_id, res.tokens, res.landed_prefix * allocator.page_size)
+        res.registered_at = time.monotonic()
+        return True
+
+    def release_reservation(self, res_id: str, register_landed: bool = False) -> None:
+        res = self._incoming.pop(res_id, None)
+        if res is None:
+            return
+        allocator = self.engine.allocator
+        if res.granted is not None:
+            res.granted(None)
+        elif allocator.has(res_id):
+            if register_landed and res.registered_at is None and res.landed_prefix:
+                allocator.commit(res_id, res.tokens, res.landed_prefix * allocator.page_size)
+            allocator.free(res_id)
+        self._admit()
+
+    # ------------------------------------------------------------------ both
+
+    def bind(self, request_id: str, internal: str) -> None:
+        """The front's request `request_id` runs here now as `internal`: once that request
+        holds the pages it was handed (by prefix reuse), the reservation or hold that kept
+        them for it goes."""
+        for res in self._incoming.values():
+            if res.request_id == request_id:
+                res.taker = internal
+        out = self._outgoing.get(request_id)
+        if out is not None and out.hold is not None:
+            out.taker = internal
+
+    def request_ended(self, request_id: str) -> None:
+        """A request of this id ended here: what was kept for it goes."""
+        for res_id, res in list(self._incoming.items()):
+            if res.request_id == request_id and res.registered_at is not None:
+                self.release_reservation(res_id)
+        self.release_hold(request_id)
+
+    def sweep(self, now: float) -> None:
+        """After each step and on the front's polls: ships filled pages, frees what a
+        request took (its own pages now pin them) and what timed out."""
+        self._ship_filled()
+        allocator, config = self.engine.allocator, self.config
+        for res_id, res in list(self._incoming.items()):
+            if res.registered_at is not None:
+                if (res.taker is not None and allocator.has(res.taker)
+                        or now - res.registered_at > config.ack_timeout_s):
+                    self.release_reservation(res_id)
+            elif now - res.created > config.transfer_timeout_s:
+                self.release_reservation(res_id)
+        for request_id, out in list(self._outgoing.items()):
+            if out.hold is not None and (out.taker is not None and allocator.has(out.taker)
+                                         or now - out.held_at > config.ack_timeout_s):
+                self.release_hold(request_id)
+
+    @property
+    def in_flight(self) -> int:
+        """Reservations and holds kept (0 once every hand-off settled)."""
+        return len(self._incoming) + sum(o.hold is not None for o in self._outgoing.values())
