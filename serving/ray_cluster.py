@@ -441,6 +441,7 @@ class RayServer(Server):
         self.offload = offload or OffloadConfig("never")
         self.disagg = disagg or DisaggConfig()
         handoffs = self.roles != (MIXED,) * replicas or self.offload.gate != "never"
+        self._handoffs_on = handoffs
         self._decode_only = frozenset(i for i, r in enumerate(self.roles) if r == DECODE)
         self._prefill_only = frozenset(i for i, r in enumerate(self.roles) if r == PREFILL)
         started = time.perf_counter()
@@ -794,7 +795,7 @@ class RayServer(Server):
         from medha_jax.cluster.offload import OffloadReplica, OffloadRequest, choose_decode
 
         params = request.params
-        if (self._states.count(None) == len(self._states) or params.max_tokens <= 1
+        if (not self._handoffs_on or params.max_tokens <= 1
                 or (params.seed is not None and not params.greedy)):
             return None
         prefill, prompt_len = request.replica, len(request.prompt_ids)
@@ -841,6 +842,10 @@ class RayServer(Server):
         if start is None:                   # no pages there in time: served co-located
             destination.release_reservation.remote(res_id)
             return False
+        if request.cancelled or self._closing:     # while it waited for the pages
+            destination.release_reservation.remote(res_id)
+            self._finish(server_id, request, "cancelled", None, None)
+            return True
         params = dataclasses.replace(request.params, stop=())
         lands, handed = [], None
         try:
