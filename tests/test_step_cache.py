@@ -17,10 +17,13 @@ CFG = EngineConfig(page_size=16, max_kv_tokens=256, max_model_len=256, max_token
 
 @pytest.fixture(autouse=True)
 def without_jax_cache():
-    """JAX's persistent cache off: a step JAX loads from it is not kept (step_cache says
-    why), and earlier tests of a suite may have put these very programs there."""
+    """JAX's persistent cache off and its in-memory caches cleared: a step JAX hands back
+    from either is not kept (step_cache says why), and earlier tests of a suite may have
+    put these very programs in both (CI: an earlier test of the same worker process had
+    compiled one of the two steps, so only the other was kept)."""
     before = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
+    jax.clear_caches()
     yield
     jax.config.update("jax_enable_compilation_cache", before)
 
