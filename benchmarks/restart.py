@@ -4,6 +4,7 @@ machine, the cache the first one filled), in one run.
     python -m benchmarks.restart --quick      # SmolLM2-135M, a small engine; ~2 min on 2 cores
     python -m benchmarks.restart              # SmolLM2-135M, the default EngineConfig
     python -m benchmarks.restart --json results/restart.json
+    python -m benchmarks.restart --engine '{"min_token_bucket": 1}'   # EngineConfig fields
 
 Each start is its own process (as a restarted server is): `Server(model, engine_config=...)`
 from the model's name to ready, then one greedy request; the child reports the Server's
@@ -40,6 +41,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cache-dir", default=None,
                    help="cache to start against (default: a new temporary directory)")
     p.add_argument("--json", default=None, help="write both starts and the context here")
+    p.add_argument("--engine", default=None, metavar="JSON",
+                   help='EngineConfig fields over the chosen ones, e.g. \'{"min_token_bucket": 1}\'')
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)   # one start, as JSON
     return p.parse_args(argv)
 
@@ -99,8 +102,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         print(json.dumps(one_start(json.loads(args.child))))
         return {}
     with tempfile.TemporaryDirectory(prefix="medha-restart-") as tmp:
-        spec = {"model": args.model, "engine": QUICK_ENGINE if args.quick else {},
-                "cache_dir": args.cache_dir or tmp}
+        engine = {**(QUICK_ENGINE if args.quick else {}), **json.loads(args.engine or "{}")}
+        spec = {"model": args.model, "engine": engine, "cache_dir": args.cache_dir or tmp}
         starts = [run_start(spec), run_start(spec)]
     if starts[0]["token_ids"] != starts[1]["token_ids"]:
         raise RuntimeError(f"the second start's tokens differ: {starts[0]['token_ids']} vs "

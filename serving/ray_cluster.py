@@ -870,7 +870,12 @@ class RayServer(Server):
                                        LANDS_AFTER_DEATH_S)
             except asyncio.TimeoutError:
                 pass
-            destination.release_reservation.remote(res_id, True)
+            # Waited for: an async actor runs calls in no set order, and the re-run must
+            # find those pages in the prefix cache.
+            try:
+                await destination.release_reservation.remote(res_id, True)
+            except RayActorError:
+                self._replica_down(decode)
             try:
                 request.replica = self._reroute(request)
             except NoHealthyReplica as e:
