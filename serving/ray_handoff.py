@@ -18,6 +18,10 @@ ReplicaActor) and the front (RayServer) carries every message, so only it talks 
                                     last partial page and the first token, decodes
     release_hold(id) ------------------------------------------> unpins (they stay cached)
 
+Order: an async actor runs calls in no set order, so the front waits for each call whose
+order matters (every land before register, register before the decode's generate, and after
+a prefill actor died, the release that registers what landed before the re-run).
+
 Ids: the front names a request by its own id; inside an actor the request has the id its
 Server gave it (`bind` ties the two), which is what the loop and the allocator know.
 
