@@ -267,6 +267,8 @@ class ReplicaActor:
         """For tests: hand-offs kept, pages written here, stale writes dropped."""
         return await self._on_loop(lambda: {"in_flight": self.handoffs.in_flight,
                                             "pages_landed": self.handoffs.pages_landed,
+                                            "leading_pages_landed":
+                                                self.handoffs.leading_pages_landed,
                                             "stale_writes": self.handoffs.stale_writes})
 
     def _on_loop(self, fn) -> asyncio.Future:

@@ -307,6 +307,12 @@ class ReplicaHandoffs:
                 self.release_hold(request_id)
 
     @property
+    def leading_pages_landed(self) -> int:
+        """The most leading pages landed of any reservation kept (what a prefill side's
+        death would leave in the prefix cache: pulls may end out of order)."""
+        return max((res.landed_prefix for res in self._incoming.values()), default=0)
+
+    @property
     def in_flight(self) -> int:
         """Reservations and holds kept (0 once every hand-off settled)."""
         return len(self._incoming) + sum(o.hold is not None for o in self._outgoing.values())
