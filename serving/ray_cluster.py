@@ -264,9 +264,8 @@ class ReplicaActor:
         await self._on_loop(lambda: self.handoffs.release_hold(request_id))
 
     async def handoffs_state(self) -> dict:
-        """For tests: hand-offs kept, pages written here, stale writes dropped."""
+        """For tests: hand-offs kept, leading pages landed, stale writes dropped."""
         return await self._on_loop(lambda: {"in_flight": self.handoffs.in_flight,
-                                            "pages_landed": self.handoffs.pages_landed,
                                             "leading_pages_landed":
                                                 self.handoffs.leading_pages_landed,
                                             "stale_writes": self.handoffs.stale_writes})

@@ -125,7 +125,6 @@ class ReplicaHandoffs:
         self._receiver: PageReceiver | None = None
         self._scatter = page_scatter(self.engine)      # the receiver's writes, warmed up once
         self.stale_writes = 0
-        self.pages_landed = 0
         replica.loop.on_prefilled = self._on_prefilled
         replica.loop.publishes_decode_contexts = True     # the front's offload decision
         replica.step_hooks.append(lambda: self.sweep(time.monotonic()))
@@ -242,7 +241,6 @@ class ReplicaHandoffs:
             return False
         self._receiver.writer.write(global_pages(self.engine.allocator, res_id)[lo:hi], chunk)
         res.landed[lo:hi] = True
-        self.pages_landed += hi - lo
         return True
 
     def register(self, res_id: str) -> bool:
