@@ -105,3 +105,16 @@ def test_a_tensor_past_the_end_of_the_file_names_the_tensor(tmp_path):
     (tmp_path / "cut.gguf").write_bytes(path.read_bytes()[:last.data_offset + last.n_bytes - 1])
     with pytest.raises(CheckpointError, match="'q8_0' ends at byte"):
         read_gguf(tmp_path / "cut.gguf")
+
+
+def test_a_string_array_cut_short_or_not_utf8_is_refused(tmp_path):
+    """The vocabulary-sized string arrays are read in one loop (`_Parser._strings`): a
+    file ending inside one, or a string in one that is not UTF-8, is refused by name."""
+    data = write_every_value_type(tmp_path / "m.gguf").read_bytes()
+    inside = data.index("∑🙂".encode()) + 2          # in a string of k.strs
+    (tmp_path / "cut.gguf").write_bytes(data[:inside])
+    with pytest.raises(CheckpointError, match="truncated"):
+        read_gguf(tmp_path / "cut.gguf")
+    (tmp_path / "bad.gguf").write_bytes(data[:inside - 2] + b"\xff" + data[inside - 1:])
+    with pytest.raises(CheckpointError, match="metadata 'k.strs' is not valid UTF-8"):
+        read_gguf(tmp_path / "bad.gguf")
