@@ -25,6 +25,27 @@ if "MEDHA_CACHE_DIR" not in os.environ:
 
 
 
+@pytest.fixture(autouse=True)
+def jax_persistent_cache_only_where_a_server_set_it():
+    """Each test starts with JAX's persistent compilation cache as it found it.
+
+    A Server points JAX's cache at its cache directory for the whole process
+    (`cache_dirs.enable_compilation_cache`). Left that way, every later test of the worker
+    writes its long compiles there, and serializing one of them crashed a worker: a
+    segfault in `executable.serialize()` (CPU backend, jaxlib 0.10.2) under
+    tests/test_xla_attention.py, after which pytest-xdist (--dist loadfile) hung until
+    CI's time ran out. Servers and their steps still use the cache within their test."""
+    import jax
+
+    before = jax.config.jax_compilation_cache_dir
+    yield
+    if jax.config.jax_compilation_cache_dir != before:
+        from jax.experimental.compilation_cache import compilation_cache
+
+        jax.config.update("jax_compilation_cache_dir", before)
+        compilation_cache.reset_cache()
+
+
 @pytest.fixture
 def record_sessions(monkeypatch):
     """record_sessions(server) -> the list that collects the session_id of every request
