@@ -238,11 +238,14 @@ def test_ray_handoff_survives_either_actor_dying_mid_transfer(ray_cluster, dies)
         assert out.token_ids == expected and out.finish_reason == "length", (out.finish_reason, out.error)
         assert out.metrics.replica == survivor
         if dies == "prefill":
-            # Not asserted: that the re-run reuses the pages that had landed. It does on an
-            # idle machine (>= 48 cached tokens), but under a loaded suite it found none in 1
-            # of 2 runs, cause not found yet (issue 28's note); in process, test_disagg's
-            # prefill-side death checks it.
-            assert server.reruns == 1
+            # The kill races the hand-off: the tiny model's 200-token prefill is 13 short
+            # steps, and under a loaded suite the front read 3 landed pages late enough that
+            # the whole hand-off had completed (the decode actor held the request, nothing
+            # re-ran: 1 of 3 fresh-clone runs). Either way exactly one of the two happened.
+            # Not asserted: that a re-run reuses the pages that had landed (it does on an
+            # idle machine, >= 48 cached tokens; in process, test_disagg checks it).
+            assert (server.reruns, server.handoffs) in ((1, 0), (0, 1)), \
+                (server.reruns, server.handoffs)
         else:
             assert server.handoffs == 0
         assert _settled([survivor])
