@@ -29,17 +29,20 @@ _INSTRUCTION = re.compile(
 _CALLEE = re.compile(r"\b(?:calls|to_apply|body|condition)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 
 
 @dataclasses.dataclass(frozen=True)
 class Collective:
-    """One collective instruction: its kind, result shape text, bytes and runs per call."""
+    """One collective instruction: its kind, result shape text, bytes and runs per call;
+    a collective-permute's source-target pairs (each sends `bytes`; 0 for other ops)."""
 
     op: str
     shape: str
     bytes: int
     count: int
     is_async: bool
+    pairs: int = 0
 
     @property
     def bytes_per_call(self) -> int:
@@ -110,10 +113,12 @@ def collectives(hlo_text: str) -> list[Collective]:
         for line in lines:
             match = _INSTRUCTION.search(line)
             if match:
+                pairs = _PAIRS.search(line)
                 found.append(Collective(op=match.group("op"), shape=match.group("shape"),
                                         bytes=array_bytes(match.group("shape")),
                                         count=runs.get(name, 1),
-                                        is_async=match.group("start") is not None))
+                                        is_async=match.group("start") is not None,
+                                        pairs=pairs.group(1).count("{") if pairs else 0))
     return found
 
 

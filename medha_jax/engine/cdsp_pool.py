@@ -1,0 +1,621 @@
+"""A prefill pool run by chunkwise dynamic sequence parallelism on devices (seed 001, Tetris).
+
+N devices form one sequence-parallel ring. A prompt is prefilled as chunks c_1, c_2, ... on
+nested groups G_1 ⊆ G_2 ⊆ ... of them (the plan of `medha_jax.scheduler.cdsp`); each chunk
+is one step of seed 002's ring (`medha_jax.model.ring_attention`) on its group's own mesh:
+its new tokens split over the group, its history attended where it lies. Then the prompt's
+K/V go to a decode replica (`serving.pool_handoff`).
+
+Groups are aligned power-of-two blocks of the pool's devices (devices [b*s, (b+1)*s)), the
+scheduler's `CdspConfig(aligned=True)`: a program is compiled per (group, bucket) and runs
+only on its group's devices, so free subsets would be a program per subset (C(8, 4) = 70
+for one size of an 8-device pool) against 2N - 1 blocks. `warmup` compiles what it is given
+and nothing compiles after it (a missing program is an error, as in `Engine`).
+
+Weights. The model is loaded once on the pool's cp = N mesh, where every device holds all
+of it (cp replicates weights); a group's model takes its devices' buffers as its own
+arrays (`jax.make_array_from_single_device_arrays`): no copy, no new storage.
+
+KV. Each device has its own pool of P pages [layers, P, page_size, kv_heads * head_dim]; a
+group's program takes its devices' pools assembled into one cache whose page axis is split
+over the group's cp ranks (zero-copy, donated, split back after). A sequence holds, on each
+device, some pages and the positions of the tokens in them, in fill order: the ring's
+attention to cached tokens is non-causal, so a rank's tokens may sit in any order.
+
+Placement of a chunk's tokens (a departure from `cp_layout.balanced_offsets`, why: the
+balancing below stays one fixed pattern of transfers per pair of groups). The chunk's
+tokens are counted out so that after it every rank of the group holds floor(t/k) or
+ceil(t/k) of the sequence's t tokens (the ranks holding more get fewer), and rank i's
+count is laid out as seed 002's zigzag: pieces i and 2k-1-i of the chunk split in 2k
+(`zigzag_offsets`), so each rank gets a head piece that sees little and a tail piece that
+sees much of the causal work, as in section 3.5.1.
+
+Cache balancing (Tetris: before a chunk whose group grew, the history is spread evenly by
+count over the new group). From G_old (k ranks) to the aligned block G_new of R*k ranks,
+old rank i keeps one R-th of its tokens and sends the other R - 1 R-ths, one to each of its
+R - 1 designated newcomers (`balance_rounds`): R - 1 rounds, each one collective-permute of
+the old ranks' messages. Because every old rank held floor or ceil of the history over k,
+every rank of G_new then holds floor or ceil of it over R*k (proof in `balance_rounds`). A
+message is the sender's last tokens (in its fill order) gathered across its pages, padded
+to whole pages, a power of two of them (`page_bucket`); the receiver writes them into new
+pages from slot 0. Where this departs from the paper: the moves are their own program,
+before the chunk's step, not overlapped with the previous layer's MLP inside it (the step
+is one scanned program over layers; carrying the moves in its scan is left).
+
+The hand-off to a decode replica (`serving.pool_handoff`, the handshake of
+`serving.kv_transfer` on the decode side): the pool gathers each rank's tokens of the
+prompt's full pages (`prompt_kv`) and the replica places them by position into its own
+pages, K/V heads over its tp.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from medha_jax.model import KV_CACHE_AXES, AttentionMetadata, KVCache, Llama, Model
+from medha_jax.model import cp_layout
+from medha_jax.model.params import MeshLayout
+from meshes import ParallelConfig, make_mesh
+
+Group = tuple[int, int]          # an aligned block of the pool's devices: (first, size)
+
+
+# ------------------------------------------------------------------ host-side planning
+
+def aligned_groups(num_devices: int) -> list[Group]:
+    """Every aligned power-of-two block of a pool of `num_devices` (a power of two)."""
+    return [(first, size) for size in _powers_of_two(num_devices)
+            for first in range(0, num_devices, size)]
+
+
+def _powers_of_two(n: int) -> list[int]:
+    return [1 << i for i in range(n.bit_length()) if (1 << i) <= n]
+
+
+def check_group(group: Group, num_devices: int) -> None:
+    first, size = group
+    if size < 1 or size & (size - 1) or first % size or first + size > num_devices:
+        raise ValueError(f"group {group} is not an aligned power-of-two block of the pool's "
+                         f"{num_devices} devices (first a multiple of size)")
+
+
+def group_of(devices: Sequence[int], num_devices: int) -> Group:
+    """The (first, size) block of a plan chunk's instance ids."""
+    group = (min(devices), len(devices))
+    check_group(group, num_devices)
+    if sorted(devices) != list(range(group[0], group[0] + group[1])):
+        raise ValueError(f"instances {tuple(devices)} are not one aligned block: the pool "
+                         "runs CdspConfig(aligned=True) plans")
+    return group
+
+
+def chunk_counts(cached: np.ndarray, tokens: int) -> np.ndarray:
+    """int [k]: new tokens each rank takes so that afterwards every rank holds floor or ceil
+    of the total over k. cached: int [k], each floor or ceil of its sum over k. The ranks
+    already holding more get the floor, so no count is negative."""
+    k = len(cached)
+    total = int(cached.sum()) + tokens
+    ceil_ranks = total % k
+    order = np.argsort(-cached, kind="stable")         # more cached first: they get the ceil
+    target = np.full(k, total // k, np.int64)
+    target[order[:ceil_ranks]] += 1
+    counts = target - cached
+    if counts.min() < 0:
+        raise ValueError(f"cached {cached.tolist()} is not balanced (floor or ceil of its "
+                         "sum over the ranks)")
+    return counts
+
+
+def zigzag_offsets(counts: np.ndarray) -> list[np.ndarray]:
+    """Offsets in the chunk of each rank's tokens: the chunk cut into 2k pieces in order,
+    rank i taking pieces i and 2k-1-i (sizes ceil and floor of its count over 2)."""
+    k = len(counts)
+    sizes = np.zeros(2 * k, np.int64)
+    sizes[:k] = (counts + 1) // 2
+    sizes[k:] = (counts // 2)[::-1]
+    bounds = np.concatenate([[0], np.cumsum(sizes)])
+    piece = lambda j: np.arange(bounds[j], bounds[j + 1])  # noqa: E731
+    return [np.concatenate([piece(i), piece(2 * k - 1 - i)]) for i in range(k)]
+
+
+def balance_rounds(cached: np.ndarray, old: Group, new: Group
+                   ) -> list[list[tuple[int, int, int]]]:
+    """The moves that spread a sequence's history from group `old` over `new` (⊇ old).
+
+    cached: int [k_old] tokens each old rank holds, each floor or ceil of their sum h over
+    k_old. Returns R - 1 rounds (R = k_new / k_old) of (source, destination, tokens), ranks
+    as positions in `new`. Old rank i splits its c_i into R parts, floor or ceil of c_i / R,
+    keeps one and sends one to each of its R - 1 newcomers (the (R-1) i-th .. of the ranks
+    not in `old`, in order). Why that balances: with F = floor(h / k_old) = R f + r (r < R),
+    c_i in {F, F + 1} gives parts in {f, f + 1}, and f = floor(h / (R k_old)): every rank of
+    `new` then holds floor or ceil of h over k_new.
+    """
+    (old_first, k_old), (new_first, k_new) = old, new
+    if not (new_first <= old_first and old_first + k_old <= new_first + k_new):
+        raise ValueError(f"group {new} does not contain {old}: groups only grow")
+    ratio = k_new // k_old
+    offset = old_first - new_first
+    newcomers = [r for r in range(k_new) if not offset <= r < offset + k_old]
+    rounds: list[list[tuple[int, int, int]]] = [[] for _ in range(ratio - 1)]
+    for i, c in enumerate(int(c) for c in cached):
+        q, rem = divmod(c, ratio)
+        parts = [q + 1] * rem + [q] * (ratio - rem)     # keeps parts[0], the largest
+        for j in range(ratio - 1):
+            rounds[j].append((offset + i, newcomers[i * (ratio - 1) + j], parts[j + 1]))
+    return rounds
+
+
+def page_bucket(pages: int) -> int:
+    """A power of two of pages, at least 1: the static sizes programs are compiled for."""
+    return 1 << max(pages - 1, 0).bit_length()
+
+
+# ------------------------------------------------------------------ the pool
+
+@dataclasses.dataclass(frozen=True)
+class PoolConfig:
+    """page_size: tokens a page (the decode replica's too, for the hand-off);
+    pages_per_device: P, each device's page pool; rank_token_buckets: the per-rank token
+    counts a chunk step is compiled for (a chunk's busiest rank pads up to one)."""
+
+    page_size: int = 16
+    pages_per_device: int = 64
+    rank_token_buckets: tuple[int, ...] = (16, 64, 256)
+
+    def __post_init__(self):
+        if self.page_size < 1 or self.pages_per_device < 1 or not self.rank_token_buckets:
+            raise ValueError(f"PoolConfig needs page_size and pages_per_device >= 1 and "
+                             f"some rank_token_buckets, got {self}")
+
+
+@dataclasses.dataclass
+class _Held:
+    """A sequence's K/V on one device: its pages and, in fill order, the positions of the
+    tokens in them."""
+
+    pages: list[int] = dataclasses.field(default_factory=list)
+    positions: list[int] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class _Sequence:
+    token_ids: np.ndarray
+    done: int = 0
+    group: Group | None = None
+    held: dict[int, _Held] = dataclasses.field(default_factory=dict)   # device -> its K/V
+
+    def counts(self, group: Group) -> np.ndarray:
+        first, size = group
+        return np.array([len(self.held.get(d, _Held()).positions)
+                         for d in range(first, first + size)], np.int64)
+
+
+class CdspPool:
+    """N devices running chunks of prompts on nested aligned groups (see the module).
+
+    Not thread-safe: one caller drives it (a serving loop would own it as it owns an engine).
+    """
+
+    def __init__(self, model: Model, config: PoolConfig = PoolConfig()):
+        parallel = model.parallel
+        if parallel != ParallelConfig(cp=parallel.cp):
+            raise ValueError(f"the pool's model must be loaded with ParallelConfig(cp=N) "
+                             f"(weights whole on every device), got {parallel}")
+        n = parallel.cp
+        if n & (n - 1):
+            raise ValueError(f"the pool's devices must be a power of two, got {n}")
+        model.require_weights()
+        self.model, self.config, self.num_devices = model, config, n
+        self.devices = list(model.mesh.devices.flat)
+        self.page_size, self.num_pages = config.page_size, config.pages_per_device
+        self.pad_slot = self.num_pages * self.page_size
+        self._models = {g: self._group_model(g) for g in aligned_groups(n)}
+        shape, _ = model.kv_cache_sharding(n * self.num_pages, self.page_size)
+        self._cache_shape = (shape[0], self.num_pages, *shape[2:])
+        cache = model.new_kv_cache(n * self.num_pages, self.page_size)
+        self._k = _by_device(cache.k)           # device index -> [L, P, ps, F] on it
+        self._v = _by_device(cache.v)
+        self._free = {d: list(range(self.num_pages)) for d in range(n)}
+        self._sequences: dict[str, _Sequence] = {}
+        self.executables: dict[tuple, jax.stages.Compiled] = {}
+        self.warmed_up = False
+        self.moved_pages = 0                   # balancing: pages of messages sent, in total
+
+    # -------------------------------------------------------------- groups
+
+    def _mesh(self, group: Group) -> Mesh:
+        first, size = group
+        return make_mesh(ParallelConfig(cp=size), self.devices[first:first + size])
+
+    def _group_model(self, group: Group) -> Model:
+        """The pool's weights as a model on the group's mesh: its devices' own buffers."""
+        mesh = self._mesh(group)
+        layout = MeshLayout.create(self.model.config, mesh, self.model.rules,
+                                   self.model.layout.attention_impl)
+        members = set(mesh.devices.flat)
+        module = self.model.module
+        placed = {"embed": module.embed[...], "final_norm": module.final_norm[...]}
+        if module.lm_head is not None:
+            placed["lm_head"] = module.lm_head[...]
+        placed.update({f"layers.{k}": v[...] for k, v in module.layers.items()})
+        params = {}
+        for name, array in placed.items():
+            sharding = NamedSharding(mesh, PartitionSpec())     # cp replicates weights
+            on = {s.device: s.data for s in array.addressable_shards if s.device in members}
+            params[name] = jax.make_array_from_single_device_arrays(
+                array.shape, sharding, [on[d] for d in mesh.devices.flat])
+        return Model(Llama(self.model.config, params, layout), tokenizer=self.model.tokenizer)
+
+    def _assemble(self, group: Group) -> KVCache:
+        first, size = group
+        layout = self._models[group].layout
+        shape = (self._cache_shape[0], size * self.num_pages, *self._cache_shape[2:])
+        sharding = layout.sharding(shape, KV_CACHE_AXES)
+        make = lambda parts: jax.make_array_from_single_device_arrays(  # noqa: E731
+            shape, sharding, [parts[d] for d in range(first, first + size)])
+        return KVCache(k=make(self._k), v=make(self._v))
+
+    def _split(self, group: Group, cache: KVCache) -> None:
+        first = group[0]
+        for parts, array in ((self._k, cache.k), (self._v, cache.v)):
+            for r, data in enumerate(_shards_in_mesh_order(array)):
+                parts[first + r] = data
+
+    # -------------------------------------------------------------- sequences
+
+    @property
+    def num_free_pages(self) -> int:
+        return sum(len(f) for f in self._free.values())
+
+    def add(self, sequence_id: str, token_ids: Sequence[int]) -> None:
+        ids = np.asarray(token_ids, np.int32)
+        if ids.ndim != 1 or ids.size == 0:
+            raise ValueError(f"token_ids must be a non-empty 1-D sequence, got {ids.shape}")
+        vocab = self.model.config.vocab_size
+        if ids.min() < 0 or ids.max() >= vocab:
+            raise ValueError(f"token ids must lie in [0, {vocab})")
+        if sequence_id in self._sequences:
+            raise ValueError(f"sequence {sequence_id!r} is already in the pool")
+        self._sequences[sequence_id] = _Sequence(ids)
+
+    def held_tokens(self, sequence_id: str) -> dict[int, int]:
+        """device -> tokens of the sequence it holds."""
+        return {d: len(h.positions) for d, h in self._sequences[sequence_id].held.items()}
+
+    def release(self, sequence_id: str) -> None:
+        """Frees the sequence's pages on every device."""
+        seq = self._sequences.pop(sequence_id)
+        for d, held in seq.held.items():
+            self._free[d].extend(held.pages)
+
+    def _grow(self, d: int, held: _Held, tokens: int) -> None:
+        need = -(-tokens // self.page_size) - len(held.pages)
+        if need > len(self._free[d]):
+            raise MemoryError(f"device {d} of the pool has {len(self._free[d])} free pages, "
+                              f"{need} needed")
+        for _ in range(need):
+            held.pages.append(self._free[d].pop())
+
+    # -------------------------------------------------------------- chunks
+
+    def prefill(self, sequence_id: str, chunks: Sequence[tuple[int, Sequence[int]]]
+                ) -> np.ndarray:
+        """Runs a plan's chunks, (tokens, instance ids) each (`[(c.tokens, c.group) for c
+        in plan.chunks]` of an aligned `CdspScheduler` plan over this pool's devices).
+        Returns the float32 logits [vocab] of the prompt's last token."""
+        logits = None
+        for tokens, devices in chunks:
+            logits = self.prefill_chunk(sequence_id, tokens,
+                                        group_of(devices, self.num_devices))
+        if logits is None:
+            raise ValueError("a plan has at least one chunk")
+        return logits[-1]
+
+
+    def prefill_chunk(self, sequence_id: str, num_tokens: int, group: Group) -> np.ndarray:
+        """Runs the sequence's next `num_tokens` prompt tokens on `group` (which contains the
+        group of its previous chunk; the history is balanced over it first when it grew).
+        Returns float32 logits [num_tokens, vocab] of those tokens, in position order."""
+        seq = self._sequences[sequence_id]
+        check_group(group, self.num_devices)
+        if not 1 <= num_tokens <= len(seq.token_ids) - seq.done:
+            raise ValueError(f"{num_tokens=} with {len(seq.token_ids) - seq.done} prompt "
+                             f"tokens left")
+        if seq.group is not None and seq.group != group:
+            self._balance(seq, seq.group, group)
+        seq.group = group
+        first, size = group
+        cached = seq.counts(group)
+        offsets = zigzag_offsets(chunk_counts(cached, num_tokens))
+        helds = [seq.held.setdefault(first + r, _Held()) for r in range(size)]
+        for r, held in enumerate(helds):
+            self._grow(first + r, held, int(cached[r]) + len(offsets[r]))
+        pages = page_bucket(max(len(h.pages) for h in helds))
+        table = np.zeros((size, pages), np.int32)
+        for r, held in enumerate(helds):
+            table[r, :len(held.pages)] = held.pages
+        rank_tokens = self._rank_bucket(max(len(o) for o in offsets))
+        start = seq.done
+        if size == 1:
+            positions, meta = self._one_rank_step(helds[0], start, num_tokens, rank_tokens,
+                                                  table)
+            source = np.where(np.arange(rank_tokens) < num_tokens, np.arange(rank_tokens), -1)
+        else:
+            chunk = cp_layout.CpChunk(start=start, offsets=offsets, cached=cached, pages=table)
+            step = cp_layout.build_cp_step(
+                [chunk], num_ranks=size, rank_tokens=rank_tokens, padded_seqs=1, width=pages,
+                page_size=self.page_size, pad_slot=self.pad_slot, kv_capacity=pages)
+            positions, source = step.positions, step.source
+            meta = cp_layout.step_metadata(step, 1, pass_q=False)
+        real = source >= 0
+        ids = np.where(real, seq.token_ids[np.where(real, positions, 0)], 0).astype(np.int32)
+        executable = self._executable(("chunk", group, rank_tokens, pages))
+        model = self._models[group]
+        place = lambda x: jax.device_put(x, model.layout.sharding(x.shape, ("tokens",)))  # noqa: E731
+        meta = jax.device_put(meta, NamedSharding(model.mesh, PartitionSpec()))
+        logits, cache = executable(model.state, self._assemble(group), place(ids),
+                                   place(positions), meta)
+        self._split(group, cache)
+        for r, held in enumerate(helds):
+            held.positions.extend(int(p) for p in start + offsets[r])
+        seq.done += num_tokens
+        out = np.zeros((num_tokens, self.model.config.vocab_size), np.float32)
+        out[positions[real] - start] = np.asarray(logits)[real]
+        return out
+
+    def _rank_bucket(self, tokens: int) -> int:
+        for bucket in self.config.rank_token_buckets:
+            if tokens <= bucket:
+                return bucket
+        raise ValueError(f"a rank would take {tokens} tokens, more than the largest bucket "
+                         f"{max(self.config.rank_token_buckets)}: use a larger group or chunk")
+
+    def _one_rank_step(self, held: _Held, start: int, n: int, padded: int, table: np.ndarray):
+        """A group of one device: the one-shard causal path (its tokens are in position
+        order there, every chunk having been on this one device)."""
+        ps = self.page_size
+        local = start + np.arange(n)
+        slots = np.full((1, padded), self.pad_slot, np.int32)
+        slots[0, :n] = np.asarray(held.pages)[local // ps] * ps + local % ps
+        meta = AttentionMetadata(
+            slot_mapping=slots, page_table=table[:, None, :],
+            cu_q_lens=np.array([0, n], np.int32), kv_lens=np.array([[start + n]], np.int32),
+            num_seqs=np.array([1], np.int32))
+        return np.arange(start, start + padded, dtype=np.int32), meta
+
+    # -------------------------------------------------------------- balancing
+
+    def _balance(self, seq: _Sequence, old: Group, new: Group) -> None:
+        """Spreads the history from `old` over `new` (`balance_rounds`) in one program."""
+        check_group(new, self.num_devices)
+        rounds = balance_rounds(seq.counts(old), old, new)
+        ps, first, size = self.page_size, new[0], new[1]
+        most = max((t for moves in rounds for _, _, t in moves), default=0)
+        bucket = page_bucket(-(-most // ps))
+        send = np.full((size, len(rounds), bucket * ps), self.pad_slot, np.int32)
+        recv = np.full_like(send, self.pad_slot)
+        for j, moves in enumerate(rounds):
+            for src, dst, tokens in moves:
+                giver = seq.held[first + src]
+                taker = seq.held.setdefault(first + dst, _Held())
+                kept = len(giver.positions) - tokens
+                local = kept + np.arange(tokens)             # the giver's last tokens
+                send[src, j, :tokens] = np.asarray(giver.pages)[local // ps] * ps + local % ps
+                self._grow(first + dst, taker, len(taker.positions) + tokens)
+                local = len(taker.positions) + np.arange(tokens)
+                recv[dst, j, :tokens] = np.asarray(taker.pages)[local // ps] * ps + local % ps
+                taker.positions.extend(giver.positions[kept:])
+                del giver.positions[kept:]
+                self.moved_pages += bucket
+        pattern = tuple(tuple((src, dst) for src, dst, _ in moves) for moves in rounds)
+        executable = self._executable(("balance", new, pattern, bucket))
+        slots = NamedSharding(self._models[new].mesh, PartitionSpec(_cp_axis(self)))
+        cache = executable(self._assemble(new), jax.device_put(send, slots),
+                           jax.device_put(recv, slots))
+        self._split(new, cache)
+        for r in range(old[1]):          # pages the givers no longer need
+            held = seq.held[old[0] + r]
+            keep = -(-len(held.positions) // ps)
+            self._free[old[0] + r].extend(held.pages[keep:])
+            del held.pages[keep:]
+
+    # -------------------------------------------------------------- the hand-off
+
+    def prompt_kv(self, sequence_id: str, low: int, high: int) -> tuple[jax.Array, np.ndarray]:
+        """A prefilled sequence's K/V at positions [low, high), for the hand-off
+        (`serving.pool_handoff`): ([2, layers, k * M, F] each of the group's k ranks' tokens
+        side by side, split over the ranks; int32 [k * M] each one's position minus low, -1
+        for padding)."""
+        seq = self._sequences[sequence_id]
+        if seq.done != len(seq.token_ids):
+            raise ValueError(f"sequence {sequence_id!r} has {len(seq.token_ids) - seq.done} "
+                             "prompt tokens still to prefill")
+        return self._gather(seq, low, high)
+
+    def token_ids(self, sequence_id: str) -> np.ndarray:
+        return self._sequences[sequence_id].token_ids
+
+    @property
+    def kv_layout(self) -> tuple:
+        """(shape, dtype) of one device's K pages, [layers, P, page_size, F]."""
+        return self._k[0].shape, self._k[0].dtype
+
+    def _gather(self, seq: _Sequence, low: int, high: int) -> tuple[jax.Array, np.ndarray]:
+        """Every rank's tokens at positions [low, high) gathered on the pool's group:
+        ([2, layers, k * M, F] split over the group's ranks, int32 [k * M] each one's
+        position minus low, or -1 for padding)."""
+        group, ps = seq.group, self.page_size
+        first, size = group
+        picks = []
+        for r in range(size):
+            held = seq.held.get(first + r, _Held())
+            fill = np.asarray(held.positions, np.int64)
+            local = np.flatnonzero((fill >= low) & (fill < high))
+            picks.append((local, fill[local]))
+        bucket = page_bucket(-(-max(len(p[0]) for p in picks) // ps)) * ps
+        slots = np.full((size, bucket), self.pad_slot, np.int32)
+        where = np.full((size, bucket), -1, np.int32)
+        for r, (local, positions) in enumerate(picks):
+            held = seq.held.get(first + r, _Held())
+            slots[r, :len(local)] = np.asarray(held.pages)[local // ps] * ps + local % ps
+            where[r, :len(local)] = positions - low
+        model = self._models[group]
+        executable = self._executable(("gather", group, bucket // ps))
+        kv = executable(self._assemble(group),
+                        jax.device_put(slots, NamedSharding(model.mesh,
+                                                            PartitionSpec(_cp_axis(self)))))
+        return kv, where.reshape(-1)
+
+    # -------------------------------------------------------------- programs
+
+    def _executable(self, key: tuple) -> jax.stages.Compiled:
+        executable = self.executables.get(key)
+        if executable is None:
+            if self.warmed_up:
+                raise RuntimeError(f"pool program {key} was not compiled at warm-up, and "
+                                   f"nothing compiles after it; {len(self.executables)} are "
+                                   f"compiled")
+            executable = self.executables[key] = self._compile(key)
+        return executable
+
+    def warmup(self, keys: Sequence[tuple]) -> int:
+        """Compiles the programs named by `keys` (`chunk_keys`, `balance_keys`); from then
+        on a program not compiled is an error. Returns how many were compiled."""
+        keys = [k for k in keys if k not in self.executables]
+        for key in keys:
+            self.executables[key] = self._compile(key)
+        self.warmed_up = True
+        return len(keys)
+
+    def chunk_keys(self, groups: Sequence[Group] | None = None) -> list[tuple]:
+        """Every (group, rank-token bucket, page bucket) chunk program."""
+        pages = _powers_of_two(self.num_pages)
+        return [("chunk", g, t, p) for g in (groups or aligned_groups(self.num_devices))
+                for t in self.config.rank_token_buckets for p in pages]
+
+    def gather_keys(self, groups: Sequence[Group] | None = None) -> list[tuple]:
+        """Every (group, page bucket) gather of the hand-off."""
+        return [("gather", g, p) for g in (groups or aligned_groups(self.num_devices))
+                for p in _powers_of_two(self.num_pages)]
+
+    def balance_keys(self, old: Group, new: Group, history_tokens: int) -> list[tuple]:
+        """The balancing program of a history of that many tokens from `old` to `new`
+        (its pattern and page bucket follow from the count)."""
+        k_old = old[1]
+        cached = np.full(k_old, history_tokens // k_old)
+        cached[:history_tokens % k_old] += 1
+        rounds = balance_rounds(cached, old, new)
+        most = max((t for moves in rounds for _, _, t in moves), default=0)
+        pattern = tuple(tuple((s, d) for s, d, _ in moves) for moves in rounds)
+        return [("balance", new, pattern, page_bucket(-(-most // self.page_size)))]
+
+    def _compile(self, key: tuple) -> jax.stages.Compiled:
+        kind, group = key[0], key[1]
+        model = self._models[group]
+        cache = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                             self._assemble(group))
+        replicated = NamedSharding(model.mesh, PartitionSpec())
+        size = group[1]
+        if kind == "balance":
+            _, _, pattern, bucket = key
+            slots = jax.ShapeDtypeStruct((size, len(pattern), bucket * self.page_size),
+                                         jnp.int32,
+                                         sharding=NamedSharding(model.mesh,
+                                                                PartitionSpec(_cp_axis(self))))
+            fn = _balance_program(model.mesh, _cp_axis(self), pattern,
+                                  model.layout.rules.spec(KV_CACHE_AXES))
+            return fn.lower(cache, slots, slots).compile()
+        if kind == "gather":
+            slots = jax.ShapeDtypeStruct((size, key[2] * self.page_size), jnp.int32,
+                                         sharding=NamedSharding(model.mesh,
+                                                                PartitionSpec(_cp_axis(self))))
+            fn = _gather_program(model.mesh, _cp_axis(self),
+                                 model.layout.rules.spec(KV_CACHE_AXES))
+            return fn.lower(cache, slots).compile()
+        _, _, rank_tokens, pages = key
+        tokens = jax.ShapeDtypeStruct((size * rank_tokens,), jnp.int32,
+                                      sharding=model.layout.sharding((size * rank_tokens,),
+                                                                     ("tokens",)))
+        meta = self._meta_shapes(size, rank_tokens, pages, replicated)
+        with jax.set_mesh(model.mesh):
+            return model._chunk_logits.lower(model.state, cache, tokens, tokens,
+                                             meta).compile()
+
+    def _meta_shapes(self, size: int, rank_tokens: int, pages: int, sharding):
+        spec = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)  # noqa: E731
+        if size == 1:
+            return AttentionMetadata(
+                slot_mapping=spec((1, rank_tokens)), page_table=spec((1, 1, pages)),
+                cu_q_lens=spec((2,)), kv_lens=spec((1, 1)), num_seqs=spec((1,)))
+        return AttentionMetadata(
+            slot_mapping=spec((size, rank_tokens)), page_table=spec((size, 1, pages)),
+            cu_q_lens=spec((2,)), kv_lens=spec((size, 1)), num_seqs=spec((1,)),
+            rank_cu_q_lens=spec((size, 2)), cp_pass_q=spec((1,)),
+            cp_kv_pages=spec((size, pages)), cp_kv_index=spec((size, 1, pages)))
+
+
+def _cp_axis(pool: CdspPool) -> str:
+    return pool.model.rules.mesh_axis("tokens")
+
+
+def _by_device(array: jax.Array) -> dict[int, jax.Array]:
+    """A cache split over the pool's devices in mesh order -> device index -> its part."""
+    return dict(enumerate(_shards_in_mesh_order(array)))
+
+
+def _shards_in_mesh_order(array: jax.Array) -> list[jax.Array]:
+    """Each device's shard of `array` as a one-device array, in its mesh's device order."""
+    on = {s.device: s.data for s in array.addressable_shards}
+    return [on[d] for d in array.sharding.mesh.devices.flat]
+
+
+def _balance_program(mesh: Mesh, axis: str, pattern, cache_spec: PartitionSpec):
+    """The jitted balancing of one (group, pattern): per round, every giver gathers its
+    message [2, layers, M, F] from its slots, one collective-permute sends them, every
+    taker scatters what it got into its slots (pads: one past the pool, dropped)."""
+    slot_spec = PartitionSpec(axis)
+
+    def per_device(k_cache, v_cache, send, recv):
+        layers, pages, page_size, features = k_cache.shape
+        # Flat slot views; K and V are updated in place (donated), only messages are new.
+        k = k_cache.reshape(layers, pages * page_size, features)
+        v = v_cache.reshape(layers, pages * page_size, features)
+        take = lambda a, slots: jnp.take(a, slots, axis=1, mode="fill", fill_value=0)  # noqa: E731
+        for j, pairs in enumerate(pattern):
+            message = jnp.stack([take(k, send[0, j]), take(v, send[0, j])])
+            got = jax.lax.ppermute(message, axis, perm=list(pairs))
+            k = k.at[:, recv[0, j]].set(got[0], mode="drop")
+            v = v.at[:, recv[0, j]].set(got[1], mode="drop")
+        return k.reshape(k_cache.shape), v.reshape(v_cache.shape)
+
+    mapped = jax.shard_map(per_device, mesh=mesh,
+                           in_specs=(cache_spec, cache_spec, slot_spec, slot_spec),
+                           out_specs=(cache_spec, cache_spec), check_vma=False)
+
+    def balance(cache: KVCache, send, recv) -> KVCache:
+        k, v = mapped(cache.k, cache.v, send, recv)
+        return KVCache(k=k, v=v)
+
+    return jax.jit(balance, donate_argnums=0)
+
+
+def _gather_program(mesh: Mesh, axis: str, cache_spec: PartitionSpec):
+    """The jitted gather of the hand-off: each rank's slots -> [2, layers, M, F] of its
+    tokens' K and V (pads: zeros), the ranks' parts side by side on axis 2."""
+    def per_device(k_cache, v_cache, slots):
+        layers, pages, page_size, features = k_cache.shape
+        take = lambda a: jnp.take(a.reshape(layers, pages * page_size, features), slots[0],  # noqa: E731
+                                  axis=1, mode="fill", fill_value=0)
+        return jnp.stack([take(k_cache), take(v_cache)])
+
+    mapped = jax.shard_map(per_device, mesh=mesh,
+                           in_specs=(cache_spec, cache_spec, PartitionSpec(axis)),
+                           out_specs=PartitionSpec(None, None, axis), check_vma=False)
+    return jax.jit(lambda cache, slots: mapped(cache.k, cache.v, slots))
+
