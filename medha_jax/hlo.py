@@ -35,7 +35,8 @@ _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 @dataclasses.dataclass(frozen=True)
 class Collective:
     """One collective instruction: its kind, result shape text, bytes and runs per call;
-    a collective-permute's source-target pairs (each sends `bytes`; 0 for other ops)."""
+    a collective-permute's source-target pairs (each sends `bytes`; 0 for other ops); the
+    JAX name stack it came from (`metadata.op_name`)."""
 
     op: str
     shape: str
@@ -43,6 +44,7 @@ class Collective:
     count: int
     is_async: bool
     pairs: int = 0
+    scope: str = ""
 
     @property
     def bytes_per_call(self) -> int:
@@ -113,12 +115,13 @@ def collectives(hlo_text: str) -> list[Collective]:
         for line in lines:
             match = _INSTRUCTION.search(line)
             if match:
-                pairs = _PAIRS.search(line)
+                pairs, scope = _PAIRS.search(line), _OP_NAME.search(line)
                 found.append(Collective(op=match.group("op"), shape=match.group("shape"),
                                         bytes=array_bytes(match.group("shape")),
                                         count=runs.get(name, 1),
                                         is_async=match.group("start") is not None,
-                                        pairs=pairs.group(1).count("{") if pairs else 0))
+                                        pairs=pairs.group(1).count("{") if pairs else 0,
+                                        scope=scope.group(1) if scope else ""))
     return found
 
 

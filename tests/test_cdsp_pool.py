@@ -12,7 +12,7 @@ import pytest
 
 from medha_jax import hlo
 from medha_jax.engine import EngineConfig
-from medha_jax.engine.cdsp_pool import (CdspPool, PoolConfig, aligned_groups, balance_rounds,
+from medha_jax.engine.cdsp_pool import (MOVE_SCOPE, CdspPool, PoolConfig, aligned_groups, balance_rounds,
                                         chunk_counts, group_of, zigzag_offsets)
 from medha_jax.model import load_model
 from medha_jax.sampling_params import SamplingParams
@@ -87,6 +87,23 @@ def test_groups_that_shrink_or_are_not_aligned_blocks_are_refused():
         chunk_counts(np.array([0, 9]), 1)
 
 
+def moves_overlap_the_projections(hlo_text: str) -> None:
+    """In the layer scan's body, every balancing permute and the layer's Q/K/V projections
+    need nothing of each other: a device may run them at once (on the CPU collectives are
+    synchronous, so this order is what can be checked here)."""
+    body = [instrs for instrs in hlo.scheduled_instructions(hlo_text).values()
+            if any(MOVE_SCOPE in i.scope and i.op == "collective-permute" for i in instrs)]
+    assert body, "no balancing permute in the step"
+    for instrs in body:
+        permutes = [i for i in instrs if i.op == "collective-permute" and MOVE_SCOPE in i.scope]
+        projections = [i for i in instrs if "td,dhk->thk" in i.scope]     # llama's einsum
+        assert projections, "no Q/K/V projection beside the permutes"
+        for p in permutes:
+            assert not hlo.depends_on(instrs, p.name, lambda i: i in projections)
+        for q in projections:
+            assert not hlo.depends_on(instrs, q.name, lambda i: i in permutes)
+
+
 def greedy(model, ids: list[int], n: int) -> list[int]:
     """One device's greedy tokens by whole forwards (the oracle)."""
     out = list(ids)
@@ -137,28 +154,28 @@ def test_chunks_on_2_4_8_devices_give_one_device_then_decode_on_tp2(one_device, 
     # The programs this prompt needs (32 tokens on 2 ranks: 16 a rank, 2 pages; then 16
     # tokens a rank on 4; 67 on 8 with a history of 64: at most 17 a rank, 3 pages), its
     # two balancings (32 tokens from 2 to 4 ranks, 64 from 4 to 8) and the hand-off's gather.
-    keys = [("chunk", (0, 2), 16, 2), ("chunk", (0, 4), 16, 2), ("chunk", (0, 8), 16, 4),
-            *pool.balance_keys((0, 2), (0, 4), 32), *pool.balance_keys((0, 4), (0, 8), 64),
-            ("gather", (0, 8), 4)]
+    keys = [("chunk", (0, 2), 16, 2, (), 0), pool.balanced_chunk_key((0, 2), (0, 4), 32, 16, 2),
+            pool.balanced_chunk_key((0, 4), (0, 8), 64, 16, 4), ("gather", (0, 8), 4)]
     pool.warmup(keys)
     compiled = len(pool.executables)
     page_bytes = 2 * pool._cache_shape[0] * PAGE * pool._cache_shape[3] * 4
 
     pool.add("p", ids)
-    got, start = [], 0
+    got, start, seen = [], 0, []
     for tokens, devices in [(32, range(0, 2)), (32, range(0, 4)), (67, range(0, 8))]:
         group = group_of(list(devices), 8)
         moved = pool.moved_pages
         got.append(pool.prefill_chunk("p", tokens, group))
         held = [pool.held_tokens("p").get(d, 0) for d in devices]
         assert is_balanced(held) and sum(held) == start + tokens
-        if start:     # a balancing ran: its program sent the moved pages, no more
-            key = pool.balance_keys(previous, group, start)[0]
-            sent = sum(c.bytes * c.pairs * c.count
-                       for c in hlo.collectives(pool.executables[key].as_text())
-                       if c.op == "collective-permute")
+        if start:     # the step balanced first: its moves sent the moved pages, no more
+            text = pool.executables[keys[len(seen)]].as_text()
+            sent = sum(c.bytes * c.pairs * c.count for c in hlo.collectives(text)
+                       if c.op == "collective-permute" and MOVE_SCOPE in c.scope)
             assert sent == (pool.moved_pages - moved) * page_bytes > 0
-        start, previous = start + tokens, group
+            moves_overlap_the_projections(text)
+        seen.append(group)
+        start += tokens
     assert pool.moved_pages == 2 + 4       # 16 tokens from 2 ranks, 32 from 4: whole pages
     logits = np.concatenate(got)
     np.testing.assert_allclose(logits, want_logits, atol=1e-4, rtol=0)

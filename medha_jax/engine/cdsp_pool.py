@@ -38,9 +38,14 @@ the old ranks' messages. Because every old rank held floor or ceil of the histor
 every rank of G_new then holds floor or ceil of it over R*k (proof in `balance_rounds`). A
 message is the sender's last tokens (in its fill order) gathered across its pages, padded
 to whole pages, a power of two of them (`page_bucket`); the receiver writes them into new
-pages from slot 0. Where this departs from the paper: the moves are their own program,
-before the chunk's step, not overlapped with the previous layer's MLP inside it (the step
-is one scanned program over layers; carrying the moves in its scan is left).
+pages from slot 0. The moves run inside the chunk's own step, one layer at a time before
+that layer's attention (`_layer_mover`, `llama.decoder_layers(move_layer=)`): the permute
+needs only the cache, so it can overlap the layer's norm and Q/K/V projections. Where this
+departs from the paper, which overlaps a layer's moves with the previous layer's MLP: the
+layers are one scanned body, and the previous layer is the previous iteration, whose K/V
+write the moves' gather follows in the carried cache; moving layer l + 1 from inside
+layer l would need a last iteration that moves nothing (a peeled layer: a second layer
+body to compile) or XLA's cross-iteration collective pipelining.
 
 The hand-off to a decode replica (`serving.pool_handoff`, the handshake of
 `serving.kv_transfer` on the decode side): the pool gathers each rank's tokens of the
@@ -51,11 +56,13 @@ pages, K/V heads over its tp.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from medha_jax.model import KV_CACHE_AXES, AttentionMetadata, KVCache, Llama, Model
@@ -319,18 +326,20 @@ class CdspPool:
 
 
     def prefill_chunk(self, sequence_id: str, num_tokens: int, group: Group) -> np.ndarray:
-        """Runs the sequence's next `num_tokens` prompt tokens on `group` (which contains the
-        group of its previous chunk; the history is balanced over it first when it grew).
-        Returns float32 logits [num_tokens, vocab] of those tokens, in position order."""
+        """Runs the sequence's next `num_tokens` prompt tokens on `group`, which contains the
+        group of its previous chunk; when it grew, the step first balances the history over
+        it, layer by layer. Returns float32 logits [num_tokens, vocab] of those tokens, in
+        position order."""
         seq = self._sequences[sequence_id]
         check_group(group, self.num_devices)
         if not 1 <= num_tokens <= len(seq.token_ids) - seq.done:
             raise ValueError(f"{num_tokens=} with {len(seq.token_ids) - seq.done} prompt "
                              f"tokens left")
-        if seq.group is not None and seq.group != group:
-            self._balance(seq, seq.group, group)
-        seq.group = group
         first, size = group
+        moves, emptied = None, []
+        if seq.group is not None and seq.group != group:
+            moves, emptied = self._plan_moves(seq, seq.group, group)
+        seq.group = group
         cached = seq.counts(group)
         offsets = zigzag_offsets(chunk_counts(cached, num_tokens))
         helds = [seq.held.setdefault(first + r, _Held()) for r in range(size)]
@@ -355,13 +364,19 @@ class CdspPool:
             meta = cp_layout.step_metadata(step, 1, pass_q=False)
         real = source >= 0
         ids = np.where(real, seq.token_ids[np.where(real, positions, 0)], 0).astype(np.int32)
-        executable = self._executable(("chunk", group, rank_tokens, pages))
+        pattern, bucket, send, recv = moves or ((), 0, None, None)
+        executable = self._executable(("chunk", group, rank_tokens, pages, pattern, bucket))
         model = self._models[group]
         place = lambda x: jax.device_put(x, model.layout.sharding(x.shape, ("tokens",)))  # noqa: E731
+        slots = NamedSharding(model.mesh, PartitionSpec(_cp_axis(self)))
+        if send is not None:
+            send, recv = jax.device_put(send, slots), jax.device_put(recv, slots)
         meta = jax.device_put(meta, NamedSharding(model.mesh, PartitionSpec()))
         logits, cache = executable(model.state, self._assemble(group), place(ids),
-                                   place(positions), meta)
+                                   place(positions), meta, send, recv)
         self._split(group, cache)
+        for d, page_ids in emptied:          # read by the step's moves: free only now
+            self._free[d].extend(page_ids)
         for r, held in enumerate(helds):
             held.positions.extend(int(p) for p in start + offsets[r])
         seq.done += num_tokens
@@ -391,9 +406,12 @@ class CdspPool:
 
     # -------------------------------------------------------------- balancing
 
-    def _balance(self, seq: _Sequence, old: Group, new: Group) -> None:
-        """Spreads the history from `old` over `new` (`balance_rounds`) in one program."""
-        check_group(new, self.num_devices)
+    def _plan_moves(self, seq: _Sequence, old: Group, new: Group):
+        """The balancing of the history from `old` over `new` (`balance_rounds`), booked on
+        the host: returns ((pattern, page bucket, send, recv), emptied) where send and recv
+        are int32 [k_new, rounds, bucket * page_size], each rank's slots to read and to
+        write per round (pads: one past its pool), and emptied lists the (device, pages)
+        the givers no longer need once the step has read them."""
         rounds = balance_rounds(seq.counts(old), old, new)
         ps, first, size = self.page_size, new[0], new[1]
         most = max((t for moves in rounds for _, _, t in moves), default=0)
@@ -413,19 +431,14 @@ class CdspPool:
                 taker.positions.extend(giver.positions[kept:])
                 del giver.positions[kept:]
                 self.moved_pages += bucket
-        pattern = tuple(tuple((src, dst) for src, dst, _ in moves) for moves in rounds)
-        executable = self._executable(("balance", new, pattern, bucket))
-        slots = NamedSharding(self._models[new].mesh, PartitionSpec(_cp_axis(self)))
-        cache = executable(self._assemble(new), jax.device_put(send, slots),
-                           jax.device_put(recv, slots))
-        self._split(new, cache)
-        for r in range(old[1]):          # pages the givers no longer need
+        emptied = []
+        for r in range(old[1]):
             held = seq.held[old[0] + r]
             keep = -(-len(held.positions) // ps)
-            self._free[old[0] + r].extend(held.pages[keep:])
+            emptied.append((old[0] + r, held.pages[keep:]))
             del held.pages[keep:]
-
-    # -------------------------------------------------------------- the hand-off
+        pattern = tuple(tuple((src, dst) for src, dst, _ in moves) for moves in rounds)
+        return (pattern, bucket, send, recv), emptied
 
     def prompt_kv(self, sequence_id: str, low: int, high: int) -> tuple[jax.Array, np.ndarray]:
         """A prefilled sequence's K/V at positions [low, high), for the hand-off
@@ -485,7 +498,8 @@ class CdspPool:
         return executable
 
     def warmup(self, keys: Sequence[tuple]) -> int:
-        """Compiles the programs named by `keys` (`chunk_keys`, `balance_keys`); from then
+        """Compiles the programs named by `keys` (`chunk_keys`, `balanced_chunk_key`,
+        `gather_keys`); from then
         on a program not compiled is an error. Returns how many were compiled."""
         keys = [k for k in keys if k not in self.executables]
         for key in keys:
@@ -494,9 +508,9 @@ class CdspPool:
         return len(keys)
 
     def chunk_keys(self, groups: Sequence[Group] | None = None) -> list[tuple]:
-        """Every (group, rank-token bucket, page bucket) chunk program."""
+        """Every (group, rank-token bucket, page bucket) chunk program without balancing."""
         pages = _powers_of_two(self.num_pages)
-        return [("chunk", g, t, p) for g in (groups or aligned_groups(self.num_devices))
+        return [("chunk", g, t, p, (), 0) for g in (groups or aligned_groups(self.num_devices))
                 for t in self.config.rank_token_buckets for p in pages]
 
     def gather_keys(self, groups: Sequence[Group] | None = None) -> list[tuple]:
@@ -504,48 +518,45 @@ class CdspPool:
         return [("gather", g, p) for g in (groups or aligned_groups(self.num_devices))
                 for p in _powers_of_two(self.num_pages)]
 
-    def balance_keys(self, old: Group, new: Group, history_tokens: int) -> list[tuple]:
-        """The balancing program of a history of that many tokens from `old` to `new`
-        (its pattern and page bucket follow from the count)."""
+    def balanced_chunk_key(self, old: Group, new: Group, history_tokens: int,
+                           rank_tokens: int, pages: int) -> tuple:
+        """The program of a chunk on `new` after one on `old` with a history of that many
+        tokens (the balancing's pattern and page bucket follow from the count)."""
         k_old = old[1]
         cached = np.full(k_old, history_tokens // k_old)
         cached[:history_tokens % k_old] += 1
         rounds = balance_rounds(cached, old, new)
         most = max((t for moves in rounds for _, _, t in moves), default=0)
         pattern = tuple(tuple((s, d) for s, d, _ in moves) for moves in rounds)
-        return [("balance", new, pattern, page_bucket(-(-most // self.page_size)))]
+        return ("chunk", new, rank_tokens, pages, pattern,
+                page_bucket(-(-most // self.page_size)))
 
     def _compile(self, key: tuple) -> jax.stages.Compiled:
         kind, group = key[0], key[1]
         model = self._models[group]
         cache = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
                              self._assemble(group))
-        replicated = NamedSharding(model.mesh, PartitionSpec())
-        size = group[1]
-        if kind == "balance":
-            _, _, pattern, bucket = key
-            slots = jax.ShapeDtypeStruct((size, len(pattern), bucket * self.page_size),
-                                         jnp.int32,
-                                         sharding=NamedSharding(model.mesh,
-                                                                PartitionSpec(_cp_axis(self))))
-            fn = _balance_program(model.mesh, _cp_axis(self), pattern,
-                                  model.layout.rules.spec(KV_CACHE_AXES))
-            return fn.lower(cache, slots, slots).compile()
+        size, axis = group[1], _cp_axis(self)
+        slot_sharding = NamedSharding(model.mesh, PartitionSpec(axis))
+        cache_spec = model.layout.rules.spec(KV_CACHE_AXES)
         if kind == "gather":
             slots = jax.ShapeDtypeStruct((size, key[2] * self.page_size), jnp.int32,
-                                         sharding=NamedSharding(model.mesh,
-                                                                PartitionSpec(_cp_axis(self))))
-            fn = _gather_program(model.mesh, _cp_axis(self),
-                                 model.layout.rules.spec(KV_CACHE_AXES))
-            return fn.lower(cache, slots).compile()
-        _, _, rank_tokens, pages = key
+                                         sharding=slot_sharding)
+            return _gather_program(model.mesh, axis, cache_spec).lower(cache, slots).compile()
+        _, _, rank_tokens, pages, pattern, bucket = key
         tokens = jax.ShapeDtypeStruct((size * rank_tokens,), jnp.int32,
                                       sharding=model.layout.sharding((size * rank_tokens,),
                                                                      ("tokens",)))
-        meta = self._meta_shapes(size, rank_tokens, pages, replicated)
+        meta = self._meta_shapes(size, rank_tokens, pages,
+                                 NamedSharding(model.mesh, PartitionSpec()))
+        send = mover = None
+        if pattern:
+            send = jax.ShapeDtypeStruct((size, len(pattern), bucket * self.page_size),
+                                        jnp.int32, sharding=slot_sharding)
+            mover = _layer_mover(model.mesh, axis, pattern, cache_spec)
         with jax.set_mesh(model.mesh):
-            return model._chunk_logits.lower(model.state, cache, tokens, tokens,
-                                             meta).compile()
+            return _pool_step.lower(model.graphdef, model.state, cache, tokens, tokens, meta,
+                                    send, send, move=mover).compile()
 
     def _meta_shapes(self, size: int, rank_tokens: int, pages: int, sharding):
         spec = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)  # noqa: E731
@@ -575,34 +586,54 @@ def _shards_in_mesh_order(array: jax.Array) -> list[jax.Array]:
     return [on[d] for d in array.sharding.mesh.devices.flat]
 
 
-def _balance_program(mesh: Mesh, axis: str, pattern, cache_spec: PartitionSpec):
-    """The jitted balancing of one (group, pattern): per round, every giver gathers its
-    message [2, layers, M, F] from its slots, one collective-permute sends them, every
-    taker scatters what it got into its slots (pads: one past the pool, dropped)."""
-    slot_spec = PartitionSpec(axis)
+MOVE_SCOPE = "cdsp_balance"     # the moves' instructions in the HLO (jax.named_scope)
 
-    def per_device(k_cache, v_cache, send, recv):
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("move",),
+                   donate_argnames=("kv_cache",))
+def _pool_step(graphdef, state, kv_cache: KVCache, token_ids, positions, meta, send, recv, *,
+               move=None):
+    """One chunk on a group: logits [T, vocab] of its tokens and the updated cache. move:
+    `_layer_mover`'s function when the step first balances the history (send, recv: its
+    slots), else None (send, recv None)."""
+    module = nnx.merge(graphdef, state)
+    move_layer = None if move is None else functools.partial(move, send=send, recv=recv)
+    hidden, kv_cache = module(token_ids, positions, kv_cache, meta, move_layer=move_layer)
+    return module.logits(hidden), kv_cache
+
+
+@functools.cache
+def _layer_mover(mesh: Mesh, axis: str, pattern, cache_spec: PartitionSpec):
+    """The balancing of one layer, run by the step before that layer's attention: per
+    round, every giver gathers its message [2, M, F] (K and V) from its slots of the layer,
+    one collective-permute sends them, every taker scatters what it got into its slots
+    (pads: one past the pool, read as zeros, dropped on write). One per (group, pattern)."""
+    def per_device(k_cache, v_cache, layer_id, send, recv):
         layers, pages, page_size, features = k_cache.shape
-        # Flat slot views; K and V are updated in place (donated), only messages are new.
-        k = k_cache.reshape(layers, pages * page_size, features)
-        v = v_cache.reshape(layers, pages * page_size, features)
-        take = lambda a, slots: jnp.take(a, slots, axis=1, mode="fill", fill_value=0)  # noqa: E731
+        rows, outside = pages * page_size, layers * pages * page_size
+        # Flat [layers * slots, F] views: the moves address the layer's rows in place.
+        k = k_cache.reshape(outside, features)
+        v = v_cache.reshape(outside, features)
+        at = lambda slots: jnp.where(slots < rows, layer_id * rows + slots, outside)  # noqa: E731
+        take = lambda a, rows_: jnp.take(a, rows_, axis=0, mode="fill", fill_value=0)  # noqa: E731
         for j, pairs in enumerate(pattern):
-            message = jnp.stack([take(k, send[0, j]), take(v, send[0, j])])
-            got = jax.lax.ppermute(message, axis, perm=list(pairs))
-            k = k.at[:, recv[0, j]].set(got[0], mode="drop")
-            v = v.at[:, recv[0, j]].set(got[1], mode="drop")
+            source, destination = at(send[0, j]), at(recv[0, j])
+            with jax.named_scope(MOVE_SCOPE):
+                message = jnp.stack([take(k, source), take(v, source)])
+                got = jax.lax.ppermute(message, axis, perm=list(pairs))
+            k = k.at[destination].set(got[0], mode="drop")
+            v = v.at[destination].set(got[1], mode="drop")
         return k.reshape(k_cache.shape), v.reshape(v_cache.shape)
 
+    slots = PartitionSpec(axis)
     mapped = jax.shard_map(per_device, mesh=mesh,
-                           in_specs=(cache_spec, cache_spec, slot_spec, slot_spec),
+                           in_specs=(cache_spec, cache_spec, PartitionSpec(), slots, slots),
                            out_specs=(cache_spec, cache_spec), check_vma=False)
 
-    def balance(cache: KVCache, send, recv) -> KVCache:
-        k, v = mapped(cache.k, cache.v, send, recv)
-        return KVCache(k=k, v=v)
+    def move(k_cache, v_cache, layer_id, *, send, recv):
+        return mapped(k_cache, v_cache, layer_id, send, recv)
 
-    return jax.jit(balance, donate_argnums=0)
+    return move
 
 
 def _gather_program(mesh: Mesh, axis: str, cache_spec: PartitionSpec):

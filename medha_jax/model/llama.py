@@ -82,13 +82,16 @@ class Llama(nnx.Module):
         placed.update({f"layers.{k}": v[...] for k, v in self.layers.items()})
         return {name: self.layout.canonical(specs[name], array) for name, array in placed.items()}
 
-    def __call__(self, token_ids, positions, kv_cache: KVCache, meta: AttentionMetadata):
-        """token_ids, positions: int32 [T] -> (hidden [T, D], updated KVCache)."""
+    def __call__(self, token_ids, positions, kv_cache: KVCache, meta: AttentionMetadata,
+                 move_layer=None):
+        """token_ids, positions: int32 [T] -> (hidden [T, D], updated KVCache).
+        move_layer: see `decoder_layers`."""
         config = self.config
         x = layers.embed_tokens(self.embed[...], token_ids, config)
         stacked = {name: p[...] for name, p in self.layers.items()}
         x, kv_cache = decoder_layers(x, stacked, kv_cache, positions, meta, config=config,
-                                     layout=self.layout, inv_freq=self.inv_freq[...])
+                                     layout=self.layout, inv_freq=self.inv_freq[...],
+                                     move_layer=move_layer)
         x = layers.rms_norm(x, self.final_norm[...], config.rms_norm_eps,
                             config.family_spec.norm_offset)
         return x, kv_cache
@@ -114,15 +117,20 @@ def lm_logits(hidden, embed, lm_head, vocab_size: int, softcap: float | None = N
 
 def decoder_layers(x, stacked: dict[str, jax.Array], kv_cache: KVCache, positions,
                    meta: AttentionMetadata, *, config: ModelConfig, layout: MeshLayout, inv_freq,
-                   first_layer: int = 0):
+                   first_layer: int = 0, move_layer=None):
     """Runs the decoder layers whose weights are stacked in `stacked` ([layers, ...] each)
     over x [T, D], under a scan; kv_cache holds exactly those layers, the model's layers
     first_layer, first_layer + 1, ... -> (x, kv_cache).
 
     Any contiguous range of layers works the same way (a pipeline stage runs its own).
-    inv_freq: [hd / 2], or [2, hd / 2] with layers of two kinds (`layers.rope_inv_freq`)."""
+    inv_freq: [hd / 2], or [2, hd / 2] with layers of two kinds (`layers.rope_inv_freq`).
+    move_layer: (k_cache, v_cache, layer_id) -> (k_cache, v_cache), run in each layer
+    before its attention: K/V the step moves between devices (the CDSP pool's balancing,
+    medha_jax.engine.cdsp_pool), one layer at a time so the transfer can overlap the
+    layer's projections."""
     layer_body = functools.partial(_decoder_layer, config=config, layout=layout,
-                                   positions=positions, meta=meta, inv_freq=inv_freq)
+                                   positions=positions, meta=meta, inv_freq=inv_freq,
+                                   move_layer=move_layer)
     num_layers = kv_cache.k.shape[0]
     layer_ids = jnp.arange(num_layers, dtype=jnp.int32)
     # Sliding or full, per layer: scanned data, so one layer body serves both kinds.
@@ -133,11 +141,14 @@ def decoder_layers(x, stacked: dict[str, jax.Array], kv_cache: KVCache, position
 
 
 def _decoder_layer(carry, layer, *, config: ModelConfig, layout: MeshLayout, positions,
-                   meta: AttentionMetadata, inv_freq):
+                   meta: AttentionMetadata, inv_freq, move_layer=None):
     """One decoder layer inside the scan. The whole cache rides in the carry so the K/V
     write is an in-place scatter at [layer, slot] rather than a copy of a layer's pages."""
     x, k_cache, v_cache = carry
     p, layer_id, sliding = layer
+    if move_layer is not None:
+        # Needs only the carried cache, and nothing below needs it before the attention.
+        k_cache, v_cache = move_layer(k_cache, v_cache, layer_id)
     family = config.family_spec
     norm = functools.partial(layers.rms_norm, eps=config.rms_norm_eps,
                              offset=family.norm_offset)
