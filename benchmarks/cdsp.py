@@ -177,14 +177,15 @@ def run_setup(args, setup: Setup, trace: str, dist, num_requests: int):
     def sample(n, seed):
         return dist.sample(np.random.default_rng(seed), n)
 
-    # The offline search, on other samples than the evaluation's; the aligned and
-    # single-chunk variants reuse CDSP's table (one profile per setup and trace keeps the run
-    # short; their own would suit them a little better).
+    # The offline search, on other samples than the evaluation's (as many traces per rate
+    # as the evaluation, --samples); the aligned and single-chunk variants reuse CDSP's
+    # table (one profile per setup and trace keeps the run short; their own would suit them
+    # a little better).
     table_ = profile_improvement_rates(
         sample, rates, RATE_CANDIDATES,
         lambda: CdspScheduler(setup.instances, setup.models,
                               CdspConfig(node_size=setup.node_size)),
-        num_requests=num_requests, seed=args.seed + 7919)
+        num_requests=num_requests, seed=args.seed + 7919, samples=args.samples)
     tables = {"cdsp": table_, "cdsp-aligned": table_, "cdsp-single-chunk": table_}
     results = {}   # (system, rate) -> PoolResult
     sweep = {}     # (r, rate) -> p50 with a fixed improvement rate
