@@ -73,6 +73,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--baseline", default=None,
                    help="scheduler latency: also time CdspScheduler as of this git ref, on "
                         "the same trials interleaved, and check it returns the same plans")
+    p.add_argument("--samples", type=int, default=1,
+                   help="independent traces per rate (default 1), percentiles over all "
+                        "their requests: near a system's knee one trace's p99 passes or fails "
+                        "the SLO by chance, so the critical rate, and the p50 gain read "
+                        "there, move between seeds")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip", default="", help="comma-separated parts to skip (a, b, c)")
     return p.parse_args(argv)
@@ -143,6 +148,24 @@ def rate_grid(setup: Setup, dist, step: float | None, points: int) -> list[float
     return [round(step * k, 6) for k in range(1, int(top / step + 1e-9) + 1)]
 
 
+# Seeds of the extra samples per rate: far from the rate index (< 100) and from the
+# improvement-rate profile's seeds (args.seed + 7919 + 1000 i).
+SAMPLE_SEED_STRIDE = 100_003
+
+
+def merge_results(results):
+    """Independent simulations of one rate as one result: their requests together (the
+    percentiles are over all of them), busy time and makespan summed."""
+    from medha_jax.cluster.prefill_pool_sim import PoolResult
+
+    if len(results) == 1:
+        return results[0]
+    return PoolResult(*(sum((getattr(r, f) for r in results), start)
+                        for f, start in (("ttft_s", []), ("plans", []),
+                                         ("improvement_rates", []), ("decision_s", []),
+                                         ("busy_instance_s", 0.0), ("makespan_s", 0.0))))
+
+
 def run_setup(args, setup: Setup, trace: str, dist, num_requests: int):
     from medha_jax.cluster.prefill_pool_sim import (poisson_arrivals,
                                                     profile_improvement_rates,
@@ -154,26 +177,33 @@ def run_setup(args, setup: Setup, trace: str, dist, num_requests: int):
     def sample(n, seed):
         return dist.sample(np.random.default_rng(seed), n)
 
-    # The offline search, on other samples than the evaluation's; the aligned and
-    # single-chunk variants reuse CDSP's table (one profile per setup and trace keeps the run
-    # short; their own would suit them a little better).
+    # The offline search, on other samples than the evaluation's (as many traces per rate
+    # as the evaluation, --samples); the aligned and single-chunk variants reuse CDSP's
+    # table (one profile per setup and trace keeps the run short; their own would suit them
+    # a little better).
     table_ = profile_improvement_rates(
         sample, rates, RATE_CANDIDATES,
         lambda: CdspScheduler(setup.instances, setup.models,
                               CdspConfig(node_size=setup.node_size)),
-        num_requests=num_requests, seed=args.seed + 7919)
+        num_requests=num_requests, seed=args.seed + 7919, samples=args.samples)
     tables = {"cdsp": table_, "cdsp-aligned": table_, "cdsp-single-chunk": table_}
     results = {}   # (system, rate) -> PoolResult
     sweep = {}     # (r, rate) -> p50 with a fixed improvement rate
     for k, rate in enumerate(rates):
-        lengths = sample(num_requests, args.seed + k)
-        arrivals = poisson_arrivals(num_requests, rate, args.seed + k)
+        # --samples independent traces per rate (sample 0: the seeds of a one-sample run),
+        # every system on the same ones; percentiles over all their requests.
+        traces_ = [(sample(num_requests, args.seed + k + SAMPLE_SEED_STRIDE * j),
+                    poisson_arrivals(num_requests, rate, args.seed + k + SAMPLE_SEED_STRIDE * j))
+                   for j in range(args.samples)]
         for name, (make, make_r) in systems(setup, tables).items():
-            results[name, rate] = simulate_prefill_pool(lengths, arrivals, make(),
-                                                        improvement_rate=make_r())
+            results[name, rate] = merge_results([
+                simulate_prefill_pool(lengths, arrivals, make(), improvement_rate=make_r())
+                for lengths, arrivals in traces_])
         for r in RATE_CANDIDATES:
-            res = simulate_prefill_pool(lengths, arrivals, systems(setup, tables)["cdsp"][0](),
-                                        improvement_rate=r)
+            res = merge_results([
+                simulate_prefill_pool(lengths, arrivals, systems(setup, tables)["cdsp"][0](),
+                                      improvement_rate=r)
+                for lengths, arrivals in traces_])
             sweep[r, rate] = res.percentile(50)
     names = list(systems(setup, tables))
     slo = 25 * min(results[name, rates[0]].percentile(50) for name in names)
@@ -353,8 +383,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"{key}: SLO p99 TTFT {inf['slo_p99_s']:.2f} s; best fixed "
                   f"{inf['best_fixed']}, critical rate {inf['critical_rate']} req/s; "
                   f"profiled r per rate {inf['profile']}")
-        table(f"(a) simulated (prefill pool, Eq. 1 chunk times, {num_requests} Poisson "
-              "requests per point): max sustainable rate (p99 TTFT <= SLO) and TTFT at the "
+        table(f"(a) simulated (prefill pool, Eq. 1 chunk times, {args.samples} x "
+              f"{num_requests} Poisson requests per point): max sustainable rate (p99 TTFT <= SLO) and TTFT at the "
               "best fixed SP's max sustainable rate", rows)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
@@ -362,7 +392,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             json.dump({"context": {**environment(), "simulated": True,
                                    "predictor": "Eq. 1 fitted to seed 001 Table 1 (A100); "
                                                 "70B scaled by FLOPs",
-                                   "requests": num_requests, "rate_step": args.rate_step,
+                                   "requests": num_requests, "samples": args.samples,
+                                   "rate_step": args.rate_step,
                                    "rate_points": args.rate_points,
                                    "seed": args.seed},
                        "summary": rows, "curves": curves, "improvement_rate_sweep": sweeps,

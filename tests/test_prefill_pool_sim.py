@@ -4,7 +4,8 @@ offline improvement-rate search."""
 import numpy as np
 import pytest
 
-from medha_jax.cluster.prefill_pool_sim import (poisson_arrivals, profile_improvement_rates,
+from medha_jax.cluster.prefill_pool_sim import (PROFILE_SAMPLE_SEED_STRIDE, poisson_arrivals,
+                                                profile_improvement_rates,
                                                 simulate_prefill_pool)
 from medha_jax.scheduler.cdsp import (AdaptiveImprovementRate, CdspConfig, CdspScheduler,
                                       FixedSpScheduler, LatencyModel, table1_latency_models,
@@ -67,6 +68,30 @@ def test_profile_keeps_the_rate_with_the_least_mean_ttft():
     result = simulate_prefill_pool(sample(100, 9), poisson_arrivals(100, 5.0, 9), make(),
                                    improvement_rate=adaptive)
     assert result.improvement_rates[-1] == table.lookup(5.0)
+
+
+def test_profile_over_several_traces_scores_all_their_requests_together():
+    models = table1_latency_models()
+
+    def make():
+        return CdspScheduler(16, models, CdspConfig())
+
+    def sample(n, seed):
+        return TETRIS_SHORT_PROMPT.sample(np.random.default_rng(seed), n)
+
+    # At seed 8 trace 0 alone would pick 0.75 and the two together pick 0.3.
+    candidates, rate = (0.05, 0.3, 0.75), 5.0
+    table = profile_improvement_rates(sample, [rate], candidates, make, num_requests=100,
+                                      seed=8, statistic="p50", samples=2)
+    seeds = (8, 8 + PROFILE_SAMPLE_SEED_STRIDE)   # trace 0 keeps a one-trace profile's seed
+    p50s = [np.percentile(np.concatenate([
+        simulate_prefill_pool(sample(100, s), poisson_arrivals(100, rate, s), make(),
+                              improvement_rate=r).ttft_s for s in seeds]), 50)
+            for r in candidates]
+    assert table.improvement_rates == (candidates[int(np.argmin(p50s))],)
+    with pytest.raises(ValueError, match="samples must be >= 1"):
+        profile_improvement_rates(sample, [rate], candidates, make, num_requests=10,
+                                  samples=0)
 
 
 def test_bad_input_names_the_problem():
