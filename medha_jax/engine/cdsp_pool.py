@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from collections.abc import Sequence
 
 import jax
@@ -233,6 +234,9 @@ class CdspPool:
         self.executables: dict[tuple, jax.stages.Compiled] = {}
         self.warmed_up = False
         self.moved_pages = 0                   # balancing: pages of messages sent, in total
+        # (tokens, history, sp, seconds) of every chunk step, as measured here: what Eq. 1
+        # is fitted from (`medha_jax.scheduler.cdsp.fit_latency_models`).
+        self.steps: list[tuple[int, int, int, float]] = []
 
     # -------------------------------------------------------------- groups
 
@@ -372,8 +376,11 @@ class CdspPool:
         if send is not None:
             send, recv = jax.device_put(send, slots), jax.device_put(recv, slots)
         meta = jax.device_put(meta, NamedSharding(model.mesh, PartitionSpec()))
+        started = time.perf_counter()
         logits, cache = executable(model.state, self._assemble(group), place(ids),
                                    place(positions), meta, send, recv)
+        logits = np.asarray(logits)
+        self.steps.append((num_tokens, start, size, time.perf_counter() - started))
         self._split(group, cache)
         for d, page_ids in emptied:          # read by the step's moves: free only now
             self._free[d].extend(page_ids)
@@ -381,7 +388,7 @@ class CdspPool:
             held.positions.extend(int(p) for p in start + offsets[r])
         seq.done += num_tokens
         out = np.zeros((num_tokens, self.model.config.vocab_size), np.float32)
-        out[positions[real] - start] = np.asarray(logits)[real]
+        out[positions[real] - start] = logits[real]
         return out
 
     def _rank_bucket(self, tokens: int) -> int:
