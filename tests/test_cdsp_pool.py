@@ -151,19 +151,21 @@ def test_chunks_on_2_4_8_devices_give_one_device_then_decode_on_tp2(one_device, 
     want_logits = one_device.logits(ids)
     want_tokens = greedy(one_device, ids, 8)
     free = pool.num_free_pages
-    # The programs this prompt needs (32 tokens on 2 ranks: 16 a rank, 2 pages; then 16
-    # tokens a rank on 4; 67 on 8 with a history of 64: at most 17 a rank, 3 pages), its
-    # two balancings (32 tokens from 2 to 4 ranks, 64 from 4 to 8) and the hand-off's gather.
-    keys = [("chunk", (0, 2), 16, 2, (), 0), pool.balanced_chunk_key((0, 2), (0, 4), 32, 16, 2),
-            pool.balanced_chunk_key((0, 4), (0, 8), 64, 16, 4), ("gather", (0, 8), 4)]
+    plan = [(32, (0, 2)), (32, (0, 4)), (67, (0, 8))]
+    keys = pool.keys_for(len(ids), plan) + [("gather", (0, 8), 4)]     # 17 tokens a rank
     pool.warmup(keys)
     compiled = len(pool.executables)
+    pool.add("x", ids[:40])          # a program not warmed up: refused, nothing booked
+    with pytest.raises(RuntimeError, match="not compiled at warm-up"):
+        pool.prefill_chunk("x", 40, (0, 4))
+    assert pool.held_tokens("x") == {} and pool.num_free_pages == free
+    pool.release("x")
     page_bytes = 2 * pool._cache_shape[0] * PAGE * pool._cache_shape[3] * 4
 
     pool.add("p", ids)
     got, start, seen = [], 0, []
-    for tokens, devices in [(32, range(0, 2)), (32, range(0, 4)), (67, range(0, 8))]:
-        group = group_of(list(devices), 8)
+    for tokens, group in plan:
+        devices = range(group[0], group[0] + group[1])
         moved = pool.moved_pages
         got.append(pool.prefill_chunk("p", tokens, group))
         held = [pool.held_tokens("p").get(d, 0) for d in devices]

@@ -198,10 +198,31 @@ class _Sequence:
     group: Group | None = None
     held: dict[int, _Held] = dataclasses.field(default_factory=dict)   # device -> its K/V
 
+    def copy(self) -> _Sequence:
+        return dataclasses.replace(self, held={d: _Held(list(h.pages), list(h.positions))
+                                               for d, h in self.held.items()})
+
     def counts(self, group: Group) -> np.ndarray:
         first, size = group
         return np.array([len(self.held.get(d, _Held()).positions)
                          for d in range(first, first + size)], np.int64)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Booked:
+    """One chunk booked (`CdspPool._book`): its program's key, the sequence and free lists
+    as they are after it, and its step's inputs (`cp_layout.CpStep`'s positions and
+    source; send, recv: the balancing's slots, None without)."""
+
+    key: tuple
+    sequence: _Sequence
+    free: dict[int, list[int]]
+    positions: np.ndarray
+    source: np.ndarray
+    meta: AttentionMetadata
+    send: np.ndarray | None
+    recv: np.ndarray | None
+    moved_pages: int
 
 
 class CdspPool:
@@ -305,13 +326,15 @@ class CdspPool:
         for d, held in seq.held.items():
             self._free[d].extend(held.pages)
 
-    def _grow(self, d: int, held: _Held, tokens: int) -> None:
+    def _grow(self, free: dict[int, list[int]], d: int, held: _Held, tokens: int) -> None:
+        """Pages from device d's free list (`free`: the pool's, or a booking's copy) until
+        `held` has room for `tokens`."""
         need = -(-tokens // self.page_size) - len(held.pages)
-        if need > len(self._free[d]):
-            raise MemoryError(f"device {d} of the pool has {len(self._free[d])} free pages, "
+        if need > len(free[d]):
+            raise MemoryError(f"device {d} of the pool has {len(free[d])} free pages, "
                               f"{need} needed")
         for _ in range(need):
-            held.pages.append(self._free[d].pop())
+            held.pages.append(free[d].pop())
 
     # -------------------------------------------------------------- chunks
 
@@ -328,27 +351,71 @@ class CdspPool:
             raise ValueError("a plan has at least one chunk")
         return logits[-1]
 
-
     def prefill_chunk(self, sequence_id: str, num_tokens: int, group: Group) -> np.ndarray:
         """Runs the sequence's next `num_tokens` prompt tokens on `group`, which contains the
         group of its previous chunk; when it grew, the step first balances the history over
         it, layer by layer. Returns float32 logits [num_tokens, vocab] of those tokens, in
-        position order."""
+        position order. Nothing changes when it raises (the step is booked on copies)."""
         seq = self._sequences[sequence_id]
+        booked = self._book(seq, num_tokens, group, {d: list(f) for d, f in self._free.items()})
+        executable = self._executable(booked.key)
+        model = self._models[group]
+        place = lambda x: jax.device_put(x, model.layout.sharding(x.shape, ("tokens",)))  # noqa: E731
+        slots = NamedSharding(model.mesh, PartitionSpec(_cp_axis(self)))
+        send, recv = booked.send, booked.recv
+        if send is not None:
+            send, recv = jax.device_put(send, slots), jax.device_put(recv, slots)
+        meta = jax.device_put(booked.meta, NamedSharding(model.mesh, PartitionSpec()))
+        real = booked.source >= 0
+        positions = booked.positions
+        ids = np.where(real, seq.token_ids[np.where(real, positions, 0)], 0).astype(np.int32)
+        started = time.perf_counter()
+        logits, cache = executable(model.state, self._assemble(group), place(ids),
+                                   place(positions), meta, send, recv)
+        logits = np.asarray(logits)
+        self.steps.append((num_tokens, seq.done, group[1], time.perf_counter() - started))
+        self._split(group, cache)
+        self.moved_pages += booked.moved_pages
+        out = np.zeros((num_tokens, self.model.config.vocab_size), np.float32)
+        out[positions[real] - seq.done] = logits[real]
+        self._sequences[sequence_id], self._free = booked.sequence, booked.free
+        return out
+
+    def keys_for(self, num_tokens: int, chunks: Sequence[tuple[int, Group]]) -> list[tuple]:
+        """The programs a prompt of `num_tokens` run as these (tokens, group) chunks needs
+        on an empty pool, for `warmup` (booked as the run would, nothing run)."""
+        seq = _Sequence(np.zeros(num_tokens, np.int32))
+        free = {d: list(range(self.num_pages)) for d in range(self.num_devices)}
+        keys = []
+        for tokens, group in chunks:
+            booked = self._book(seq, tokens, group, free)
+            keys.append(booked.key)
+            seq, free = booked.sequence, booked.free
+        return keys
+
+    def _book(self, seq: _Sequence, num_tokens: int, group: Group,
+              free: dict[int, list[int]]) -> _Booked:
+        """One chunk booked on a copy of `seq` and on `free` (the caller's copy of the free
+        lists): the balancing's moves, the tokens' placement, the pages, the step's inputs
+        and its program's key."""
         check_group(group, self.num_devices)
         if not 1 <= num_tokens <= len(seq.token_ids) - seq.done:
             raise ValueError(f"{num_tokens=} with {len(seq.token_ids) - seq.done} prompt "
                              f"tokens left")
+        seq = seq.copy()
         first, size = group
-        moves, emptied = None, []
+        pattern, bucket, send, recv, moved, emptied = (), 0, None, None, 0, []
         if seq.group is not None and seq.group != group:
-            moves, emptied = self._plan_moves(seq, seq.group, group)
+            pattern, bucket, send, recv, moved, emptied = self._plan_moves(
+                seq, seq.group, group, free)
         seq.group = group
         cached = seq.counts(group)
         offsets = zigzag_offsets(chunk_counts(cached, num_tokens))
         helds = [seq.held.setdefault(first + r, _Held()) for r in range(size)]
         for r, held in enumerate(helds):
-            self._grow(first + r, held, int(cached[r]) + len(offsets[r]))
+            self._grow(free, first + r, held, int(cached[r]) + len(offsets[r]))
+        for d, page_ids in emptied:          # read by the step's moves: not the chunk's
+            free[d].extend(page_ids)
         pages = page_bucket(max(len(h.pages) for h in helds))
         table = np.zeros((size, pages), np.int32)
         for r, held in enumerate(helds):
@@ -366,30 +433,12 @@ class CdspPool:
                 page_size=self.page_size, pad_slot=self.pad_slot, kv_capacity=pages)
             positions, source = step.positions, step.source
             meta = cp_layout.step_metadata(step, 1, pass_q=False)
-        real = source >= 0
-        ids = np.where(real, seq.token_ids[np.where(real, positions, 0)], 0).astype(np.int32)
-        pattern, bucket, send, recv = moves or ((), 0, None, None)
-        executable = self._executable(("chunk", group, rank_tokens, pages, pattern, bucket))
-        model = self._models[group]
-        place = lambda x: jax.device_put(x, model.layout.sharding(x.shape, ("tokens",)))  # noqa: E731
-        slots = NamedSharding(model.mesh, PartitionSpec(_cp_axis(self)))
-        if send is not None:
-            send, recv = jax.device_put(send, slots), jax.device_put(recv, slots)
-        meta = jax.device_put(meta, NamedSharding(model.mesh, PartitionSpec()))
-        started = time.perf_counter()
-        logits, cache = executable(model.state, self._assemble(group), place(ids),
-                                   place(positions), meta, send, recv)
-        logits = np.asarray(logits)
-        self.steps.append((num_tokens, start, size, time.perf_counter() - started))
-        self._split(group, cache)
-        for d, page_ids in emptied:          # read by the step's moves: free only now
-            self._free[d].extend(page_ids)
         for r, held in enumerate(helds):
             held.positions.extend(int(p) for p in start + offsets[r])
         seq.done += num_tokens
-        out = np.zeros((num_tokens, self.model.config.vocab_size), np.float32)
-        out[positions[real] - start] = logits[real]
-        return out
+        return _Booked(key=("chunk", group, rank_tokens, pages, pattern, bucket), sequence=seq,
+                       free=free, positions=positions, source=source, meta=meta, send=send,
+                       recv=recv, moved_pages=moved)
 
     def _rank_bucket(self, tokens: int) -> int:
         for bucket in self.config.rank_token_buckets:
@@ -413,12 +462,12 @@ class CdspPool:
 
     # -------------------------------------------------------------- balancing
 
-    def _plan_moves(self, seq: _Sequence, old: Group, new: Group):
+    def _plan_moves(self, seq: _Sequence, old: Group, new: Group, free):
         """The balancing of the history from `old` over `new` (`balance_rounds`), booked on
-        the host: returns ((pattern, page bucket, send, recv), emptied) where send and recv
-        are int32 [k_new, rounds, bucket * page_size], each rank's slots to read and to
-        write per round (pads: one past its pool), and emptied lists the (device, pages)
-        the givers no longer need once the step has read them."""
+        `seq` and `free`: returns (pattern, page bucket, send, recv, pages moved, emptied)
+        where send and recv are int32 [k_new, rounds, bucket * page_size], each rank's
+        slots to read and to write per round (pads: one past its pool), and emptied lists
+        the (device, pages) the givers no longer need once the step has read them."""
         rounds = balance_rounds(seq.counts(old), old, new)
         ps, first, size = self.page_size, new[0], new[1]
         most = max((t for moves in rounds for _, _, t in moves), default=0)
@@ -432,12 +481,11 @@ class CdspPool:
                 kept = len(giver.positions) - tokens
                 local = kept + np.arange(tokens)             # the giver's last tokens
                 send[src, j, :tokens] = np.asarray(giver.pages)[local // ps] * ps + local % ps
-                self._grow(first + dst, taker, len(taker.positions) + tokens)
+                self._grow(free, first + dst, taker, len(taker.positions) + tokens)
                 local = len(taker.positions) + np.arange(tokens)
                 recv[dst, j, :tokens] = np.asarray(taker.pages)[local // ps] * ps + local % ps
                 taker.positions.extend(giver.positions[kept:])
                 del giver.positions[kept:]
-                self.moved_pages += bucket
         emptied = []
         for r in range(old[1]):
             held = seq.held[old[0] + r]
@@ -445,7 +493,10 @@ class CdspPool:
             emptied.append((old[0] + r, held.pages[keep:]))
             del held.pages[keep:]
         pattern = tuple(tuple((src, dst) for src, dst, _ in moves) for moves in rounds)
-        return (pattern, bucket, send, recv), emptied
+        moved = bucket * sum(len(moves) for moves in rounds)
+        return pattern, bucket, send, recv, moved, emptied
+
+    # -------------------------------------------------------------- the hand-off
 
     def prompt_kv(self, sequence_id: str, low: int, high: int) -> tuple[jax.Array, np.ndarray]:
         """A prefilled sequence's K/V at positions [low, high), for the hand-off
@@ -505,8 +556,8 @@ class CdspPool:
         return executable
 
     def warmup(self, keys: Sequence[tuple]) -> int:
-        """Compiles the programs named by `keys` (`chunk_keys`, `balanced_chunk_key`,
-        `gather_keys`); from then
+        """Compiles the programs named by `keys` (`keys_for` a plan, or
+        `chunk_keys` and `gather_keys` for every group); from then
         on a program not compiled is an error. Returns how many were compiled."""
         keys = [k for k in keys if k not in self.executables]
         for key in keys:
@@ -524,19 +575,6 @@ class CdspPool:
         """Every (group, page bucket) gather of the hand-off."""
         return [("gather", g, p) for g in (groups or aligned_groups(self.num_devices))
                 for p in _powers_of_two(self.num_pages)]
-
-    def balanced_chunk_key(self, old: Group, new: Group, history_tokens: int,
-                           rank_tokens: int, pages: int) -> tuple:
-        """The program of a chunk on `new` after one on `old` with a history of that many
-        tokens (the balancing's pattern and page bucket follow from the count)."""
-        k_old = old[1]
-        cached = np.full(k_old, history_tokens // k_old)
-        cached[:history_tokens % k_old] += 1
-        rounds = balance_rounds(cached, old, new)
-        most = max((t for moves in rounds for _, _, t in moves), default=0)
-        pattern = tuple(tuple((s, d) for s, d, _ in moves) for moves in rounds)
-        return ("chunk", new, rank_tokens, pages, pattern,
-                page_bucket(-(-most // self.page_size)))
 
     def _compile(self, key: tuple) -> jax.stages.Compiled:
         kind, group = key[0], key[1]
