@@ -25,24 +25,30 @@ if "MEDHA_CACHE_DIR" not in os.environ:
 
 
 
+import jax  # noqa: E402  (after XLA_FLAGS: the devices are fixed when JAX starts)
+
+# JAX's persistent cache as the suite started (no Server had pointed it anywhere yet).
+SESSION_COMPILATION_CACHE_DIR = jax.config.jax_compilation_cache_dir
+
+
 @pytest.fixture(autouse=True)
 def jax_persistent_cache_only_where_a_server_set_it():
-    """Each test starts with JAX's persistent compilation cache as it found it.
+    """Each test ends with JAX's persistent compilation cache as the suite started.
 
     A Server points JAX's cache at its cache directory for the whole process
     (`cache_dirs.enable_compilation_cache`). Left that way, every later test of the worker
-    writes its long compiles there, and serializing one of them crashed a worker: a
-    segfault in `executable.serialize()` (CPU backend, jaxlib 0.10.2) under
-    tests/test_xla_attention.py, after which pytest-xdist (--dist loadfile) hung until
-    CI's time ran out. Servers and their steps still use the cache within their test."""
-    import jax
-
-    before = jax.config.jax_compilation_cache_dir
+    writes its long compiles there, and that crashed workers (CPU backend, jaxlib 0.10.2):
+    a segfault in `executable.serialize()` under tests/test_xla_attention.py, and one in
+    the compile itself (`_compile_and_write_cache`) under tests/test_pipeline.py, after
+    which pytest-xdist (--dist loadfile) hung until CI's time ran out. Restored to the
+    session's value, not to the test's: a module-scoped Server is made before its module's
+    first test starts, so "as the test found it" was already on. Servers and their steps
+    still use the cache while the test that made them runs."""
     yield
-    if jax.config.jax_compilation_cache_dir != before:
+    if jax.config.jax_compilation_cache_dir != SESSION_COMPILATION_CACHE_DIR:
         from jax.experimental.compilation_cache import compilation_cache
 
-        jax.config.update("jax_compilation_cache_dir", before)
+        jax.config.update("jax_compilation_cache_dir", SESSION_COMPILATION_CACHE_DIR)
         compilation_cache.reset_cache()
 
 
