@@ -24,9 +24,12 @@ demo: $(VENV)/.installed
 # Two pytest workers (pytest-xdist): one keeps about 1.4 of 2 cores busy (an XLA:CPU compile
 # is single-threaded), two fill both (the whole suite: 44 -> 30 minutes on 2 cores). Whole
 # files per worker (--dist loadfile): a module's fixtures (a loaded model, Ray) start once.
+# A worker that crashes ends the run (--max-worker-restart 0): with loadfile, the worker
+# xdist starts in its place got nothing to run and every process waited, so a crash became
+# a silent hang until CI's time ran out.
 TEST_WORKERS ?= 2
 PYTEST := XLA_FLAGS=$(TEST_XLA_FLAGS) JAX_PLATFORMS=cpu $(PY) -m pytest -q -n $(TEST_WORKERS) \
-	--dist loadfile
+	--dist loadfile --max-worker-restart 0
 
 test: $(VENV)/.installed
 	$(PYTEST)
