@@ -72,6 +72,7 @@ from medha_jax.model.params import MeshLayout
 from meshes import ParallelConfig, make_mesh
 
 Group = tuple[int, int]          # an aligned block of the pool's devices: (first, size)
+STEPS_KEPT = 4096                # chunk steps a pool keeps for Eq. 1's fit (a sliding window)
 
 
 # ------------------------------------------------------------------ host-side planning
@@ -255,8 +256,8 @@ class CdspPool:
         self.executables: dict[tuple, jax.stages.Compiled] = {}
         self.warmed_up = False
         self.moved_pages = 0                   # balancing: pages of messages sent, in total
-        # (tokens, history, sp, seconds) of every chunk step, as measured here: what Eq. 1
-        # is fitted from (`medha_jax.scheduler.cdsp.fit_latency_models`).
+        # (tokens, history, sp, seconds) of the last STEPS_KEPT chunk steps, as measured
+        # here: what Eq. 1 is fitted from (`medha_jax.scheduler.cdsp.fit_latency_models`).
         self.steps: list[tuple[int, int, int, float]] = []
 
     # -------------------------------------------------------------- groups
@@ -271,13 +272,8 @@ class CdspPool:
         layout = MeshLayout.create(self.model.config, mesh, self.model.rules,
                                    self.model.layout.attention_impl)
         members = set(mesh.devices.flat)
-        module = self.model.module
-        placed = {"embed": module.embed[...], "final_norm": module.final_norm[...]}
-        if module.lm_head is not None:
-            placed["lm_head"] = module.lm_head[...]
-        placed.update({f"layers.{k}": v[...] for k, v in module.layers.items()})
         params = {}
-        for name, array in placed.items():
+        for name, array in self.model.module.placed_params().items():
             sharding = NamedSharding(mesh, PartitionSpec())     # cp replicates weights
             on = {s.device: s.data for s in array.addressable_shards if s.device in members}
             params[name] = jax.make_array_from_single_device_arrays(
@@ -374,6 +370,7 @@ class CdspPool:
                                    place(positions), meta, send, recv)
         logits = np.asarray(logits)
         self.steps.append((num_tokens, seq.done, group[1], time.perf_counter() - started))
+        del self.steps[:-STEPS_KEPT]
         self._split(group, cache)
         self.moved_pages += booked.moved_pages
         out = np.zeros((num_tokens, self.model.config.vocab_size), np.float32)
@@ -511,6 +508,13 @@ class CdspPool:
 
     def token_ids(self, sequence_id: str) -> np.ndarray:
         return self._sequences[sequence_id].token_ids
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page of K and V over every layer (what a balancing message of one
+        page carries)."""
+        layers, _, page_size, features = self._cache_shape
+        return 2 * layers * page_size * features * self._k[0].dtype.itemsize
 
     @property
     def kv_layout(self) -> tuple:

@@ -286,11 +286,10 @@ def member_weights(engine: Engine) -> dict:
     """The arrays of a base replica's weights the TP program reads (its own buffers). The
     RoPE frequencies are not among them: the program derives them from the config (the
     module keeps them wherever jnp put them, not necessarily on the replica's device)."""
-    module = engine.model.module
-    weights = {"embed": module.embed[...], "final_norm": module.final_norm[...],
-               "layers": {name: p[...] for name, p in module.layers.items()}}
-    if module.lm_head is not None:
-        weights["lm_head"] = module.lm_head[...]
+    placed = engine.model.module.placed_params()
+    weights = {name: a for name, a in placed.items() if not name.startswith("layers.")}
+    weights["layers"] = {name.split(".", 1)[1]: a for name, a in placed.items()
+                         if name.startswith("layers.")}
     return weights
 
 

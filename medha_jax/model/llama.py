@@ -73,14 +73,20 @@ class Llama(nnx.Module):
                                 for name, spec in specs.items() if spec.per_layer})
         self.inv_freq = nnx.Variable(jnp.asarray(layers.rope_inv_freq(config)))
 
-    def params(self) -> dict[str, jax.Array]:
-        """Canonical name -> array in the checkpoint's shape (padding and repeats removed)."""
-        specs = param_specs(self.config)
+    def placed_params(self) -> dict[str, jax.Array]:
+        """Canonical name -> the array as placed on the mesh (vocabulary padded, K/V heads
+        repeated): the module's own buffers."""
         placed = {"embed": self.embed[...], "final_norm": self.final_norm[...]}
         if self.lm_head is not None:
             placed["lm_head"] = self.lm_head[...]
         placed.update({f"layers.{k}": v[...] for k, v in self.layers.items()})
-        return {name: self.layout.canonical(specs[name], array) for name, array in placed.items()}
+        return placed
+
+    def params(self) -> dict[str, jax.Array]:
+        """Canonical name -> array in the checkpoint's shape (padding and repeats removed)."""
+        specs = param_specs(self.config)
+        return {name: self.layout.canonical(specs[name], array)
+                for name, array in self.placed_params().items()}
 
     def __call__(self, token_ids, positions, kv_cache: KVCache, meta: AttentionMetadata,
                  move_layer=None):
