@@ -1,5 +1,6 @@
 """Test setup: 8 virtual CPU devices, set before JAX is imported anywhere."""
 
+import gc
 import os
 
 import pytest
@@ -37,19 +38,53 @@ def jax_persistent_cache_only_where_a_server_set_it():
 
     A Server points JAX's cache at its cache directory for the whole process
     (`cache_dirs.enable_compilation_cache`). Left that way, every later test of the worker
-    writes its long compiles there, and that crashed workers (CPU backend, jaxlib 0.10.2):
-    a segfault in `executable.serialize()` under tests/test_xla_attention.py, and one in
-    the compile itself (`_compile_and_write_cache`) under tests/test_pipeline.py, after
-    which pytest-xdist (--dist loadfile) hung until CI's time ran out. Restored to the
-    session's value, not to the test's: a module-scoped Server is made before its module's
-    first test starts, so "as the test found it" was already on. Servers and their steps
-    still use the cache while the test that made them runs."""
+    would serialize and write its long compiles there: time spent on nothing the test
+    checks, and a test whose result would depend on which module ran before it on the
+    worker. Restored to the session's value, not to the test's: a module-scoped Server is
+    made before its module's first test starts, so "as the test found it" was already on.
+    Servers and their steps still use the cache while the test that made them runs."""
     yield
     if jax.config.jax_compilation_cache_dir != SESSION_COMPILATION_CACHE_DIR:
         from jax.experimental.compilation_cache import compilation_cache
 
         jax.config.update("jax_compilation_cache_dir", SESSION_COMPILATION_CACHE_DIR)
         compilation_cache.reset_cache()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def compiled_code_released_after_each_module():
+    """Drops JAX's compiled executables when a test module ends (after its own fixtures).
+
+    Every XLA:CPU executable maps its JIT code as ~3 memory regions, held as long as the
+    executable lives, and jit caches (module-level jits included) hold every executable
+    compiled through them. A pytest worker runs ~60 modules: without this, a worker's map
+    count grew past 15,000 by a quarter of the suite, and Linux refuses mappings past
+    vm.max_map_count (65,530 by default), which LLVM's JIT takes as a crash. The suite's
+    segfaults inside XLA's compile and `executable.serialize()`, late in long workers (CI
+    and fresh clones here), were that. Modules recompile what they use anyway (their own
+    shapes and meshes)."""
+    yield
+    jax.clear_caches()
+    gc.collect()
+    regions = mapped_regions()
+    if regions > MAPPED_REGIONS_ALARM:
+        pytest.fail(f"this worker holds {regions:,} memory mappings after the module's "
+                    f"caches were cleared (Linux's default limit is 65,530, past which "
+                    f"XLA crashes): something keeps compiled executables alive, e.g. a "
+                    f"Server that was never closed", pytrace=False)
+
+
+# Well under vm.max_map_count's default: a leak is named here before XLA crashes on it.
+MAPPED_REGIONS_ALARM = 40_000
+
+
+def mapped_regions() -> int:
+    """The process's memory mappings (lines of /proc/self/maps); 0 where there is no /proc."""
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            return sum(1 for _ in maps)
+    except OSError:
+        return 0
 
 
 @pytest.fixture
