@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 DEFAULT_PORT = 50051
 
@@ -208,7 +209,8 @@ def _serve(args) -> int:
 
         if not cluster_detected():    # on this machine: start the N processes, then wait
             return multihost.launch_local(args.hosts, ["-m", "serving.cli", *args.argv],
-                                          devices_per_process=args.devices_per_host)
+                                          devices_per_process=args.devices_per_host,
+                                          max_restarts=args.max_restarts)
         engine = _multihost_engine(args)
         if engine is None:
             return 0
@@ -259,11 +261,33 @@ def _serve_fronts(args, token, engine) -> int:
         # bytecodes; a SIGTERM taken by another thread (XLA's, gloo's, gRPC's) left the
         # main thread asleep in an untimed wait (seen once with --hosts 2: process 0 never
         # stopped).
+        lost_at = None
         while not stop.wait(0.5):
-            pass
+            if engine is None or engine.mirror is None:
+                continue
+            # A multi-host replica that lost a process never steps again (its device
+            # threads sit in the dead collective): once the fronts have said so for
+            # --lost-exit-s (requests failed UNAVAILABLE, health NOT_SERVING, so a router
+            # routes away), process 0 exits REPLICA_LOST for whoever restarts the replica
+            # as new processes (launch_local here; SLURM, a pod controller on a cluster).
+            if lost_at is None and server.unavailable is not None:
+                lost_at = time.monotonic()
+                print(f"replica lost: {server.unavailable}; exiting in {args.lost_exit_s:g} s "
+                      f"to be restarted", flush=True)
+            if lost_at is not None and time.monotonic() - lost_at >= args.lost_exit_s:
+                break
         print("stopping: finishing open calls", flush=True)
         for stop_frontend in frontends:
             stop_frontend()
+        if lost_at is not None:
+            from serving.multihost import REPLICA_LOST_EXIT_CODE
+
+            # Not through Server.close and the interpreter's exit: this process's step
+            # still sits in the dead collective, and freeing the buffers it holds, or
+            # JAX's shutdown of the job, would wait on it forever.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(REPLICA_LOST_EXIT_CODE)
     return 0
 
 
@@ -372,6 +396,13 @@ def build_parser() -> argparse.ArgumentParser:
     hosts.add_argument("--step-timeout-s", type=float, default=60.0,
                        help="longest wait for a step on any process before the replica is "
                             "reported unavailable")
+    hosts.add_argument("--lost-exit-s", type=float, default=5.0,
+                       help="once the replica lost a process: seconds process 0 keeps "
+                            "answering UNAVAILABLE (health NOT_SERVING) before it exits with "
+                            "code 75 for the replica to be restarted")
+    hosts.add_argument("--max-restarts", type=int, default=3,
+                       help="with --hosts on this machine: times a lost replica is started "
+                            "again as new processes (0: never)")
     serve.add_argument("--grace", type=float, default=5.0,
                        help="seconds open calls get to finish on shutdown")
     _add_model_args(serve)

@@ -47,6 +47,7 @@ from medha_jax.scheduler.controller import ReplicaController
 from medha_jax.scheduler.in_flight import BatchFailed, InFlightRunner
 from serving.metrics import ServerMetrics
 from serving.outputs import RequestStream
+from serving.multihost import ReplicaUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -263,7 +264,10 @@ class ServingLoop:
             failed = _request_ids(e.batch)
             if self.on_down is None:
                 logger.error("step failed; failing requests %s", failed, exc_info=e.cause)
-                self._fail(failed, f"step failed: {e}")
+                # A multi-host replica that lost a process: the requests end as
+                # unavailable (gRPC UNAVAILABLE), which a client may retry elsewhere.
+                self._fail(failed, f"step failed: {e}",
+                           unavailable=isinstance(e.cause, ReplicaUnavailable))
             else:
                 self._step_failures += 1
                 logger.error("replica %d: step failed (%d in a row); re-running requests %s "
@@ -418,19 +422,21 @@ class ServingLoop:
                              self.replica)
         self._give_away(moving, f"replica {self.replica} is down: {reason}")
 
-    def _fail(self, request_ids: Sequence[str], error: str) -> None:
+    def _fail(self, request_ids: Sequence[str], error: str, *, unavailable: bool = False
+              ) -> None:
         for request_id in request_ids:
-            self._end(request_id, FinishReason.ERROR, error=error)
+            self._end(request_id, FinishReason.ERROR, error=error, unavailable=unavailable)
         self._observe_state()
 
-    def _end(self, request_id: str, reason: FinishReason, error: str | None = None) -> None:
+    def _end(self, request_id: str, reason: FinishReason, error: str | None = None, *,
+             unavailable: bool = False) -> None:
         """Finishes a request in the controller (its pages freed) and for its caller."""
         group = self._groups.get(request_id)
         held = next((s for s in group.held if s.request_id == request_id), None) \
             if group is not None else None
         if held is not None:          # never reached the controller: nothing to free
             group.held.remove(held)
-            self._finish(held, reason, error=error)
+            self._finish(held, reason, error=error, unavailable=unavailable)
             return
         stream = self._streams.get(request_id)
         if stream is None:
@@ -439,21 +445,22 @@ class ServingLoop:
             self.controller.finish(request_id, reason)
         except Exception:
             logger.exception("controller failed to release request %s", request_id)
-        self._finish(stream, reason, error=error)
+        self._finish(stream, reason, error=error, unavailable=unavailable)
 
     def _finish(self, stream: RequestStream, reason: FinishReason,
-                error: str | None = None) -> None:
+                error: str | None = None, *, unavailable: bool = False) -> None:
+        """unavailable: the error is the replica's failure (StreamDelta.unavailable)."""
         request_id = stream.request_id
         self._streams.pop(request_id, None)
         with self._lock:
             self._in_flight.discard(request_id)
-        metrics = stream.finish(reason, error)
+        metrics = stream.finish(reason, error, unavailable=unavailable)
         self.metrics.observe_finished(metrics, FinishReason(reason).value)
         group = self._groups.pop(request_id, None)
         if group is not None and group.leader == request_id and group.held:
             # Sample 0 ended before its first token: its samples end the same way.
             for other in group.take_held():
-                self._finish(other, reason, error=error)
+                self._finish(other, reason, error=error, unavailable=unavailable)
 
     def _observe_state(self) -> None:
         allocator = self.engine.allocator

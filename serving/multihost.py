@@ -71,8 +71,10 @@ when a peer dies; on TPU pods the same timeouts apply.
 
 Scope (this slice): one program per step (spp = 1), warm-up of every shape before serving
 on every process (no background warm-up: a follower must hold every shape the leader may
-send), one replica per set of processes, no restart in place (a lost replica is started
-again as new processes), no Ray start-up (`--ray` with `--hosts`).
+send), one replica per set of processes, no restart in place: a lost replica's process 0
+exits REPLICA_LOST_EXIT_CODE and the replica is started again as new processes (by
+`launch_local` on one machine, by the cluster's restart policy elsewhere), no Ray start-up
+(`--ray` with `--hosts`).
 """
 
 from __future__ import annotations
@@ -95,6 +97,10 @@ DEFAULT_STEP_TIMEOUT_S = 60.0
 DEFAULT_CONNECT_TIMEOUT_S = 120.0
 _HEADER = struct.Struct("!II")           # JSON bytes, payload bytes
 _STEP, _STOP = "step", "stop"
+# Process 0's exit code when its replica lost a process (EX_TEMPFAIL: try again): whoever
+# started the replica starts it again as new processes (`launch_local`, or the cluster's
+# own restart policy).
+REPLICA_LOST_EXIT_CODE = 75
 
 
 class ReplicaUnavailable(RuntimeError):
@@ -483,17 +489,44 @@ def free_port(host: str = "127.0.0.1") -> int:
         s.bind((host, 0))
         return s.getsockname()[1]
 
-def launch_local(num_processes: int, argv: Sequence[str], *, devices_per_process: int = 4
-                 ) -> int:
+def launch_local(num_processes: int, argv: Sequence[str], *, devices_per_process: int = 4,
+                 max_restarts: int = 0) -> int:
     """Starts the `num_processes` processes of a replica on this machine, each running
     `python argv` with the job in its environment (a free coordinator port on
     127.0.0.1, this process count, its id) and `devices_per_process` virtual CPU
     devices; waits for them. Process 0's output is this command's; SIGINT / SIGTERM go
     to process 0, which stops the others through the step channel. A follower that exits
-    early leaves process 0 serving, reporting the replica unavailable (as on real hosts);
-    once process 0 exits, followers still running after 30 s are stopped. Returns process
-    0's exit code."""
+    early leaves process 0 serving, reporting the replica unavailable (as on real hosts),
+    until process 0 exits REPLICA_LOST_EXIT_CODE: then the replica is started again as
+    new processes (a new JAX job), up to `max_restarts` times. Once process 0 exits,
+    followers still running after 30 s are stopped. Returns process 0's last exit code."""
     import signal
+
+    stopping = []            # a signal came: whatever process 0 exits with is final
+    current: list = []
+
+    def forward(signum, frame):
+        stopping.append(signum)
+        if current:
+            current[0].send_signal(signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, forward)
+    for attempt in range(max_restarts + 1):
+        current[:] = _start_processes(num_processes, argv, devices_per_process)
+        print(f"replica processes (start {attempt + 1}): pids "
+              f"{' '.join(str(p.pid) for p in current)}", flush=True)
+        code = _wait_for_leader(current)
+        if code != REPLICA_LOST_EXIT_CODE or stopping:
+            return code
+        if attempt < max_restarts:
+            print(f"replica lost a process: starting it again "
+                  f"({attempt + 1} of {max_restarts} restarts)", flush=True)
+    return code
+
+
+def _start_processes(num_processes: int, argv: Sequence[str], devices_per_process: int):
+    """The replica's processes, one new JAX job (fresh ports on 127.0.0.1)."""
     import subprocess
     import sys
 
@@ -506,11 +539,14 @@ def launch_local(num_processes: int, argv: Sequence[str], *, devices_per_process
                 XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={devices_per_process}"
                 .strip())
     base.setdefault("JAX_PLATFORMS", "cpu")
-    procs = [subprocess.Popen([sys.executable, *argv],
-                              env=dict(base, MEDHA_PROCESS_ID=str(i)))
-             for i in range(num_processes)]
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda signum, frame: procs[0].send_signal(signum))
+    return [subprocess.Popen([sys.executable, *argv], env=dict(base, MEDHA_PROCESS_ID=str(i)))
+            for i in range(num_processes)]
+
+
+def _wait_for_leader(procs) -> int:
+    """Waits for process 0, then (bounded) for the followers; process 0's exit code."""
+    import subprocess
+
     try:
         procs[0].wait()
     finally:

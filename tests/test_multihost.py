@@ -129,9 +129,11 @@ SERVE_ENGINE = ["--max-model-len", "128", "--max-tokens-per-step", "16", "--max-
 
 
 @pytest.mark.slow
-def test_serve_hosts_2_starts_both_processes_and_gives_one_process_tokens(tmp_path):
+def test_serve_hosts_2_starts_both_processes_and_restarts_a_lost_replica(tmp_path):
     """`medha-jax serve --hosts 2` with no job in the environment starts the two processes
-    itself; process 0 serves gRPC; SIGTERM stops both."""
+    itself; process 0 serves gRPC with one process's tokens. Killing process 1 fails the
+    next request UNAVAILABLE; process 0 exits 75 and the launcher starts the replica again
+    as new processes, which serve the same tokens; SIGTERM stops both."""
     import grpc
 
     from medha_jax import SamplingParams
@@ -146,28 +148,46 @@ def test_serve_hosts_2_starts_both_processes_and_gives_one_process_tokens(tmp_pa
                         "SLURM_JOB_ID", "TPU_WORKER_HOSTNAMES", "OMPI_COMM_WORLD_SIZE")}
     proc = subprocess.Popen(
         [sys.executable, "-m", "serving.cli", "serve", "--hosts", "2", "--model", MODEL,
-         "--parallel", "tp=8", "--port", "0", "--no-cache", *SERVE_ENGINE],
+         "--parallel", "tp=8", "--port", "0", "--no-cache", "--step-timeout-s", "20",
+         "--lost-exit-s", "1", "--max-restarts", "1", *SERVE_ENGINE],
         cwd=root, env=env, stdout=subprocess.PIPE, stderr=(tmp_path / "stderr").open("w"),
         text=True, start_new_session=True)   # its own group: a failure kills both children
     prompt = [5, 17, 99, 3, 42, 7, 250, 1, 8]
-    try:
-        banner, lines = "", []
-        timer = threading.Timer(LAUNCH_TIMEOUT_S, lambda: os.killpg(proc.pid, signal.SIGKILL))
-        timer.start()
-        for line in proc.stdout:              # blocks until process 0 serves
+    lines = []
+    timer = threading.Timer(2 * LAUNCH_TIMEOUT_S, lambda: os.killpg(proc.pid, signal.SIGKILL))
+    timer.start()
+
+    def read_until(prefix: str) -> str:
+        for line in proc.stdout:
             lines.append(line)
-            if line.startswith("serving "):
-                banner = line
-                break
-        timer.cancel()
-        address = banner.split(" on ")[-1].split()[0] if banner else None
-        assert address, "".join(lines[-30:])
+            if line.startswith(prefix):
+                return line
+        raise AssertionError(f"no line starting {prefix!r}:\n" + "".join(lines[-30:]) +
+                             (tmp_path / "stderr").read_text()[-3000:])
+
+    def generate(banner: str) -> list[int]:
+        address = banner.split(" on ")[-1].split()[0]
         with grpc.insecure_channel(address) as channel:
             request = medha_pb2.GenerateRequest(
                 token_ids=medha_pb2.TokenIds(ids=prompt),
                 sampling=medha_pb2.SamplingParams(temperature=0.0, max_tokens=6))
-            responses = list(medha_pb2_grpc.MedhaStub(channel).Generate(request, timeout=120))
-        got = [t for r in responses for t in r.token_ids]
+            responses = medha_pb2_grpc.MedhaStub(channel).Generate(request, timeout=120)
+            return [t for r in responses for t in r.token_ids]
+
+    try:
+        pids = read_until("replica processes (start 1)").split("pids")[-1].split()
+        banner = read_until("serving ")
+        first = generate(banner)
+        os.kill(int(pids[1]), signal.SIGKILL)
+        # Process 0 answers (it exits only --lost-exit-s after it saw the loss), and
+        # says why: not a connection refused, which gRPC also calls UNAVAILABLE.
+        with pytest.raises(grpc.RpcError) as lost:
+            generate(banner)
+        assert lost.value.code() == grpc.StatusCode.UNAVAILABLE, lost.value
+        assert "multi-host replica: process" in lost.value.details(), lost.value
+        read_until("replica lost: ")
+        read_until("replica lost a process: starting it again (1 of 1 restarts)")
+        second = generate(read_until("serving "))
         proc.send_signal(signal.SIGTERM)
         try:
             code = proc.wait(timeout=120)
@@ -177,10 +197,12 @@ def test_serve_hosts_2_starts_both_processes_and_gives_one_process_tokens(tmp_pa
                            if "Gloo" not in line)[-4000:]
         assert code == 0, errors
         rest = proc.stdout.read()
-        # Process 1 ran the steps and was stopped by process 0, compiling nothing meanwhile.
+        # The new process 1 ran the steps and was stopped by process 0, compiling nothing
+        # meanwhile.
         stopped = re.search(r"process 1: stopped after (\d+) steps \((\d+) compiles", rest)
         assert stopped and int(stopped.group(1)) >= 6 and stopped.group(2) == "0", rest
     finally:
+        timer.cancel()
         try:
             os.killpg(proc.pid, signal.SIGKILL)     # the launcher and whatever it left
         except ProcessLookupError:
@@ -190,7 +212,7 @@ def test_serve_hosts_2_starts_both_processes_and_gives_one_process_tokens(tmp_pa
     with Server(MODEL, parallel=ParallelConfig(tp=8), engine_config=EngineConfig(**sizes),
                 warmup=False, cache_dir=False) as server:
         want = server.submit(prompt, SamplingParams(temperature=0, max_tokens=6)).result()
-    assert got == list(want.token_ids)
+    assert first == second == list(want.token_ids)
 
 
 # ------------------------------------------------------------ the step channel alone
