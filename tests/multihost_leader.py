@@ -36,17 +36,25 @@ def run_workload(server) -> dict:
     tokens = [list(h.result().token_ids) for h in handles]
     prompt, n = PREFIX_REUSE
     reuse = server.submit(prompt, SamplingParams(temperature=0, max_tokens=n)).result()
-    # The model's log-softmax (of logits gathered over the processes' vocab shards): each
-    # prompt token's and each sampled token's, with the 3 likeliest alternatives.
-    scored = server.submit(_prompt(7, 20), SamplingParams(
-        temperature=0, max_tokens=4, logprobs=3, prompt_logprobs=3)).result()
-    logprobs = [[e.logprob, *[lp for _, lp in e.top]]
-                for e in (*scored.prompt_logprobs[1:], *scored.logprobs)]
-    top_ids = [[t for t, _ in e.top] for e in (*scored.prompt_logprobs[1:], *scored.logprobs)]
-    return {"tokens": tokens + [list(reuse.token_ids), list(scored.token_ids)],
-            "top_ids": top_ids, "logprobs": logprobs,
+    scored = run_scored(server)
+    return {"tokens": tokens + [list(reuse.token_ids)] + scored["tokens"],
+            "top_ids": scored["top_ids"], "logprobs": scored["logprobs"],
             "preemptions": server.controller.num_preemptions,
             "cached_tokens": reuse.metrics.num_cached_tokens}
+
+
+def run_scored(server) -> dict:
+    """One request's greedy tokens and the model's log-softmax (of logits gathered over the
+    processes' shards): each prompt token's and each sampled token's, with the 3 likeliest
+    alternatives."""
+    from medha_jax import SamplingParams
+
+    scored = server.submit(_prompt(7, 20), SamplingParams(
+        temperature=0, max_tokens=4, logprobs=3, prompt_logprobs=3)).result()
+    entries = (*scored.prompt_logprobs[1:], *scored.logprobs)
+    return {"tokens": [list(scored.token_ids)],
+            "top_ids": [[t for t, _ in e.top] for e in entries],
+            "logprobs": [[e.logprob, *[lp for _, lp in e.top]] for e in entries]}
 
 
 def main() -> None:
@@ -57,6 +65,9 @@ def main() -> None:
     parser.add_argument("--kill-phase", action="store_true")
     parser.add_argument("--step-timeout-s", type=float, default=20.0)
     parser.add_argument("--model", default=MODEL)
+    parser.add_argument("--scored-only", action="store_true",
+                        help="serve only run_scored's request (a model too slow for the "
+                             "whole workload on this CPU)")
     args = parser.parse_args()
 
     import jax
@@ -78,7 +89,7 @@ def main() -> None:
                 lambda event, duration, **kw: compiles.append(event)
                 if event == multihost.BACKEND_COMPILE_EVENT else None)
             before = len(compiles)
-            result = run_workload(server)
+            result = (run_scored if args.scored_only else run_workload)(server)
             result.update(parallel=parallel, compiles_after_warmup=len(compiles) - before)
             print("RESULT " + json.dumps(result), flush=True)
             last = args.kill_phase and i == len(args.parallel) - 1

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from serving.multihost import free_port
-from tests.multihost_leader import ENGINE_CONFIG, MODEL, run_workload
+from tests.multihost_leader import ENGINE_CONFIG, MODEL, run_scored, run_workload
 
 # Each crosses the process boundary (devices 0-3 on process 0, 4-7 on process 1): tp over
 # all 8; kvp (outer to tp) and cp (outer to tp) split between the processes.
@@ -30,26 +30,31 @@ MESHES = ("tp=8", "kvp=2,tp=4", "cp=2,tp=4")
 STEP_TIMEOUT_S = 20.0
 LAUNCH_TIMEOUT_S = 900
 
-@pytest.fixture(scope="module")
-def launch():
-    """Runs both processes once; returns process 0's RESULT lines and process 1's report."""
+def _launch(model: str, meshes: tuple[str, ...], *, kill_phase: bool,
+            scored_only: bool = False):
+    """Runs both processes once: process 0 (tests/multihost_leader.py) serves the workload
+    on each mesh, then with kill_phase a request during which process 1 is killed. Returns
+    process 0's RESULT lines and process 1's reports."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS="--xla_force_host_platform_device_count=4 "
                          "--xla_backend_optimization_level=0")
     coordinator = f"127.0.0.1:{free_port()}"
     channel_port = free_port()
-    meshes = [a for m in MESHES for a in ("--parallel", m)]
+    mesh_args = [a for m in meshes for a in ("--parallel", m)]
     follower = subprocess.Popen(
         [sys.executable, "-m", "serving.multihost", "--process-id", "1", "--num-processes", "2",
          "--coordinator", coordinator, "--channel", f"127.0.0.1:{channel_port}",
-         "--model", MODEL, "--engine-config", json.dumps(ENGINE_CONFIG), *meshes],
+         "--model", model, "--engine-config", json.dumps(ENGINE_CONFIG), *mesh_args],
         cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     leader = subprocess.Popen(
         [sys.executable, "-m", "tests.multihost_leader", "--coordinator", coordinator,
-         "--channel-port", str(channel_port), "--kill-phase",
-         "--step-timeout-s", str(STEP_TIMEOUT_S), *meshes],
+         "--channel-port", str(channel_port), "--model", model,
+         *(["--kill-phase"] if kill_phase else []),
+         *(["--scored-only"] if scored_only else []),
+         "--step-timeout-s", str(STEP_TIMEOUT_S), *mesh_args],
         cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wanted = len(meshes) + kill_phase
     follower_out = []
     reader = threading.Thread(target=lambda: follower_out.extend(follower.stdout), daemon=True)
     reader.start()
@@ -64,9 +69,11 @@ def launch():
                 follower.send_signal(signal.SIGKILL)
             elif line.startswith("RESULT "):
                 results.append(json.loads(line[len("RESULT "):]))
-                if len(results) == len(MESHES) + 1:
+                if len(results) == wanted:
                     break
         leader.wait(timeout=max(deadline - time.monotonic(), 1))
+        if not kill_phase:                     # process 0 stopped it: let it report
+            follower.wait(timeout=max(deadline - time.monotonic(), 1))
     finally:
         watchdog.cancel()
         for p in (leader, follower):
@@ -74,24 +81,33 @@ def launch():
                 p.kill()
                 p.wait()
         reader.join(5)
-    assert len(results) == len(MESHES) + 1, "".join(log[-40:]) + "".join(follower_out[-40:])
+    assert len(results) == wanted, "".join(log[-40:]) + "".join(follower_out[-40:])
     reports = [json.loads(line) for line in follower_out if line.startswith("{")]
     return results, reports
+
+
+@pytest.fixture(scope="module")
+def launch():
+    return _launch(MODEL, MESHES, kill_phase=True)
+
+
+def _one_process_workload(model: str, parallel: str, run=run_workload) -> dict:
+    from medha_jax.engine import EngineConfig
+    from meshes import ParallelConfig
+    from serving.server import Server
+
+    with Server(model, parallel=ParallelConfig.parse(parallel), warmup=True,
+                engine_config=EngineConfig(**ENGINE_CONFIG), cache_dir=False) as server:
+        return run(server)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(MESHES)), ids=MESHES)
 def test_two_processes_give_one_process_tokens(launch, index):
-    from medha_jax.engine import EngineConfig
-    from meshes import ParallelConfig
-    from serving.server import Server
-
     results, reports = launch
     got = results[index]
     assert got["parallel"] == MESHES[index]
-    with Server(MODEL, parallel=ParallelConfig.parse(MESHES[index]), warmup=True,
-                engine_config=EngineConfig(**ENGINE_CONFIG), cache_dir=False) as server:
-        want = run_workload(server)
+    want = _one_process_workload(MODEL, MESHES[index])
     assert got["tokens"] == want["tokens"]
     assert got["top_ids"] == want["top_ids"]
     np.testing.assert_allclose(got["logprobs"], want["logprobs"], atol=1e-4, rtol=0)
@@ -107,6 +123,29 @@ def test_two_processes_give_one_process_tokens(launch, index):
     if index < len(MESHES) - 1:        # the last replica's follower is killed, not stopped
         assert follower and follower[0]["compiles_after_warmup"] == 0
         assert follower[0]["steps"] > 0
+
+
+# SmolLM2's 9 query and 3 K/V heads divide no tp over 8 devices; cp splits the tokens (and
+# their dense work) over all 8, where kvp would run every token's dense layers on each.
+SMOLLM2_MESH = "cp=8"
+
+
+@pytest.mark.slow
+def test_smollm2_over_two_processes_gives_one_process_tokens():
+    """The real model across the process boundary: greedy tokens and logprobs within 1e-4
+    of one process, nothing compiled after warm-up on either process. One scored request
+    only: the whole workload (preemption, prefix reuse: the tiny model's tests above) took
+    over 15 minutes on 2 cores with SmolLM2."""
+    results, reports = _launch("smollm2-135m", (SMOLLM2_MESH,), kill_phase=False,
+                               scored_only=True)
+    got, = results
+    want = _one_process_workload("smollm2-135m", SMOLLM2_MESH, run=run_scored)
+    assert got["tokens"] == want["tokens"]
+    assert got["top_ids"] == want["top_ids"]
+    np.testing.assert_allclose(got["logprobs"], want["logprobs"], atol=1e-4, rtol=0)
+    assert got["compiles_after_warmup"] == 0
+    follower, = reports
+    assert follower["compiles_after_warmup"] == 0 and follower["steps"] > 0
 
 
 @pytest.mark.slow
