@@ -21,6 +21,7 @@ import asyncio
 import dataclasses
 import inspect
 import itertools
+import math
 import secrets
 import threading
 import time
@@ -286,7 +287,8 @@ class Server:
     def submit(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
                slo: SLO | None = None, priority: int = 0, request_id: str | None = None,
                session_id: str | None = None,
-               _loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
+               _loop: asyncio.AbstractEventLoop | None = None,
+               _paced: bool = True) -> RequestHandle:
         """Queues one prompt (a str, token ids, a TokensPrompt or a 1-D numpy array) and
         returns at once. Raises ValueError or TypeError naming a bad field.
         request_id: the caller's label for the request, echoed in its deltas and output;
@@ -301,7 +303,11 @@ class Server:
         token and take its prompt's full KV pages from the prefix cache, so the prompt is
         prefilled once (only the tail after its last full page, at least its last token, is
         computed again per sample). With prefix caching off (EngineConfig) each sample
-        prefills the whole prompt. Prompt logprobs come from sample 0."""
+        prefills the whole prompt. Prompt logprobs come from sample 0.
+
+        _paced=False (`generate`): with no slo given, the request has no per-token
+        objective (the default SLO's TTFT, tpot_s = inf), since its caller reads only the
+        whole output."""
         params = SamplingParams() if sampling_params is None else sampling_params
         try:
             if request_id is not None:
@@ -331,13 +337,16 @@ class Server:
         handle = RequestHandle(request_id, prompt_ids, cancel, loop=_loop,
                                id=server_ids[0], ids=server_ids)
         arrival = self._clock.now()
+        if slo is None:
+            slo = self.default_slo if _paced else dataclasses.replace(self.default_slo,
+                                                                      tpot_s=math.inf)
 
         def streams_on(replica: int) -> tuple[RequestStream, list[RequestStream]]:
             streams = []
             for index, (server_id, detokenizer) in enumerate(zip(server_ids, detokenizers)):
                 request = Request(request_id=server_id, prompt_len=len(prompt_ids),
                                   max_new_tokens=params.max_tokens, arrival_time=arrival,
-                                  slo=slo or self.default_slo, priority=priority,
+                                  slo=slo, priority=priority,
                                   prompt_token_ids=prompt_ids,
                                   sampling=sample_params(params, index),
                                   session_id=session_id)
@@ -375,7 +384,11 @@ class Server:
         waits, so they are batched. So `generate([1, 2, 3])` is a batch of three (and
         fails); one token-id prompt is `generate(TokensPrompt([1, 2, 3]))` or, as a batch
         of one, `generate([[1, 2, 3]])`.
-        sampling_params: one for all, or (for a batch) a list with one per prompt."""
+        sampling_params: one for all, or (for a batch) a list with one per prompt.
+        slo: None gives the requests the default SLO's TTFT and no TPOT objective: their
+        tokens are not seen before the end, so while no other request on the replica has
+        one the scheduler runs steps as large as the engine allows (throughput), not the
+        TPOT-bounded steps a streamed request gets."""
         single = validation.is_single_prompt(prompts)
         batch = [prompts] if single else list(prompts)
         if not batch:
@@ -394,7 +407,8 @@ class Server:
         handles = []
         try:
             for prompt, p in zip(batch, params):
-                handles.append(self.submit(prompt, p, slo=slo, priority=priority))
+                handles.append(self.submit(prompt, p, slo=slo, priority=priority,
+                                           _paced=False))
         except BaseException:
             for handle in handles:       # all or nothing: the caller gets no ids back
                 handle.cancel()

@@ -420,3 +420,35 @@ def test_the_load_a_server_reads_each_step_equals_a_pass_over_the_requests(polic
     _run(controller, engine)
     assert controller.decode_tokens_left == 0 and controller.queued_prefills_s() == ()
     assert allocator.num_free_pages == allocator.num_pages
+
+
+def test_steps_are_bounded_by_time_only_while_a_request_has_a_tpot():
+    # Requests with no per-token objective (tpot_s = inf, Server.generate's) fill each step
+    # to the engine's tokens; one request with a finite TPOT brings the time bound back
+    # from the next batch, and when it finishes the bound goes again.
+    controller, allocator, engine = _setup(max_seqs_per_batch=8, token_buckets=None,
+                                           max_tokens_per_batch=256, target_batch_time_s=2e-4)
+    free = allocator.num_free_pages
+    throughput = SLO(ttft_s=10.0, tpot_s=float("inf"))
+    for i in range(2):
+        r = _request(f"t{i}", prompt_len=600, max_new=3)
+        r.slo = throughput
+        controller.add_request(r)
+    run_one_step(controller, engine)
+    assert engine.batches[-1].num_tokens == 256
+    assert engine.batches[-1].predicted_time_s > 2e-4
+    paced = _request("paced", prompt_len=600, max_new=3)
+    paced.slo = SLO(ttft_s=10.0, tpot_s=1.0)
+    controller.add_request(paced)
+    run_one_step(controller, engine)
+    # Nothing fits 0.2 ms (a step's fixed cost is more): the progress guarantee's chunk.
+    assert engine.batches[-1].num_tokens == SchedulerConfig().min_chunk_tokens
+    while "paced" not in controller.finished:
+        run_one_step(controller, engine)
+    more = _request("t2", prompt_len=600, max_new=3)
+    more.slo = throughput
+    controller.add_request(more)
+    run_one_step(controller, engine)
+    assert engine.batches[-1].num_tokens == 256
+    _run(controller, engine)
+    assert allocator.num_free_pages == free

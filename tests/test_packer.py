@@ -284,6 +284,23 @@ def test_packer_properties(decode_contexts, prefills, buckets, max_seqs, t_targe
         assert batch.num_seqs == max_seqs or batch.num_tokens == limits.token_limit
 
 
+def test_with_no_paced_request_the_step_fills_the_engine_limits():
+    # Nothing the replica holds has a per-token objective (Server.generate's requests):
+    # no time bound, so chunks grow to the engine's tokens per step, not to t_target.
+    limits = EngineLimits(max_tokens_per_batch=16_384, max_seqs_per_batch=8)
+    decodes = [_decode(f"d{i}", 1000 * (i + 1), tpot=float("inf")) for i in range(4)]
+    packer = _adaptive(limits, multi=True, target_batch_time_s=0.02)
+    assert packer.t_target([ScheduledChunk(decodes[0], 1000, 1)], paced=False) == float("inf")
+    paced = packer.pack(decodes, [_prefill("p0", 100_000)], now=0.0)
+    unpaced = packer.pack(decodes, [_prefill("p0", 100_000)], now=0.0, paced=False)
+    assert paced.predicted_time_s <= 0.02 and paced.num_tokens < 16_384
+    assert unpaced.num_tokens == 16_384 and unpaced.predicted_time_s > 0.02
+    # Several prefills share the step up to the same limits.
+    shorts = [_prefill(f"s{i}", 300) for i in range(3)]
+    unpaced = packer.pack([], shorts + [_prefill("p0", 100_000)], now=0.0, paced=False)
+    assert unpaced.num_tokens == 16_384 and unpaced.num_seqs == 4
+
+
 def test_a_decodes_tpot_is_spread_over_the_pipeline_stages():
     # Each batch is one stage's work; a decode's next token comes after all of them.
     decodes = [ScheduledChunk(_decode("d", 1000, tpot=0.12), 1000, 1)]

@@ -132,6 +132,33 @@ def test_batched_outputs_equal_one_at_a_time(server):
         assert 0 <= m.queue_time <= m.ttft
 
 
+def test_generate_asks_for_no_tpot_and_streams_keep_the_default(server, monkeypatch):
+    # generate() returns whole outputs, so its requests carry no per-token objective (the
+    # scheduler then fills steps: see the packer's and controller's tests); a stream, or an
+    # SLO the caller gives, keeps its TPOT.
+    from medha_jax.request import SLO
+    loop = server._loops[0]
+    seen = {}
+    add = loop.add
+
+    def record(stream, **kwargs):
+        seen[stream.request.request_id] = stream.request.slo
+        return add(stream, **kwargs)
+    monkeypatch.setattr(loop, "add", record)
+    batch = server.generate([[1, 2, 3], [4, 5, 6]], GREEDY)
+    given = server.generate(TokensPrompt([7, 8]), GREEDY, slo=SLO(ttft_s=5.0, tpot_s=0.25))
+    streamed = "".join(d.text for d in server.generate_stream(TokensPrompt([9, 10]), GREEDY))
+    assert streamed == server.generate(TokensPrompt([9, 10]), GREEDY).text
+    default = server.default_slo
+    for out in batch:
+        assert seen[out.request_id] == SLO(ttft_s=default.ttft_s, tpot_s=float("inf"))
+    assert seen[given.request_id] == SLO(ttft_s=5.0, tpot_s=0.25)
+    streamed_slo = [slo for rid, slo in seen.items()
+                    if rid not in {o.request_id for o in batch} | {given.request_id}]
+    assert default in streamed_slo
+    assert wait_until_idle(server)
+
+
 def test_stream_deltas_concatenate_to_the_final_output(server):
     prompt = "Hello, wörld"
     final = server.generate(prompt, GREEDY)

@@ -24,6 +24,7 @@ Plain Python, single-threaded: the server serialises calls from its own loop thr
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 
@@ -87,6 +88,9 @@ class ReplicaController:
         self._decodes: dict[str, Request] = {}      # running, one token to compute
         # slo.tpot_s -> how many of _decodes ask for it: the tightest without a pass.
         self._decode_tpots: dict[float, int] = {}
+        # Unfinished requests with a per-token objective (a finite tpot_s): while there are
+        # none, nothing bounds a batch's time (`AdaptivePacker.t_target`).
+        self._num_paced = 0
         # Waiting + running with prefill work left; with riders also by remaining work.
         self._prefills = PriorityIndex(policy, secondary=SRPT(
             prefill_time_cache.remaining_work) if max_rider_candidates else None)
@@ -174,6 +178,7 @@ class ReplicaController:
         self._admission[rid] = self._num_admitted
         self._num_admitted += 1
         self._decode_tokens_left += request.max_new_tokens - len(request.output_token_ids)
+        self._num_paced += math.isfinite(request.slo.tpot_s)
         self._prefills.add(request)
 
     def check_fits(self, prompt_len: int, max_new_tokens: int, *, request_id: str = "") -> None:
@@ -217,6 +222,7 @@ class ReplicaController:
         del self._requests[rid]
         del self._admission[rid]
         self._decode_tokens_left -= request.max_new_tokens - len(request.output_token_ids)
+        self._num_paced -= math.isfinite(request.slo.tpot_s)
         request.state = RequestState.FINISHED
         request.finish_reason = reason
         request.finish_time = now
@@ -265,7 +271,8 @@ class ReplicaController:
                 self._decodes) else None,
             # With riders, the index keeps every queued prefill's w(t) as its SRPT key.
             queued_work=self._prefills.secondary_offsets.__getitem__
-            if self.max_rider_candidates else None)
+            if self.max_rider_candidates else None,
+            paced=self._num_paced > 0)
         gate.release_unscheduled()
         self.last_schedule_seconds = time.perf_counter() - start
         return batch

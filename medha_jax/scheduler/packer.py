@@ -292,13 +292,16 @@ class BatchPacker:
 
     def pack(self, decodes: Sequence[Request], prefills: Sequence[Request], now: float,
              gate: ChunkGate = OpenGate(), *, tightest_tpot: float | None = None,
-             queued_work: Callable[[str], float] | None = None) -> Batch:
+             queued_work: Callable[[str], float] | None = None, paced: bool = True) -> Batch:
         """decodes: in the order they should get the step's seats (longest waiting first).
         prefills: the most urgent prefill requests, most urgent first.
         tightest_tpot: the least slo.tpot_s among `decodes`, where the caller keeps it
         (a packer that budgets by TPOT then needs no pass over them); None: not known.
         queued_work: request id -> `remaining_work` of each of `prefills`, where the caller
-        keeps it; None: not known."""
+        keeps it; None: not known.
+        paced: whether any request the caller holds (running or queued) has a per-token
+        objective (a finite slo.tpot_s); False: none has, and a packer that budgets time
+        may fill the step as far as the engine allows."""
         raise NotImplementedError
 
     def _add_decodes(self, decodes: Sequence[Request], gate: ChunkGate,
@@ -372,14 +375,25 @@ class AdaptivePacker(BatchPacker):
         self.pipeline_stages = pipeline_stages
 
     def t_target(self, decodes: Sequence[ScheduledChunk], *,
-                 tightest_tpot: float | None = None, every_decode: bool = False) -> float:
+                 tightest_tpot: float | None = None, every_decode: bool = False,
+                 paced: bool = True) -> float:
         """The batch's time budget: the strictest TPOT among its decodes (over the pipeline's
-        stages), or the default.
+        stages), or the default; unbounded (inf) when no request is `paced`.
 
         tightest_tpot: the least tpot_s of a set of requests holding every one of `decodes`
         (the caller's, kept as they come and go), where known; `every_decode`: `decodes`
         are that whole set. Then no pass over the decodes is needed: the least is
-        tightest_tpot itself, or, where that leaves the default, any subset's too."""
+        tightest_tpot itself, or, where that leaves the default, any subset's too.
+        paced: False when no request the replica holds, running or queued, has a finite
+        tpot_s (a caller that reads only whole outputs, `Server.generate`). Deviation from
+        Algorithm 1, whose t_target is a hard bound derived from the decodes' TPOT SLOs:
+        with no TPOT to protect, the bound only shrinks steps, and on a device whose
+        fixed cost per step is large (a CPU: ~0.25 s of a 0.5 s budget for SmolLM2) half of
+        every step is that cost. So the step grows to what the engine allows (tokens and
+        sequences per step, KV pages); a request with a finite tpot_s that arrives
+        restores the bound from the next batch on."""
+        if not paced:
+            return math.inf
         budget = self.target_batch_time_s
         if decodes:
             if tightest_tpot is not None and (
@@ -393,13 +407,13 @@ class AdaptivePacker(BatchPacker):
 
     def pack(self, decodes: Sequence[Request], prefills: Sequence[Request], now: float,
              gate: ChunkGate = OpenGate(), *, tightest_tpot: float | None = None,
-             queued_work: Callable[[str], float] | None = None) -> Batch:
+             queued_work: Callable[[str], float] | None = None, paced: bool = True) -> Batch:
         """queued_work: request id -> remaining_work of each of `prefills`, where the caller
         keeps it (the controller's SRPT keys: a lookup instead of w(t) per rider read)."""
         chunks: list[ScheduledChunk] = []
         features = self._add_decodes(decodes, gate, chunks)
         t_target = self.t_target(chunks, tightest_tpot=tightest_tpot,
-                                 every_decode=len(chunks) == len(decodes))
+                                 every_decode=len(chunks) == len(decodes), paced=paced)
         t_pred = self.predictor.predict_features(features)
         max_prefills = self.limits.max_seqs_per_batch if self.multi_prefill else 1
         num_prefills, has_long = 0, False
@@ -662,7 +676,7 @@ class TokenBudgetPacker(BatchPacker):
 
     def pack(self, decodes: Sequence[Request], prefills: Sequence[Request], now: float,
              gate: ChunkGate = OpenGate(), *, tightest_tpot: float | None = None,
-             queued_work: Callable[[str], float] | None = None) -> Batch:
+             queued_work: Callable[[str], float] | None = None, paced: bool = True) -> Batch:
         chunks: list[ScheduledChunk] = []
         features = self._add_decodes(decodes, gate, chunks)
         budget = min(self.token_budget or math.inf, self.limits.token_limit)
