@@ -188,11 +188,12 @@ class ReplicaActor:
                 "page_bytes": page_bytes(self.replica.engine)}
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       slo: SLO | None, priority: int):
-        """Streams the request's StreamDeltas (the last one finished)."""
+                       slo: SLO | None, priority: int, paced: bool = True):
+        """Streams the request's StreamDeltas (the last one finished). paced: as
+        Server.submit's _paced (False: the front's generate(), no TPOT)."""
         handle = self.server.submit(validation.TokensPrompt(prompt_ids), params, slo=slo,
                                     priority=priority, request_id=request_id,
-                                    _loop=asyncio.get_running_loop())
+                                    _loop=asyncio.get_running_loop(), _paced=paced)
         self._handles[request_id] = handle
         if self.handoffs is not None:         # a hand-off's pages may be waiting for it here
             self.replica.loop.call(lambda: self.handoffs.bind(request_id, handle.id))
@@ -214,13 +215,13 @@ class ReplicaActor:
     # The actor side of serving.ray_handoff; the front (RayServer._hand_off) calls these.
 
     async def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                      slo: SLO | None, priority: int, start_page: int):
+                      slo: SLO | None, priority: int, start_page: int, paced: bool = True):
         """generate(), with the decode handed off: the first token's delta, PagesOffered
         items as the prompt's pages fill (from start_page), then HandedOff; a final delta
         instead when the request ends here (at its first token, cancelled, failed)."""
         handle = self.server.submit(validation.TokensPrompt(prompt_ids), params, slo=slo,
                                     priority=priority, request_id=request_id,
-                                    _loop=asyncio.get_running_loop())
+                                    _loop=asyncio.get_running_loop(), _paced=paced)
         self._handles[request_id] = handle
         # After the add (the loop takes its inbox in order): a first token sampled before
         # this call reached the loop just stays here (the front then releases D's pages).
@@ -397,6 +398,7 @@ class _InFlight:
     prefill_metrics: RequestMetrics | None = None   # its prefill side's, once handed off
     submitted: float = dataclasses.field(default_factory=time.monotonic)
     first_token_at: float | None = None   # when its first token reached this process
+    paced: bool = True                    # Server.submit's _paced (generate(): False)
 
 
 class RayServer(Server):
@@ -573,7 +575,7 @@ class RayServer(Server):
 
     def submit(self, prompt, sampling_params: SamplingParams | None = None, *,
                slo: SLO | None = None, priority: int = 0, request_id: str | None = None,
-               session_id: str | None = None, _loop=None) -> RequestHandle:
+               session_id: str | None = None, _loop=None, _paced: bool = True) -> RequestHandle:
         """As Server.submit. Raises NoHealthyReplica (UNAVAILABLE) when no replica is up."""
         from medha_jax.kv_cache.allocator import prefix_page_hashes
 
@@ -607,7 +609,7 @@ class RayServer(Server):
                                id=server_id)
         request = _InFlight(handle, list(prompt_ids), params, slo, priority, session_id,
                             replica, detokenizer, hashes=hashes,
-                            cached_tokens=decision.cached_tokens)
+                            cached_tokens=decision.cached_tokens, paced=_paced)
         with self._lock:
             self._in_flight[server_id] = request
         asyncio.run_coroutine_threadsafe(self._serve(server_id, request), self._aloop)
@@ -744,7 +746,7 @@ class RayServer(Server):
                 replica = request.replica
                 stream = self._actors[replica].generate.remote(
                     server_id, request.prompt_ids + request.tokens, run_params, request.slo,
-                    request.priority)
+                    request.priority, request.paced)
                 try:
                     async for ref in stream:
                         if self._deliver(server_id, request, await ref):
@@ -851,7 +853,7 @@ class RayServer(Server):
         lands, handed = [], None
         try:
             stream = source.prefill.remote(server_id, request.prompt_ids, params, request.slo,
-                                           request.priority, start)
+                                           request.priority, start, request.paced)
             async for ref in stream:
                 item = await ref
                 if isinstance(item, PagesOffered):
