@@ -78,12 +78,17 @@ def _per_row(stat: jax.Array, acc: jax.Array) -> jax.Array:
 def online_softmax_update(
     state: SoftmaxState,
     scores: jax.Array,  # [..., rows, keys] f32, already scaled; -inf where masked
-    values: jax.Array,  # [..., keys, head_dim]
+    values: jax.Array,  # [..., keys, head_dim] (or as pv_spec lays them out)
+    *,
+    pv_spec: str | None = None,
 ) -> SoftmaxState:
     """Folds one tile of keys into the running state (flash attention's inner step).
 
     The running max is rebased to 0 while a row has seen no key (m = -inf), so masked
     tiles add exactly nothing and no -inf - -inf = NaN appears.
+    pv_spec: the einsum of probabilities [..., rows, keys] with values laid out otherwise,
+    e.g. "skgj,sjkd->skgd" for values as gathered from pages, [seqs, keys, kv_heads, d]
+    (the XLA decode path: no transposed copy of the tile); None: a matmul.
     """
     acc, m_prev, l_prev = state
     keepdims = m_prev.ndim == acc.ndim
@@ -93,7 +98,9 @@ def online_softmax_update(
     probs = jnp.exp(scores - _per_row(m_base, acc))         # 0 where masked
     l_next = correction * l_prev + jnp.sum(probs, axis=-1, keepdims=keepdims)
     # Probabilities go to the value dtype for the MXU/tensor cores; accumulate in f32.
-    pv = jnp.matmul(probs.astype(values.dtype), values, preferred_element_type=jnp.float32)
+    probs = probs.astype(values.dtype)
+    pv = (jnp.matmul(probs, values, preferred_element_type=jnp.float32) if pv_spec is None
+          else jnp.einsum(pv_spec, probs, values, preferred_element_type=jnp.float32))
     acc = _per_row(correction, acc) * acc + pv
     return acc, m_next, l_next
 

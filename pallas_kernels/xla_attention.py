@@ -156,13 +156,18 @@ def _decode_group(q, page_table, kv_lens, starts, k_pages, v_pages, *, kv_heads:
     def tile_step(tile, state):
         page_ids = jax.lax.dynamic_slice_in_dim(page_table, tile * pages_per_tile,
                                                 pages_per_tile, axis=1)
-        k = _gather_kv_tile(k_pages, page_ids, head_dim)       # [seqs, kv, keys, d]
-        v = _gather_kv_tile(v_pages, page_ids, head_dim)
-        scores = attention_scores(q_rows, k, sm_scale)        # [seqs, kv, g, keys]
+        # The tile as gathered, [seqs, keys, kv, d]: swapping it to [seqs, kv, keys, d]
+        # for a batched matmul (as the query-block path does) copied every tile, 30% of
+        # the decode attention's time on the CPU (16 sequences at 500 keys, SmolLM2
+        # heads: 7.2 -> 4.9 ms a layer); the einsums read it where it lies.
+        k = k_pages[page_ids].reshape(seqs, block_kv, kv_heads, head_dim)
+        v = v_pages[page_ids].reshape(seqs, block_kv, kv_heads, head_dim)
+        scores = jnp.einsum("skgd,sjkd->skgj", q_rows, k,
+                            preferred_element_type=jnp.float32) * sm_scale
         key_pos = (tile * block_kv + key_offsets)[None, :]
         visible = (key_pos < kv_lens[:, None]) & (key_pos >= starts[:, None])
         scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
-        return online_softmax_update(state, scores, v)
+        return online_softmax_update(state, scores, v, pv_spec="skgj,sjkd->skgd")
 
     num_tiles = cdiv(jnp.max(kv_lens), block_kv)
     # Tiles wholly before every live member's window are skipped (members without keys
