@@ -15,6 +15,13 @@ tp=8): a step reads only its sequences' pages, so its time must not grow with th
 before the cache folded its heads axis (issue 25: XLA re-laid out a size-1 heads axis,
 copying the whole cache every step).
 
+With --breakdown, each scenario's step is also traced once (jax.profiler) and its device
+time split by what the step's XLA ops compute, from each op's source in the compiled HLO
+(`op_breakdown`): dense layers, LM head, attention, the layer scan's copies of each layer's
+weights, KV cache writes, sampling, and the rest (norms, RoPE, residuals, loop overhead).
+The CPU runtime traces every op (thunk) by its HLO name; times are exclusive (a loop's
+body is not counted in the loop) and summed over threads.
+
 The rows "decode xN, min_token_bucket B" run a lone decode and two decodes on engines whose
 token ladder starts at 16 (the default) and at 1 (`vs_bucket_16`, in the ratio column: the
 device time over the 16-token step's). A one-token step copied the whole KV cache three
@@ -25,10 +32,15 @@ decode on 2 cores).
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
+import glob
+import gzip
 import json
 import os
+import re
 import statistics
+import tempfile
 import time
 
 import numpy as np
@@ -49,6 +61,73 @@ def _median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+# What a step's ops compute, by the source each op's HLO metadata names (op_name): the
+# first category whose words one of appears in it. Loops take their body's category
+# (the attention's loops say "ragged_paged_attention"); the layer scan's own loop and the
+# ops no word names fall to "other".
+BREAKDOWN_CATEGORIES = (
+    ("attention", ("attention",)),
+    ("KV cache writes", ("scatter",)),
+    ("layer weights sliced", ("dynamic_index_in_dim",)),
+    ("LM head", ("sd,dv->sv",)),
+    ("dense layers", ("dot_general",)),
+    ("sampling", ("sampl", "top_k", "argmax", "categorical", "log_softmax")),
+)
+OTHER = "other"
+_HLO_OP = re.compile(r'^\s*(?:ROOT )?%([\w.\-]+) = .*?op_name="([^"]*)"', re.MULTILINE)
+
+
+def hlo_op_names(hlo_text: str) -> dict[str, str]:
+    """Instruction name -> its metadata op_name, over every computation of an HLO module's
+    text (`compiled.as_text()`)."""
+    return {m.group(1): m.group(2) for m in _HLO_OP.finditer(hlo_text)}
+
+
+def category_of(op_name: str) -> str:
+    return next((name for name, words in BREAKDOWN_CATEGORIES
+                 if any(w in op_name for w in words)), OTHER)
+
+
+def exclusive_seconds(events: list[dict], op_names: dict[str, str]) -> dict[str, float]:
+    """Seconds per category of complete trace events ({"name", "ts", "dur", "tid"}, times
+    in us) that name HLO instructions, each less the events nested inside it on its thread
+    (a loop less its body's ops). Events of other names (the runtime's own) are ignored."""
+    totals: dict[str, float] = collections.defaultdict(float)
+    by_thread = collections.defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and e.get("name") in op_names:
+            by_thread[e.get("tid")].append(e)
+    for thread in by_thread.values():
+        thread.sort(key=lambda e: (e["ts"], -e["dur"]))
+        stack: list[list] = []                     # [end, category, exclusive us]
+        for e in thread:
+            while stack and stack[-1][0] <= e["ts"]:
+                _, category, us = stack.pop()
+                totals[category] += us / 1e6
+            if stack:
+                stack[-1][2] -= e["dur"]
+            stack.append([e["ts"] + e["dur"], category_of(op_names[e["name"]]), e["dur"]])
+        for _, category, us in stack:
+            totals[category] += us / 1e6
+    return dict(totals)
+
+
+def op_breakdown(compiled, call, repeats: int = 2) -> dict[str, float]:
+    """ms per step of each category (BREAKDOWN_CATEGORIES, OTHER) while `call()` runs the
+    `compiled` executable `repeats` times under jax.profiler (the first call outside it)."""
+    op_names = hlo_op_names(compiled.as_text())
+    call()
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            for _ in range(repeats):
+                call()
+        paths = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
+        with gzip.open(paths[0]) as f:
+            events = json.load(f)["traceEvents"]
+    return {name: seconds * 1e3 / repeats
+            for name, seconds in exclusive_seconds(events, op_names).items()}
+
+
 def scenarios(quick: bool) -> dict[str, list[tuple[int, int]]]:
     """name -> chunks as (context before the chunk, chunk tokens)."""
     rng = np.random.default_rng(0)
@@ -62,7 +141,8 @@ def scenarios(quick: bool) -> dict[str, list[tuple[int, int]]]:
     }
 
 
-def measure(engine, name: str, chunks: list[tuple[int, int]], rng, repeats: int) -> dict:
+def measure(engine, name: str, chunks: list[tuple[int, int]], rng, repeats: int,
+            breakdown: bool = False) -> dict:
     """One scenario's row on `engine`: its batch of `chunks` (context before, chunk tokens)
     built, compiled (as warm-up would) and run `repeats` times; the median whole step, the
     same executable on inputs already on the device, the host time on the critical path,
@@ -94,6 +174,7 @@ def measure(engine, name: str, chunks: list[tuple[int, int]], rng, repeats: int)
 
         device_only()
         device = _median_seconds(device_only, repeats)
+        parts = op_breakdown(executable, device_only) if breakdown else None
     finally:
         release_batch(engine, batch)
     cache = engine.kv_cache
@@ -106,10 +187,11 @@ def measure(engine, name: str, chunks: list[tuple[int, int]], rng, repeats: int)
         "host_overhead_ms": statistics.median(host_times) * 1e3,
         "build_inputs_ms": build * 1e3,
         "tok_per_s": batch.num_tokens / total,
+        **({"breakdown_ms": parts} if parts is not None else {}),
     }
 
 
-def run(model_name: str, quick: bool, repeats: int):
+def run(model_name: str, quick: bool, repeats: int, breakdown: bool = False):
     from medha_jax import load_model
     from medha_jax.engine import Engine, EngineConfig
 
@@ -117,7 +199,7 @@ def run(model_name: str, quick: bool, repeats: int):
     engine = Engine(model, EngineConfig(max_kv_tokens=65_536, max_tokens_per_step=512,
                                         max_seqs=32, max_model_len=2048))
     rng = np.random.default_rng(1)
-    rows = [measure(engine, name, chunks, rng, repeats)
+    rows = [measure(engine, name, chunks, rng, repeats, breakdown)
             for name, chunks in scenarios(quick).items()]
     return model, rows
 
@@ -188,6 +270,19 @@ def run_cache_sizes(model_name: str, repeats: int) -> list[dict]:
     return rows
 
 
+def print_breakdown(rows: list[dict]) -> None:
+    """Each scenario's ops' time by category, ms per step (share of their sum)."""
+    names = [name for name, _ in BREAKDOWN_CATEGORIES] + [OTHER]
+    print(f"\nstep breakdown, ms per step (share of the ops' time; exclusive, over threads)")
+    print(f"{'scenario':<32} " + " ".join(f"{n:>22}" for n in names) + f" {'device_ms':>9}")
+    for r in rows:
+        parts = r["breakdown_ms"]
+        total = sum(parts.values()) or 1.0
+        cells = [f"{parts.get(n, 0.0):>14.1f} ({parts.get(n, 0.0) / total:>4.0%})"
+                 for n in names]
+        print(f"{r['scenario']:<32} " + " ".join(cells) + f" {r['device_ms']:>9.2f}")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -196,9 +291,11 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="smaller batches, fewer repeats")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--json", metavar="FILE")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also split each scenario's device time by what its ops compute")
     args = parser.parse_args(argv)
     repeats = args.repeats or (5 if args.quick else 15)
-    model, rows = run(args.model, args.quick, repeats)
+    model, rows = run(args.model, args.quick, repeats, args.breakdown)
     rows += run_small_token_buckets(args.model, repeats)
     rows += run_cache_sizes(args.cache_model, repeats)
 
@@ -217,6 +314,9 @@ def main(argv=None):
               f"{r['tokens']:>6} {str(tuple(r['padded_shape'])):>14} "
               f"{r['step_ms']:>9.2f} {r['device_ms']:>9.2f} {r['host_overhead_ms']:>16.3f} "
               f"{r['build_inputs_ms']:>15.3f} {r['tok_per_s']:>10.1f} {ratio:>6}")
+    broken_down = [r for r in rows if "breakdown_ms" in r]
+    if broken_down:
+        print_breakdown(broken_down)
     if args.json:
         context = {
             "backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind,
