@@ -23,6 +23,8 @@ Six tables:
     cached-fraction >= 0.3, time comparison; the time gate priced at the in-process link
     speed measured as in (a), also when (a) is skipped): TTFT p50, decode TPOT p90 (over requests,
     each request's mean seconds per output token after the first), requests offloaded.
+    After one unmeasured round (the predictor is refined online from served steps),
+    --h8-rounds rounds of all gates, the order rotated each round.
 (d) H6: the next turn's cached share of its prompt after a disaggregated turn vs after a
     co-located one (turns of (c)).
 (f) the hand-off between replicas that are Ray actors (serving.ray_handoff; needs the
@@ -70,6 +72,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=None, help="(a), (b) repetitions")
     p.add_argument("--gates", default="never,always,cached-fraction,time",
                    help="(c) gates, comma-separated")
+    p.add_argument("--h8-rounds", type=int, default=2,
+                   help="(c) rounds of every gate after an unmeasured warm-up round, the "
+                        "order rotated each round")
     p.add_argument("--sim-replicas", type=int, default=16, help="(e) simulated replicas")
     p.add_argument("--sim-sessions", type=int, default=None,
                    help="(e) sessions (default 96; --quick 48)")
@@ -299,64 +304,31 @@ def ray_part(args, skip) -> list[dict]:
 
 
 def h8(args, server) -> tuple[list[dict], list[dict]]:
-    """Parts (c) and (d)."""
-    from medha_jax import SamplingParams
-    from serving.server import TokensPrompt
-
-    replica_set = server._replica_set
-    vocab = server.config.vocab_size
+    """Parts (c) and (d). An unmeasured round under the `never` gate first: the server's
+    predictor is refined online from served steps, so without it the first gate measured
+    would meet a colder predictor than the others (a first run put TTFT p90 at 26 s for
+    whichever gate ran first). Then --h8-rounds rounds of every gate, the order rotated
+    each round; a gate's figures are over all its rounds' requests."""
+    gates = args.gates.split(",")
+    run_gate(args, server, "never", seed=0)                  # warm-up, not measured
+    results = {gate: [] for gate in gates}
+    for r in range(args.h8_rounds):
+        for k in range(len(gates)):
+            gate = gates[(k + r) % len(gates)]
+            results[gate] += run_gate(args, server, gate, seed=1 + r * len(gates) + k)
     rows, cache_rows = [], []
-    for gi, gate in enumerate(args.gates.split(",")):
-        replica_set.offload = gate_config(gate, server)
-        from serving.kv_transfer import DisaggConfig
-        replica_set.transfers.config = DisaggConfig()
-        results, lock = [], threading.Lock()
-
-        def session(i: int) -> None:
-            rng = random.Random(1000 * gi + i)
-            heavy = i % 3 == 0
-            history: list[int] = []
-            previous_offloaded = None
-            time.sleep(0.3 * i)                     # staggered starts
-            for turn in range(args.turns):
-                new = (args.heavy_tokens if heavy else args.warm_tokens) if turn == 0 \
-                    else args.turn_tokens
-                prompt = history + [rng.randrange(1, vocab) for _ in range(new)]
-                handle = server.submit(TokensPrompt(prompt), SamplingParams(
-                    temperature=0.0, max_tokens=args.output_tokens), session_id=f"{gate}-{i}")
-                out = handle.result(timeout=600)
-                offloaded = any(rid == handle.id and d.decode is not None
-                                for rid, d in replica_set.offload_decisions[-200:])
-                m = out.metrics
-                cached = m.num_cached_tokens
-                if offloaded:            # the decode side counts the moved pages as cached
-                    cached = next((r.prefill_cached_tokens for r in
-                                   reversed(replica_set.transfers.records)
-                                   if r.request_id == handle.id), cached)
-                with lock:
-                    results.append({"heavy": heavy, "turn": turn, "ttft": m.ttft,
-                                    "tpot": m.tpot, "outputs": m.num_output_tokens,
-                                    "cached": cached, "prompt": len(prompt),
-                                    "offloaded": offloaded,
-                                    "after_offloaded": previous_offloaded})
-                previous_offloaded = offloaded
-                history = prompt + list(out.token_ids)
-
-        threads = [threading.Thread(target=session, args=(i,)) for i in range(args.sessions)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        ttft = [r["ttft"] for r in results]
-        tpot = [r["tpot"] for r in results if r["outputs"] > 1]
-        warm_tpot = [r["tpot"] for r in results if r["outputs"] > 1 and not r["heavy"]]
-        rows.append({"gate": gate, "requests": len(results),
-                     "offloaded": sum(r["offloaded"] for r in results),
+    for gate in gates:
+        done = results[gate]
+        ttft = [r["ttft"] for r in done]
+        tpot = [r["tpot"] for r in done if r["outputs"] > 1]
+        warm_tpot = [r["tpot"] for r in done if r["outputs"] > 1 and not r["heavy"]]
+        rows.append({"gate": gate, "requests": len(done),
+                     "offloaded": sum(r["offloaded"] for r in done),
                      "ttft_p50_s": percentile(ttft, 50), "ttft_p90_s": percentile(ttft, 90),
                      "tpot_p90_s": percentile(tpot, 90),
                      "warm_tpot_p90_s": percentile(warm_tpot, 90)})
         for after in (True, False):
-            turns = [r for r in results if r["after_offloaded"] is after]
+            turns = [r for r in done if r["after_offloaded"] is after]
             if turns:
                 cache_rows.append({
                     "gate": gate, "previous_turn": "disaggregated" if after else "co-located",
@@ -364,6 +336,58 @@ def h8(args, server) -> tuple[list[dict], list[dict]]:
                     "cached_share_of_prompt": sum(r["cached"] for r in turns)
                     / sum(r["prompt"] for r in turns)})
     return rows, cache_rows
+
+
+def run_gate(args, server, gate: str, seed: int) -> list[dict]:
+    """One round of (c) under `gate`: --sessions closed-loop sessions of --turns turns, their
+    prompts drawn from `seed` (fresh tokens each round, so no round hits another's cache)."""
+    from medha_jax import SamplingParams
+    from serving.kv_transfer import DisaggConfig
+    from serving.server import TokensPrompt
+
+    replica_set = server._replica_set
+    vocab = server.config.vocab_size
+    replica_set.offload = gate_config(gate, server)
+    replica_set.transfers.config = DisaggConfig()
+    results, lock = [], threading.Lock()
+
+    def session(i: int) -> None:
+        rng = random.Random(1000 * seed + i)
+        heavy = i % 3 == 0
+        history: list[int] = []
+        previous_offloaded = None
+        time.sleep(0.3 * i)                     # staggered starts
+        for turn in range(args.turns):
+            new = (args.heavy_tokens if heavy else args.warm_tokens) if turn == 0 \
+                else args.turn_tokens
+            prompt = history + [rng.randrange(1, vocab) for _ in range(new)]
+            handle = server.submit(TokensPrompt(prompt), SamplingParams(
+                temperature=0.0, max_tokens=args.output_tokens),
+                session_id=f"{gate}-{seed}-{i}")
+            out = handle.result(timeout=600)
+            offloaded = any(rid == handle.id and d.decode is not None
+                            for rid, d in replica_set.offload_decisions[-200:])
+            m = out.metrics
+            cached = m.num_cached_tokens
+            if offloaded:            # the decode side counts the moved pages as cached
+                cached = next((r.prefill_cached_tokens for r in
+                               reversed(replica_set.transfers.records)
+                               if r.request_id == handle.id), cached)
+            with lock:
+                results.append({"heavy": heavy, "turn": turn, "ttft": m.ttft,
+                                "tpot": m.tpot, "outputs": m.num_output_tokens,
+                                "cached": cached, "prompt": len(prompt),
+                                "offloaded": offloaded,
+                                "after_offloaded": previous_offloaded})
+            previous_offloaded = offloaded
+            history = prompt + list(out.token_ids)
+
+    threads = [threading.Thread(target=session, args=(i,)) for i in range(args.sessions)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
 
 
 def simulated(args) -> list[dict]:
@@ -445,7 +469,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                   f"{args.repeats})", gaps)
         if "c" not in skip:
             runs, cached = h8(args, server)
-            table(f"(c) H8 at this scale: {args.sessions} sessions x {args.turns} turns, a "
+            table(f"(c) H8 at this scale: {args.sessions} sessions x {args.turns} turns x "
+                  f"{args.h8_rounds} rounds, a "
                   f"third HEAVY ({args.heavy_tokens} cold tokens), 2 mixed replicas, "
                   "predicted-time router, per offload gate", runs)
             table("(d) H6: the next turn's cached share of its prompt", cached)
