@@ -6,6 +6,7 @@
     medha-jax serve --replicas 2 --router predicted-time   # 2 replicas, one per device group
     medha-jax serve --dp 8 --switching load    # DP <-> TP switching over 8 devices
     medha-jax serve --hosts 2 --parallel tp=8  # one replica over 2 processes (4 CPU devices each)
+    medha-jax serve --hosts 2 --ray HEAD:6379  # the same, one process per Ray node
     medha-jax demo
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import signal
 import sys
@@ -207,6 +209,13 @@ def _serve(args) -> int:
         from meshes import cluster_detected
         from serving import multihost
 
+        if args.ray is not None:      # Ray starts the N processes, one per host
+            from serving.ray_hosts import launch_ray, without_ray_flag
+
+            return launch_ray(args.hosts, ["-m", "serving.cli", *without_ray_flag(args.argv)],
+                              cluster=args.ray, devices_per_process=args.devices_per_host,
+                              max_restarts=args.max_restarts,
+                              host_resources=args.ray_host_resources)
         if not cluster_detected():    # on this machine: start the N processes, then wait
             return multihost.launch_local(args.hosts, ["-m", "serving.cli", *args.argv],
                                           devices_per_process=args.devices_per_host,
@@ -392,7 +401,14 @@ def build_parser() -> argparse.ArgumentParser:
                             "environment); process 0 serves the fronts. With no job in the "
                             "environment, starts the N processes on this machine")
     hosts.add_argument("--devices-per-host", type=int, default=4,
-                       help="with --hosts on this machine: virtual CPU devices per process")
+                       help="with --hosts on this machine (or on CPU-only Ray nodes): "
+                            "virtual CPU devices per process")
+    hosts.add_argument("--ray-host-resources", type=json.loads, default=None,
+                       metavar="JSON",
+                       help='with --hosts N --ray: what each host\'s Ray bundle reserves, '
+                            'e.g. \'{"TPU": 4}\' or \'{"GPU": 8}\' (default {"CPU": 1}); '
+                            "one bundle per node (STRICT_SPREAD), all on it on a one-node "
+                            "cluster")
     hosts.add_argument("--step-timeout-s", type=float, default=60.0,
                        help="longest wait for a step on any process before the replica is "
                             "reported unavailable")
@@ -401,8 +417,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "answering UNAVAILABLE (health NOT_SERVING) before it exits with "
                             "code 75 for the replica to be restarted")
     hosts.add_argument("--max-restarts", type=int, default=3,
-                       help="with --hosts on this machine: times a lost replica is started "
-                            "again as new processes (0: never)")
+                       help="with --hosts on this machine or --ray: times a lost replica is "
+                            "started again as new processes (0: never)")
     serve.add_argument("--grace", type=float, default=5.0,
                        help="seconds open calls get to finish on shutdown")
     _add_model_args(serve)

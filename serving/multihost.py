@@ -73,8 +73,8 @@ Scope (this slice): one program per step (spp = 1), warm-up of every shape befor
 on every process (no background warm-up: a follower must hold every shape the leader may
 send), one replica per set of processes, no restart in place: a lost replica's process 0
 exits REPLICA_LOST_EXIT_CODE and the replica is started again as new processes (by
-`launch_local` on one machine, by the cluster's restart policy elsewhere), no Ray start-up
-(`--ray` with `--hosts`).
+`launch_local` on one machine, `serving.ray_hosts.launch_ray` with `--ray`, the cluster's
+restart policy elsewhere).
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ import socket
 import struct
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -494,12 +494,25 @@ def launch_local(num_processes: int, argv: Sequence[str], *, devices_per_process
     """Starts the `num_processes` processes of a replica on this machine, each running
     `python argv` with the job in its environment (a free coordinator port on
     127.0.0.1, this process count, its id) and `devices_per_process` virtual CPU
-    devices; waits for them. Process 0's output is this command's; SIGINT / SIGTERM go
-    to process 0, which stops the others through the step channel. A follower that exits
-    early leaves process 0 serving, reporting the replica unavailable (as on real hosts),
-    until process 0 exits REPLICA_LOST_EXIT_CODE: then the replica is started again as
-    new processes (a new JAX job), up to `max_restarts` times. Once process 0 exits,
-    followers still running after 30 s are stopped. Returns process 0's last exit code."""
+    devices; waits for them (`run_replica`: restarts and signals). Process 0's output is
+    this command's. Returns process 0's last exit code."""
+    return run_replica(lambda: _start_processes(num_processes, argv, devices_per_process),
+                       max_restarts=max_restarts)
+
+
+def run_replica(start_processes: Callable[[], list], *, max_restarts: int = 0,
+                describe: Callable[[list], str] | None = None) -> int:
+    """Runs a replica's processes until process 0 exits, starting them again as new
+    processes (a new JAX job) when it exits REPLICA_LOST_EXIT_CODE, up to `max_restarts`
+    times. SIGINT / SIGTERM go to process 0, which stops the others through the step
+    channel. A follower that exits early leaves process 0 serving, reporting the replica
+    unavailable (as on real hosts), until process 0 gives up. Once process 0 exits,
+    followers still running after 30 s are stopped.
+
+    start_processes() -> the processes, process 0 first: subprocess.Popen, or anything
+    with its pid, wait(timeout), send_signal, terminate, kill and returncode (a Ray host
+    actor's process: serving.ray_hosts). describe(processes): where they run, printed
+    after their pids. Returns process 0's last exit code."""
     import signal
 
     stopping = []            # a signal came: whatever process 0 exits with is final
@@ -513,9 +526,10 @@ def launch_local(num_processes: int, argv: Sequence[str], *, devices_per_process
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, forward)
     for attempt in range(max_restarts + 1):
-        current[:] = _start_processes(num_processes, argv, devices_per_process)
+        current[:] = start_processes()
         print(f"replica processes (start {attempt + 1}): pids "
-              f"{' '.join(str(p.pid) for p in current)}", flush=True)
+              f"{' '.join(str(p.pid) for p in current)}"
+              + (f" {describe(current)}" if describe else ""), flush=True)
         code = _wait_for_leader(current)
         if code != REPLICA_LOST_EXIT_CODE or stopping:
             return code
@@ -531,16 +545,26 @@ def _start_processes(num_processes: int, argv: Sequence[str], devices_per_proces
     import sys
 
     ports = [free_port(), free_port()]
-    flags = os.environ.get("XLA_FLAGS", "")
-    flags = " ".join(f for f in flags.split() if "xla_force_host_platform_device_count" not in f)
-    base = dict(os.environ, MEDHA_COORDINATOR=f"127.0.0.1:{ports[0]}",
-                MEDHA_STEP_CHANNEL=f"127.0.0.1:{ports[1]}",
-                MEDHA_NUM_PROCESSES=str(num_processes),
-                XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={devices_per_process}"
-                .strip())
+    env = job_environment(f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}", num_processes,
+                          devices_per_process)
+    base = dict(os.environ, **env)
     base.setdefault("JAX_PLATFORMS", "cpu")
     return [subprocess.Popen([sys.executable, *argv], env=dict(base, MEDHA_PROCESS_ID=str(i)))
             for i in range(num_processes)]
+
+
+def job_environment(coordinator: str, channel: str, num_processes: int,
+                    devices_per_process: int) -> dict[str, str]:
+    """The environment every process of one replica's JAX job shares (each adds its
+    MEDHA_PROCESS_ID): the coordinator, process 0's step channel, the process count, and
+    `devices_per_process` virtual CPU devices (XLA_FLAGS: it sizes the host platform only,
+    so a GPU or TPU host keeps its own devices)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    flags = " ".join(f for f in flags.split() if "xla_force_host_platform_device_count" not in f)
+    return {"MEDHA_COORDINATOR": coordinator, "MEDHA_STEP_CHANNEL": channel,
+            "MEDHA_NUM_PROCESSES": str(num_processes),
+            "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={devices_per_process}"
+                         .strip()}
 
 
 def _wait_for_leader(procs) -> int:

@@ -107,3 +107,19 @@ def test_serve_answers_grpc_with_the_token_and_stops_on_sigterm(model_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.parametrize("argv, want", [
+    (["serve", "--hosts", "2", "--ray", "--port", "0"], ["serve", "--hosts", "2", "--port", "0"]),
+    (["serve", "--ray", "head:6379", "--hosts", "2"], ["serve", "--hosts", "2"]),
+    (["serve", "--hosts", "2", "--ray=ray://head:10001"], ["serve", "--hosts", "2"]),
+    (["serve", "--hosts", "2", "--ray"], ["serve", "--hosts", "2"]),
+    (["serve", "--ray-host-resources", '{"TPU": 4}', "--ray"],
+     ["serve", "--ray-host-resources", '{"TPU": 4}']),
+])
+def test_each_hosts_process_runs_the_command_without_ray(argv, want):
+    """What a Ray host actor runs (serving.ray_hosts): the same serve command, without
+    --ray [ADDRESS], however it was written."""
+    from serving.ray_hosts import without_ray_flag
+
+    assert without_ray_flag(argv) == want

@@ -170,9 +170,16 @@ SERVE_ENGINE = ["--max-model-len", "128", "--max-tokens-per-step", "16", "--max-
 @pytest.mark.slow
 def test_serve_hosts_2_starts_both_processes_and_restarts_a_lost_replica(tmp_path):
     """`medha-jax serve --hosts 2` with no job in the environment starts the two processes
-    itself; process 0 serves gRPC with one process's tokens. Killing process 1 fails the
-    next request UNAVAILABLE; process 0 exits 75 and the launcher starts the replica again
-    as new processes, which serve the same tokens; SIGTERM stops both."""
+    itself (serve_hosts_and_restart)."""
+    serve_hosts_and_restart(tmp_path)
+
+
+def serve_hosts_and_restart(tmp_path, launcher_args=()) -> None:
+    """`medha-jax serve --hosts 2 *launcher_args` starts the two processes; process 0
+    serves gRPC with one process's tokens. Killing process 1 fails the next request
+    UNAVAILABLE; process 0 exits 75 and the launcher starts the replica again as new
+    processes, which serve the same tokens; SIGTERM stops both. (Also run with --ray by
+    tests/test_ray_cluster.py.)"""
     import grpc
 
     from medha_jax import SamplingParams
@@ -188,7 +195,7 @@ def test_serve_hosts_2_starts_both_processes_and_restarts_a_lost_replica(tmp_pat
     proc = subprocess.Popen(
         [sys.executable, "-m", "serving.cli", "serve", "--hosts", "2", "--model", MODEL,
          "--parallel", "tp=8", "--port", "0", "--no-cache", "--step-timeout-s", "20",
-         "--lost-exit-s", "1", "--max-restarts", "1", *SERVE_ENGINE],
+         "--lost-exit-s", "1", "--max-restarts", "1", *SERVE_ENGINE, *launcher_args],
         cwd=root, env=env, stdout=subprocess.PIPE, stderr=(tmp_path / "stderr").open("w"),
         text=True, start_new_session=True)   # its own group: a failure kills both children
     prompt = [5, 17, 99, 3, 42, 7, 250, 1, 8]

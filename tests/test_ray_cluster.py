@@ -34,7 +34,8 @@ def ray_cluster():
     dashboard, an 80 MB object store (deltas are small)."""
     if not ray.is_initialized():
         ray.init(num_cpus=2, include_dashboard=False, object_store_memory=80 * 2**20,
-                 namespace=NAMESPACE, log_to_driver=False)
+                 namespace=NAMESPACE, log_to_driver=False,
+                 resources={"medha_host": 2})   # two "hosts" beside the CPUs the replicas hold
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
 
@@ -259,3 +260,19 @@ def test_serve_takes_a_ray_address():
     assert parse(["serve", "--ray"]).ray == "ray"
     args = parse(["serve", "--ray", "head:6379", "--replicas", "2"])
     assert (args.ray, args.replicas) == ("head:6379", 2)
+
+
+def test_serve_hosts_2_on_ray_starts_a_process_per_host_and_restarts_a_lost_replica(
+        ray_cluster, tmp_path):
+    """`serve --hosts 2 --ray ADDRESS`: one Ray actor per host starts that host's process
+    (here both "hosts" are this node's medha_host bundles); the same tokens, the same loss
+    and restart as `--hosts 2` on its own (tests/test_multihost.py)."""
+    from tests.test_multihost import serve_hosts_and_restart
+
+    serve_hosts_and_restart(tmp_path, ["--ray", ray_cluster,
+                                       "--ray-host-resources", '{"medha_host": 1}'])
+    # The job's end took its placement group with it: both "hosts" are free again.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and ray.available_resources().get("medha_host") != 2:
+        time.sleep(0.5)
+    assert ray.available_resources().get("medha_host") == 2
