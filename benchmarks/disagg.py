@@ -303,19 +303,21 @@ def ray_part(args, skip) -> list[dict]:
     return rows
 
 
-def h8(args, server) -> tuple[list[dict], list[dict]]:
+def h8(args, server) -> tuple[list[dict], list[dict], list[dict]]:
     """Parts (c) and (d). An unmeasured round under the `never` gate first: the server's
     predictor is refined online from served steps, so without it the first gate measured
     would meet a colder predictor than the others (a first run put TTFT p90 at 26 s for
     whichever gate ran first). Then --h8-rounds rounds of every gate, the order rotated
-    each round; a gate's figures are over all its rounds' requests."""
+    each round; a gate's figures are over all its rounds' requests. Returns the table
+    rows of (c) and (d) and every measured request (for the JSON: where a tail comes from)."""
     gates = args.gates.split(",")
     run_gate(args, server, "never", seed=0)                  # warm-up, not measured
     results = {gate: [] for gate in gates}
     for r in range(args.h8_rounds):
         for k in range(len(gates)):
             gate = gates[(k + r) % len(gates)]
-            results[gate] += run_gate(args, server, gate, seed=1 + r * len(gates) + k)
+            results[gate] += [dict(done, gate=gate, round=r) for done in run_gate(
+                args, server, gate, seed=1 + r * len(gates) + k)]
     rows, cache_rows = [], []
     for gate in gates:
         done = results[gate]
@@ -335,7 +337,7 @@ def h8(args, server) -> tuple[list[dict], list[dict]]:
                     "turns": len(turns),
                     "cached_share_of_prompt": sum(r["cached"] for r in turns)
                     / sum(r["prompt"] for r in turns)})
-    return rows, cache_rows
+    return rows, cache_rows, [done for gate in gates for done in results[gate]]
 
 
 def run_gate(args, server, gate: str, seed: int) -> list[dict]:
@@ -350,6 +352,7 @@ def run_gate(args, server, gate: str, seed: int) -> list[dict]:
     replica_set.offload = gate_config(gate, server)
     replica_set.transfers.config = DisaggConfig()
     results, lock = [], threading.Lock()
+    started = time.perf_counter()
 
     def session(i: int) -> None:
         rng = random.Random(1000 * seed + i)
@@ -361,6 +364,7 @@ def run_gate(args, server, gate: str, seed: int) -> list[dict]:
             new = (args.heavy_tokens if heavy else args.warm_tokens) if turn == 0 \
                 else args.turn_tokens
             prompt = history + [rng.randrange(1, vocab) for _ in range(new)]
+            handle_submitted = time.perf_counter()
             handle = server.submit(TokensPrompt(prompt), SamplingParams(
                 temperature=0.0, max_tokens=args.output_tokens),
                 session_id=f"{gate}-{seed}-{i}")
@@ -374,7 +378,8 @@ def run_gate(args, server, gate: str, seed: int) -> list[dict]:
                                reversed(replica_set.transfers.records)
                                if r.request_id == handle.id), cached)
             with lock:
-                results.append({"heavy": heavy, "turn": turn, "ttft": m.ttft,
+                results.append({"session": i, "heavy": heavy, "turn": turn,
+                                "submitted_s": handle_submitted - started, "ttft": m.ttft,
                                 "tpot": m.tpot, "outputs": m.num_output_tokens,
                                 "cached": cached, "prompt": len(prompt),
                                 "offloaded": offloaded,
@@ -447,7 +452,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args.repeats = args.repeats or (3 if args.quick else 5)
     args.sim_sessions = args.sim_sessions or (192 if args.quick else 384)
     skip = set(args.skip.split(",")) - {""}
-    band = gaps = runs = cached = sim = []
+    band = gaps = runs = cached = sim = h8_requests = []
     if "e" not in skip:
         sim = simulated(args)
         table(f"(e) simulated: {args.sim_replicas} replicas of llama3-8b (one H100 each), "
@@ -468,7 +473,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                   "decoded on replica 1 (median of "
                   f"{args.repeats})", gaps)
         if "c" not in skip:
-            runs, cached = h8(args, server)
+            runs, cached, h8_requests = h8(args, server)
             table(f"(c) H8 at this scale: {args.sessions} sessions x {args.turns} turns x "
                   f"{args.h8_rounds} rounds, a "
                   f"third HEAVY ({args.heavy_tokens} cold tokens), 2 mixed replicas, "
@@ -478,16 +483,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     if sim:
         table(f"(e) simulated: {args.sim_replicas} replicas of llama3-8b (one H100 each), "
               f"{args.sim_sessions} sessions x 4 turns, half HEAVY (20K cold tokens)", sim)
-    _write(args, band, gaps, runs, cached, sim, ray_rows)
+    _write(args, band, gaps, runs, cached, sim, ray_rows, h8_requests)
 
 
-def _write(args, band, gaps, runs, cached, sim, ray_rows=()) -> None:
+def _write(args, band, gaps, runs, cached, sim, ray_rows=(), h8_requests=()) -> None:
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"context": {**environment(), **vars(args)}, "bandwidth": band,
                        "gap": gaps, "h8": runs, "next_turn_cache": cached,
-                       "simulated": sim, "ray_handoff": list(ray_rows)}, f, indent=2)
+                       "h8_requests": list(h8_requests), "simulated": sim,
+                       "ray_handoff": list(ray_rows)}, f, indent=2)
 
 
 if __name__ == "__main__":
