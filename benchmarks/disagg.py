@@ -369,8 +369,9 @@ def run_gate(args, server, gate: str, seed: int) -> list[dict]:
                 temperature=0.0, max_tokens=args.output_tokens),
                 session_id=f"{gate}-{seed}-{i}")
             out = handle.result(timeout=600)
-            offloaded = any(rid == handle.id and d.decode is not None
-                            for rid, d in replica_set.offload_decisions[-200:])
+            decode = next((d.decode for rid, d in reversed(replica_set.offload_decisions[-200:])
+                           if rid == handle.id), None)
+            offloaded = decode is not None
             m = out.metrics
             cached = m.num_cached_tokens
             if offloaded:            # the decode side counts the moved pages as cached
@@ -382,7 +383,9 @@ def run_gate(args, server, gate: str, seed: int) -> list[dict]:
                                 "submitted_s": handle_submitted - started, "ttft": m.ttft,
                                 "tpot": m.tpot, "outputs": m.num_output_tokens,
                                 "cached": cached, "prompt": len(prompt),
-                                "offloaded": offloaded,
+                                "offloaded": offloaded, "replica": m.replica,
+                                "decode_replica": decode, "queue_s": m.queue_time,
+                                "preemptions": m.num_preemptions,
                                 "after_offloaded": previous_offloaded})
             previous_offloaded = offloaded
             history = prompt + list(out.token_ids)
