@@ -56,7 +56,8 @@ class HostActor:
 
     def __init__(self):
         self._proc: subprocess.Popen | None = None
-        self._lines: list[tuple[str, str]] = []      # (stream, line), in arrival order
+        self._lines: list[tuple[str, str]] = []      # (stream, line), not yet read
+        self._first = 0                               # the index of _lines[0]
         self._lock = threading.Lock()
 
     def node_ip(self) -> str:
@@ -73,8 +74,6 @@ class HostActor:
         """Starts `python argv` with `env` over this actor's environment; its pid."""
         if self._proc is not None and self._proc.poll() is None:
             raise RuntimeError(f"this host's process {self._proc.pid} is still running")
-        with self._lock:
-            self._lines = []
         self._proc = subprocess.Popen(
             [sys.executable, *argv], env={**os.environ, **env}, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True, bufsize=1,
@@ -89,9 +88,13 @@ class HostActor:
                 self._lines.append((name, line))
 
     def read(self, since: int) -> list[tuple[str, str]]:
-        """The output lines from the `since`-th on (stdout and stderr interleaved)."""
+        """The output lines from the `since`-th on (stdout and stderr interleaved); those
+        before it are dropped (one reader, the driver, has them: a server that runs for
+        weeks keeps no log here)."""
         with self._lock:
-            return self._lines[since:]
+            del self._lines[:max(0, since - self._first)]
+            self._first = max(self._first, since)
+            return self._lines[max(0, since - self._first):]
 
     def poll(self) -> int | None:
         return None if self._proc is None else self._proc.poll()
