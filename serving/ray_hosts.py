@@ -9,13 +9,14 @@ host, each starting its host's process of the replica's JAX job (serving.multiho
     run_replica: wait for process 0,           MEDHA_NUM_PROCESSES, MEDHA_PROCESS_ID=i
       restart the job when it lost a host    read(): its output lines, relayed here
 
-As Ray's JAX trainer and tpu-inference do it: Ray only places one actor per host (a
-placement group over the hosts' accelerators) and hands each the job's coordinates; the
-hosts then form the JAX job themselves (`jax.distributed.initialize` from the environment)
-and Ray carries no step traffic. The actor runs the host's process as a child rather than
-joining the job in its own worker: a JAX job cannot be left and joined again in one
-process, and a replica that lost a host is restarted as a new job (new processes), which
-the actors can start while staying up. A child dies with its actor (PR_SET_PDEATHSIG on
+As Ray Train's JaxTrainer does it (its JAX backend: worker 0's node address and a free
+port there become the coordinator, and every worker calls `jax.distributed.initialize`
+with it, its rank and the worker count): Ray only places one actor per host (a placement
+group over the hosts' accelerators) and hands each the job's coordinates; the hosts then
+form the JAX job themselves and Ray carries no step traffic. Unlike the trainer's workers,
+the actor runs the host's process as a child rather than joining the job in its own
+worker process: a JAX job cannot be left and joined again in one process, and a replica
+that lost a host is restarted as a new job (new processes). A child dies with its actor (PR_SET_PDEATHSIG on
 Linux), so a host whose actor Ray lost leaves no process behind.
 
 On one node (this machine) the N bundles are packed on it: `--hosts 2 --ray` runs the two
