@@ -16,8 +16,8 @@ group over the hosts' accelerators) and hands each the job's coordinates; the ho
 form the JAX job themselves and Ray carries no step traffic. Unlike the trainer's workers,
 the actor runs the host's process as a child rather than joining the job in its own
 worker process: a JAX job cannot be left and joined again in one process, and a replica
-that lost a host is restarted as a new job (new processes). A child dies with its actor (PR_SET_PDEATHSIG on
-Linux), so a host whose actor Ray lost leaves no process behind.
+that lost a host is restarted as a new job (new processes). A child dies with its actor
+(PR_SET_PDEATHSIG on Linux), so a host whose actor Ray lost leaves no process behind.
 
 On one node (this machine) the N bundles are packed on it: `--hosts 2 --ray` runs the two
 processes here, 4 virtual CPU devices each, as without Ray. On a cluster with fewer alive
