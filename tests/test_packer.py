@@ -171,6 +171,25 @@ def test_a_chunk_is_at_least_one_query_block_of_the_engines_attention():
     assert [c.num_tokens for c in batch.chunks] == [1, 1, 1, 1, 40]
 
 
+def test_one_token_of_a_longer_prompt_is_no_fit_the_progress_guarantee_takes_over():
+    # Where the budget holds one token but no more, the search settles on a one-token
+    # chunk: the decode path, one token a step (a 1K-token prompt took 170 s so on the
+    # CPU). It counts as no fit: the prefill gets the guarantee's block instead.
+    request = _prefill("long", 600_000, computed=500_000)
+    one = _predict([ScheduledChunk(request, 500_000, 1)], None)
+    assert _predict([ScheduledChunk(request, 500_000, 2)], None) > one * (1 + 1e-9)
+    limits = EngineLimits(query_block_tokens=64)
+    packer = _adaptive(limits, target_batch_time_s=one * (1 + 1e-9), min_chunk_tokens=16)
+    (chunk,) = packer.pack([], [request], now=0.0).chunks
+    assert chunk.num_tokens == 64
+    assert lone_prefill_chunk(PREDICTOR, limits, context_len=500_000, remaining=100_000,
+                              t_target=one * (1 + 1e-9), min_chunk_tokens=16) == 64
+    # The last token of a prompt is its whole rest: it stays a one-token chunk.
+    last = _prefill("last", 500_001, computed=500_000)
+    (chunk,) = packer.pack([], [last], now=0.0).chunks
+    assert chunk.num_tokens == 1
+
+
 def test_whole_query_block_widens_only_prefill_chunks_within_the_cap():
     limits = EngineLimits(query_block_tokens=64)
     assert whole_query_block(0, 100, limits) == 0        # nothing fit: stays nothing

@@ -105,7 +105,7 @@ _PINNED = {
     ('lrs', 'tight-in-flight'): "26366203eea423693fabc3e54028350e3b90db714c11a1f53a8d4d0a69806b3b",
     ('lars', 'tight-in-flight'): "5447485af8d4d47f7612a3b230d4526c662a1c74ddc014233a97386a859772c4",
     ('lars-mp', 'tight-in-flight'):
-        "01045a9265476f4ac89743f453517940150767900cb305a5412969974a42b908",
+        "249500a0d1918987c8e34eb35ab7d371d32ff90f0e782b2b0b52992a11ca05b7",
 }
 
 

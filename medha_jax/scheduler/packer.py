@@ -275,7 +275,19 @@ def lone_prefill_chunk(predictor: RuntimePredictor, limits: EngineLimits, *, con
     n = largest_chunk(predictor, BatchFeatures(), start=context_len, max_tokens=cap,
                       remaining=remaining, budget_s=t_target, token_buckets=limits.token_buckets,
                       guess=guess)
-    return whole_query_block(n or min(min_chunk_tokens, cap), cap, limits)
+    n = chunk_worth_a_step(n, cap) or min(min_chunk_tokens, cap)
+    return whole_query_block(n, cap, limits)
+
+
+def chunk_worth_a_step(n: int, max_tokens: int) -> int:
+    """A chunk search's n, or 0 where it is no progress worth a step: one token of a
+    prompt with more left. One token takes the decode path (no query block), so the
+    search settles on it exactly where a block of two or more does not fit the budget,
+    and the prompt then moves one token a step: in benchmarks/disagg.py (c) on the CPU
+    (SmolLM2, 0.2 s budget, 64-token blocks at 0.3-0.5 s), 1,024-token prompts took
+    65-175 s to their first token instead of 10-20 s. Counted as no fit, the prompt gets
+    the progress guarantee's chunk instead (`min_chunk_tokens`, widened to a block)."""
+    return 0 if n == 1 and max_tokens > 1 else n
 
 
 class BatchPacker:
@@ -336,7 +348,8 @@ class AdaptivePacker(BatchPacker):
     long_prefill_tokens: IsLong of Algorithm 2: sequences at least this long. The
                          default 8192 is the short/long boundary of seed 000, sec. 6.5.
     min_chunk_tokens:    progress guarantee: when no prefill fits the budget (decodes
-                         alone fill it, or one token of a huge context exceeds it), the
+                         alone fill it, one token of a huge context exceeds it, or only
+                         one token fits: `chunk_worth_a_step`), the
                          most urgent prefill still gets this many tokens (a whole query
                          block where that is more: `whole_query_block`). So a batch exceeds
                          max(t_target, decode time) by at most one such chunk, and a chunk
@@ -630,7 +643,7 @@ class AdaptivePacker(BatchPacker):
         n = chunk_below(price, features.tokens, max_tokens, budget_s, buckets,
                         guess=self.chunk_hint(start) if self.chunk_hint else None,
                         fitted=fitted)
-        n = whole_query_block(n, max_tokens, self.limits)
+        n = whole_query_block(chunk_worth_a_step(n, max_tokens), max_tokens, self.limits)
         return n, fitted.get(n)
 
     def _guarantee_progress(self, candidates: Iterable[Request], features: BatchFeatures,
