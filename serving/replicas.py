@@ -178,9 +178,12 @@ class LocalReplica:
     @property
     def prefill_share(self) -> float:
         """Share of the last PREFILL_SHARE_WINDOW_S seconds this replica's steps spent
-        carrying prefill chunks (read from the router's thread: a snapshot)."""
+        carrying prefill chunks (read from the router's thread: a snapshot). Steps that
+        ended before the window count for nothing also while the replica is idle (the
+        loop prunes the deque only when it steps)."""
+        since = time.monotonic() - PREFILL_SHARE_WINDOW_S
         steps = list(self._prefill_steps)
-        return min(1.0, sum(d for _, d in steps) / PREFILL_SHARE_WINDOW_S)
+        return min(1.0, sum(d for end, d in steps if end >= since) / PREFILL_SHARE_WINDOW_S)
 
     def _refine_predictor(self, collected) -> None:
         """On the loop thread after each step: feeds its measured time to the online refit

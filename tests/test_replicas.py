@@ -1,11 +1,15 @@
 """Several replicas in one process behind the router (tiny model, CPU devices)."""
 
+import collections
+import time
+import types
+
 import numpy as np
 import pytest
 
 from medha_jax import SamplingParams, load_model
 from medha_jax.cluster.router import RoutingConfig
-from serving.replicas import device_groups, replica_models
+from serving.replicas import PREFILL_SHARE_WINDOW_S, LocalReplica, device_groups, replica_models
 from serving.server import Server, TokensPrompt
 from tests.test_server import TINY_ENGINE, byte_level_tokenizer, wait_until_idle
 
@@ -24,6 +28,18 @@ def tiny_model():
 def one_replica_tokens():
     with Server(tiny_model(), engine_config=TINY_ENGINE, warmup=False) as server:
         return [out.token_ids for out in server.generate(PROMPTS, GREEDY)]
+
+
+def test_prefill_share_forgets_old_steps_while_the_replica_is_idle():
+    # The loop prunes its record of prefill steps only when it steps: an idle replica's
+    # share must still count only the window (a replica busy with prefills a round ago
+    # is idle now, and the offload decision would price decodes there as interfered).
+    now = time.monotonic()
+    steps = collections.deque([(now - PREFILL_SHARE_WINDOW_S - 5.0, 4.0), (now - 1.0, 2.0)])
+    replica = types.SimpleNamespace(_prefill_steps=steps)
+    assert LocalReplica.prefill_share.fget(replica) == pytest.approx(2.0 / PREFILL_SHARE_WINDOW_S)
+    steps.pop()
+    assert LocalReplica.prefill_share.fget(replica) == 0.0
 
 
 def test_device_groups_are_disjoint_and_contiguous():
