@@ -2,8 +2,12 @@
 between replicas of one process (seeds 001 and 003).
 
     request placed on P (router), decode chosen on D (medha_jax.cluster.offload)
-      1. handshake: D reserves every full prompt page before P starts (first-come order;
-         pages D already has cached are reused and not moved)
+      1. handshake: D reserves every full prompt page (first-come order; pages D already
+         has cached are reused and not moved). A mixed P starts the prefill at once, beside
+         the handshake: waiting for the grant would put D's step (the handshake runs
+         between D's steps) and its page queue into the TTFT, which the offload decision
+         prices as P's alone. If P's prefill ends before the grant, the request decodes
+         on P (plan (a)) and the reservation is dropped. A prefill-only P waits for it.
       2. P prefills; after each step, the pages that became full are gathered and
          `jax.device_put` to D's devices (asynchronous: the copy overlaps P's next chunk)
          and written on D's loop thread into the reserved pages
@@ -128,6 +132,7 @@ class _Transfer:
     resumed: object = None         # the request the decode side runs
     handed_at: float = 0.0
     failed_decodes: set = dataclasses.field(default_factory=set)
+    started: bool = False          # in P's loop before the grant (a mixed P)
 
     @property
     def request_id(self) -> str:
@@ -187,15 +192,25 @@ class KVTransfers:
 
     # ------------------------------------------------------------------ any thread
 
-    def begin(self, stream, prefill: int, decode: int) -> None:
-        """Starts the hand-off of a new request: the handshake with `decode`; the request
-        reaches `prefill`'s loop once its pages are reserved there."""
+    def begin(self, stream, prefill: int, decode: int, *, start_now: bool = False) -> None:
+        """Starts the hand-off of a new request: the handshake with `decode`. start_now:
+        the request joins `prefill`'s loop at once (a mixed replica, which can decode it
+        itself if the grant comes after its prefill); else once `decode` reserved its
+        pages. Raises RuntimeError, with nothing begun, when `prefill`'s loop refuses it."""
         request = stream.request
         page_size = self.set.page_size
         t = _Transfer(stream, list(request.prompt_token_ids), prefill, decode,
-                      next(self._tids), request.prompt_len // page_size, time.monotonic())
+                      next(self._tids), request.prompt_len // page_size, time.monotonic(),
+                      started=start_now)
         with self._lock:
             self._by_id[t.request_id] = t
+        if start_now:
+            try:
+                self.set.replicas[prefill].loop.add(stream)
+            except RuntimeError:
+                with self._lock:
+                    self._drop(t)
+                raise
         self._post_handshake(t)
 
     def cancel(self, request_id: str) -> bool:
@@ -204,9 +219,12 @@ class KVTransfers:
             t = self._by_id.get(request_id)
             if t is None or t.state not in ("handshake", "rehoming"):
                 return False
+            in_prefill_loop = t.started and t.state == "handshake"
             self._drop(t)
         self._release_reservation(t, register_landed=False)     # if granted meanwhile
         self._release_hold(t)
+        if in_prefill_loop:
+            return False                  # the prefill loop holds its stream and ends it
         self.set.end_stream(t.stream, "cancelled")
         return True
 
@@ -301,6 +319,8 @@ class KVTransfers:
             if rehoming:
                 prefill_loop.call(lambda t=t, tid=tid: self._ship_held(t, tid))
                 continue
+            if t.started:        # prefilling already: its full pages go after its next step
+                continue
             try:
                 prefill_loop.add(t.stream)
             except RuntimeError:                   # the prefill side is gone meanwhile
@@ -336,8 +356,14 @@ class KVTransfers:
         the pages and hands the stream to the decode side. False: not handed off here."""
         with self._lock:
             t = self._by_id.get(stream.request_id)
-            if t is None or t.prefill != replica or t.state != "streaming" \
-                    or t.stream is not stream:
+            if t is None or t.prefill != replica or t.stream is not stream:
+                return False
+            if t.state == "handshake" and t.started:
+                # Prefilled before the decode side granted the pages: decode here (plan
+                # (a)); the handshake, dropped, frees its reservation if granted later.
+                self._drop(t)
+                return False
+            if t.state != "streaming":
                 return False
         from serving.replicas import handed_off_request
 
@@ -539,7 +565,11 @@ class KVTransfers:
         with self._lock:
             for t in list(self._by_id.values()):
                 request = t.stream.request
-                if t.state == "handshake" and now - t.created > config.handshake_timeout_s:
+                if t.state == "handshake" and t.started and (
+                        now - t.created > config.handshake_timeout_s
+                        or request.state is RequestState.FINISHED):
+                    aborts.append(t)   # it is served where it prefills: nothing to re-run
+                elif t.state == "handshake" and now - t.created > config.handshake_timeout_s:
                     self._drop(t)
                     fallback.append(t)
                 elif t.state == "streaming" and (

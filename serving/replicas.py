@@ -384,16 +384,19 @@ class ReplicaSet:
             if self.metrics is not None:
                 self.metrics.observe_routed(replica, decision_s)
             stream, held = stream_for(replica)
+            decode = None
             if self.transfers is not None and not held:
                 offload = self.offload_decision(replica, len(prompt_ids),
                                                 decision.cached_tokens, max_new_tokens, hashes)
                 if len(self.offload_decisions) >= 10_000:
                     del self.offload_decisions[:5_000]
                 self.offload_decisions.append((stream.request_id, offload))
-                if offload.decode is not None:
-                    self.transfers.begin(stream, replica, offload.decode)
-                    return replica, (stream,)
+                decode = offload.decode
             try:
+                if decode is not None:
+                    self.transfers.begin(stream, replica, decode,
+                                         start_now=replica not in self._prefill_only)
+                    return replica, (stream,)
                 self.replicas[replica].loop.add(stream, held=held)
                 return replica, (stream, *held)
             except RuntimeError:

@@ -330,11 +330,9 @@ def _stream(rid, prompt_len):
     return SimpleNamespace(request=request, request_id=rid)
 
 
-def test_handshakes_are_granted_in_arrival_order_and_time_out_to_colocated():
-    """The decode side has 10 pages, 6 taken: A (8 pages) waits, and B (2 pages), which
-    would fit, waits behind it; when the pages come back both are granted, A first, and
-    only then reach the prefill replica. A handshake past its timeout goes co-located and
-    its reservation is never taken."""
+def _handshakes_on_a_decode_side_with_4_free_pages():
+    """(replica set, the decode side's allocator, KVTransfers): replica 1 has 10 pages, 6
+    of them taken by "blocker"; handshakes time out after 5 s; no sweeping thread."""
     from serving.kv_transfer import DisaggConfig, KVTransfers
 
     replica_set = _Set([64, 10])
@@ -343,6 +341,15 @@ def test_handshakes_are_granted_in_arrival_order_and_time_out_to_colocated():
     assert decode.reserve("blocker", 6 * 16)
     transfers = KVTransfers(replica_set, DisaggConfig(handshake_timeout_s=5.0,
                                                       sweep_interval_s=None))
+    return replica_set, decode, transfers
+
+
+def test_handshakes_are_granted_in_arrival_order_and_time_out_to_colocated():
+    """The decode side has 10 pages, 6 taken: A (8 pages) waits, and B (2 pages), which
+    would fit, waits behind it; when the pages come back both are granted, A first, and
+    only then reach the prefill replica. A handshake past its timeout goes co-located and
+    its reservation is never taken."""
+    replica_set, decode, transfers = _handshakes_on_a_decode_side_with_4_free_pages()
     transfers.begin(_stream("A", 8 * 16 + 3), 0, 1)
     transfers.begin(_stream("B", 2 * 16 + 3), 0, 1)
     assert replica_set.replicas[0].loop.added == []
@@ -358,6 +365,46 @@ def test_handshakes_are_granted_in_arrival_order_and_time_out_to_colocated():
     assert transfers.in_flight == 2                     # A and B stream on
     for rid in ("A", "B"):
         transfers._abort(transfers._by_id[rid])
+    assert decode.num_free_pages == 10 and transfers.in_flight == 0
+
+
+def test_a_mixed_prefill_replica_starts_at_once_and_decodes_itself_if_the_grant_is_late():
+    """start_now (a mixed prefill replica): the request reaches the prefill loop before the
+    decode side grants its pages, so the handshake's wait is not in its TTFT. Prefilled
+    before the grant, it decodes where it prefilled, and the late grant takes no page;
+    past the handshake's timeout it is not re-run (it is served already). Granted in
+    time, it streams as before and is added to the prefill loop once."""
+    replica_set, decode, transfers = _handshakes_on_a_decode_side_with_4_free_pages()
+    a = _stream("A", 8 * 16 + 3)
+    transfers.begin(a, 0, 1, start_now=True)
+    assert replica_set.replicas[0].loop.added == ["A"]         # before any grant
+    assert decode.num_free_pages == 4
+    assert transfers.on_prefilled(0, a) is False               # decode on the prefill side
+    assert transfers.in_flight == 0
+    decode.free("blocker")
+    transfers._settle(1)
+    assert decode.num_free_pages == 10                          # the late grant took nothing
+    # Waiting past the timeout: dropped, not re-run.
+    decode.allocate("blocker")
+    assert decode.reserve("blocker", 9 * 16)
+    transfers.begin(_stream("B", 2 * 16 + 3), 0, 1, start_now=True)
+    transfers.sweep(time.monotonic() + 6.0)
+    assert replica_set.reruns == [] and transfers.in_flight == 0
+    decode.free("blocker")
+    transfers._settle(1)
+    # Granted at once: streams, added to the prefill loop only by begin.
+    transfers.begin(_stream("C", 2 * 16 + 3), 0, 1, start_now=True)
+    assert transfers._by_id["C"].state == "streaming"
+    assert replica_set.replicas[0].loop.added == ["A", "B", "C"]
+    assert decode.num_free_pages == 8
+    # A client cancel while it waits for its grant leaves the stream to the prefill loop.
+    decode.allocate("blocker")
+    assert decode.reserve("blocker", 8 * 16)
+    transfers.begin(_stream("D", 2 * 16 + 3), 0, 1, start_now=True)
+    assert transfers.cancel("D") is False and transfers.in_flight == 1
+    transfers._abort(transfers._by_id["C"])
+    decode.free("blocker")
+    transfers._settle(1)
     assert decode.num_free_pages == 10 and transfers.in_flight == 0
 
 
