@@ -17,7 +17,7 @@ Six tables:
     part + the handshake's ack + the first decode step), next to one prefill chunk's time
     (prefill seconds / chunks).
 (c) seed 003's H8 experiment at this scale: --sessions concurrent multi-turn sessions
-    (closed loop: a session's next turn right after its last), a third of them HEAVY (a
+    (closed loop: a session's next turn right after its last), every --heavy-every-th HEAVY (a
     cold first turn of --heavy-tokens new tokens), the rest WARM (--warm-tokens); every
     later turn adds --turn-tokens. Per gate (co-located = never, always-offload,
     cached-fraction >= 0.3, time comparison; the time gate priced at the in-process link
@@ -66,6 +66,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--turns", type=int, default=None, help="(c) turns per session (4; 3)")
     p.add_argument("--heavy-tokens", type=int, default=None, help="(c) HEAVY first turn")
     p.add_argument("--warm-tokens", type=int, default=64, help="(c) WARM first turn")
+    p.add_argument("--heavy-every", type=int, default=3,
+                   help="(c) sessions 0, K, 2K, ... are HEAVY (default 3: a third)")
     p.add_argument("--turn-tokens", type=int, default=32, help="(c) new tokens a later turn")
     p.add_argument("--output-tokens", type=int, default=None, help="(c) tokens per answer")
     p.add_argument("--prompt-tokens", type=int, default=None, help="(b) the long prompt")
@@ -311,6 +313,12 @@ def h8(args, server) -> tuple[list[dict], list[dict], list[dict]]:
     each round; a gate's figures are over all its rounds' requests. Returns the table
     rows of (c) and (d) and every measured request (for the JSON: where a tail comes from)."""
     gates = args.gates.split(",")
+    longest = (args.heavy_tokens + (args.turns - 1) * args.turn_tokens
+               + args.turns * args.output_tokens)
+    if longest > server.max_model_len:
+        raise SystemExit(f"(c): a HEAVY session's last turn reaches {longest} tokens, past "
+                         f"the engine's max_model_len {server.max_model_len}: lower "
+                         f"--heavy-tokens, --turns, --turn-tokens or --output-tokens")
     run_gate(args, server, "never", seed=0)                  # warm-up, not measured
     results = {gate: [] for gate in gates}
     for r in range(args.h8_rounds):
@@ -356,7 +364,7 @@ def run_gate(args, server, gate: str, seed: int) -> list[dict]:
 
     def session(i: int) -> None:
         rng = random.Random(1000 * seed + i)
-        heavy = i % 3 == 0
+        heavy = i % args.heavy_every == 0
         history: list[int] = []
         previous_offloaded = None
         time.sleep(0.3 * i)                     # staggered starts
@@ -390,11 +398,23 @@ def run_gate(args, server, gate: str, seed: int) -> list[dict]:
             previous_offloaded = offloaded
             history = prompt + list(out.token_ids)
 
-    threads = [threading.Thread(target=session, args=(i,)) for i in range(args.sessions)]
+    failures = []
+
+    def run_session(i: int) -> None:
+        try:
+            session(i)
+        except BaseException as e:          # a lost session would bias every figure
+            failures.append(e)
+            raise
+
+    threads = [threading.Thread(target=run_session, args=(i,)) for i in range(args.sessions)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    if failures:
+        raise RuntimeError(f"{len(failures)} of {args.sessions} sessions failed under gate "
+                           f"{gate!r}; the first: {failures[0]!r}") from failures[0]
     return results
 
 
@@ -478,8 +498,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         if "c" not in skip:
             runs, cached, h8_requests = h8(args, server)
             table(f"(c) H8 at this scale: {args.sessions} sessions x {args.turns} turns x "
-                  f"{args.h8_rounds} rounds, a "
-                  f"third HEAVY ({args.heavy_tokens} cold tokens), 2 mixed replicas, "
+                  f"{args.h8_rounds} rounds, every {args.heavy_every}th session "
+                  f"HEAVY ({args.heavy_tokens} cold tokens), 2 mixed replicas, "
                   "predicted-time router, per offload gate", runs)
             table("(d) H6: the next turn's cached share of its prompt", cached)
     ray_rows = ray_part(args, skip)         # after the in-process replicas are gone
