@@ -70,7 +70,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="(c) sessions 0, K, 2K, ... are HEAVY (default 3: a third)")
     p.add_argument("--turn-tokens", type=int, default=32, help="(c) new tokens a later turn")
     p.add_argument("--output-tokens", type=int, default=None, help="(c) tokens per answer")
-    p.add_argument("--prompt-tokens", type=int, default=None, help="(b) the long prompt")
+    p.add_argument("--prompt-tokens", type=int, default=None,
+                   help="(b), (f) the long prompt (default 1540; --quick 1030)")
     p.add_argument("--repeats", type=int, default=None, help="(a), (b) repetitions")
     p.add_argument("--gates", default="never,always,cached-fraction,time",
                    help="(c) gates, comma-separated")
@@ -471,7 +472,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     args.turns = args.turns or (3 if args.quick else 4)
     args.heavy_tokens = args.heavy_tokens or (768 if args.quick else 1024)
     args.output_tokens = args.output_tokens or (16 if args.quick else 32)
-    args.prompt_tokens = args.prompt_tokens or (1024 if args.quick else 1536)
+    # Not a whole number of pages: a prompt's partial last page is part of the hand-off.
+    args.prompt_tokens = args.prompt_tokens or (1030 if args.quick else 1540)
     args.repeats = args.repeats or (3 if args.quick else 5)
     args.sim_sessions = args.sim_sessions or (192 if args.quick else 384)
     skip = set(args.skip.split(",")) - {""}

@@ -106,6 +106,12 @@ class CountingAllocator:
     def commit(self, request_id: str, token_ids: Sequence[int], num_computed: int) -> None:
         pass   # no prefix cache to register pages in
 
+    def rename(self, request_id: str, new_id: str) -> int:
+        if new_id in self._pages:
+            raise ValueError(f"request {new_id!r} is already allocated; free it first")
+        self._pages[new_id] = self._pages.pop(request_id)
+        return self._pages[new_id]
+
     def free(self, request_id: str) -> None:
         self._used -= self._pages.pop(request_id)
 
@@ -293,8 +299,9 @@ def simulate(requests: list[Request], *, scheduler: str | SchedulerConfig, model
       may prefill on the routed replica and decode on another (`SimulatedHandoffs`: the
       handshake reserves the decode side's pages at arrival; the pages arrive
       handshake_s + the transfer at link_bytes_per_s not hidden behind the prefill after
-      its first token, all at the end with stream_chunks=False; they are registered in
-      the decode side's prefix cache, which then recomputes the last partial page).
+      its first token, all at the end with stream_chunks=False; the full ones are
+      registered in the decode side's prefix cache, and the request takes them all there
+      and decodes from its first token).
     """
     config = SchedulerConfig.of(scheduler)
     if isinstance(hardware, str):
@@ -449,7 +456,6 @@ class SimulatedHandoffs:
         self._waiting: dict[str, tuple] = {}      # prefill copy id -> (request, p, d, res)
         self._heap: list[tuple[float, str]] = []
         self._ready: dict[str, tuple] = {}
-        self._to_free: list[list[str]] = [[] for _ in controllers]
         self.decoded_on: dict[str, int] = {}
         self.prefill_cached: dict[str, int] = {}
 
@@ -497,6 +503,7 @@ class SimulatedHandoffs:
 
         page_size = self.controllers[p].allocator.page_size
         full = request.prompt_len // page_size
+        pages = -(-request.prompt_len // page_size)       # the partial last one moves too
         cached_pages = self.router.index.cached_pages(tuple(hashes))
         pt = self.controllers[p].prefill_time_cache.prefill_time
         views = [OffloadReplica(True, queued_prefill_s=sum(c.queued_prefills_s()),
@@ -507,7 +514,7 @@ class SimulatedHandoffs:
                  for j, c in enumerate(self.controllers)]
         decision = choose_decode(OffloadRequest(
             request.prompt_len, cached_tokens, request.max_new_tokens,
-            pt(request.prompt_len) - pt(cached_tokens), full, self.page_bytes), p, views,
+            pt(request.prompt_len) - pt(cached_tokens), pages, self.page_bytes), p, views,
             self.config)
         d = decision.decode
         if d is None:
@@ -515,20 +522,17 @@ class SimulatedHandoffs:
         allocator = self.controllers[d].allocator
         res = f"kv-in:{request.request_id}"
         reused = allocator.allocate(res, request.prompt_token_ids[:full * page_size + 1])
-        if not allocator.reserve(res, full * page_size):
+        if not allocator.reserve(res, request.prompt_len):      # the partial page too
             allocator.free(res)                   # no room there now: stays co-located
             return request
         copy = dataclasses.replace(request, max_new_tokens=1, prompt_token_ids=list(
             request.prompt_token_ids), output_token_ids=[])
         self._waiting[request.request_id] = (request, copy, p, d, res,
-                                             full - reused // page_size)
+                                             pages - reused // page_size)
         self.decoded_on[request.request_id] = d
         return copy
 
     def after_event(self, i: int) -> None:
-        for res in self._to_free[i]:
-            self.controllers[i].allocator.free(res)
-        self._to_free[i].clear()
         controller = self.controllers[i]
         for rid, (request, copy, p, d, res, pages) in list(self._waiting.items()):
             if p != i or copy.finish_time is None:
@@ -545,8 +549,9 @@ class SimulatedHandoffs:
             heapq.heappush(self._heap, (ready, rid))
 
     def arrive(self) -> int | None:
-        """The next hand-off lands: its pages enter the decode side's prefix cache and the
-        request continues there from its first token. Returns the decode replica."""
+        """The next hand-off lands: its full pages enter the decode side's prefix cache and
+        the request takes every prompt page there (the partial one too) and continues from
+        its first token, as in the server. Returns the decode replica."""
         ready, rid = heapq.heappop(self._heap)
         request, copy, d, res = self._ready.pop(rid)
         controller = self.controllers[d]
@@ -558,8 +563,7 @@ class SimulatedHandoffs:
         request.first_scheduled_time = copy.first_scheduled_time
         request.first_token_time = request.last_token_time = copy.first_token_time
         was_idle = not controller.has_unfinished()
-        controller.add_request(request, resume=True)
-        self._to_free[d].append(res)              # after d's next step took the pages
+        controller.add_request(request, resume=True, kv_from=(res, request.prompt_len))
         return d if was_idle else None
 
 

@@ -11,11 +11,13 @@ between replicas of one process (seeds 001 and 003).
       2. P prefills; after each step, the pages that became full are gathered and
          `jax.device_put` to D's devices (asynchronous: the copy overlaps P's next chunk)
          and written on D's loop thread into the reserved pages
-      3. P samples the first token (TTFT is P's); P pins the pages (a hold) and D
-         registers the moved pages in its prefix cache under the prompt's page hashes
-         (seed 003 H6), then runs the request as a re-run from prompt + first token: it
-         takes the pages by prefix reuse and computes only the prompt's last partial page
-         and the first token
+      3. P samples the first token and sends the prompt's partial last page too (TTFT is
+         P's); P pins the full pages (a hold) and D registers them in its prefix cache
+         under the prompt's page hashes (seed 003 H6), then runs the request from prompt
+         + first token: it takes the reservation's pages and computes only the first
+         token, a decode step. (Pages re-homed from the hold after a decode side died are
+         the full ones only: that request takes them by prefix reuse and computes the
+         partial page again.)
       4. D acknowledges; P drops its hold (the pages stay in P's prefix cache)
 
 Ownership. Every reservation has its own transfer id (a generation: a request moved to
@@ -124,6 +126,7 @@ class _Transfer:
     decode: int
     tid: int
     num_pages: int                 # full prompt pages the decode side needs
+    prompt_pages: int              # those and the prompt's partial last page, if any
     created: float
     state: str = "handshake"       # handshake, streaming, rehoming, handing, done, aborted
     start: int = 0                 # pages the decode side had cached (not moved)
@@ -133,6 +136,7 @@ class _Transfer:
     handed_at: float = 0.0
     failed_decodes: set = dataclasses.field(default_factory=set)
     started: bool = False          # in P's loop before the grant (a mixed P)
+    whole_prompt_tid: int | None = None   # the transfer whose reservation got every prompt page
 
     @property
     def request_id(self) -> str:
@@ -200,7 +204,8 @@ class KVTransfers:
         request = stream.request
         page_size = self.set.page_size
         t = _Transfer(stream, list(request.prompt_token_ids), prefill, decode,
-                      next(self._tids), request.prompt_len // page_size, time.monotonic(),
+                      next(self._tids), request.prompt_len // page_size,
+                      -(-request.prompt_len // page_size), time.monotonic(),
                       started=start_now)
         with self._lock:
             self._by_id[t.request_id] = t
@@ -300,7 +305,7 @@ class KVTransfers:
             res_id = reservation_id(t.request_id, tid)
             tokens = t.tokens[:t.num_pages * ps + 1]
             reused = allocator.allocate(res_id, tokens)
-            if not allocator.reserve(res_id, t.num_pages * ps):
+            if not allocator.reserve(res_id, len(t.tokens)):
                 allocator.free(res_id)
                 return
             queue.popleft()
@@ -369,9 +374,13 @@ class KVTransfers:
 
         allocator = self.set.replicas[replica].engine.allocator
         ps = allocator.page_size
-        if t.sent < t.num_pages:
-            self._ship(t, t.request_id, t.sent, t.num_pages)
-            t.sent = t.num_pages
+        # Every page left, the prompt's partial last one too: the decode side then takes
+        # them all and computes only the first token (a decode step), not the partial
+        # page again (a prefill chunk, a whole query block on some engines).
+        if t.sent < t.prompt_pages:
+            self._ship(t, t.request_id, t.sent, t.prompt_pages)
+            t.sent = t.prompt_pages
+        t.whole_prompt_tid = t.tid
         record = self._record_of.get(t.tid)
         if record is not None:
             record.prefilled = time.perf_counter()
@@ -423,7 +432,11 @@ class KVTransfers:
 
     def _hand(self, t: _Transfer, tid: int) -> None:
         """Any thread with the pages sent: the decode side registers them, then runs the
-        request; it acknowledges to the prefill side."""
+        request; it acknowledges to the prefill side. With every prompt page sent to this
+        reservation, the request takes the reservation's pages and computes only its
+        first token there; else (pages re-homed from the hold, which pins only full
+        pages) it takes the full pages from the prefix cache and computes the prompt's
+        partial last page again."""
         decode = t.decode
         loop = self.set.replicas[decode].loop
         with self._lock:
@@ -431,9 +444,11 @@ class KVTransfers:
                 return
             t.state, t.handed_at = "handing", time.monotonic()
             t.stream.resume(t.resumed, decode)
-        loop.call(lambda: self._register(decode, t, tid))
+        whole = t.whole_prompt_tid == tid
+        loop.call(lambda: self._register(decode, t, tid, whole))
         try:
-            loop.add(t.stream)
+            loop.add(t.stream, kv_from=(reservation_id(t.request_id, tid), len(t.tokens))
+                     if whole else None)
         except RuntimeError:
             with self._lock:
                 if t.tid == tid:
@@ -455,23 +470,30 @@ class KVTransfers:
     def _land(self, decode: int, copier: PageCopier, res_id: str, lo: int, hi: int,
               chunk) -> None:
         res = self._reservations[decode].get(res_id)
-        if res is None:
+        allocator = self.set.replicas[decode].engine.allocator
+        if res is None or not allocator.has(res_id):
             self.stale_writes += 1                  # its transfer is gone: write nothing
             return
-        ids = global_pages(self.set.replicas[decode].engine.allocator, res_id)[lo:hi]
+        ids = global_pages(allocator, res_id)[lo:hi]
         copier.write(ids, chunk)
         if lo <= res.landed:
             res.landed = max(res.landed, hi)
 
-    def _register(self, decode: int, t: _Transfer, tid: int) -> None:
+    def _register(self, decode: int, t: _Transfer, tid: int, whole_prompt: bool) -> None:
         """Decode loop thread, after every page of the transfer landed (its writes came
-        first in this loop's inbox): the pages enter the prefix cache under the prompt's
-        page hashes, and the reservation pins them until the request takes them."""
+        first in this loop's inbox): the full pages enter the prefix cache under the
+        prompt's page hashes, and the reservation pins them until the request takes them
+        (whole_prompt: the add that follows hands it the reservation itself)."""
         allocator = self.set.replicas[decode].engine.allocator
         res_id = reservation_id(t.request_id, tid)
         res = self._reservations[decode].get(res_id)
         if res is not None:
-            allocator.commit(res_id, res.tokens, res.landed * allocator.page_size)
+            allocator.commit(res_id, res.tokens,
+                             min(res.landed * allocator.page_size, len(res.tokens)))
+            if whole_prompt and res.landed < t.prompt_pages:
+                # A page is missing (never expected: writes land in order): the request
+                # must not take pages without their K/V; it computes past the cache.
+                allocator.free(res_id)
             res.waits_for = t.resumed
             record = self._record_of.pop(tid, None)
             if record is not None:
@@ -487,9 +509,13 @@ class KVTransfers:
         allocator = self.set.replicas[decode].engine.allocator
         for res_id, res in list(self._reservations[decode].items()):
             request = res.waits_for
-            if request is not None and (allocator.has(request.request_id)
-                                        or request.state is not RequestState.WAITING):
-                allocator.free(res_id)
+            if request is None:
+                continue
+            taken = not allocator.has(res_id)     # by the request (kv_from), or freed
+            if taken or allocator.has(request.request_id) \
+                    or request.state is not RequestState.WAITING:
+                if not taken:
+                    allocator.free(res_id)
                 del self._reservations[decode][res_id]
         self._admit(decode)
 
@@ -506,8 +532,12 @@ class KVTransfers:
             if res is None:
                 return
             allocator = self.set.replicas[decode].engine.allocator
+            if not allocator.has(res_id):         # the request took them (kv_from)
+                self._admit(decode)
+                return
             if register_landed and res.landed:
-                allocator.commit(res_id, res.tokens, res.landed * allocator.page_size)
+                allocator.commit(res_id, res.tokens,
+                                 min(res.landed * allocator.page_size, len(res.tokens)))
             allocator.free(res_id)
             self._admit(decode)
         self._on_loop(decode, release)

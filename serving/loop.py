@@ -109,7 +109,7 @@ class ServingLoop:
         self.runner = InFlightRunner(controller, engine if hasattr(engine, "dispatch")
                                      else _OneAtATime(engine))
         self._lock = threading.Condition()          # guards everything up to _streams
-        # ("add", (RequestStream, held RequestStreams)) | ("cancel", id) | ("call", fn)
+        # ("add", (RequestStream, held RequestStreams, kv_from)) | ("cancel", id) | ("call", fn)
         self._inbox: list[tuple[str, object]] = []
         self._in_flight: set[str] = set()           # request ids submitted and not finished
         self._closing = False
@@ -132,10 +132,12 @@ class ServingLoop:
         """Serving and taking requests (not down, not closing, the thread alive)."""
         return self.down_reason is None and not self._closing and self.thread.is_alive()
 
-    def add(self, stream: RequestStream, held: Sequence[RequestStream] = ()) -> None:
+    def add(self, stream: RequestStream, held: Sequence[RequestStream] = (), *,
+            kv_from: tuple[str, int] | None = None) -> None:
         """Queues a validated request; `held`: the other samples of its prompt (n > 1),
-        added once it has its first token (see the module's docstring). Raises when an id
-        is in flight or the loop stopped."""
+        added once it has its first token (see the module's docstring); kv_from: pages of
+        this engine that hold its first tokens' K/V (`ReplicaController.add_request`).
+        Raises when an id is in flight or the loop stopped."""
         ids = [stream.request_id, *(h.request_id for h in held)]
         with self._lock:
             if self._closing:
@@ -146,7 +148,7 @@ class ServingLoop:
             if taken or len(set(ids)) < len(ids):
                 raise ValueError(f"request_id {(taken or ids)[0]!r} is already in flight")
             self._in_flight.update(ids)
-            self._inbox.append(("add", (stream, tuple(held))))
+            self._inbox.append(("add", (stream, tuple(held), kv_from)))
             self._lock.notify()
 
     def cancel(self, request_id: str) -> bool:
@@ -220,12 +222,12 @@ class ServingLoop:
                         self._inbox[:0] = commands[i + 1:]
                     raise
             elif kind == "add":
-                stream, held = arg
+                stream, held, kv_from = arg
                 if held:
                     group = _SampleGroup(stream.request_id, list(held))
                     self._groups.update(dict.fromkeys(
                         [stream.request_id, *(h.request_id for h in held)], group))
-                self._add(stream)
+                self._add(stream, kv_from)
             else:
                 self._end(arg, FinishReason.CANCELLED)
         if commands:
@@ -245,10 +247,11 @@ class ServingLoop:
         controller.pop_finished()
         return self.down_reason is None
 
-    def _add(self, stream: RequestStream) -> None:
+    def _add(self, stream: RequestStream, kv_from: tuple[str, int] | None = None) -> None:
         try:
             self.controller.add_request(stream.request,
-                                        resume=bool(stream.request.output_token_ids))
+                                        resume=bool(stream.request.output_token_ids),
+                                        kv_from=kv_from)
         except Exception as e:
             # The controller refused what validation passed: report it on the stream.
             self._finish(stream, FinishReason.ERROR, error=f"{type(e).__name__}: {e}")

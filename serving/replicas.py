@@ -350,7 +350,7 @@ class ReplicaSet:
 
         request = OffloadRequest(prompt_len, cached_tokens, max_new_tokens,
                                  self.replicas[prefill].prefill_s(prompt_len, cached_tokens),
-                                 prompt_len // self.page_size,
+                                 -(-prompt_len // self.page_size),
                                  page_bytes(self.replicas[prefill].engine))
         views = [OffloadReplica(can_decode=r.loop.healthy, prefill_only=i in self._prefill_only,
                                 queued_prefill_s=sum(r.loop.queued_prefills_s),

@@ -107,6 +107,26 @@ def test_incremental_commit_registers_pages_as_they_fill():
     assert alloc.page_table("b") == alloc.page_table("a")[:3]
 
 
+def test_rename_hands_the_pages_and_their_hashes_to_another_id():
+    alloc = BlockAllocator(8, 4)
+    tokens = list(range(1, 11))                            # 2 full pages and a partial one
+    alloc.allocate("res")
+    assert alloc.reserve("res", 10)
+    alloc.commit("res", tokens, 8)
+    table = alloc.page_table("res")
+    assert alloc.rename("res", "req") == 3
+    assert not alloc.has("res") and alloc.page_table("req") == table
+    alloc.allocate("other")
+    with pytest.raises(ValueError, match="already allocated"):
+        alloc.rename("other", "req")
+    alloc.commit("req", tokens + [11, 12], 12)             # the partial page fills
+    alloc.free("req")
+    alloc.free("other")
+    assert alloc.num_free_pages == 8 and alloc.num_cached_pages == 3
+    alloc.allocate("next", tokens + [11, 12, 13])
+    assert alloc.page_table("next") == table                # its hashes went with it
+
+
 def test_freed_prefix_stays_cached_and_eviction_takes_deepest_least_recent_first():
     alloc = BlockAllocator(num_pages=8, page_size=4)
     prompt = list(range(14))                            # 3 full pages + 2 tokens

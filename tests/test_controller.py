@@ -176,6 +176,39 @@ def test_prefix_cache_hits_skip_computed_pages():
     assert first_chunk.start == 96
 
 
+def test_a_request_handed_its_kv_takes_those_pages_and_computes_only_the_rest():
+    """kv_from (a KV hand-off's reservation, serving.kv_transfer): the request takes the
+    pages under that id, the partial last one too, and its first chunk is its last token
+    alone; a refused request frees them; an id the allocator no longer holds is ignored;
+    every page comes back."""
+    controller, allocator, engine = _setup()
+    handed = _request("handed", prompt_len=70, max_new=4)
+    handed.output_token_ids = [token_at(70)]                # sampled where it prefilled
+    allocator.allocate("kv-in:handed:1")
+    assert allocator.reserve("kv-in:handed:1", 70)          # 5 pages, the last one partial
+    controller.add_request(handed, resume=True, kv_from=("kv-in:handed:1", 70))
+    assert not allocator.has("kv-in:handed:1") and allocator.num_free_pages == 256 - 5
+    assert handed.num_computed_tokens == handed.num_cached_tokens == 70
+    _run(controller, engine)
+    chunks = [c for b in engine.batches for c in b.chunks if c.request is handed]
+    assert (chunks[0].start, chunks[0].num_tokens) == (70, 1)
+    assert handed.output_token_ids == [token_at(n) for n in range(70, 74)]
+    # Refused (its id is in use): the pages go back; a gone owner is ignored.
+    allocator.allocate("kv-in:again:1")
+    assert allocator.reserve("kv-in:again:1", 70)
+    again = _request("handed", prompt_len=70, max_new=4)
+    again.output_token_ids = [token_at(70)]
+    with pytest.raises(ValueError, match="already in use"):
+        controller.add_request(again, resume=True, kv_from=("kv-in:again:1", 70))
+    assert not allocator.has("kv-in:again:1")
+    late = _request("late", prompt_len=70, max_new=2)
+    late.output_token_ids = [token_at(70)]
+    controller.add_request(late, resume=True, kv_from=("kv-in:gone:1", 70))
+    _run(controller, engine)
+    assert late.num_cached_tokens == 0 and late.output_token_ids == [token_at(70), token_at(71)]
+    assert allocator.num_free_pages == 256
+
+
 def test_a_full_step_makes_new_requests_wait_for_a_seat():
     controller, _, engine = _setup(max_seqs_per_batch=4)
     requests = [_request(f"r{i}", prompt_len=10, max_new=30) for i in range(6)]

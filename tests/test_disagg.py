@@ -72,14 +72,18 @@ def test_roles_parse_and_bad_ones_are_named():
 
 def test_disaggregated_tokens_equal_colocated_pages_streamed_and_registered(colocated_tokens):
     """prefill:1,decode:1: every prompt prefills on replica 0 and decodes on replica 1 with
-    replica 0's greedy tokens; its pages moved in several sends, before the prefill's end;
-    they are in replica 1's prefix cache under the prompt's hashes (seed 003 H6) and in
-    replica 0's (kept after the ack); every page of both pools comes back."""
+    replica 0's greedy tokens; its pages moved in several sends, before the prefill's end,
+    the prompt's partial last page too, so replica 1 computes none of the prompt again
+    (every prompt token counts as cached there); the full pages are in replica 1's prefix
+    cache under the prompt's hashes (seed 003 H6) and in replica 0's (kept after the ack);
+    every page of both pools comes back."""
     with Server(tiny_model(), engine_config=TINY_ENGINE, warmup=False, replicas=2,
                 roles="prefill:1,decode:1") as server:
         outputs = server.generate(PROMPTS, GREEDY)
         assert [o.token_ids for o in outputs] == colocated_tokens[:3]
         assert [o.metrics.replica for o in outputs] == [1, 1, 1]
+        assert [o.metrics.num_cached_tokens for o in outputs] == \
+            [len(p.prompt_token_ids) for p in PROMPTS]
         transfers = server._replica_set.transfers
         assert pools_full(server)
         records = transfers.records
@@ -111,6 +115,8 @@ def test_replicas_of_different_shapes_hand_off_with_colocated_tokens(colocated_t
         outputs = server.generate(PROMPTS[:2], GREEDY)
         assert [o.token_ids for o in outputs] == colocated_tokens[:2]
         assert [o.metrics.replica for o in outputs] == [1, 1]
+        assert [o.metrics.num_cached_tokens for o in outputs] == \
+            [len(p.prompt_token_ids) for p in PROMPTS[:2]]       # the partial page moved
         records = server._replica_set.transfers.records
         assert [(r.prefill, r.decode) for r in records] == [(0, 1), (0, 1)]
         assert all(r.first_send < r.last_send for r in records)
@@ -300,7 +306,7 @@ class _InlineLoop:
         fn()
         return True
 
-    def add(self, stream):
+    def add(self, stream, kv_from=None):
         self.added.append(stream.request_id)
 
 
@@ -348,10 +354,10 @@ def test_handshakes_are_granted_in_arrival_order_and_time_out_to_colocated():
     """The decode side has 10 pages, 6 taken: A (8 pages) waits, and B (2 pages), which
     would fit, waits behind it; when the pages come back both are granted, A first, and
     only then reach the prefill replica. A handshake past its timeout goes co-located and
-    its reservation is never taken."""
+    its reservation is never taken. (A prompt's partial last page is reserved too.)"""
     replica_set, decode, transfers = _handshakes_on_a_decode_side_with_4_free_pages()
-    transfers.begin(_stream("A", 8 * 16 + 3), 0, 1)
-    transfers.begin(_stream("B", 2 * 16 + 3), 0, 1)
+    transfers.begin(_stream("A", 7 * 16 + 3), 0, 1)
+    transfers.begin(_stream("B", 16 + 3), 0, 1)
     assert replica_set.replicas[0].loop.added == []
     assert decode.num_free_pages == 4                    # B did not pass A
     decode.free("blocker")
@@ -393,7 +399,7 @@ def test_a_mixed_prefill_replica_starts_at_once_and_decodes_itself_if_the_grant_
     decode.free("blocker")
     transfers._settle(1)
     # Granted at once: streams, added to the prefill loop only by begin.
-    transfers.begin(_stream("C", 2 * 16 + 3), 0, 1, start_now=True)
+    transfers.begin(_stream("C", 2 * 16), 0, 1, start_now=True)
     assert transfers._by_id["C"].state == "streaming"
     assert replica_set.replicas[0].loop.added == ["A", "B", "C"]
     assert decode.num_free_pages == 8

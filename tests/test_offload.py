@@ -13,7 +13,7 @@ BUSY_P = OffloadReplica(True, queued_prefill_s=2.0, chunk_step_s=0.1, decode_tok
 IDLE = OffloadReplica(True, chunk_step_s=0.1, decode_token_s=0.02)
 # 1 GB of pages (1000 pages of 1 MB) behind a 1.0 s prefill.
 REQ = OffloadRequest(prompt_len=16_000, cached_tokens=0, max_new_tokens=100, prefill_s=1.0,
-                     full_pages=1000, page_bytes=1_000_000)
+                     prompt_pages=1000, page_bytes=1_000_000)
 CFG = OffloadConfig(link_bytes_per_s=10e9, handshake_s=0.005)
 
 

@@ -22,14 +22,14 @@ that carry one too:
     decode_s(r) = k * chunk_step_s(r)
                   + (n - k) * ((1 - rho_r) * decode_step_s(r) + rho_r * chunk_step_s(r))
     (a) = decode_s(P)
-    (b) = decode_s(D) + exposed transfer + one step on D (the prompt's last partial page
-          and the first token are recomputed there)
+    (b) = decode_s(D) + exposed transfer + one decode step on D (the first token's: the
+          prompt's pages all move, its partial last one too, so D computes none of it)
     exposed = handshake_s + max(0, bytes / link_bytes_per_s - hidden),
     hidden  = max(0, prefill_P - chunk_step_s(P))
 
 Pages move after the step that filled them, so everything but the last chunk's pages
-travels while later chunks compute (`hidden`); bytes are the full prompt pages D does
-not already hold. Offload when (b) < (a) * (1 - margin). A cold turn on an idle P has
+travels while later chunks compute (`hidden`); bytes are the prompt's pages D does not
+already hold. Offload when (b) < (a) * (1 - margin). A cold turn on an idle P has
 (a) = n * decode_token_s, which (b) cannot beat: it stays.
 
 Worked numbers (test_offload.py): n = 100, P with 2 s of prefill queued at 0.1 s a
@@ -109,13 +109,14 @@ class OffloadReplica:
 @dataclasses.dataclass(frozen=True)
 class OffloadRequest:
     """prompt_len, cached_tokens on P, tokens to decode, P's predicted prefill seconds
-    of the new tokens, and its full prompt pages with their bytes."""
+    of the new tokens, and its prompt's pages (the partial last one too: all of them move)
+    with their bytes."""
 
     prompt_len: int
     cached_tokens: int
     max_new_tokens: int
     prefill_s: float
-    full_pages: int
+    prompt_pages: int
     page_bytes: int
 
 
@@ -145,7 +146,7 @@ def decode_seconds(replica: OffloadReplica, num_tokens: int) -> float:
 def exposed_transfer_s(request: OffloadRequest, prefill: OffloadReplica,
                        decode: OffloadReplica, config: OffloadConfig) -> float:
     """The hand-off's seconds the decode waits for: what the prefill does not hide."""
-    pages = max(0, request.full_pages - decode.cached_pages)
+    pages = max(0, request.prompt_pages - decode.cached_pages)
     transfer = pages * request.page_bytes / config.link_bytes_per_s
     hidden = max(0.0, request.prefill_s - prefill.chunk_step_s)
     return config.handshake_s + max(0.0, transfer - hidden)

@@ -133,6 +133,8 @@ class BlockAllocator:
       reserve(id, n)         -> room for the first n tokens, before a step computes them
       commit(id, tokens, n)  -> after the step: full pages of the first n tokens become reusable
       free(id)               -> on finish, cancel or preemption
+    rename(id, new_id) hands a request's pages to another id (a KV hand-off's reservation to
+    the request that decodes from it).
     Step inputs: segments(id) (per-shard page tables) and slot_of(id, positions); with one
     shard also page_table(id) / page_table_array(id).
 
@@ -557,6 +559,17 @@ class BlockAllocator:
         if children:
             self._orphans.update(children)
             orphaned.extend(children)
+
+    def rename(self, request_id: str, new_id: str) -> int:
+        """Hands request_id's pages, and what is known of their prefix hashes, to new_id
+        (a KV hand-off's reservation to the request that decodes from it). Returns how
+        many pages new_id holds."""
+        if new_id in self._requests:
+            raise ValueError(f"request {new_id!r} is already allocated; free it first")
+        req = self._get(request_id)
+        del self._requests[request_id]
+        self._requests[new_id] = req
+        return req.num_pages
 
     def free(self, request_id: str) -> None:
         """Drops the request's references; registered pages stay cached (evictable), others free.

@@ -160,19 +160,40 @@ class ReplicaController:
 
     # ------------------------------------------------------------ admission / exit
 
-    def add_request(self, request: Request, *, resume: bool = False) -> None:
+    def add_request(self, request: Request, *, resume: bool = False,
+                    kv_from: tuple[str, int] | None = None) -> None:
         """Admits a request or raises ValueError (CapacityError when it can never fit).
         resume: it is re-run here after the replica serving it failed: it brings the output
-        it had generated, recomputed with its prompt as after a preemption."""
+        it had generated, recomputed with its prompt as after a preemption.
+        kv_from: (owner, tokens): the allocator's pages held under `owner` hold the K/V of
+        the request's first `tokens` tokens (a KV hand-off wrote them, serving.kv_transfer):
+        it takes them and computes from there; an owner the allocator no longer holds is
+        ignored (its pages went back: the request is computed as without it). When the
+        request is refused, the owner's pages are freed."""
         rid = request.request_id
-        if rid in self._requests or rid in self.finished:
-            raise ValueError(f"request_id {rid!r} is already in use")
-        if request.state is not RequestState.WAITING or request.num_computed_tokens or \
-                (request.output_token_ids and not resume):
-            raise ValueError(f"request {rid!r} already has progress (state={request.state.value}, "
-                             f"num_computed_tokens={request.num_computed_tokens}, "
-                             f"{len(request.output_token_ids)} output tokens)")
-        self.check_fits(request.prompt_len, request.max_new_tokens, request_id=rid)
+        owner, kv_tokens = kv_from if kv_from is not None else (None, 0)
+        if owner is not None and not self.kv.allocator.has(owner):
+            owner = None
+        try:
+            if rid in self._requests or rid in self.finished:
+                raise ValueError(f"request_id {rid!r} is already in use")
+            if request.state is not RequestState.WAITING or request.num_computed_tokens or \
+                    (request.output_token_ids and not resume):
+                raise ValueError(
+                    f"request {rid!r} already has progress (state={request.state.value}, "
+                    f"num_computed_tokens={request.num_computed_tokens}, "
+                    f"{len(request.output_token_ids)} output tokens)")
+            if not 0 <= kv_tokens < request.num_tokens:
+                raise ValueError(f"request {rid!r}: kv_from holds {kv_tokens} tokens; at least "
+                                 f"one of its {request.num_tokens} must be left to compute")
+            self.check_fits(request.prompt_len, request.max_new_tokens, request_id=rid)
+        except Exception:
+            if owner is not None:
+                self.kv.allocator.free(owner)
+            raise
+        if owner is not None:
+            self.kv.adopt(request, owner)
+            request.num_computed_tokens = request.num_cached_tokens = kv_tokens
         request.w_total = self.prefill_time_cache.prefill_time(request.prompt_len)
         self._requests[rid] = request
         self._admission[rid] = self._num_admitted

@@ -41,6 +41,8 @@ class KVAllocator(Protocol):
 
     def free(self, request_id: str) -> None: ...
 
+    def rename(self, request_id: str, new_id: str) -> int: ...
+
     def has(self, request_id: str) -> bool: ...
 
     def drop_prefix_cache(self) -> None: ...
@@ -96,6 +98,15 @@ class KVReservations:
         reused = self.allocator.allocate(rid, token_ids)
         self._reserved_tokens[rid] = reused
         return reused
+
+    def adopt(self, request: Request, owner: str) -> None:
+        """Gives a request without pages the pages the allocator holds under `owner` (a KV
+        hand-off's reservation, written with the request's leading tokens' K/V)."""
+        rid = request.request_id
+        if rid in self._reserved_tokens:
+            raise ValueError(f"request {rid!r} already holds KV pages")
+        pages = self.allocator.rename(owner, rid)
+        self._reserved_tokens[rid] = pages * self.allocator.page_size
 
     def reserve(self, request_id: str, num_tokens: int) -> bool:
         """Grows the request's pages to hold `num_tokens`; False (nothing changed) when the
