@@ -188,12 +188,18 @@ class ReplicaActor:
                 "page_bytes": page_bytes(self.replica.engine)}
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       slo: SLO | None, priority: int, paced: bool = True):
+                       slo: SLO | None, priority: int, paced: bool = True,
+                       reservation: str | None = None):
         """Streams the request's StreamDeltas (the last one finished). paced: as
-        Server.submit's _paced (False: the front's generate(), no TPOT)."""
+        Server.submit's _paced (False: the front's generate(), no TPOT). reservation: a
+        hand-off's, registered here: the request takes its pages when every prompt page
+        landed (serving.ray_handoff)."""
+        kv_from = (self.handoffs.whole_prompt(reservation)
+                   if reservation is not None and self.handoffs is not None else None)
         handle = self.server.submit(validation.TokensPrompt(prompt_ids), params, slo=slo,
                                     priority=priority, request_id=request_id,
-                                    _loop=asyncio.get_running_loop(), _paced=paced)
+                                    _loop=asyncio.get_running_loop(), _paced=paced,
+                                    _kv_from=kv_from)
         self._handles[request_id] = handle
         if self.handoffs is not None:         # a hand-off's pages may be waiting for it here
             self.replica.loop.call(lambda: self.handoffs.bind(request_id, handle.id))
@@ -265,11 +271,13 @@ class ReplicaActor:
         await self._on_loop(lambda: self.handoffs.release_hold(request_id))
 
     async def handoffs_state(self) -> dict:
-        """For tests: hand-offs kept, leading pages landed, stale writes dropped."""
+        """For tests: hand-offs kept, leading pages landed, stale writes dropped,
+        reservations their request took whole."""
         return await self._on_loop(lambda: {"in_flight": self.handoffs.in_flight,
                                             "leading_pages_landed":
                                                 self.handoffs.leading_pages_landed,
-                                            "stale_writes": self.handoffs.stale_writes})
+                                            "stale_writes": self.handoffs.stale_writes,
+                                            "taken_whole": self.handoffs.taken_whole})
 
     def _on_loop(self, fn) -> asyncio.Future:
         """fn() run on the replica's loop thread, as a future of this event loop."""
@@ -396,6 +404,7 @@ class _InFlight:
     hashes: tuple = ()                    # the prompt's page hashes
     cached_tokens: int = 0                # on the replica it was routed to
     prefill_metrics: RequestMetrics | None = None   # its prefill side's, once handed off
+    reservation: str | None = None        # the decode side's, registered, for its generate()
     submitted: float = dataclasses.field(default_factory=time.monotonic)
     first_token_at: float | None = None   # when its first token reached this process
     paced: bool = True                    # Server.submit's _paced (generate(): False)
@@ -746,7 +755,8 @@ class RayServer(Server):
                 replica = request.replica
                 stream = self._actors[replica].generate.remote(
                     server_id, request.prompt_ids + request.tokens, run_params, request.slo,
-                    request.priority, request.paced)
+                    request.priority, request.paced, request.reservation)
+                request.reservation = None        # a re-run elsewhere finds none
                 try:
                     async for ref in stream:
                         if self._deliver(server_id, request, await ref):
@@ -808,7 +818,7 @@ class RayServer(Server):
         offload_request = OffloadRequest(
             prompt_len, request.cached_tokens, params.max_tokens,
             statuses[prefill].prefill_s(prompt_len, request.cached_tokens),
-            prompt_len // self.page_size, self._page_bytes)
+            -(-prompt_len // self.page_size), self._page_bytes)
         views = [OffloadReplica(
             can_decode=status.healthy and state is not None,
             prefill_only=i in self._prefill_only,
@@ -914,6 +924,7 @@ class RayServer(Server):
             destination.release_reservation.remote(res_id)
             return False
         request.replica, request.prefill_metrics = decode, handed.metrics
+        request.reservation = res_id
         self.handoffs += 1
         source.release_hold.remote(server_id)
         if request.cancelled or self._closing:     # while the pages moved

@@ -12,10 +12,13 @@ ReplicaActor) and the front (RayServer) carries every message, so only it talks 
     land(res, wire, lo, hi) ------> pulls them (serving.kv_wire), writes
           <---------------------------------------------------- first token, HandedOff
                                                                   (P pins its pages: a hold)
-    register(res) ----------------> the pages enter D's prefix cache under the prompt's
-                                    page hashes (seed 003 H6)
-    generate(prompt + token) -----> takes the pages by prefix reuse, computes only the
-                                    last partial page and the first token, decodes
+    register(res) ----------------> the full pages enter D's prefix cache under the
+                                    prompt's page hashes (seed 003 H6)
+    generate(prompt + token, res) -> takes the reservation's pages (every prompt page
+                                    landed, the partial last one too: P offers it with
+                                    the first token) and computes only the first token,
+                                    a decode step; else by prefix reuse, the partial
+                                    page again
     release_hold(id) ------------------------------------------> unpins (they stay cached)
 
 Order: an async actor runs calls in no set order, so the front waits for each call whose
@@ -85,6 +88,7 @@ class _Outgoing:
     tokens: list[int]
     num_pages: int                # full prompt pages the decode side needs
     sent: int                     # pages [.., sent) offered (from the first not cached there)
+    prompt_pages: int = 0         # those and the prompt's partial last page, if any
     hold: str | None = None
     held_at: float = 0.0
     taker: str | None = None      # a re-run here that takes the held pages (decode side died)
@@ -94,19 +98,20 @@ class _Outgoing:
 class _Incoming:
     request_id: str               # the front's
     tokens: list[int]
-    num_pages: int
+    num_pages: int                # full prompt pages
     created: float
     granted: Callable | None      # resolves the front's reserve() call, until granted
-    landed: np.ndarray | None = None      # per page: written here (or cached here)
+    landed: np.ndarray | None = None      # per prompt page, the partial one too: written here
+                                          # (or cached here)
     registered_at: float | None = None
     taker: str | None = None      # the request here that takes the pages (`bind`)
 
     @property
     def landed_prefix(self) -> int:
-        """Leading pages landed (what may enter the prefix cache)."""
+        """Leading full pages landed (what may enter the prefix cache)."""
         if self.landed is None:
             return 0
-        missing = np.flatnonzero(~self.landed)
+        missing = np.flatnonzero(~self.landed[:self.num_pages])
         return int(missing[0]) if len(missing) else self.num_pages
 
 
@@ -125,6 +130,7 @@ class ReplicaHandoffs:
         self._receiver: PageReceiver | None = None
         self._scatter = page_scatter(self.engine)      # the receiver's writes, warmed up once
         self.stale_writes = 0
+        self.taken_whole = 0          # reservations their request took as its own pages
         replica.loop.on_prefilled = self._on_prefilled
         replica.loop.publishes_decode_contexts = True     # the front's offload decision
         replica.step_hooks.append(lambda: self.sweep(time.monotonic()))
@@ -141,8 +147,10 @@ class ReplicaHandoffs:
                num_pages: int, push: Callable) -> None:
         """The request (added just before as `internal`) hands its decode off: offer its
         full prompt pages from start_page (those before it the decode side has cached) as
-        they fill."""
-        self._outgoing[request_id] = _Outgoing(internal, push, tokens, num_pages, start_page)
+        they fill, and the partial last one with the first token."""
+        prompt_pages = -(-len(tokens) // self.engine.allocator.page_size)
+        self._outgoing[request_id] = _Outgoing(internal, push, tokens, num_pages, start_page,
+                                               prompt_pages=prompt_pages)
         self._front_id[internal] = request_id
 
     def _ship_filled(self) -> None:
@@ -174,7 +182,7 @@ class ReplicaHandoffs:
         out = self._outgoing.get(request_id)
         if out is None or out.hold is not None:
             return False
-        self._offer(out, out.internal, out.num_pages)
+        self._offer(out, out.internal, out.prompt_pages)     # the partial last page too
         allocator = self.engine.allocator
         hold = f"kv-out:{request_id}"
         allocator.allocate(hold, out.tokens[:out.num_pages * allocator.page_size + 1])
@@ -197,8 +205,8 @@ class ReplicaHandoffs:
 
     def reserve(self, request_id: str, tid: int, tokens: list[int],
                 granted: Callable[[int | None], None]) -> None:
-        """Queues the handshake; `granted(pages cached here)` once every full prompt page
-        is booked, or granted(None) when it is withdrawn first."""
+        """Queues the handshake; `granted(pages cached here)` once every prompt page (the
+        partial last one too) is booked, or granted(None) when it is withdrawn first."""
         res_id = reservation_id(request_id, tid)
         self._incoming[res_id] = _Incoming(request_id, list(tokens),
                                            len(tokens) // self.engine.allocator.page_size,
@@ -218,11 +226,11 @@ class ReplicaHandoffs:
                 self._queue.popleft()
                 continue
             reused = allocator.allocate(res_id, res.tokens[:res.num_pages * ps + 1])
-            if not allocator.reserve(res_id, res.num_pages * ps):
+            if not allocator.reserve(res_id, len(res.tokens)):
                 allocator.free(res_id)
                 return
             self._queue.popleft()
-            res.landed = np.arange(res.num_pages) < reused // ps
+            res.landed = np.arange(allocator.pages_needed(len(res.tokens))) < reused // ps
             granted, res.granted = res.granted, None
             granted(reused // ps)
 
@@ -254,6 +262,16 @@ class ReplicaHandoffs:
         res.registered_at = time.monotonic()
         return True
 
+    def whole_prompt(self, res_id: str) -> tuple[str, int] | None:
+        """Any thread, after register(res_id) returned: (res_id, prompt tokens) when every
+        prompt page landed there, what the decode request takes as its own pages
+        (`ReplicaController.add_request`'s kv_from); None: it takes the full pages by
+        prefix reuse."""
+        res = self._incoming.get(res_id)
+        if res is None or res.registered_at is None or not res.landed.all():
+            return None
+        return res_id, len(res.tokens)
+
     def release_reservation(self, res_id: str, register_landed: bool = False) -> None:
         res = self._incoming.pop(res_id, None)
         if res is None:
@@ -261,7 +279,9 @@ class ReplicaHandoffs:
         allocator = self.engine.allocator
         if res.granted is not None:
             res.granted(None)
-        elif allocator.has(res_id):
+        elif not allocator.has(res_id):
+            self.taken_whole += res.registered_at is not None    # the request took them
+        else:
             if register_landed and res.registered_at is None and res.landed_prefix:
                 allocator.commit(res_id, res.tokens, res.landed_prefix * allocator.page_size)
             allocator.free(res_id)

@@ -288,7 +288,8 @@ class Server:
                slo: SLO | None = None, priority: int = 0, request_id: str | None = None,
                session_id: str | None = None,
                _loop: asyncio.AbstractEventLoop | None = None,
-               _paced: bool = True) -> RequestHandle:
+               _paced: bool = True,
+               _kv_from: tuple[str, int] | None = None) -> RequestHandle:
         """Queues one prompt (a str, token ids, a TokensPrompt or a 1-D numpy array) and
         returns at once. Raises ValueError or TypeError naming a bad field.
         request_id: the caller's label for the request, echoed in its deltas and output;
@@ -307,7 +308,11 @@ class Server:
 
         _paced=False (`generate`): with no slo given, the request has no per-token
         objective (the default SLO's TTFT, tpot_s = inf), since its caller reads only the
-        whole output."""
+        whole output.
+
+        _kv_from (a one-replica server: a Ray replica actor taking a KV hand-off,
+        serving.ray_handoff): pages of its engine that hold the prompt's first tokens
+        (`ReplicaController.add_request`)."""
         params = SamplingParams() if sampling_params is None else sampling_params
         try:
             if request_id is not None:
@@ -363,7 +368,9 @@ class Server:
                 self._groups[handle.id] = handle
         if self._replica_set is None:
             stream, held = streams_on(0)
-            self._loops[0].add(stream, held=held)
+            self._loops[0].add(stream, held=held, kv_from=_kv_from)
+        elif _kv_from is not None:
+            raise ValueError("_kv_from is for a one-replica server")
         else:
             try:
                 self._replica_set.submit(streams_on, prompt_ids, session_id, params.max_tokens)

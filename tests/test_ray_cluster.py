@@ -181,7 +181,8 @@ def _handoff_server(**kwargs):
 def test_ray_roles_prefill_on_one_actor_decode_on_the_other(ray_cluster):
     """roles prefill:1,decode:1 over two Ray actors: every request prefills on actor 0 and
     decodes on actor 1 with one in-process replica's greedy tokens; its pages went over
-    serving.kv_wire in several chunks while the prefill ran, entered actor 1's prefix cache
+    serving.kv_wire in several chunks while the prefill ran (the prompt's partial last page
+    with the first token, so actor 1 took every prompt page), entered actor 1's prefix cache
     under the prompt's hashes (seed 003 H6) and stay in actor 0's; a request cancelled
     during its prefill and the completed ones leave every page of both pools free."""
     from medha_jax.kv_cache.allocator import prefix_page_hashes
@@ -194,6 +195,14 @@ def test_ray_roles_prefill_on_one_actor_decode_on_the_other(ray_cluster):
         assert [o.token_ids for o in outputs] == expected
         assert [o.metrics.replica for o in outputs] == [1, 1, 1]
         assert server.handoffs == 3 and server.chunks_moved > 3      # streamed per chunk
+        # Every prompt page landed, the partial last one too: the decode requests took the
+        # reservations as their pages (computing none of the prompt again).
+        decode_actor = ray.get_actor(ACTOR_NAME.format(1), namespace=NAMESPACE)
+        deadline = time.monotonic() + 10
+        while ray.get(decode_actor.handoffs_state.remote())["taken_whole"] < 3 and \
+                time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ray.get(decode_actor.handoffs_state.remote())["taken_whole"] == 3
         assert all(o.metrics.ttft > 0 and o.metrics.num_output_tokens == 8 for o in outputs)
         hashes = tuple(prefix_page_hashes(HANDOFF_PROMPTS[2].prompt_token_ids,
                                           TINY_ENGINE.page_size))
