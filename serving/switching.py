@@ -539,9 +539,13 @@ class SwitchingCoordinator:
 
     # -- what the serving loop asks of a controller --------------------------------
 
-    def add_request(self, request: Request, *, resume: bool = False) -> None:
+    def add_request(self, request: Request, *, resume: bool = False,
+                    kv_from: tuple[str, int] | None = None) -> None:
         """Into the global task pool (see `submit`). resume: ignored (a re-run from the
-        tokens it brings is placed like any request)."""
+        tokens it brings is placed like any request). kv_from: no KV hand-off reaches a
+        switching server (it runs no disaggregation), so none is taken."""
+        if kv_from is not None:
+            raise ValueError("a switching server takes no KV hand-off (kv_from)")
         self.submit(request)
 
     def check_fits(self, prompt_len: int, max_new_tokens: int, *, request_id: str = "") -> None:
