@@ -126,7 +126,6 @@ class _Transfer:
     decode: int
     tid: int
     num_pages: int                 # full prompt pages the decode side needs
-    prompt_pages: int              # those and the prompt's partial last page, if any
     created: float
     state: str = "handshake"       # handshake, streaming, rehoming, handing, done, aborted
     start: int = 0                 # pages the decode side had cached (not moved)
@@ -204,8 +203,7 @@ class KVTransfers:
         request = stream.request
         page_size = self.set.page_size
         t = _Transfer(stream, list(request.prompt_token_ids), prefill, decode,
-                      next(self._tids), request.prompt_len // page_size,
-                      -(-request.prompt_len // page_size), time.monotonic(),
+                      next(self._tids), request.prompt_len // page_size, time.monotonic(),
                       started=start_now)
         with self._lock:
             self._by_id[t.request_id] = t
@@ -377,9 +375,10 @@ class KVTransfers:
         # Every page left, the prompt's partial last one too: the decode side then takes
         # them all and computes only the first token (a decode step), not the partial
         # page again (a prefill chunk, a whole query block on some engines).
-        if t.sent < t.prompt_pages:
-            self._ship(t, t.request_id, t.sent, t.prompt_pages)
-            t.sent = t.prompt_pages
+        prompt_pages = allocator.pages_needed(len(t.tokens))
+        if t.sent < prompt_pages:
+            self._ship(t, t.request_id, t.sent, prompt_pages)
+            t.sent = prompt_pages
         t.whole_prompt_tid = t.tid
         record = self._record_of.get(t.tid)
         if record is not None:
@@ -490,7 +489,7 @@ class KVTransfers:
         if res is not None:
             allocator.commit(res_id, res.tokens,
                              min(res.landed * allocator.page_size, len(res.tokens)))
-            if whole_prompt and res.landed < t.prompt_pages:
+            if whole_prompt and res.landed < allocator.pages_needed(len(res.tokens)):
                 # A page is missing (never expected: writes land in order): the request
                 # must not take pages without their K/V; it computes past the cache.
                 allocator.free(res_id)

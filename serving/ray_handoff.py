@@ -88,7 +88,6 @@ class _Outgoing:
     tokens: list[int]
     num_pages: int                # full prompt pages the decode side needs
     sent: int                     # pages [.., sent) offered (from the first not cached there)
-    prompt_pages: int = 0         # those and the prompt's partial last page, if any
     hold: str | None = None
     held_at: float = 0.0
     taker: str | None = None      # a re-run here that takes the held pages (decode side died)
@@ -148,9 +147,7 @@ class ReplicaHandoffs:
         """The request (added just before as `internal`) hands its decode off: offer its
         full prompt pages from start_page (those before it the decode side has cached) as
         they fill, and the partial last one with the first token."""
-        prompt_pages = -(-len(tokens) // self.engine.allocator.page_size)
-        self._outgoing[request_id] = _Outgoing(internal, push, tokens, num_pages, start_page,
-                                               prompt_pages=prompt_pages)
+        self._outgoing[request_id] = _Outgoing(internal, push, tokens, num_pages, start_page)
         self._front_id[internal] = request_id
 
     def _ship_filled(self) -> None:
@@ -182,8 +179,8 @@ class ReplicaHandoffs:
         out = self._outgoing.get(request_id)
         if out is None or out.hold is not None:
             return False
-        self._offer(out, out.internal, out.prompt_pages)     # the partial last page too
         allocator = self.engine.allocator
+        self._offer(out, out.internal, allocator.pages_needed(len(out.tokens)))   # partial too
         hold = f"kv-out:{request_id}"
         allocator.allocate(hold, out.tokens[:out.num_pages * allocator.page_size + 1])
         out.hold, out.held_at = hold, time.monotonic()
