@@ -373,10 +373,12 @@ def engine_prompts(rng):
             "shared-again": shared + rng.integers(0, 256, 25).tolist()}
 
 
-def serve_with_prefix_reuse(parallel, cp_variant=None):
+def serve_with_prefix_reuse(parallel, cp_variant=None, logprobs=None, **engine_config):
     """Serves four requests through an Engine in random chunks, decodes batched with
     prefills, the last one reusing the third's 70-token prefix; returns (engine, greedy
-    tokens by request, tokens the last request found in the prefix cache)."""
+    tokens by request, tokens the last request found in the prefix cache). logprobs: a
+    dict to fill with each request's sampled and prompt logprobs (top 3 asked for; see
+    test_engine.drive). engine_config: EngineConfig fields over this test's."""
     from medha_jax.engine import Engine, EngineConfig
     from tests.test_engine import drive, make_request
 
@@ -386,14 +388,16 @@ def serve_with_prefix_reuse(parallel, cp_variant=None):
     # engine compiles once (three token rungs compiled three times over).
     engine = Engine(tiny(parallel), EngineConfig(page_size=16, num_pages=16,
                                                  max_tokens_per_step=64, min_token_bucket=64,
-                                                 max_seqs=8),
+                                                 max_seqs=8, **engine_config),
                     cp_variant=cp_variant)
-    arrivals = [(0, make_request(rid, prompts[rid], 5)) for rid in ("short", "long", "shared")]
-    arrivals.append((30, make_request("shared-again", prompts["shared-again"], 5)))
+    asked = {} if logprobs is None else {"logprobs": 3, "prompt_logprobs": 3}
+    arrivals = [(0, make_request(rid, prompts[rid], 5, **asked))
+                for rid in ("short", "long", "shared")]
+    arrivals.append((30, make_request("shared-again", prompts["shared-again"], 5, **asked)))
     reused = {}
     allocate = engine.allocator.allocate
     engine.allocator.allocate = lambda rid, ids=None: reused.setdefault(rid, allocate(rid, ids))
-    done = drive(engine, arrivals, rng=rng, max_chunk=40)
+    done = drive(engine, arrivals, rng=rng, max_chunk=40, logprobs=logprobs)
     assert engine.allocator.num_free_pages == engine.allocator.num_pages
     return engine, done, reused["shared-again"]
 
@@ -415,6 +419,61 @@ def test_engine_tokens_equal_one_device_with_prefix_reuse(engine_reference):
     assert {s.data.shape[1] for s in engine.kv_cache.k.addressable_shards} == {16}
     assert done == engine_reference
     assert reused == 64                                   # the shared prefix's full page
+
+
+@pytest.fixture(scope="module")
+def logprobs_reference():
+    """One device's greedy tokens, and sampled and prompt logprobs, of
+    `serve_with_prefix_reuse`'s requests."""
+    logprobs = {}
+    _, done, _ = serve_with_prefix_reuse(ParallelConfig(), logprobs=logprobs)
+    return done, logprobs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", [ParallelConfig(kvp=2, cp=2),
+                                      ParallelConfig(tp=2, kvp=2, cp=2)], ids=str)
+def test_kvp_groups_of_cp_rings_serve_one_device_tokens_and_logprobs(logprobs_reference,
+                                                                      parallel):
+    """Two kvp groups, each a cp ring: a request longer than a group's 64 tokens (the 100-
+    and 95-token prompts) is spread over both, each group's ring attends its own part of
+    the cache and the groups merge by log-sum-exp. Logprobs, not only tokens: counting
+    the new tokens in both groups' rings still gave the tiny model's greedy tokens, with
+    logprobs 0.06 off."""
+    want_tokens, want = logprobs_reference
+    for variant in (PASS_KV, PASS_Q):
+        got = {}
+        engine, done, reused = serve_with_prefix_reuse(parallel, variant, logprobs=got,
+                                                       max_tokens_per_kvp_group=64)
+        assert (engine.allocator.num_shards, engine.allocator.max_tokens_per_shard) == (2, 64)
+        assert done == want_tokens, variant
+        assert reused == 64, variant
+        assert set(engine.cp_variant_counts) == {variant}
+        for rid, (sampled, prompt) in want.items():
+            got_sampled, got_prompt = got[rid]
+            assert [t.token_id for t in got_sampled] == [t.token_id for t in sampled]
+            assert sorted(got_prompt) == sorted(prompt) and len(prompt) > 0
+            entries = [*sampled, *(prompt[p] for p in sorted(prompt))]
+            got_entries = [*got_sampled, *(got_prompt[p] for p in sorted(prompt))]
+            assert [[i for i, _ in e.top] for e in got_entries] == \
+                [[i for i, _ in e.top] for e in entries], (rid, variant)
+            np.testing.assert_allclose(
+                [[e.logprob, *(lp for _, lp in e.top)] for e in got_entries],
+                [[e.logprob, *(lp for _, lp in e.top)] for e in entries],
+                atol=1e-4, rtol=0, err_msg=f"{rid} {variant}")
+
+
+def test_what_kvp_groups_of_cp_rings_do_not_run_is_refused_clearly():
+    from medha_jax.model.attention import attention
+
+    layout = tiny(ParallelConfig(kvp=2, cp=2)).layout
+    with pytest.raises(ValueError, match="a window over kvp groups of cp rings is not "
+                                         "supported"):
+        attention(None, None, None, None, None, 0, None, layout=layout, sm_scale=1.0,
+                  sliding_window=8)
+    # The one-sequence oracle runs one ring: it says so rather than lay pages out wrong.
+    with pytest.raises(ValueError, match="Model.logits runs one cp ring, not kvp=2 groups"):
+        tiny(ParallelConfig(kvp=2, cp=2)).logits([1, 2, 3])
 
 
 @pytest.mark.slow

@@ -32,11 +32,12 @@ def make_request(request_id, prompt, max_new_tokens, **sampling):
                    sampling=params)
 
 
-def drive(engine, arrivals, *, rng, max_chunk, chunk_of=None):
+def drive(engine, arrivals, *, rng, max_chunk, chunk_of=None, logprobs=None):
     """Runs requests to completion with random chunk sizes, decodes batched with prefills.
 
     arrivals: list of (step, Request). A tiny stand-in for the controller, so that this
-    test exercises the engine alone with arbitrary chunkings.
+    test exercises the engine alone with arbitrary chunkings. logprobs: a dict to fill
+    with request id -> (its sampled tokens' TokenLogprobs, its prompt's by position).
     """
     arrivals = sorted(arrivals, key=lambda a: a[0])
     running, done, step = [], {}, 0
@@ -62,6 +63,11 @@ def drive(engine, arrivals, *, rng, max_chunk, chunk_of=None):
         result = engine.execute(Batch(chunks))
         for chunk in chunks:
             request = chunk.request
+            if logprobs is not None:
+                sampled, prompt = logprobs.setdefault(request.request_id, ([], {}))
+                if request.request_id in result.logprobs:
+                    sampled.append(result.logprobs[request.request_id])
+                prompt.update(result.prompt_logprobs.get(request.request_id, {}))
             request.num_computed_tokens = chunk.end
             engine.allocator.commit(request.request_id, request.token_ids(0, chunk.end), chunk.end)
             if chunk.samples:

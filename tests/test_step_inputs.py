@@ -303,3 +303,49 @@ def test_padding_inputs_hold_no_sequence_and_write_only_the_pad_slot():
     for name, array in real.arrays().items():
         assert (getattr(padding, name).shape, getattr(padding, name).dtype) == \
             (array.shape, array.dtype), name
+
+
+def test_kvp_groups_of_cp_ranks_place_each_token_once_in_the_group_of_its_segment():
+    """kvp = 2 groups of cp = 2 ranks (shard g * 2 + r), pages of 2 x 4 tokens, 16 tokens a
+    group: a 40-token prompt's chunk of positions 10..29 spans its first segment (0..15,
+    on one group) and its second (16..31, on the other); each token's K/V goes to exactly
+    one shard, the rank its position in the segment names in the group holding it."""
+    from medha_jax.model import cp_layout
+
+    cp, page_size, segment = 2, 4, 16
+    allocator = BlockAllocator(num_pages=8, page_size=cp * page_size, num_shards=2,
+                               max_tokens_per_shard=segment)
+    ladder = BucketLadder.from_limits(max_tokens=32, max_seqs=2, max_pages_per_seq=2,
+                                      cp_pages=8)
+    request = Request("r", 40, 1, 0.0, prompt_token_ids=list(range(1, 41)))
+    allocator.allocate("r")
+    assert allocator.reserve("r", 30)
+    group_of_segment = [s.shard for s in allocator.segments("r")]
+    assert sorted(group_of_segment) == [0, 1]
+    pad_slot = 8 * page_size
+    inputs = build_step_inputs(Batch([ScheduledChunk(request, 10, 20)]), allocator, ladder,
+                               pad_slot=pad_slot, cp_ranks=cp)
+    assert inputs.num_kv_shards == 4 and inputs.kv_starts is None
+    written = inputs.slot_mapping != pad_slot                        # [4, T_rank]
+    rank_tokens = inputs.slot_mapping.shape[1]
+    for position in range(10, 30):
+        row = int(np.flatnonzero(inputs.positions == position)[0])
+        rank, index = divmod(row, rank_tokens)
+        local = position % segment
+        assert rank == cp_layout.rank_of_position(np.array([local]), cp, page_size)[0]
+        group = group_of_segment[position // segment]
+        shards = [s for s in range(4) if written[s, index] and s % cp == rank]
+        assert shards == [group * cp + rank], position
+        page = allocator.segments("r")[position // segment].table[local // (cp * page_size)]
+        assert inputs.slot_mapping[group * cp + rank, index] == page * page_size + local % 4
+    assert written.sum() == 20                                       # no token twice
+    # Before the chunk: 10 tokens of the first segment (its ranks 8 and 2 of them, the
+    # zigzag of 4-token stripes), none of the second.
+    kv_lens = inputs.kv_lens[:, 0].reshape(2, cp)
+    assert kv_lens[group_of_segment[0]].tolist() == cp_layout.cached_on_rank(10, cp, 4).tolist()
+    assert kv_lens[group_of_segment[1]].tolist() == [0, 0]
+    # Each shard's page table is its group's segment.
+    for g in range(2):
+        table = allocator.segments("r")[group_of_segment.index(g)].table
+        for r in range(cp):
+            assert inputs.page_table[g * cp + r, 0, :len(table)].tolist() == list(table)

@@ -86,7 +86,7 @@ def _int32_shapes(shape: tuple[int, ...], num_kv_shards: int, cp_ranks: int = 1
               "next_token_ids": (cp_ranks * num_tokens,), "logprobs_flags": (2,)}
     if cp_ranks > 1:
         shapes.update(rank_cu_q_lens=(cp_ranks, num_seqs + 1), cp_pass_q=(1,),
-                      cp_kv_pages=(cp_ranks, shape[3]), cp_kv_index=(cp_ranks, num_seqs, width))
+                      cp_kv_pages=(n, shape[3]), cp_kv_index=(n, num_seqs, width))
     elif n > 1:
         shapes.update(kv_starts=(n, num_seqs))
     return shapes
@@ -146,9 +146,10 @@ class StepInputs:
     # arrays are [R * T], rank r's run at r * T, see medha_jax.model.cp_layout):
     rank_cu_q_lens: np.ndarray | None = None  # int32 [R, S + 1]: each rank's run by sequence
     cp_pass_q: np.ndarray | None = None       # int32 [1]: 1 = ring pass-Q, 0 = pass-KV
-    cp_kv_pages: np.ndarray | None = None     # int32 [R, C]: each rank's packed cached pages
-    cp_kv_index: np.ndarray | None = None     # int32 [R, S, W]: page-table entries among them
-                                              #   (cp_layout.pack_cached_pages)
+    cp_kv_pages: np.ndarray | None = None     # int32 [N, C]: each shard's packed cached pages
+    cp_kv_index: np.ndarray | None = None     # int32 [N, S, W]: page-table entries among them
+                                              #   (cp_layout.pack_cached_pages); N = R, or
+                                              #   kvp groups x R (shard g * R + r)
     # KV-cache parallelism only (N > 1 shards, no cp):
     kv_starts: np.ndarray | None = None       # int32 [N, S]: position of each sequence's
                                               #   first key on each shard (its segment's)
@@ -203,8 +204,8 @@ class StepInputs:
         return cls(
             rank_cu_q_lens=zeros((cp_ranks, num_seqs + 1)) if cp else None,
             cp_pass_q=zeros(1) if cp else None,
-            cp_kv_pages=zeros((cp_ranks, shape[3])) if cp else None,
-            cp_kv_index=zeros((cp_ranks, num_seqs, width)) if cp else None,
+            cp_kv_pages=zeros((num_kv_shards, shape[3])) if cp else None,
+            cp_kv_index=zeros((num_kv_shards, num_seqs, width)) if cp else None,
             kv_starts=zeros((num_kv_shards, num_seqs)) if num_kv_shards > 1 and not cp else None,
             token_ids=zeros(cp_ranks * num_tokens), positions=zeros(cp_ranks * num_tokens),
             slot_mapping=np.full((num_kv_shards, num_tokens), pad_slot, np.int32),
@@ -439,29 +440,44 @@ def _cp_step_inputs(batch: Batch, allocator: BlockAllocator, ladder: BucketLadde
                     pad_slot: int, cp_ranks: int, ring_cost, cp_variant: str | None
                     ) -> StepInputs:
     """`build_step_inputs` over cp ranks: the one-rank inputs, then each token moved to its
-    rank's run (see there)."""
+    rank's run (see there).
+
+    With kvp groups too (the allocator's shards; KV shard g * cp + r is rank r of group g),
+    a sequence's segments are placed as kvp places them, and within a segment its tokens
+    go to ranks by their position in the segment: every group is a cp ring of its own over
+    the positions it holds (`medha_jax.model.attention`)."""
     from medha_jax.model import cp_layout
     from medha_jax.scheduler.cp_cost import PASS_Q
 
-    if allocator.num_shards != 1 or allocator.page_size % cp_ranks:
-        raise ValueError(f"cp={cp_ranks} wants one allocator pool of pages of cp * page_size "
-                         f"tokens, got {allocator.num_shards} pools of {allocator.page_size}")
+    if allocator.page_size % cp_ranks:
+        raise ValueError(f"cp={cp_ranks} wants allocator pages of cp * page_size tokens, got "
+                         f"{allocator.page_size}")
     page_size = allocator.page_size // cp_ranks
+    groups = allocator.num_shards
     # The one-rank layout of the batch (sequence-major, positions ascending), with slots
     # against pages of cp * page_size tokens, which are remapped below.
-    flat = build_step_inputs(batch, allocator, ladder, pad_slot=allocator.page_size
-                             * allocator.pages_per_shard)
+    flat_pad = allocator.page_size * allocator.pages_per_shard
+    flat = build_step_inputs(batch, allocator, ladder, pad_slot=flat_pad)
     num_tokens, num_seqs = flat.num_tokens, len(batch.chunks)
     _, padded_seqs, width = flat.padded_shape
     positions = flat.positions[:num_tokens]
     seq = np.repeat(np.arange(num_seqs), np.diff(flat.cu_q_lens[:num_seqs + 1]))
-    rank = cp_layout.rank_of_position(positions, cp_ranks, page_size)
+    starts = np.array([chunk.start for chunk in batch.chunks])
+    if groups == 1:
+        group = np.zeros(num_tokens, np.int64)
+        local = positions                                      # position in the segment
+        cached = starts[:, None]                               # [S, groups]: before the chunk
+    else:
+        group = np.argmax(flat.slot_mapping[:, :num_tokens] != flat_pad, axis=0)
+        local = positions - flat.kv_starts[group, seq]
+        cached = flat.kv_lens[:, :num_seqs].T
+    rank = cp_layout.rank_of_position(local, cp_ranks, page_size)
     order = np.argsort(rank, kind="stable")        # by rank; sequence and position kept
     counts = np.bincount(rank, minlength=cp_ranks)
     rank_tokens = ladder.token_bucket(int(counts.max()))
-    local = np.arange(num_tokens) - np.repeat(np.cumsum(counts) - counts, counts)
+    within_rank = np.arange(num_tokens) - np.repeat(np.cumsum(counts) - counts, counts)
     target = np.empty(num_tokens, np.int64)
-    target[order] = rank[order] * rank_tokens + local    # each token's index in [R * T]
+    target[order] = rank[order] * rank_tokens + within_rank    # each token's index in [R * T]
 
     token_ids = np.zeros(cp_ranks * rank_tokens, np.int32)
     token_ids[target] = flat.token_ids[:num_tokens]
@@ -469,33 +485,35 @@ def _cp_step_inputs(batch: Batch, allocator: BlockAllocator, ladder: BucketLadde
     next_token_ids[target] = flat.next_token_ids[:num_tokens]
     all_positions = np.zeros(cp_ranks * rank_tokens, np.int32)
     all_positions[target] = positions
-    table = flat.page_table[0]
-    logical_page = positions // (cp_ranks * page_size)
-    slot_mapping = np.full((cp_ranks, rank_tokens), pad_slot, np.int32)
-    slot_mapping[rank, target - rank * rank_tokens] = (
-        table[seq, logical_page] * page_size + positions % page_size)
+    tables = flat.page_table                                   # [groups, S, W]
+    logical_page = local // (cp_ranks * page_size)
+    shards = groups * cp_ranks
+    slot_mapping = np.full((shards, rank_tokens), pad_slot, np.int32)
+    slot_mapping[group * cp_ranks + rank, target - rank * rank_tokens] = (
+        tables[group, seq, logical_page] * page_size + local % page_size)
     rank_cu_q_lens = np.zeros((cp_ranks, padded_seqs + 1), np.int32)
     np.add.at(rank_cu_q_lens, (rank, seq + 1), 1)
     rank_cu_q_lens = np.cumsum(rank_cu_q_lens, axis=1, dtype=np.int32)
-    kv_lens = np.zeros((cp_ranks, padded_seqs), np.int32)
-    starts = [chunk.start for chunk in batch.chunks]
-    for s, start in enumerate(starts):
-        kv_lens[:, s] = cp_layout.cached_on_rank(start, cp_ranks, page_size)
+    kv_lens = np.zeros((groups, cp_ranks, padded_seqs), np.int32)
+    for s in range(num_seqs):
+        for g in range(groups):
+            kv_lens[g, :, s] = cp_layout.cached_on_rank(int(cached[s, g]), cp_ranks, page_size)
+    kv_lens = kv_lens.reshape(shards, padded_seqs)
     logits_indices = np.zeros(padded_seqs, np.int32)
     logits_indices[:num_seqs] = target[flat.cu_q_lens[1:num_seqs + 1] - 1]
-    page_table = np.broadcast_to(table, (cp_ranks,) + table.shape)
+    page_table = np.repeat(tables, cp_ranks, axis=0)           # shard g * cp + r: group g's
     kv_pages, kv_index = cp_layout.pack_cached_pages(page_table, kv_lens, page_size,
                                                      capacity=ladder.cp_page_bucket)
-    new, cached = num_tokens, sum(starts)
+    new, cached_tokens = num_tokens, int(starts.sum())
     if cp_variant is not None:
         pass_q = cp_variant == PASS_Q
     else:
         decodes_only = all(chunk.num_tokens == 1 for chunk in batch.chunks)
         pass_q = decodes_only or (ring_cost is not None
-                                  and ring_cost.choose(new, cached) == PASS_Q)
+                                  and ring_cost.choose(new, cached_tokens) == PASS_Q)
     return dataclasses.replace(
         flat, token_ids=token_ids, positions=all_positions, slot_mapping=slot_mapping,
-        kv_lens=kv_lens, page_table=page_table.copy(), cp_kv_pages=kv_pages, cp_kv_index=kv_index,
+        kv_lens=kv_lens, page_table=page_table, cp_kv_pages=kv_pages, cp_kv_index=kv_index,
         logits_indices=logits_indices, rank_cu_q_lens=rank_cu_q_lens,
         cp_pass_q=np.array([int(pass_q)], np.int32), next_token_ids=next_token_ids,
-        token_rows=target)
+        token_rows=target, kv_starts=None)

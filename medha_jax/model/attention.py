@@ -20,9 +20,17 @@ must stay where it is, so each device writes and reads only its own part:
 - Several context-parallel ranks (cp, seed 002): the step's tokens are split over the ranks
   (`medha_jax.model.cp_layout`), each rank writes the K/V of its own tokens into its own
   pages, and `medha_jax.model.ring_attention` attends over all ranks by ring pass-KV or
-  pass-Q. cp and kvp do not combine: both split the cache's pages, and kvp's merge assumes
-  every shard sees every query while cp's ring assumes each rank holds its own queries
-  (a kvp group of cp rings is future work).
+  pass-Q.
+- Both (kvp groups of cp rings; the cache's pages over kvp x cp): a sequence's context is
+  split into segments over the kvp groups as with kvp alone, and within a group placed
+  over its cp ranks by position as with cp alone. The step's tokens are split over the cp
+  ranks and replicated over the groups. Each group runs the ring over its own ranks'
+  cached K/V, so every query gets that group's part of (a) (exact, with its lse); the
+  first group's ring also counts (b), the new tokens, which every group holds alike; one
+  pmax and one psum over kvp merge the groups as kvp alone merges its shards. A token's
+  K/V is written by the rank that computed it in the group that owns its position. A
+  sliding window is not supported there (its keys would have to be mapped through both
+  placements).
 
 Step metadata carries a leading KV-shard dimension ([shards, ...], sharded like the cache's
 pages: kvp shards or cp ranks) so that every case reads the same arrays.
@@ -129,9 +137,11 @@ def attention(q, k, v, k_cache, v_cache, layer_id, meta: AttentionMetadata, *,
         raise ValueError(f"sliding_window={sliding_window} over {num_kv_shards(layout)} kvp "
                          "shards needs the step's kv_starts and positions (the engine's "
                          "build_step_inputs and llama.one_sequence_metadata make them)")
-    if cp > 1 and num_kv_shards(layout) != cp:
-        raise ValueError(f"cp={cp} with {num_kv_shards(layout)} KV shards: cp and kvp do not "
-                         "combine (see this module's docstring)")
+    kv_groups = num_kv_shards(layout) // cp
+    if cp > 1 and kv_groups > 1 and sliding_window is not None:
+        raise ValueError(f"sliding_window={sliding_window} with cp={cp} and kvp={kv_groups}: "
+                         "a window over kvp groups of cp rings is not supported (use cp or kvp "
+                         "alone with tp)")
     if cp > 1 and (meta.rank_cu_q_lens is None or meta.cp_pass_q is None or positions is None
                    or meta.cp_kv_pages is None or meta.cp_kv_index is None):
         raise ValueError(f"cp={cp} needs the step's rank_cu_q_lens, cp_pass_q, cp_kv_pages, "
@@ -143,7 +153,8 @@ def attention(q, k, v, k_cache, v_cache, layer_id, meta: AttentionMetadata, *,
                              per_layer_window=windowed is not None,
                              kv_shard_axis=layout.rules.mesh_axis("pages"),
                              num_shards=num_kv_shards(layout), cp=cp,
-                             cp_axis=layout.rules.mesh_axis("tokens"))
+                             cp_axis=layout.rules.mesh_axis("tokens"),
+                             kv_group_axis=_kv_group_axis(layout))
     if positions is None or not (cp > 1 or sharded_window):
         positions = jnp.zeros(q.shape[:1], jnp.int32)   # unread
     windowed = jnp.asarray(True if windowed is None else windowed)
@@ -174,10 +185,20 @@ def attention(q, k, v, k_cache, v_cache, layer_id, meta: AttentionMetadata, *,
     return sharded(*args)
 
 
+def _kv_group_axis(layout: MeshLayout):
+    """The mesh axes of the pages that are not cp's: kvp's (None without kvp)."""
+    cp_axes = layout.rules.mesh_axis("tokens")
+    cp_axes = (cp_axes,) if isinstance(cp_axes, str) else tuple(cp_axes or ())
+    pages = layout.rules.mesh_axis("pages")
+    pages = (pages,) if isinstance(pages, str) else tuple(pages or ())
+    rest = tuple(a for a in pages if a not in cp_axes and layout.mesh.shape[a] > 1)
+    return rest or None
+
+
 def _attend_on_device(q, k, v, positions, k_cache, v_cache, layer_id, windowed,
                       meta: AttentionMetadata, *, sm_scale: float, impl: str, kv_shard_axis,
-                      num_shards: int, cp: int, cp_axis, sliding_window: int | None = None,
-                      per_layer_window: bool = False):
+                      num_shards: int, cp: int, cp_axis, kv_group_axis=None,
+                      sliding_window: int | None = None, per_layer_window: bool = False):
     """The per-device body: this device's heads and tokens, its KV shard's pages ([1, ...]
     of the metadata's shard dimension). k_cache, v_cache: [L, P, page_size, K * hd] here,
     this device's pages and heads; the kernels read them unfolded, [..., K, hd]."""
@@ -193,12 +214,19 @@ def _attend_on_device(q, k, v, positions, k_cache, v_cache, layer_id, windowed,
     head_dim = k.shape[-1]
     k_all, v_all = _all_layer_pages(k_cache, head_dim), _all_layer_pages(v_cache, head_dim)
     if cp > 1:
-        out = ring_attention(q, k, v, positions, k_all, v_all, layer_pages, kv_lens,
-                             meta.rank_cu_q_lens, meta.num_seqs, meta.cp_pass_q,
-                             meta.cp_kv_pages[0] + layer_id * num_pages, meta.cp_kv_index[0],
-                             axis=cp_axis, num_ranks=cp, sm_scale=sm_scale, impl=impl,
-                             sliding_window=sliding_window, windowed=windowed)
-        return out, k_cache, v_cache
+        # With kvp groups, each group's ring covers its own cached K/V; the new tokens
+        # count in group 0 only (the module docstring).
+        first_group = (True if kv_group_axis is None
+                       else jax.lax.axis_index(kv_group_axis) == 0)
+        out, lse = ring_attention(q, k, v, positions, k_all, v_all, layer_pages, kv_lens,
+                                  meta.rank_cu_q_lens, meta.num_seqs, meta.cp_pass_q,
+                                  meta.cp_kv_pages[0] + layer_id * num_pages,
+                                  meta.cp_kv_index[0], axis=cp_axis, num_ranks=cp,
+                                  sm_scale=sm_scale, impl=impl, sliding_window=sliding_window,
+                                  windowed=windowed, with_new_tokens=first_group)
+        if kv_group_axis is not None:
+            out, _ = _merge_over_shards(out, lse, kv_group_axis)
+        return out.astype(q.dtype), k_cache, v_cache
     if num_shards == 1:
         def attend_cache(window, k_folded, v_folded):
             return attend(q, _all_layer_pages(k_folded, head_dim),

@@ -95,6 +95,11 @@ class Model:
             raise ValueError(f"{chunk_sizes=} must be positive and sum to {ids.size} tokens")
         shards = num_kv_shards(self.layout)
         if num_cp_ranks(self.layout) > 1:
+            if shards != num_cp_ranks(self.layout):
+                raise ValueError(
+                    f"Model.logits runs one cp ring, not kvp={shards // num_cp_ranks(self.layout)}"
+                    f" groups of them: an Engine on this mesh serves them (its logprobs are "
+                    f"checked against one device)")
             return self._cp_logits(ids, chunk_sizes, page_size, cp_variant)
         if kv_tokens_per_shard is None:
             kv_tokens_per_shard = -(-ids.size // shards)

@@ -58,7 +58,7 @@ from pallas_kernels.merge import (attention_scores, online_softmax_finish, onlin
 def ring_attention(q, k, v, positions, k_all, v_all, layer_pages, kv_lens, rank_cu_q_lens,
                    num_seqs, pass_q, kv_pages, kv_index, *, axis: str, num_ranks: int,
                    sm_scale: float, impl: str, sliding_window: int | None = None,
-                   windowed=True):
+                   windowed=True, with_new_tokens=True):
     """Attention of this rank's queries over all ranks' cached and new K/V.
 
     q: [T, H, hd]; k, v: [T, K, hd] (this rank's new tokens, T = step tokens / N);
@@ -88,9 +88,10 @@ def ring_attention(q, k, v, positions, k_all, v_all, layer_pages, kv_lens, rank_
                    first=first)
     kw = dict(axis=axis, num_ranks=num_ranks, sm_scale=sm_scale, impl=impl,
               windowed=sliding_window is not None)
-    out = jax.lax.cond(pass_q[0] != 0, functools.partial(_pass_q, **kw),
-                       functools.partial(_pass_kv, **kw), local)
-    return out.astype(q.dtype)
+    out, lse = jax.lax.cond(pass_q[0] != 0, functools.partial(_pass_q, **kw),
+                            functools.partial(_pass_kv, **kw), local,
+                            jnp.asarray(with_new_tokens))
+    return out.astype(q.dtype), lse
 
 
 @jax.tree_util.register_dataclass
@@ -156,8 +157,14 @@ def _ring_perm(num_ranks: int):
     return [(i, (i + 1) % num_ranks) for i in range(num_ranks)]
 
 
-def _pass_kv(x: _Local, *, axis: str, num_ranks: int, sm_scale: float, impl: str,
-             windowed: bool):
+def _new_token_lse(lse, with_new_tokens):
+    """Part (b)'s lse where it counts on this device, -inf (weight 0 in every merge) where
+    another kvp group counts it (`ring_attention`'s with_new_tokens)."""
+    return jnp.where(with_new_tokens, lse, -jnp.inf)
+
+
+def _pass_kv(x: _Local, with_new_tokens, *, axis: str, num_ranks: int, sm_scale: float,
+             impl: str, windowed: bool):
     """Algorithm 2: this rank's queries stay; every rank's K/V visit them."""
     # This rank's real cached K/V of the step's sequences, [C, page_size, K, hd], and where
     # each sequence's pages sit in it: what travels, not [S x W] padded page tables.
@@ -180,14 +187,13 @@ def _pass_kv(x: _Local, *, axis: str, num_ranks: int, sm_scale: float, impl: str
                                      message["seq"], message["pos"], sm_scale=sm_scale,
                                      q_first=x.first if windowed else None)
         outs += [cached[0], fresh[0]]
-        lses += [cached[1], fresh[1]]
+        lses += [cached[1], _new_token_lse(fresh[1], with_new_tokens)]
         message = following
-    out, _ = merge_attention(jnp.stack([o.astype(jnp.float32) for o in outs]), jnp.stack(lses))
-    return out
+    return merge_attention(jnp.stack([o.astype(jnp.float32) for o in outs]), jnp.stack(lses))
 
 
-def _pass_q(x: _Local, *, axis: str, num_ranks: int, sm_scale: float, impl: str,
-            windowed: bool):
+def _pass_q(x: _Local, with_new_tokens, *, axis: str, num_ranks: int, sm_scale: float,
+            impl: str, windowed: bool):
     """Algorithm 3 (and 4 for decodes): the queries travel; partial outputs return by All2All."""
     num_tokens, num_heads, head_dim = x.q.shape
     local_seq = _token_seqs(x.cu[x.rank], x.num_seqs, num_tokens)
@@ -212,7 +218,8 @@ def _pass_q(x: _Local, *, axis: str, num_ranks: int, sm_scale: float, impl: str,
                                      q_first=message.get("first"))
         out, lse = merge_attention(jnp.stack([cached[0].astype(jnp.float32),
                                               fresh[0].astype(jnp.float32)]),
-                                   jnp.stack([cached[1], fresh[1]]))
+                                   jnp.stack([cached[1],
+                                              _new_token_lse(fresh[1], with_new_tokens)]))
         partial_out = jax.lax.dynamic_update_index_in_dim(partial_out, out, src, 0)
         partial_lse = jax.lax.dynamic_update_index_in_dim(partial_lse, lse, src, 0)
         message = following
@@ -220,8 +227,7 @@ def _pass_q(x: _Local, *, axis: str, num_ranks: int, sm_scale: float, impl: str,
     # holds this rank's queries attended over rank j's keys.
     partial_out = jax.lax.all_to_all(partial_out, axis, 0, 0, tiled=True)
     partial_lse = jax.lax.all_to_all(partial_lse, axis, 0, 0, tiled=True)
-    out, _ = merge_attention(partial_out, partial_lse)
-    return out
+    return merge_attention(partial_out, partial_lse)
 
 
 # Query and key tokens per tile of `masked_attention`: a tile's scores are
