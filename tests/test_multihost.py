@@ -25,8 +25,10 @@ from serving.multihost import free_port
 from tests.multihost_leader import ENGINE_CONFIG, MODEL, run_scored, run_workload
 
 # Each crosses the process boundary (devices 0-3 on process 0, 4-7 on process 1): tp over
-# all 8; kvp (outer to tp) and cp (outer to tp) split between the processes.
-MESHES = ("tp=8", "kvp=2,tp=4", "cp=2,tp=4")
+# all 8; kvp (outer to tp) and cp (outer to tp) split between the processes; kvp groups of
+# cp rings (each group's ring and tp on one process, the groups' merge between them, the
+# 84-token requests spread over both groups' 64 tokens). The last is the one killed.
+MESHES = ("tp=8", "kvp=2,tp=4", "kvp=2,cp=2,tp=2", "cp=2,tp=4")
 STEP_TIMEOUT_S = 20.0
 LAUNCH_TIMEOUT_S = 900
 
