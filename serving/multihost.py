@@ -31,9 +31,14 @@ What does not, and what this module does instead:
   several processes the step returns every output replicated (`replicate_outputs`).
 - `jax.device_put` from a sub-mesh on process 0 to one on process 1 (what the spp stages'
   hand-off is) raises "does not support cross-host device transfers" on the CPU unless
-  every process sets `jax_cross_host_transfer_socket_address`; with it, it works (about
-  2 s for the first transfer, then ~0.6 ms for 32 bytes). Not used yet: spp across
-  processes is not built (below).
+  every process sets `jax_cross_host_transfer_socket_address`. With it, a stage program
+  called on every process runs where its devices are (a no-op elsewhere), but the
+  transfer is not dependable: in 2 of 11 two-process probes (stages of 4 devices, jit or
+  shard_map stages, replicated or tp-sharded arrays, "HOST:0" or fixed ports) the moved
+  array could be read; in the other 9 the read never returned on either process. To
+  the whole mesh it is refused ("input and target sharding should have the same set of
+  devices"). So spp does not cross processes yet (below): its hand-off would have to go
+  through the host (the step channel) on the CPU.
 - When process 0 (the coordinator) dies, the coordination service terminates the others
   (fatal log): a follower never outlives its leader. A process that never joins makes
   `jax.distributed.initialize` abort the others after `initialization_timeout` (fatal log,
