@@ -71,11 +71,12 @@ class AttentionMetadata:
     rank_cu_q_lens: int32 [cp, S + 1] cp only: each rank's run of new tokens by sequence
                                    (cu_q_lens is then unused)
     cp_pass_q:    int32 [1]        cp only: 1 = ring pass-Q, 0 = ring pass-KV
-    cp_kv_pages:  int32 [cp, C]    cp only: each rank's pages holding its cached tokens of the
-                                   step's sequences, each once (what pass-KV sends)
-    cp_kv_index:  int32 [cp, S, W] cp only: where each page-table entry sits in cp_kv_pages
+    cp_kv_pages:  int32 [N, C]     cp only: each shard's pages holding its cached tokens of
+                                   the step's sequences, each once (what pass-KV sends);
+                                   N = cp, or kvp groups x cp (shard g * cp + r)
+    cp_kv_index:  int32 [N, S, W]  cp only: where each page-table entry sits in cp_kv_pages
                                    (`cp_layout.pack_cached_pages`)
-    kv_starts:    int32 [N, S]     kvp only: the position of each sequence's first key on
+    kv_starts:    int32 [N, S]     kvp only (no cp): the position of each sequence's first key on
                                    each shard (its segment's first token): a sliding window
                                    is mapped through it into the shard's keys
     num_decodes:  int32 [1]        the leading sequences that have one query token each
