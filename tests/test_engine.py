@@ -32,6 +32,22 @@ def make_request(request_id, prompt, max_new_tokens, **sampling):
                    sampling=params)
 
 
+def assert_same_logprobs(got: dict, want: dict, *, atol: float = 1e-4, what: str = ""):
+    """Two `drive(logprobs=...)` dicts agree: the same requests, sampled tokens and prompt
+    positions, the same top ids, every logprob within atol."""
+    assert sorted(got) == sorted(want)
+    for rid, (sampled, prompt) in want.items():
+        got_sampled, got_prompt = got[rid]
+        assert sorted(got_prompt) == sorted(prompt), (rid, what)
+        entries = [*sampled, *(prompt[p] for p in sorted(prompt))]
+        got_entries = [*got_sampled, *(got_prompt[p] for p in sorted(prompt))]
+        assert [(e.token_id, [i for i, _ in e.top]) for e in got_entries] == \
+            [(e.token_id, [i for i, _ in e.top]) for e in entries], (rid, what)
+        np.testing.assert_allclose([[e.logprob, *(lp for _, lp in e.top)] for e in got_entries],
+                                   [[e.logprob, *(lp for _, lp in e.top)] for e in entries],
+                                   atol=atol, rtol=0, err_msg=f"{rid} {what}")
+
+
 def drive(engine, arrivals, *, rng, max_chunk, chunk_of=None, logprobs=None):
     """Runs requests to completion with random chunk sizes, decodes batched with prefills.
 

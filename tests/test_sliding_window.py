@@ -202,6 +202,45 @@ def assert_engine_serves_one_device_tokens(preset: str, parallel: str,
 def test_engine_greedy_tokens_with_a_window_over_kv_shards(preset, parallel):
     assert_engine_serves_one_device_tokens(preset, parallel)
 
+def _serve_with_logprobs(preset: str, parallel, **engine_config):
+    """Three prompts longer than the window (20 or 24) in random chunks through an Engine,
+    decodes batched with prefills: (greedy tokens, logprobs as test_engine.drive fills
+    them: the sampled tokens' and the prompts', top 3 each)."""
+    from medha_jax import load_model
+    from medha_jax.engine import Engine, EngineConfig
+    from tests.test_engine import drive, make_request
+
+    rng = np.random.default_rng(8)
+    prompts = {"short": rng.integers(0, 256, 12).tolist(),
+               "long": rng.integers(0, 256, 70).tolist(),
+               "mid": rng.integers(0, 256, 45).tolist()}
+    model = load_model(preset, parallel=parallel, verbose=False)
+    engine = Engine(model, EngineConfig(page_size=16, num_pages=16, max_tokens_per_step=32,
+                                        max_seqs=4, **engine_config))
+    arrivals = [(0, make_request(rid, p, 6, logprobs=3, prompt_logprobs=3))
+                for rid, p in prompts.items()]
+    logprobs = {}
+    done = drive(engine, arrivals, rng=rng, max_chunk=30, logprobs=logprobs)
+    assert engine.allocator.num_free_pages == engine.allocator.num_pages
+    return done, logprobs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["tiny-mistral", "tiny-gemma3"])
+def test_a_window_over_kvp_groups_of_cp_rings_gives_one_device_logprobs(preset):
+    """kvp = 2 groups of cp = 2 rings, 64 tokens a group: the 70-token prompt's second
+    segment starts at 64, so its window maps into that group's keys from there. Logprobs
+    of every prompt token and sampled token within 1e-4 of one device."""
+    from medha_jax import ParallelConfig
+    from tests.test_engine import assert_same_logprobs
+
+    want_tokens, want = _serve_with_logprobs(preset, ParallelConfig())
+    got_tokens, got = _serve_with_logprobs(preset, ParallelConfig(kvp=2, cp=2),
+                                           max_tokens_per_kvp_group=64)
+    assert got_tokens == want_tokens
+    assert_same_logprobs(got, want)
+
+
 _KERNEL_WINDOW_CHECK = """
 import numpy as np
 from medha_jax import ParallelConfig, load_model

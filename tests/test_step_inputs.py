@@ -325,7 +325,10 @@ def test_kvp_groups_of_cp_ranks_place_each_token_once_in_the_group_of_its_segmen
     pad_slot = 8 * page_size
     inputs = build_step_inputs(Batch([ScheduledChunk(request, 10, 20)]), allocator, ladder,
                                pad_slot=pad_slot, cp_ranks=cp)
-    assert inputs.num_kv_shards == 4 and inputs.kv_starts is None
+    assert inputs.num_kv_shards == 4
+    # Each shard knows where its group's segment starts (a sliding window maps from there).
+    assert inputs.kv_starts[:, 0].reshape(2, cp).tolist() == [
+        [segment * group_of_segment.index(g)] * cp for g in range(2)]
     written = inputs.slot_mapping != pad_slot                        # [4, T_rank]
     rank_tokens = inputs.slot_mapping.shape[1]
     for position in range(10, 30):

@@ -87,7 +87,7 @@ def _int32_shapes(shape: tuple[int, ...], num_kv_shards: int, cp_ranks: int = 1
     if cp_ranks > 1:
         shapes.update(rank_cu_q_lens=(cp_ranks, num_seqs + 1), cp_pass_q=(1,),
                       cp_kv_pages=(n, shape[3]), cp_kv_index=(n, num_seqs, width))
-    elif n > 1:
+    if n > cp_ranks:                     # kvp shards (or groups of cp ranks)
         shapes.update(kv_starts=(n, num_seqs))
     return shapes
 
@@ -150,7 +150,7 @@ class StepInputs:
     cp_kv_index: np.ndarray | None = None     # int32 [N, S, W]: page-table entries among them
                                               #   (cp_layout.pack_cached_pages); N = R, or
                                               #   kvp groups x R (shard g * R + r)
-    # KV-cache parallelism only (N > 1 shards, no cp):
+    # KV-cache parallelism only (N > 1 shards, or kvp groups of cp ranks):
     kv_starts: np.ndarray | None = None       # int32 [N, S]: position of each sequence's
                                               #   first key on each shard (its segment's)
     # Host only: the row of each real token (batch order) in the token arrays [R * T]; None
@@ -186,8 +186,8 @@ class StepInputs:
     def pack(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(int32 [N], float32 [2, S], uint32 [S, 2]) for the device: the int32 fields
         concatenated (see `unpack_int32`), temperature and top_p stacked, the rng keys."""
-        names = _PACKED_INT32 + (_PACKED_CP_INT32 if self.cp_ranks > 1 else
-                                 _PACKED_KVP_INT32 if self.num_kv_shards > 1 else ())
+        names = (_PACKED_INT32 + (_PACKED_CP_INT32 if self.cp_ranks > 1 else ())
+                 + (_PACKED_KVP_INT32 if self.num_kv_shards > self.cp_ranks else ()))
         ints = np.concatenate([getattr(self, name).ravel() for name in names])
         floats = np.stack([getattr(self, name) for name in _PACKED_FLOAT32])
         return ints, floats, self.rng_keys
@@ -206,7 +206,7 @@ class StepInputs:
             cp_pass_q=zeros(1) if cp else None,
             cp_kv_pages=zeros((num_kv_shards, shape[3])) if cp else None,
             cp_kv_index=zeros((num_kv_shards, num_seqs, width)) if cp else None,
-            kv_starts=zeros((num_kv_shards, num_seqs)) if num_kv_shards > 1 and not cp else None,
+            kv_starts=zeros((num_kv_shards, num_seqs)) if num_kv_shards > cp_ranks else None,
             token_ids=zeros(cp_ranks * num_tokens), positions=zeros(cp_ranks * num_tokens),
             slot_mapping=np.full((num_kv_shards, num_tokens), pad_slot, np.int32),
             cu_q_lens=zeros(num_seqs + 1), kv_lens=zeros((num_kv_shards, num_seqs)),
@@ -516,4 +516,5 @@ def _cp_step_inputs(batch: Batch, allocator: BlockAllocator, ladder: BucketLadde
         kv_lens=kv_lens, page_table=page_table, cp_kv_pages=kv_pages, cp_kv_index=kv_index,
         logits_indices=logits_indices, rank_cu_q_lens=rank_cu_q_lens,
         cp_pass_q=np.array([int(pass_q)], np.int32), next_token_ids=next_token_ids,
-        token_rows=target, kv_starts=None)
+        token_rows=target,
+        kv_starts=None if groups == 1 else np.repeat(flat.kv_starts, cp_ranks, axis=0))

@@ -29,8 +29,8 @@ must stay where it is, so each device writes and reads only its own part:
   first group's ring also counts (b), the new tokens, which every group holds alike; one
   pmax and one psum over kvp merge the groups as kvp alone merges its shards. A token's
   K/V is written by the rank that computed it in the group that owns its position. A
-  sliding window is not supported there (its keys would have to be mapped through both
-  placements).
+  sliding window maps into a group's keys from its segment's first position (kv_starts),
+  then into each rank's keys as with cp alone.
 
 Step metadata carries a leading KV-shard dimension ([shards, ...], sharded like the cache's
 pages: kvp shards or cp ranks) so that every case reads the same arrays.
@@ -138,11 +138,11 @@ def attention(q, k, v, k_cache, v_cache, layer_id, meta: AttentionMetadata, *,
         raise ValueError(f"sliding_window={sliding_window} over {num_kv_shards(layout)} kvp "
                          "shards needs the step's kv_starts and positions (the engine's "
                          "build_step_inputs and llama.one_sequence_metadata make them)")
-    kv_groups = num_kv_shards(layout) // cp
-    if cp > 1 and kv_groups > 1 and sliding_window is not None:
-        raise ValueError(f"sliding_window={sliding_window} with cp={cp} and kvp={kv_groups}: "
-                         "a window over kvp groups of cp rings is not supported (use cp or kvp "
-                         "alone with tp)")
+    if cp > 1 and num_kv_shards(layout) > cp and sliding_window is not None \
+            and meta.kv_starts is None:
+        raise ValueError(f"sliding_window={sliding_window} over kvp groups of cp={cp} rings "
+                         "needs the step's kv_starts (the engine's build_step_inputs makes "
+                         "them)")
     if cp > 1 and (meta.rank_cu_q_lens is None or meta.cp_pass_q is None or positions is None
                    or meta.cp_kv_pages is None or meta.cp_kv_index is None):
         raise ValueError(f"cp={cp} needs the step's rank_cu_q_lens, cp_pass_q, cp_kv_pages, "
@@ -224,7 +224,9 @@ def _attend_on_device(q, k, v, positions, k_cache, v_cache, layer_id, windowed,
                                   meta.cp_kv_pages[0] + layer_id * num_pages,
                                   meta.cp_kv_index[0], axis=cp_axis, num_ranks=cp,
                                   sm_scale=sm_scale, impl=impl, sliding_window=sliding_window,
-                                  windowed=windowed, with_new_tokens=first_group)
+                                  windowed=windowed, with_new_tokens=first_group,
+                                  kv_starts=None if meta.kv_starts is None
+                                  else meta.kv_starts[0])
         if kv_group_axis is not None:
             out, _ = _merge_over_shards(out, lse, kv_group_axis)
         return out.astype(q.dtype), k_cache, v_cache

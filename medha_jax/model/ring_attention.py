@@ -58,7 +58,7 @@ from pallas_kernels.merge import (attention_scores, online_softmax_finish, onlin
 def ring_attention(q, k, v, positions, k_all, v_all, layer_pages, kv_lens, rank_cu_q_lens,
                    num_seqs, pass_q, kv_pages, kv_index, *, axis: str, num_ranks: int,
                    sm_scale: float, impl: str, sliding_window: int | None = None,
-                   windowed=True, with_new_tokens=True):
+                   windowed=True, with_new_tokens=True, kv_starts=None):
     """Attention of this rank's queries over all ranks' cached and new K/V.
 
     q: [T, H, hd]; k, v: [T, K, hd] (this rank's new tokens, T = step tokens / N);
@@ -72,7 +72,13 @@ def ring_attention(q, k, v, positions, k_all, v_all, layer_pages, kv_lens, rank_
     .. p, where windowed (bool [], traced: a per-layer scan's flag) says so; each rank's
     cached keys are the positions `cp_layout.rank_of_position` gives it (the engine's and
     `Model.logits`' placement), so the window maps into them by `keys_before`.
-    Returns out [T, H, hd].
+    with_new_tokens: bool [] (traced) whether part (b), the new tokens, counts here. A kvp
+    group of cp rings (attention.py) runs one ring per group over the group's cached K/V,
+    and the new tokens, the same in every group, count in the first group's only.
+    kv_starts: int32 [S] or None: with kvp groups, the position of each sequence's first
+    key in this rank's group (its segment's first token): a window maps into the group's
+    keys from there (None: 0).
+    Returns (out [T, H, hd] in q's dtype, lse [T, H] f32: -inf where no key was seen).
     """
     rank = jax.lax.axis_index(axis)
     first = jnp.zeros_like(positions)
@@ -82,10 +88,14 @@ def ring_attention(q, k, v, positions, k_all, v_all, layer_pages, kv_lens, rank_
     # with their heads folded (no size-1 axis at one K/V head per device, which XLA would
     # otherwise re-lay out, copying the whole cache every layer; params.KV_CACHE_AXES).
     fold = lambda pages: pages.reshape(*pages.shape[:2], -1)  # noqa: E731
+    segment_start = jnp.zeros_like(positions)
+    if kv_starts is not None:
+        seq = _token_seqs(rank_cu_q_lens[rank], num_seqs, q.shape[0])
+        segment_start = kv_starts[jnp.maximum(seq, 0)]
     local = _Local(q=q, k=k, v=v, positions=positions, k_all=fold(k_all), v_all=fold(v_all),
                    layer_pages=layer_pages, kv_lens=kv_lens, cu=rank_cu_q_lens,
                    num_seqs=num_seqs, rank=rank, kv_pages=kv_pages, kv_index=kv_index,
-                   first=first)
+                   first=first, segment_start=segment_start)
     kw = dict(axis=axis, num_ranks=num_ranks, sm_scale=sm_scale, impl=impl,
               windowed=sliding_window is not None)
     out, lse = jax.lax.cond(pass_q[0] != 0, functools.partial(_pass_q, **kw),
@@ -114,18 +124,21 @@ class _Local:
     kv_pages: jax.Array
     kv_index: jax.Array
     first: jax.Array   # int32 [T]: the first position each query sees (0: no window)
+    segment_start: jax.Array  # int32 [T]: its sequence's first position in this kvp group
 
     def pages(self) -> tuple[jax.Array, jax.Array]:
         """k_all, v_all as [pages, page_size, K, hd]."""
         head_dim = self.k.shape[-1]
         return tuple(p.reshape(*p.shape[:2], -1, head_dim) for p in (self.k_all, self.v_all))
 
-    def window_starts(self, first, holder, num_ranks: int, windowed: bool):
+    def window_starts(self, first, segment_start, holder, num_ranks: int, windowed: bool):
         """int32 [T] or None: queries' first visible positions `first` as indices among
-        rank `holder`'s cached keys of their sequence (None: no window)."""
+        rank `holder`'s cached keys of their sequence, whose part in this group starts at
+        position `segment_start` (None: no window)."""
         if not windowed:
             return None
-        return keys_before(first, holder, num_ranks, self.k_all.shape[1])
+        return keys_before(jnp.maximum(first - segment_start, 0), holder, num_ranks,
+                           self.k_all.shape[1])
 
 
 def keys_before(positions, rank, num_ranks: int, page_size: int):
@@ -182,7 +195,8 @@ def _pass_kv(x: _Local, with_new_tokens, *, axis: str, num_ranks: int, sm_scale:
             cached = ragged_paged_attention(
                 x.q, message["k_cached"], message["v_cached"], message["kv_index"], x.cu[x.rank],
                 message["kv_lens"], x.num_seqs, sm_scale=sm_scale, impl=impl, causal=False,
-                window_starts=x.window_starts(x.first, holder, num_ranks, windowed))
+                window_starts=x.window_starts(x.first, x.segment_start, holder, num_ranks,
+                                              windowed))
             fresh = masked_attention(x.q, q_seq, x.positions, message["k"], message["v"],
                                      message["seq"], message["pos"], sm_scale=sm_scale,
                                      q_first=x.first if windowed else None)
@@ -200,7 +214,7 @@ def _pass_q(x: _Local, with_new_tokens, *, axis: str, num_ranks: int, sm_scale: 
     k_all, v_all = x.pages()
     message = dict(q=x.q, pos=x.positions, src=x.rank)
     if windowed:
-        message["first"] = x.first
+        message["first"], message["segment_start"] = x.first, x.segment_start
     partial_out = jnp.zeros((num_ranks, num_tokens, num_heads, head_dim), jnp.float32)
     partial_lse = jnp.full((num_ranks, num_tokens, num_heads), -jnp.inf, jnp.float32)
     for step in range(num_ranks):
@@ -211,7 +225,9 @@ def _pass_q(x: _Local, with_new_tokens, *, axis: str, num_ranks: int, sm_scale: 
             cached = ragged_paged_attention(
                 message["q"], k_all, v_all, x.layer_pages, cu_src, x.kv_lens, x.num_seqs,
                 sm_scale=sm_scale, impl=impl, causal=False,
-                window_starts=x.window_starts(message.get("first"), x.rank, num_ranks, windowed))
+                window_starts=x.window_starts(message.get("first"),
+                                              message.get("segment_start"), x.rank, num_ranks,
+                                              windowed))
             fresh = masked_attention(message["q"], _token_seqs(cu_src, x.num_seqs, num_tokens),
                                      message["pos"], x.k, x.v, local_seq, x.positions,
                                      sm_scale=sm_scale,
