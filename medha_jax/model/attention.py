@@ -33,7 +33,9 @@ must stay where it is, so each device writes and reads only its own part:
   then into each rank's keys as with cp alone.
 
 Step metadata carries a leading KV-shard dimension ([shards, ...], sharded like the cache's
-pages: kvp shards or cp ranks) so that every case reads the same arrays.
+pages: kvp shards, cp ranks, or kvp groups x cp ranks) so that every case reads the same
+arrays. With both, the new tokens' attention runs in every group and counts in one: the
+other groups' work on it ((kvp - 1) / kvp of it) is spent for one code path.
 """
 
 from __future__ import annotations
@@ -76,9 +78,10 @@ class AttentionMetadata:
                                    N = cp, or kvp groups x cp (shard g * cp + r)
     cp_kv_index:  int32 [N, S, W]  cp only: where each page-table entry sits in cp_kv_pages
                                    (`cp_layout.pack_cached_pages`)
-    kv_starts:    int32 [N, S]     kvp only (no cp): the position of each sequence's first key on
-                                   each shard (its segment's first token): a sliding window
-                                   is mapped through it into the shard's keys
+    kv_starts:    int32 [N, S]     kvp only (shards, or groups of cp ranks): the position of
+                                   each sequence's first key on each shard (its segment's
+                                   first token): a sliding window is mapped through it into
+                                   the shard's keys
     num_decodes:  int32 [1]        the leading sequences that have one query token each
                                    (the engine orders decodes first): the Pallas kernels
                                    serve them with the decode kernel, the rest with query
