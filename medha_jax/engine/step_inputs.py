@@ -495,9 +495,8 @@ def _cp_step_inputs(batch: Batch, allocator: BlockAllocator, ladder: BucketLadde
     np.add.at(rank_cu_q_lens, (rank, seq + 1), 1)
     rank_cu_q_lens = np.cumsum(rank_cu_q_lens, axis=1, dtype=np.int32)
     kv_lens = np.zeros((groups, cp_ranks, padded_seqs), np.int32)
-    for s in range(num_seqs):
-        for g in range(groups):
-            kv_lens[g, :, s] = cp_layout.cached_on_rank(int(cached[s, g]), cp_ranks, page_size)
+    kv_lens[:, :, :num_seqs] = cp_layout.cached_on_rank(cached, cp_ranks, page_size).transpose(
+        1, 2, 0)                                               # [S, groups, R] -> [groups, R, S]
     kv_lens = kv_lens.reshape(shards, padded_seqs)
     logits_indices = np.zeros(padded_seqs, np.int32)
     logits_indices[:num_seqs] = target[flat.cu_q_lens[1:num_seqs + 1] - 1]

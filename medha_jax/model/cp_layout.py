@@ -220,10 +220,11 @@ def rank_of_position(positions: np.ndarray, num_ranks: int, page_size: int) -> n
     return np.where(logical_page % 2 == 0, stripe, num_ranks - 1 - stripe)
 
 
-def cached_on_rank(start: int, num_ranks: int, page_size: int) -> np.ndarray:
-    """int [R]: tokens before `start` that each rank holds; they are the first slots of the
-    rank's pages of the sequence in page-table order (pages before start's are full)."""
-    logical_page, within = divmod(start, num_ranks * page_size)
+def cached_on_rank(start, num_ranks: int, page_size: int) -> np.ndarray:
+    """int [..., R]: tokens before `start` (an int, or an int array [...]) that each rank
+    holds; they are the first slots of the rank's pages of the sequence in page-table order
+    (pages before start's are full)."""
+    logical_page, within = np.divmod(np.asarray(start)[..., None], num_ranks * page_size)
     ranks = np.arange(num_ranks)
-    stripe = ranks if logical_page % 2 == 0 else num_ranks - 1 - ranks
+    stripe = np.where(logical_page % 2 == 0, ranks, num_ranks - 1 - ranks)
     return logical_page * page_size + np.clip(within - stripe * page_size, 0, page_size)
