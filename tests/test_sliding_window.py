@@ -166,6 +166,14 @@ def test_a_window_over_kv_shards_gives_one_device_logits(preset, parallel):
         assert (got.argmax(-1) == want.argmax(-1)).all(), kw
 
 
+def _window_prompts(rng) -> dict[str, list[int]]:
+    """Three prompts for the engine window tests: 12 tokens, and 70 and 45, longer than
+    the tiny presets' windows (20 and 24)."""
+    return {"short": rng.integers(0, 256, 12).tolist(),
+            "long": rng.integers(0, 256, 70).tolist(),
+            "mid": rng.integers(0, 256, 45).tolist()}
+
+
 def assert_engine_serves_one_device_tokens(preset: str, parallel: str,
                                           attention_impl: str = "auto"):
     """Through the Engine: prompts longer than the window over both kvp shards (48 tokens
@@ -178,9 +186,7 @@ def assert_engine_serves_one_device_tokens(preset: str, parallel: str,
     from tests.test_engine import drive, make_request
 
     rng = np.random.default_rng(8)
-    prompts = {"short": rng.integers(0, 256, 12).tolist(),
-               "long": rng.integers(0, 256, 70).tolist(),
-               "mid": rng.integers(0, 256, 45).tolist()}
+    prompts = _window_prompts(rng)
     one_device = load_model(preset, verbose=False)
     want = {rid: greedy_with_logits(one_device, p, 6) for rid, p in prompts.items()}
     axis, degree = parallel.split("=")
@@ -203,17 +209,15 @@ def test_engine_greedy_tokens_with_a_window_over_kv_shards(preset, parallel):
     assert_engine_serves_one_device_tokens(preset, parallel)
 
 def _serve_with_logprobs(preset: str, parallel, **engine_config):
-    """Three prompts longer than the window (20 or 24) in random chunks through an Engine,
-    decodes batched with prefills: (greedy tokens, logprobs as test_engine.drive fills
-    them: the sampled tokens' and the prompts', top 3 each)."""
+    """`_window_prompts` in random chunks through an Engine, decodes batched with
+    prefills: (greedy tokens, logprobs as test_engine.drive fills them: the sampled
+    tokens' and the prompts', top 3 each)."""
     from medha_jax import load_model
     from medha_jax.engine import Engine, EngineConfig
     from tests.test_engine import drive, make_request
 
     rng = np.random.default_rng(8)
-    prompts = {"short": rng.integers(0, 256, 12).tolist(),
-               "long": rng.integers(0, 256, 70).tolist(),
-               "mid": rng.integers(0, 256, 45).tolist()}
+    prompts = _window_prompts(rng)
     model = load_model(preset, parallel=parallel, verbose=False)
     engine = Engine(model, EngineConfig(page_size=16, num_pages=16, max_tokens_per_step=32,
                                         max_seqs=4, **engine_config))
