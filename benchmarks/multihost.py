@@ -1,11 +1,13 @@
 """Multi-host replica benchmark: process 0's host overhead per step with the replica's mesh in
 one process vs over two (serving.multihost), on this CPU.
 
-    python -m benchmarks.multihost [--model tiny] [--quick] [--json FILE]
+    python -m benchmarks.multihost [--model tiny] [--parallel tp=8] [--quick] [--json FILE]
 
-The same mesh (tp=8) and the same batches, once in one process of 8 virtual CPU devices
-and once over two processes of 4 each, where process 0 also sends every step's bucket and
-packed inputs to process 1 over the step channel and waits for its acknowledgement. Per
+The same mesh (tp=8 by default) and the same batches, once in one process of 8 virtual CPU
+devices and once over two processes of 4 each, where process 0 also sends every step's
+bucket and packed inputs to process 1 over the step channel and waits for its
+acknowledgement (with `--parallel spp=2,tp=4`: a stage per process, process 0 runs stage 0
+and hands its activations on, process 1 runs stage 1 and returns the tokens). Per
 batch: the whole step (`Engine.execute`), the host time on its critical path as the engine
 measures it (`Engine.last_host_seconds`: building, sending, placing and dispatching the
 inputs, reading back the tokens), and the channel's send alone. Medians over repeated runs
@@ -25,7 +27,6 @@ import time
 
 ENGINE_CONFIG = dict(page_size=16, max_kv_tokens=4096, max_tokens_per_step=32,
                      min_token_bucket=32, max_seqs=8, max_model_len=128)
-PARALLEL = "tp=8"
 
 
 def scenarios(quick: bool) -> dict[str, list[tuple[int, int]]]:
@@ -45,9 +46,9 @@ def _measure(engine, quick: bool, repeats: int) -> list[dict]:
     if engine.mirror is not None:
         send = engine.mirror.send
 
-        def timed_send(shape, packed):
+        def timed_send(shape, packed, **hand_on):
             start = time.perf_counter()
-            send(shape, packed)
+            send(shape, packed, **hand_on)
             sends.append(time.perf_counter() - start)
         engine.mirror.send = timed_send
     rng = np.random.default_rng(1)
@@ -81,7 +82,7 @@ def _worker(args) -> None:
     if args.processes > 1:
         listener = multihost.listen_socket(args.channel)
         multihost.join(0, args.processes, args.coordinator)
-    engine = multihost.build_engine(args.model, ParallelConfig.parse(PARALLEL),
+    engine = multihost.build_engine(args.model, ParallelConfig.parse(args.parallel),
                                     EngineConfig(**ENGINE_CONFIG))
     if args.processes > 1:
         engine.mirror = multihost.StepMirror(listener, args.processes - 1)
@@ -95,7 +96,7 @@ def _worker(args) -> None:
         "mesh": dict(engine.model.mesh.shape)}}), flush=True)
 
 
-def run_config(processes: int, model: str, quick: bool, repeats: int) -> dict:
+def run_config(processes: int, model: str, parallel: str, quick: bool, repeats: int) -> dict:
     """Runs one configuration's processes and returns process 0's rows and context."""
     from serving.multihost import free_port
 
@@ -105,11 +106,12 @@ def run_config(processes: int, model: str, quick: bool, repeats: int) -> dict:
     coordinator, channel = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     worker = [sys.executable, "-m", "benchmarks.multihost", "--worker", "--model", model,
               "--processes", str(processes), "--coordinator", coordinator, "--channel",
-              channel, "--repeats", str(repeats)] + (["--quick"] if quick else [])
+              channel, "--repeats", str(repeats), "--parallel", parallel] + (
+                  ["--quick"] if quick else [])
     followers = [subprocess.Popen(
         [sys.executable, "-m", "serving.multihost", "--process-id", str(i), "--num-processes",
          str(processes), "--coordinator", coordinator, "--channel", channel, "--model", model,
-         "--parallel", PARALLEL, "--engine-config", json.dumps(ENGINE_CONFIG)],
+         "--parallel", parallel, "--engine-config", json.dumps(ENGINE_CONFIG)],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         for i in range(1, processes)]
     try:
@@ -134,6 +136,9 @@ def run_config(processes: int, model: str, quick: bool, repeats: int) -> dict:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny")
+    parser.add_argument("--parallel", default="tp=8",
+                        help="the replica's mesh over 8 devices (spp=2,tp=4: a stage per "
+                             "process)")
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--json", metavar="FILE")
@@ -146,7 +151,8 @@ def main(argv=None) -> None:
     if args.worker:
         _worker(args)
         return
-    one, two = (run_config(n, args.model, args.quick, args.repeats) for n in (1, 2))
+    one, two = (run_config(n, args.model, args.parallel, args.quick, args.repeats)
+                for n in (1, 2))
     rows = []
     for a, b in zip(one["rows"], two["rows"], strict=True):
         rows += [a, b]
@@ -155,14 +161,14 @@ def main(argv=None) -> None:
         a["host_overhead_vs_1_process"] = a["step_vs_1_process"] = 1.0
     from benchmarks.report import table
 
-    context = {**two["context"], "model": args.model, "parallel": PARALLEL,
+    context = {**two["context"], "model": args.model, "parallel": args.parallel,
                "engine_config": ENGINE_CONFIG, "repeats": args.repeats,
                "note": "CPU, virtual devices; 2 processes = 2 x 4 devices over gloo on "
                        "127.0.0.1, 1 process = 8 devices"}
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"context": context, "rows": rows}, f, indent=2)
-    table(f"multi-host replica, {args.model} {PARALLEL}, process 0's host overhead per step "
+    table(f"multi-host replica, {args.model} {args.parallel}, process 0's host overhead per step "
           f"(median of {args.repeats}; backend {context['backend']}, "
           f"{context['device_count']} devices)",
           [{k: r[k] for k in ("scenario", "processes", "tokens", "step_ms", "host_overhead_ms",

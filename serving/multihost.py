@@ -8,7 +8,8 @@ process runs the same compiled step on its own devices of the global mesh.
       run_packed(shape, packed)                  engine.run_packed(shape, packed)
           <============ collectives of the step over gloo / ICI / NCCL ============>
     Engine.collect: StepMirror.wait  <---TCP---- ack(step, crc32 of its tokens)
-      (bounded by step_timeout_s)
+      (bounded by step_timeout_s)                (spp: the last stage's process
+                                                  returns the outputs; see below)
 
 What works on jaxlib 0.10.2 (CPU, two processes of 4 virtual devices each on 127.0.0.1,
 `jax_cpu_collectives_implementation="gloo"`), found by running it:
@@ -37,8 +38,8 @@ What does not, and what this module does instead:
   shard_map stages, replicated or tp-sharded arrays, "HOST:0" or fixed ports) the moved
   array could be read; in the other 9 the read never returned on either process. To
   the whole mesh it is refused ("input and target sharding should have the same set of
-  devices"). So spp does not cross processes yet (below): its hand-off would have to go
-  through the host (the step channel) on the CPU.
+  devices"). So spp stages hand their activations on between processes through the host
+  instead (below).
 - When process 0 (the coordinator) dies, the coordination service terminates the others
   (fatal log): a follower never outlives its leader. A process that never joins makes
   `jax.distributed.initialize` abort the others after `initialization_timeout` (fatal log,
@@ -74,7 +75,18 @@ Not tried here (no GPU or TPU in this session): on GPUs, JAX's fault-tolerance g
 also sets `--xla_gpu_nccl_terminate_on_error=false` so that NCCL does not abort process 0
 when a peer dies; on TPU pods the same timeouts apply.
 
-Scope (this slice): one program per step (spp = 1), warm-up of every shape before serving
+spp across processes (a stage per process, or per set of processes): process 0 sends the
+step to the processes of its own stages as above, runs its stages, and a thread of
+StepMirror reads the last one's activations [T, D] back once computed and sends them with
+the step to the processes of the later stages (they start from them,
+`PipelinedStep.run`); the first process of the last stage returns the step's outputs (the
+tokens and the logprobs asked for) in its acknowledgement, and every process of that
+stage acknowledges with its tokens' checksum. Process 0 does not wait for its stages
+before dispatching the next batch, so up to spp batches stay in flight as on one process.
+The activations go through process 0 once a step, so the pipeline may cross processes
+once: process 0's stages, then the rest (`medha_jax.engine.pipeline.process_hop`).
+
+Scope (this slice): warm-up of every shape before serving
 on every process (no background warm-up: a follower must hold every shape the leader may
 send), one replica per set of processes, no restart in place: a lost replica's process 0
 exits REPLICA_LOST_EXIT_CODE and the replica is started again as new processes (by
@@ -88,8 +100,10 @@ import dataclasses
 import json
 import os
 import select
+import queue
 import socket
 import struct
+import threading
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -115,9 +129,21 @@ class ReplicaUnavailable(RuntimeError):
 # ---------------------------------------------------------------- framing
 
 
+def _dtype_name(dtype: np.dtype) -> str:
+    """A dtype's name that `_dtype` reads back: numpy's code, or ml_dtypes' name for the
+    types numpy has no code for (bfloat16's `.str` is a bare '<V2')."""
+    return dtype.name if dtype.kind == "V" else dtype.str
+
+
+def _dtype(name: str) -> np.dtype:
+    import ml_dtypes
+
+    return np.dtype(getattr(ml_dtypes, name)) if hasattr(ml_dtypes, name) else np.dtype(name)
+
+
 def _send(sock: socket.socket, meta: dict, arrays: Sequence[np.ndarray] = ()) -> None:
     arrays = [np.ascontiguousarray(a) for a in arrays]
-    meta = dict(meta, arrays=[[a.dtype.str, list(a.shape)] for a in arrays])
+    meta = dict(meta, arrays=[[_dtype_name(a.dtype), list(a.shape)] for a in arrays])
     head = json.dumps(meta).encode()
     payload = b"".join(a.tobytes() for a in arrays)
     sock.sendall(_HEADER.pack(len(head), len(payload)) + head + payload)
@@ -140,7 +166,7 @@ def _recv(sock: socket.socket) -> tuple[dict, list[np.ndarray]]:
     payload = _recv_exactly(sock, payload_len)
     arrays, offset = [], 0
     for dtype, shape in meta.pop("arrays"):
-        dtype = np.dtype(dtype)
+        dtype = _dtype(dtype)
         size = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
         arrays.append(np.frombuffer(payload, dtype, offset=offset,
                                     count=size // dtype.itemsize).reshape(shape))
@@ -151,6 +177,29 @@ def _recv(sock: socket.socket) -> tuple[dict, list[np.ndarray]]:
 def tokens_digest(tokens: np.ndarray) -> int:
     """What a follower acknowledges a step with: a checksum of its sampled tokens."""
     return zlib.crc32(np.ascontiguousarray(tokens, np.int32).tobytes())
+
+
+def _output_arrays(outputs, logprobs: Sequence[int]) -> list[np.ndarray]:
+    """A step's outputs (StepOutputs) as the host arrays the last stage's process returns
+    to process 0: the tokens, then each logprobs part that was asked for."""
+    arrays = [np.asarray(outputs.tokens)]
+    for want, part in zip(logprobs, (outputs.sampled, outputs.prompt)):
+        if want:
+            arrays += [np.asarray(getattr(part, f.name)) for f in dataclasses.fields(part)]
+    return arrays
+
+
+def _outputs_of(arrays: Sequence[np.ndarray], logprobs: Sequence[int]):
+    """StepOutputs of host arrays from `_output_arrays` (a part not asked for: None)."""
+    from medha_jax.engine.logprobs import StepOutputs, TopLogprobs
+
+    rest = list(arrays[1:])
+    parts = []
+    for want in logprobs:
+        width = len(dataclasses.fields(TopLogprobs)) if want else 0
+        parts.append(TopLogprobs(*rest[:width]) if want else None)
+        rest = rest[width:]
+    return StepOutputs(arrays[0], *parts)
 
 
 # ---------------------------------------------------------------- process 0
@@ -169,6 +218,14 @@ class StepMirror:
         self.broken: str | None = None           # why the replica cannot step any more
         self.steps_sent = 0
         self._acked = 0
+        # Per step sent and not yet waited for: the process returning its outputs (spp
+        # across processes), else None (process 0 samples them itself).
+        self._reporters: list[int | None] = []
+        # Steps whose activations are still to be read and handed on (spp across
+        # processes), by one thread in step order; sends to a socket hold the lock.
+        self._hand_ons: queue.Queue = queue.Queue()
+        self._hand_on_thread: threading.Thread | None = None
+        self._send_lock = threading.Lock()
         self.followers: dict[int, socket.socket] = {}
         deadline = time.monotonic() + connect_timeout_s
         while len(self.followers) < num_followers:
@@ -204,31 +261,82 @@ class StepMirror:
         self.broken = self.broken or f"UNAVAILABLE: multi-host replica: {reason}"
         return ReplicaUnavailable(self.broken)
 
-    def send(self, shape: tuple[int, ...], packed: Sequence[np.ndarray]) -> None:
+    def send(self, shape: tuple[int, ...], packed: Sequence[np.ndarray], *,
+             hidden=None, hop=None, logprobs: Sequence[int] = (0, 0)) -> None:
         """Sends one step's bucket and packed inputs to every follower (before process 0
-        runs it, so all start together)."""
+        runs it, so all start together).
+
+        spp across processes (hop: medha_jax.engine.pipeline.ProcessHop): the processes
+        of the later stages get the step only with `hidden`, the activations [T, D] of
+        process 0's last stage (a jax.Array), which a thread reads back once computed and
+        sends on (this call does not wait for them); the step's outputs, with the
+        `logprobs` parts asked for (StepInputs.logprobs_flags), come back from
+        `hop.reporter` (`wait`)."""
         if self.broken is not None:
             raise ReplicaUnavailable(self.broken)
         meta = {"kind": _STEP, "step": self.steps_sent, "shape": list(shape)}
+        later = () if hop is None else hop.processes
         for pid, sock in self.followers.items():
-            try:
-                sock.settimeout(self.step_timeout_s)
-                _send(sock, meta, packed)
-            except OSError as e:
-                raise self._fail(f"sending step {self.steps_sent} to process {pid} failed: "
-                                 f"{type(e).__name__}: {e}") from e
+            if pid not in later:
+                self._send_to(pid, sock, meta, packed)
+        if hop is not None:
+            if self._hand_on_thread is None:
+                self._hand_on_thread = threading.Thread(target=self._hand_on_loop,
+                                                        name="step-hand-on", daemon=True)
+                self._hand_on_thread.start()
+            self._hand_ons.put((meta, packed, hidden, hop, [int(x) for x in logprobs]))
+        self._reporters.append(None if hop is None else hop.reporter)
         self.steps_sent += 1
 
-    def wait(self, tokens) -> None:
+    def _send_to(self, pid: int, sock: socket.socket, meta: dict,
+                 arrays: Sequence[np.ndarray]) -> None:
+        try:
+            with self._send_lock:
+                sock.settimeout(self.step_timeout_s)
+                _send(sock, meta, arrays)
+        except OSError as e:
+            raise self._fail(f"process {pid}: sending it step {meta['step']} failed (it "
+                             f"died?): {type(e).__name__}: {e}") from e
+
+    def _hand_on_loop(self) -> None:
+        """Reads each step's activations back from process 0's devices when computed and
+        sends the step with them to the later stages' processes. A failure marks the
+        replica broken; `wait` then raises (and bounds the wait for a read that hangs)."""
+        while (item := self._hand_ons.get()) is not None:
+            meta, packed, hidden, hop, logprobs = item
+            try:
+                if self.broken is None:
+                    hidden = np.asarray(hidden)
+                    for pid in hop.processes:
+                        reply = {"reply": logprobs} if pid == hop.reporter else {}
+                        self._send_to(pid, self.followers[pid], dict(meta, hidden=True, **reply),
+                                      [*packed, hidden])
+            except Exception as e:            # noqa: BLE001 -- reported through `broken`
+                self._fail(f"process 0: reading step {meta['step']}'s activations to hand "
+                           f"on failed: {type(e).__name__}: {e}")
+
+    def replied(self) -> bool:
+        """Whether every follower's reply to the oldest step is there to read, so that
+        `wait` would not block on the channel (Engine.is_ready)."""
+        socks = list(self.followers.values())
+        return len(select.select(socks, [], [], 0)[0]) == len(socks)
+
+    def wait(self, tokens):
         """Waits for the oldest step sent: every follower's acknowledgement, then process
         0's own tokens (a jax.Array), each within step_timeout_s; raises
         ReplicaUnavailable when a follower died (its socket closed), hung, or sampled
-        other tokens than process 0."""
+        other tokens than process 0. With spp across processes (tokens None: process 0
+        samples nothing) returns the step's outputs (StepOutputs of host arrays) as its
+        reporter sent them, which the other processes of the last stage must match."""
         if self.broken is not None:
             raise ReplicaUnavailable(self.broken)
         step = self._acked
+        reporter = self._reporters[0]
+        if (tokens is None) != (reporter is not None):
+            raise ValueError(f"step {step}: tokens {'missing' if tokens is None else 'given'}"
+                             f" but the outputs come from process {reporter}")
         deadline = time.monotonic() + self.step_timeout_s
-        digests = {}
+        digests, returned = {}, None
         pending = dict(self.followers)
         while pending:
             left = deadline - time.monotonic()
@@ -238,7 +346,7 @@ class StepMirror:
                                  f"within {self.step_timeout_s:.1f} s")
             for pid in [p for p, s in pending.items() if s in ready]:
                 try:
-                    meta, _ = _recv(pending.pop(pid))
+                    meta, arrays = _recv(pending.pop(pid))
                 except (OSError, EOFError, ValueError) as e:
                     raise self._fail(f"process {pid} closed the step channel during step "
                                      f"{step} (it died?): {type(e).__name__}: {e}") from e
@@ -247,26 +355,37 @@ class StepMirror:
                                      f"expected {step}")
                 if "error" in meta:
                     raise self._fail(f"process {pid} failed step {step}: {meta['error']}")
-                digests[pid] = meta["digest"]
-        while not tokens.is_ready():
-            if time.monotonic() > deadline:
-                raise self._fail(f"process 0's own step {step} did not finish within "
-                                 f"{self.step_timeout_s:.1f} s")
-            time.sleep(1e-4)
-        mine = tokens_digest(np.asarray(tokens))
+                if meta.get("digest") is not None:     # None: it holds no last stage
+                    digests[pid] = meta["digest"]
+                if pid == reporter:
+                    returned = _outputs_of(arrays, meta["reply"])
+        if returned is None:
+            while not tokens.is_ready():
+                if time.monotonic() > deadline:
+                    raise self._fail(f"process 0's own step {step} did not finish within "
+                                     f"{self.step_timeout_s:.1f} s")
+                time.sleep(1e-4)
+        mine = tokens_digest(np.asarray(tokens if returned is None else returned.tokens))
         if any(d != mine for d in digests.values()):
             raise self._fail(f"step {step}: the processes sampled different tokens "
-                             f"(digests {digests}, process 0 {mine})")
+                             f"(digests {digests}, {'process 0' if returned is None else 'returned'}"
+                             f" {mine})")
         self._acked += 1
+        self._reporters.pop(0)
+        return returned
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Tells the followers to stop, then waits (bounded) for each to close its end:
         a follower leaves the JAX job first (`leave`), so process 0's coordination service,
         which goes with process 0, is still there for it."""
+        if self._hand_on_thread is not None:          # steps still to hand on go first
+            self._hand_ons.put(None)
+            self._hand_on_thread.join(timeout_s)
         for sock in self.followers.values():
             try:
-                sock.settimeout(1.0)
-                _send(sock, {"kind": _STOP})
+                with self._send_lock:
+                    sock.settimeout(1.0)
+                    _send(sock, {"kind": _STOP})
             except OSError:
                 pass
         deadline = time.monotonic() + timeout_s
@@ -365,6 +484,8 @@ def leave(sock: socket.socket) -> None:
 
 
 def _follow(engine, sock: socket.socket, report: FollowerReport) -> None:
+    import jax
+
     while True:
         try:
             meta, packed = _recv(sock)
@@ -372,13 +493,21 @@ def _follow(engine, sock: socket.socket, report: FollowerReport) -> None:
             raise ReplicaUnavailable(f"UNAVAILABLE: process 0 closed the step channel: {e}") from e
         if meta["kind"] == _STOP:
             break
-        reply = {"step": meta["step"]}
+        reply, arrays = {"step": meta["step"]}, []
         try:
-            outputs = engine.run_packed(tuple(meta["shape"]), tuple(packed))
-            reply["digest"] = tokens_digest(np.asarray(outputs.tokens))
+            # spp across processes: the later stages start from process 0's activations.
+            hidden = packed.pop() if meta.get("hidden") else None
+            outputs = engine.run_packed(tuple(meta["shape"]), tuple(packed), hidden=hidden)
+            if hasattr(outputs, "tokens"):                   # it ran the last stage
+                reply["digest"] = tokens_digest(np.asarray(outputs.tokens))
+                if "reply" in meta:                          # and returns the outputs
+                    reply["reply"] = meta["reply"]
+                    arrays = _output_arrays(outputs, meta["reply"])
+            else:                                            # its stages come first
+                jax.block_until_ready(outputs)
         except Exception as e:          # say so at once, rather than let process 0 time out
             reply["error"] = f"{type(e).__name__}: {e}"
-        _send(sock, reply)
+        _send(sock, reply, arrays)
         report.steps += 1
         if "error" in reply:
             raise ReplicaUnavailable(f"UNAVAILABLE: step {meta['step']} failed here: "
@@ -409,9 +538,6 @@ def build_engine(model: str, parallel, engine_config=None, *, dtype: str | None 
     from medha_jax.model import load_model
     from meshes import make_mesh
 
-    if parallel.spp > 1:
-        raise ValueError(f"a multi-host replica runs one program per step: spp={parallel.spp} "
-                         "is not supported across processes yet")
     if parallel.num_devices != jax.device_count():
         raise ValueError(f"ParallelConfig({parallel}) has {parallel.num_devices} devices but "
                          f"the {jax.process_count()} processes hold {jax.device_count()}: a "

@@ -27,8 +27,10 @@ from tests.multihost_leader import ENGINE_CONFIG, MODEL, run_scored, run_workloa
 # Each crosses the process boundary (devices 0-3 on process 0, 4-7 on process 1): tp over
 # all 8; kvp (outer to tp) and cp (outer to tp) split between the processes; kvp groups of
 # cp rings (each group's ring and tp on one process, the groups' merge between them, the
-# 84-token requests spread over both groups' 64 tokens). The last is the one killed.
-MESHES = ("tp=8", "kvp=2,tp=4", "kvp=2,cp=2,tp=2", "cp=2,tp=4")
+# 84-token requests spread over both groups' 64 tokens); spp stages, one per process (the
+# activations handed on through the step channel, two batches in flight). The last is the
+# one killed.
+MESHES = ("tp=8", "kvp=2,tp=4", "kvp=2,cp=2,tp=2", "cp=2,tp=4", "spp=2,tp=4")
 STEP_TIMEOUT_S = 20.0
 LAUNCH_TIMEOUT_S = 900
 
@@ -145,6 +147,28 @@ def test_smollm2_over_two_processes_gives_one_process_tokens():
     assert got["tokens"] == want["tokens"]
     assert got["top_ids"] == want["top_ids"]
     np.testing.assert_allclose(got["logprobs"], want["logprobs"], atol=1e-4, rtol=0)
+    assert got["compiles_after_warmup"] == 0
+    follower, = reports
+    assert follower["compiles_after_warmup"] == 0 and follower["steps"] > 0
+
+
+# A stage of SmolLM2's 30 layers per process, kvp over each process's 4 devices.
+SMOLLM2_SPP_MESH = "spp=2,kvp=4"
+
+
+@pytest.mark.slow
+def test_smollm2_stages_over_two_processes_give_one_process_tokens():
+    """The real model's pipeline across the process boundary (the activations handed on
+    through the step channel), the whole workload: greedy tokens, prefix reuse, logprobs
+    within 1e-4 of one process, nothing compiled after warm-up on either process. (The
+    tiny model's tests above preempt; kvp=4's pool is too large to here.)"""
+    results, reports = _launch("smollm2-135m", (SMOLLM2_SPP_MESH,), kill_phase=False)
+    got, = results
+    want = _one_process_workload("smollm2-135m", SMOLLM2_SPP_MESH)
+    assert got["tokens"] == want["tokens"]
+    assert got["top_ids"] == want["top_ids"]
+    np.testing.assert_allclose(got["logprobs"], want["logprobs"], atol=1e-4, rtol=0)
+    assert got["cached_tokens"] >= 16
     assert got["compiles_after_warmup"] == 0
     follower, = reports
     assert follower["compiles_after_warmup"] == 0 and follower["steps"] > 0
@@ -314,6 +338,44 @@ def test_the_channel_carries_the_bucket_and_packed_arrays_exactly():
     assert mirror.poll() is None
     mirror.close(timeout_s=0.2)       # the follower never closes its end: bounded
     assert multihost._recv(follower)[0] == {"kind": "stop"}
+
+
+def test_spp_hands_the_activations_on_and_returns_the_last_stages_outputs():
+    """spp across processes: the later stages' process gets the step only with process
+    0's activations (bfloat16 arrives as bfloat16), and its reply carries the step's
+    outputs, each logprobs part only when asked."""
+    import ml_dtypes
+
+    from medha_jax.engine.logprobs import StepOutputs, TopLogprobs
+    from medha_jax.engine.pipeline import ProcessHop
+    from serving import multihost
+
+    mirror, follower = _mirror_with_follower()
+    rng = np.random.default_rng(1)
+    packed = (rng.integers(0, 100, 12, dtype=np.int32), rng.random((2, 2), dtype=np.float32),
+              rng.integers(0, 2**32 - 1, (2, 2), dtype=np.uint32))
+    hidden = rng.standard_normal((4, 8)).astype(ml_dtypes.bfloat16)
+    mirror.send((4, 2, 1), packed, hidden=hidden, hop=ProcessHop(1, (1,), 1),
+                logprobs=np.array([1, 0], np.int32))
+    meta, arrays = multihost._recv(follower)
+    assert meta == {"kind": "step", "step": 0, "shape": [4, 2, 1], "hidden": True,
+                    "reply": [1, 0]}
+    *got_packed, got_hidden = arrays
+    for got, want in zip(got_packed, packed, strict=True):
+        assert got.dtype == want.dtype and np.array_equal(got, want)
+    assert got_hidden.dtype == hidden.dtype
+    assert np.array_equal(got_hidden.view(np.uint16), hidden.view(np.uint16))
+    sampled = TopLogprobs(rng.random(2, dtype=np.float32), rng.integers(0, 9, (2, 3), np.int32),
+                          rng.random((2, 3), dtype=np.float32))
+    outputs = StepOutputs(np.array([5, 6], np.int32), sampled, prompt=None)
+    multihost._send(follower, {"step": 0, "digest": multihost.tokens_digest(outputs.tokens),
+                               "reply": meta["reply"]},
+                    multihost._output_arrays(outputs, meta["reply"]))
+    returned = mirror.wait(None)
+    assert np.array_equal(returned.tokens, outputs.tokens) and returned.prompt is None
+    for name in ("logprob", "top_ids", "top_logprobs"):
+        assert np.array_equal(getattr(returned.sampled, name), getattr(sampled, name))
+    mirror.close(timeout_s=0.2)
 
 
 def test_a_follower_that_hangs_times_out_unavailable():

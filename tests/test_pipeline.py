@@ -6,6 +6,7 @@ overlap: n batches through s stages take about n + s - 1 stage times, not n * s.
 """
 
 import time
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +19,7 @@ from medha_jax import hlo
 from medha_jax.buckets import BucketLadder
 from medha_jax.engine.engine import step
 from medha_jax.engine.step_inputs import StepInputs
-from medha_jax.engine.pipeline import PipelinedStep
+from medha_jax.engine.pipeline import PipelinedStep, ProcessHop, process_hop
 from medha_jax.engine.step_inputs import build_step_inputs
 from medha_jax.kv_cache.allocator import BlockAllocator
 from medha_jax.model.stages import split_stages
@@ -227,3 +228,26 @@ def test_batches_in_flight_overlap_across_stages(spp):
     # stages: (n + s - 1) T is a floor. One batch at a time would take n s T
     # (12 T at s = 2, 24 T at s = 4, against 7 T and 9 T).
     assert 0.99 <= min(ratios) <= 1.25, ratios
+
+
+def _stages_on(*processes_of_stage):
+    """Stand-in stages whose meshes' devices belong to the given processes."""
+    return [SimpleNamespace(mesh=SimpleNamespace(devices=np.array(
+        [SimpleNamespace(process_index=p) for p in processes], dtype=object)))
+        for processes in processes_of_stage]
+
+
+@pytest.mark.parametrize("processes, hop", [
+    (([0], [0]), None),                                     # one process
+    (([0, 1], [0, 1]), None),                               # every stage on both
+    (([0], [1]), ProcessHop(1, (1,), 1)),                   # a stage per process
+    (([0, 1], [2, 3]), ProcessHop(1, (2, 3), 2)),           # a stage per two processes
+    (([0], [0], [1], [1]), ProcessHop(2, (1,), 1)),         # two stages per process
+])
+def test_process_hop_is_where_activations_leave_process_0(processes, hop):
+    assert process_hop(_stages_on(*processes)) == hop
+
+
+def test_a_second_hop_between_processes_is_refused():
+    with pytest.raises(ValueError, match=r"more than once \(process 2's first stage is 2"):
+        process_hop(_stages_on([0], [1], [2]))

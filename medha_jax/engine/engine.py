@@ -7,8 +7,9 @@ shape in the ladder, with the KV cache donated so XLA updates it in place. After
 `warmup()` no batch can reach the compiler: a shape outside the ladder is an error.
 
 On a mesh with spp > 1 the step runs as one program per stage (`PipelinedStep`): each
-stage holds only its layers' weights and KV cache, activations hand on with device_put,
-and up to spp batches are in flight. `dispatch(batch)` starts a step without waiting and
+stage holds only its layers' weights and KV cache, activations hand on with device_put
+(between processes of a multi-host replica, through process 0's step channel:
+serving.multihost), and up to spp batches are in flight. `dispatch(batch)` starts a step without waiting and
 `collect(pending)` waits for it (the PipelinedExecutor interface that
 medha_jax.scheduler.in_flight drives); `execute` is the two back to back.
 """
@@ -296,20 +297,34 @@ class Engine:
         kv_cache = self.kv_cache if kv_cache is None else kv_cache
         return (self.model.graphdef, self.model.state, kv_cache, *packed)
 
-    def _start(self, inputs: StepInputs) -> StepOutputs:
-        """Starts the one-program step on `inputs` (on a multi-host replica, the other
-        processes' first); does not wait."""
-        packed = inputs.pack()
-        if self.mirror is not None:       # the other processes start the same step
-            self.mirror.send(inputs.padded_shape, packed)
-        return self.run_packed(inputs.padded_shape, packed)
+    def _start(self, inputs: StepInputs) -> StepOutputs | None:
+        """Starts the step on `inputs` (on a multi-host replica, the other processes'
+        first); does not wait. Returns its outputs as device arrays, or None where the
+        last SPP stage runs on other processes (collect receives them from there)."""
+        shape, packed = inputs.padded_shape, inputs.pack()
+        hop = None if self.pipeline is None else self.pipeline.hop
+        if hop is None:
+            if self.mirror is not None:       # the other processes start the same step
+                self.mirror.send(shape, packed)
+            return self.run_packed(shape, packed)
+        # spp across processes: process 0's stages run here, and their activations go on
+        # with the step to the processes of the later stages (serving.multihost).
+        hidden = self.run_packed(shape, packed)
+        self.mirror.send(shape, packed, hidden=hidden, hop=hop, logprobs=inputs.logprobs_flags)
+        return None
 
-    def run_packed(self, shape: tuple[int, ...], packed: tuple[np.ndarray, ...]) -> StepOutputs:
-        """Starts the one-program step of bucket `shape` on packed host inputs
-        (`StepInputs.pack()`) and rebinds the KV cache to its output; does not wait. What
-        `dispatch` runs, and what a follower process of a multi-host replica runs on the
-        inputs process 0 sent it (serving.multihost)."""
-        outputs, self.kv_cache = self.executable(shape)(*self.step_args(packed)[1:])
+    def run_packed(self, shape: tuple[int, ...], packed: tuple[np.ndarray, ...],
+                   hidden: np.ndarray | None = None) -> StepOutputs | jax.Array:
+        """Starts the step of bucket `shape` on packed host inputs (`StepInputs.pack()`)
+        and rebinds the KV cache to its output; does not wait. What `dispatch` runs, and
+        what a follower process of a multi-host replica runs on the inputs process 0 sent
+        it (serving.multihost). With spp, this process's stages (PipelinedStep.run: from
+        `hidden`, the activations of the stage before, where that ran on another process;
+        the last stage's outputs, or this process's last stage's activations)."""
+        executable = self.executable(shape)
+        if self.pipeline is not None:
+            return self.pipeline.run(shape, packed, hidden)
+        outputs, self.kv_cache = executable(*self.step_args(packed)[1:])
         return outputs
 
     def _compile(self, shape: tuple[int, int, int]) -> jax.stages.Compiled | tuple:
@@ -495,11 +510,7 @@ class Engine:
                                    cp_variant=self.cp_variant)
         if inputs.cp_pass_q is not None:
             self.cp_variant_counts[PASS_Q if inputs.cp_pass_q[0] else PASS_KV] += 1
-        if self.pipeline is None:
-            outputs = self._start(inputs)
-        else:
-            self.executable(inputs.padded_shape)
-            outputs = self.pipeline.dispatch(inputs)
+        outputs = self._start(inputs)
         dispatched = time.perf_counter()
         if self._device_idle_since is not None:
             # Nothing of ours was queued on the device while the host built this step.
@@ -510,6 +521,8 @@ class Engine:
 
     def is_ready(self, pending: PendingStep) -> bool:
         """Whether a dispatched step's tokens are computed (collect would not wait)."""
+        if pending.outputs is None:                # computed on other processes
+            return self.mirror.replied()
         return pending.outputs.tokens.is_ready()
 
     def collect(self, pending: PendingStep) -> StepResult:
@@ -524,7 +537,10 @@ class Engine:
         # While the device runs, do this step's bookkeeping (asynchronous dispatch).
         features = batch_features(batch, self.ladder.token_buckets)
         if self.mirror is not None:           # waits, with a timeout, for every process
-            self.mirror.wait(pending.outputs.tokens)
+            returned = self.mirror.wait(None if pending.outputs is None
+                                        else pending.outputs.tokens)
+            if pending.outputs is None:       # the last stage's process sent them
+                pending = dataclasses.replace(pending, outputs=returned)
         tokens = np.asarray(pending.outputs.tokens)       # waits for the device
         returned = time.perf_counter()
         sampled = {chunk.request.request_id: int(tokens[i])
@@ -565,7 +581,7 @@ class Engine:
             # stuck in a collective (waiting on it would hang), and no step runs any more.
             return False
         caches = [self.kv_cache] if self.pipeline is None else self.pipeline.kv_caches
-        leaves = jax.tree.leaves(caches)
+        leaves = jax.tree.leaves(caches)          # a stage on other processes has None
         try:
             if any(leaf.is_deleted() for leaf in leaves):
                 raise RuntimeError("the KV cache was donated to a step that failed")

@@ -206,7 +206,9 @@ def _take(array: jax.Array, index: tuple[slice, ...], sharding: NamedSharding) -
         # An index that takes the whole shard hands back the same buffer: shared with the
         # model, so a device never holds its stage's weights twice, even while splitting.
         pieces.append(shard.data[tuple(local)])
-    return jax.make_array_from_single_device_arrays(shape, sharding, pieces)
+    # No pieces: a stage whose devices are all on other processes (spp across processes):
+    # this process holds its shape and sharding only (serving.multihost).
+    return jax.make_array_from_single_device_arrays(shape, sharding, pieces, dtype=array.dtype)
 
 
 def stage_forward(spec: StageSpec, params: dict[str, jax.Array], kv_cache: KVCache, x,
