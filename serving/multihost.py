@@ -86,12 +86,11 @@ before dispatching the next batch, so up to spp batches stay in flight as on one
 The activations go through process 0 once a step, so the pipeline may cross processes
 once: process 0's stages, then the rest (`medha_jax.engine.pipeline.process_hop`).
 
-Scope (this slice): warm-up of every shape before serving
-on every process (no background warm-up: a follower must hold every shape the leader may
-send), one replica per set of processes, no restart in place: a lost replica's process 0
-exits REPLICA_LOST_EXIT_CODE and the replica is started again as new processes (by
-`launch_local` on one machine, `serving.ray_hosts.launch_ray` with `--ray`, the cluster's
-restart policy elsewhere).
+Scope (this slice): warm-up of every shape before serving on every process (no background
+warm-up: a follower must hold every shape the leader may send), one replica per set of
+processes, no restart in place: a lost replica's process 0 exits REPLICA_LOST_EXIT_CODE and
+the replica is started again as new processes (by `launch_local` on one machine,
+`serving.ray_hosts.launch_ray` with `--ray`, the cluster's restart policy elsewhere).
 """
 
 from __future__ import annotations
@@ -99,8 +98,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import select
 import queue
+import select
 import socket
 import struct
 import threading
@@ -193,12 +192,10 @@ def _outputs_of(arrays: Sequence[np.ndarray], logprobs: Sequence[int]):
     """StepOutputs of host arrays from `_output_arrays` (a part not asked for: None)."""
     from medha_jax.engine.logprobs import StepOutputs, TopLogprobs
 
-    rest = list(arrays[1:])
-    parts = []
-    for want in logprobs:
-        width = len(dataclasses.fields(TopLogprobs)) if want else 0
-        parts.append(TopLogprobs(*rest[:width]) if want else None)
-        rest = rest[width:]
+    rest = iter(arrays[1:])
+    width = len(dataclasses.fields(TopLogprobs))
+    parts = [TopLogprobs(*(next(rest) for _ in range(width))) if want else None
+             for want in logprobs]
     return StepOutputs(arrays[0], *parts)
 
 
@@ -367,9 +364,9 @@ class StepMirror:
                 time.sleep(1e-4)
         mine = tokens_digest(np.asarray(tokens if returned is None else returned.tokens))
         if any(d != mine for d in digests.values()):
+            whose = "process 0's" if returned is None else f"process {reporter}'s returned"
             raise self._fail(f"step {step}: the processes sampled different tokens "
-                             f"(digests {digests}, {'process 0' if returned is None else 'returned'}"
-                             f" {mine})")
+                             f"(digests {digests}, {whose} {mine})")
         self._acked += 1
         self._reporters.pop(0)
         return returned

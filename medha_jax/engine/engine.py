@@ -9,8 +9,8 @@ shape in the ladder, with the KV cache donated so XLA updates it in place. After
 On a mesh with spp > 1 the step runs as one program per stage (`PipelinedStep`): each
 stage holds only its layers' weights and KV cache, activations hand on with device_put
 (between processes of a multi-host replica, through process 0's step channel:
-serving.multihost), and up to spp batches are in flight. `dispatch(batch)` starts a step without waiting and
-`collect(pending)` waits for it (the PipelinedExecutor interface that
+serving.multihost), and up to spp batches are in flight. `dispatch(batch)` starts a step
+without waiting and `collect(pending)` waits for it (the PipelinedExecutor interface that
 medha_jax.scheduler.in_flight drives); `execute` is the two back to back.
 """
 
@@ -309,6 +309,10 @@ class Engine:
             return self.run_packed(shape, packed)
         # spp across processes: process 0's stages run here, and their activations go on
         # with the step to the processes of the later stages (serving.multihost).
+        if self.mirror is None:
+            raise RuntimeError(f"the stages after stage {hop.stage - 1} run on processes "
+                               f"{list(hop.processes)}: process 0 needs the replica's step "
+                               f"channel (Engine.mirror, serving.multihost.StepMirror)")
         hidden = self.run_packed(shape, packed)
         self.mirror.send(shape, packed, hidden=hidden, hop=hop, logprobs=inputs.logprobs_flags)
         return None

@@ -175,10 +175,12 @@ class PipelinedStep:
         process); None when the first local stage is the first. Returns the last local
         stage's outputs: StepOutputs on the last stage, else its activations [T, D]."""
         first = self.local_stages[0]
-        if (hidden is None) != (first == 0):
-            raise ValueError(f"this process's first stage is {first}: it needs the "
-                             f"activations of the stage before "
-                             f"{'and got none' if hidden is None else 'only past stage 0'}")
+        if hidden is None and first > 0:
+            raise ValueError(f"this process's first stage is {first}: it starts from the "
+                             f"activations of stage {first - 1}, which ran on another process")
+        if hidden is not None and first == 0:
+            raise ValueError("this process runs stage 0, which starts from the token ids: "
+                             "hidden must be None")
         if hidden is not None:
             sharding = self.stages[first].spec.hidden_sharding(shape[0])
             hidden = jax.make_array_from_callback(hidden.shape, sharding,
@@ -207,11 +209,10 @@ class PipelinedStep:
         return out
 
 
-
 def local_stage_range(stages: Sequence[Stage]) -> range:
-    """The stages with devices on this process, a contiguous run (every stage on one
-    process). A stage lies wholly on its processes' devices or not at all: a process holds
-    a contiguous block of the mesh, and spp is outer to every axis but dp."""
+    """The stages with devices on this process, a contiguous run (on one process: all of
+    them). A process holds a contiguous block of the mesh and spp is outer to every axis
+    but dp, so a process holds whole stages, or a part of one."""
     here = jax.process_index()
     local = [s for s, stage in enumerate(stages)
              if any(d.process_index == here for d in stage.mesh.devices.flat)]
