@@ -64,6 +64,7 @@ def main() -> None:
     parser.add_argument("--parallel", action="append", required=True)
     parser.add_argument("--kill-phase", action="store_true")
     parser.add_argument("--step-timeout-s", type=float, default=20.0)
+    parser.add_argument("--num-processes", type=int, default=2)
     parser.add_argument("--model", default=MODEL)
     parser.add_argument("--scored-only", action="store_true",
                         help="serve only run_scored's request (a model too slow for the "
@@ -78,12 +79,13 @@ def main() -> None:
     from serving.server import Server
 
     compiles = []
-    multihost.join(0, 2, args.coordinator)
+    multihost.join(0, args.num_processes, args.coordinator)
     for i, parallel in enumerate(args.parallel):
         listener = multihost.listen_socket(f"127.0.0.1:{args.channel_port}")
         engine = multihost.build_engine(args.model, ParallelConfig.parse(parallel),
                                         EngineConfig(**ENGINE_CONFIG))
-        engine.mirror = multihost.StepMirror(listener, 1, step_timeout_s=args.step_timeout_s)
+        engine.mirror = multihost.StepMirror(listener, args.num_processes - 1,
+                                             step_timeout_s=args.step_timeout_s)
         with Server(engine, warmup=False) as server:
             jax.monitoring.register_event_duration_secs_listener(
                 lambda event, duration, **kw: compiles.append(event)

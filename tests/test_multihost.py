@@ -35,36 +35,44 @@ STEP_TIMEOUT_S = 20.0
 LAUNCH_TIMEOUT_S = 900
 
 def _launch(model: str, meshes: tuple[str, ...], *, kill_phase: bool,
-            scored_only: bool = False):
-    """Runs both processes once: process 0 (tests/multihost_leader.py) serves the workload
-    on each mesh, then with kill_phase a request during which process 1 is killed. Returns
-    process 0's RESULT lines and process 1's reports."""
+            scored_only: bool = False, processes: int = 2):
+    """Runs the processes once (8 virtual devices over them): process 0
+    (tests/multihost_leader.py) serves the workload on each mesh, then with kill_phase a
+    request during which process 1 is killed. Returns process 0's RESULT lines and the
+    followers' reports."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=4 "
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // processes} "
                          "--xla_backend_optimization_level=0")
     coordinator = f"127.0.0.1:{free_port()}"
     channel_port = free_port()
     mesh_args = [a for m in meshes for a in ("--parallel", m)]
-    follower = subprocess.Popen(
-        [sys.executable, "-m", "serving.multihost", "--process-id", "1", "--num-processes", "2",
-         "--coordinator", coordinator, "--channel", f"127.0.0.1:{channel_port}",
-         "--model", model, "--engine-config", json.dumps(ENGINE_CONFIG), *mesh_args],
+    followers = [subprocess.Popen(
+        [sys.executable, "-m", "serving.multihost", "--process-id", str(i), "--num-processes",
+         str(processes), "--coordinator", coordinator, "--channel",
+         f"127.0.0.1:{channel_port}", "--model", model, "--engine-config",
+         json.dumps(ENGINE_CONFIG), *mesh_args],
         cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for i in range(1, processes)]
+    follower = followers[0]                    # process 1, the one killed
     leader = subprocess.Popen(
         [sys.executable, "-m", "tests.multihost_leader", "--coordinator", coordinator,
          "--channel-port", str(channel_port), "--model", model,
+         "--num-processes", str(processes),
          *(["--kill-phase"] if kill_phase else []),
          *(["--scored-only"] if scored_only else []),
          "--step-timeout-s", str(STEP_TIMEOUT_S), *mesh_args],
         cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     wanted = len(meshes) + kill_phase
     follower_out = []
-    reader = threading.Thread(target=lambda: follower_out.extend(follower.stdout), daemon=True)
-    reader.start()
+    readers = [threading.Thread(target=lambda p=p: follower_out.extend(p.stdout), daemon=True)
+               for p in followers]
+    for reader in readers:
+        reader.start()
     results, log = [], []
     deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-    watchdog = threading.Timer(LAUNCH_TIMEOUT_S, lambda: (leader.kill(), follower.kill()))
+    watchdog = threading.Timer(LAUNCH_TIMEOUT_S,
+                               lambda: [p.kill() for p in (leader, *followers)])
     watchdog.start()
     try:
         for line in leader.stdout:
@@ -76,15 +84,17 @@ def _launch(model: str, meshes: tuple[str, ...], *, kill_phase: bool,
                 if len(results) == wanted:
                     break
         leader.wait(timeout=max(deadline - time.monotonic(), 1))
-        if not kill_phase:                     # process 0 stopped it: let it report
-            follower.wait(timeout=max(deadline - time.monotonic(), 1))
+        if not kill_phase:                     # process 0 stopped them: let them report
+            for p in followers:
+                p.wait(timeout=max(deadline - time.monotonic(), 1))
     finally:
         watchdog.cancel()
-        for p in (leader, follower):
+        for p in (leader, *followers):
             if p.poll() is None:
                 p.kill()
                 p.wait()
-        reader.join(5)
+        for reader in readers:
+            reader.join(5)
     assert len(results) == wanted, "".join(log[-40:]) + "".join(follower_out[-40:])
     reports = [json.loads(line) for line in follower_out if line.startswith("{")]
     return results, reports
@@ -127,6 +137,25 @@ def test_two_processes_give_one_process_tokens(launch, index):
     if index < len(MESHES) - 1:        # the last replica's follower is killed, not stopped
         assert follower and follower[0]["compiles_after_warmup"] == 0
         assert follower[0]["steps"] > 0
+
+
+@pytest.mark.slow
+def test_stages_over_pairs_of_processes_give_one_process_tokens():
+    """Four processes of 2 devices, a stage over each pair: process 1 runs stage 0 with
+    process 0 (it gets the step at once), processes 2 and 3 run stage 1 from the
+    activations process 0 hands on, process 2 returns the outputs and process 3's tokens
+    must match them. One process's tokens, with preemption and prefix reuse."""
+    mesh = "spp=2,tp=4"
+    results, reports = _launch(MODEL, (mesh,), kill_phase=False, processes=4)
+    got, = results
+    want = _one_process_workload(MODEL, mesh)
+    assert got["tokens"] == want["tokens"]
+    assert got["top_ids"] == want["top_ids"]
+    np.testing.assert_allclose(got["logprobs"], want["logprobs"], atol=1e-4, rtol=0)
+    assert got["preemptions"] > 0 and got["cached_tokens"] >= 16
+    assert got["compiles_after_warmup"] == 0
+    assert sorted(r["process_id"] for r in reports) == [1, 2, 3]
+    assert all(r["compiles_after_warmup"] == 0 and r["steps"] > 0 for r in reports)
 
 
 # SmolLM2's 9 query and 3 K/V heads divide no tp over 8 devices; cp splits the tokens (and

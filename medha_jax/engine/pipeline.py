@@ -58,7 +58,9 @@ def stage_step(spec: StageSpec, params, kv_cache: KVCache, hidden, ints, floats,
     Returns (hidden [T, D], cache), or on the last stage (StepOutputs, cache): the same
     tail as the one-program step (`sample_with_logprobs`).
     replicate_outputs: the outputs whole on every device of the stage (a stage over
-    several processes, whose outputs one of them reads and hands on).
+    several processes, whose outputs one of them reads and hands on). The activations
+    and tokens come out replicated over tp and kvp already (cp, which splits tokens, does
+    not combine with spp), so this pins a layout XLA could otherwise choose differently.
     """
     x = unpack_int32(ints, shape, num_kv_shards)
     meta = AttentionMetadata.of(x)
