@@ -562,8 +562,9 @@ def _parse_args(argv=None):
                         help="e.g. tp=8 or tp=2,kvp=2,cp=2; repeated: one replica after the "
                              "other, as process 0 serves them")
     parser.add_argument("--dtype", default=None)
-    parser.add_argument("--engine-config", default="{}",
-                        help="EngineConfig fields as JSON (the same on every process)")
+    parser.add_argument("--engine-config", action="append",
+                        help="EngineConfig fields as JSON (the same on every process); once "
+                             "for every replica, or once per --parallel")
     parser.add_argument("--shapes", default=None,
                         help="JSON list of step shapes to warm up (default: the whole ladder)")
     return parser.parse_args(argv)
@@ -574,11 +575,16 @@ def main(argv=None) -> None:
     from meshes import ParallelConfig
 
     args = _parse_args(argv)
+    configs = args.engine_config or ["{}"]
+    if len(configs) not in (1, len(args.parallel)):
+        raise ValueError(f"{len(configs)} --engine-config for {len(args.parallel)} "
+                         f"--parallel: give one for all, or one per --parallel")
+    configs = configs * len(args.parallel) if len(configs) == 1 else configs
     join(args.process_id, args.num_processes, args.coordinator)
     shapes = None if args.shapes is None else [tuple(s) for s in json.loads(args.shapes)]
-    for parallel in args.parallel:
+    for parallel, config in zip(args.parallel, configs, strict=True):
         engine = build_engine(args.model, ParallelConfig.parse(parallel),
-                              EngineConfig(**json.loads(args.engine_config)), dtype=args.dtype,
+                              EngineConfig(**json.loads(config)), dtype=args.dtype,
                               shapes=shapes)
         sock = connect(args.channel, args.process_id)
         report = follow(engine, sock)
