@@ -50,10 +50,12 @@ def run_workload(server) -> dict:
     prompt, n = PREFIX_REUSE
     reuse = server.submit(prompt, SamplingParams(temperature=0, max_tokens=n)).result()
     scored = run_scored(server)
+    allocator = server.controller.kv.allocator       # process 0's, the replica's only one
     return {"tokens": tokens + [list(reuse.token_ids)] + scored["tokens"],
             "top_ids": scored["top_ids"], "logprobs": scored["logprobs"],
             "preemptions": server.controller.num_preemptions,
-            "cached_tokens": reuse.metrics.num_cached_tokens}
+            "cached_tokens": reuse.metrics.num_cached_tokens,
+            "free_pages": [allocator.num_free_pages, allocator.num_pages]}
 
 
 def run_scored(server) -> dict:

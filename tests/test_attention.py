@@ -92,10 +92,10 @@ def test_pallas_on_the_cpu_is_a_clear_error():
 
 # ------------------------------------------------------------- the cache is never copied
 
-def cache_copies(parallel, pages_per_shard, preset="tiny", tokens=16):
+def cache_copies(parallel, pages_per_shard, preset="tiny", tokens=16, *, collectives=False):
     """(bytes of one layer of one device's K cache, the copies, transposes and
     dynamic-update-slices at least that large) of the engine's compiled decode step of
-    `tokens` tokens."""
+    `tokens` tokens; with `collectives`, the collectives at least that large instead."""
     from medha_jax import hlo
     from medha_jax.engine import Engine, EngineConfig
 
@@ -110,6 +110,9 @@ def cache_copies(parallel, pages_per_shard, preset="tiny", tokens=16):
     # The narrowest 8-sequence shape of `tokens` (with cp also its fewest packed pages).
     compiled = engine.executable(min(s for s in engine.ladder.all_shapes()
                                      if s[:2] == (tokens, 8)))
+    if collectives:
+        return layer_bytes, [c for c in hlo.collectives(compiled.as_text())
+                             if c.bytes >= layer_bytes]
     return layer_bytes, hlo.copies(compiled.as_text(), min_bytes=layer_bytes)
 
 
@@ -119,7 +122,8 @@ def cache_copies(parallel, pages_per_shard, preset="tiny", tokens=16):
 # well (cp's ring hands the cache through a cond). The sizes keep one layer of the cache
 # above anything a step of 8 sequences gathers (8 x 16 pages).
 @pytest.mark.parametrize("parallel", [ParallelConfig(), ParallelConfig(tp=2),
-                                      ParallelConfig(kvp=2, tp=2), ParallelConfig(cp=2, tp=2)],
+                                      ParallelConfig(kvp=2, tp=2), ParallelConfig(cp=2, tp=2),
+                                      ParallelConfig(kvp=2, cp=2, tp=2)],
                          ids=str)
 def test_the_decode_step_never_copies_the_kv_cache(parallel):
     for pages_per_shard in (256, 1024):
@@ -127,6 +131,16 @@ def test_the_decode_step_never_copies_the_kv_cache(parallel):
         # Only the scatters of this step's slots touch the cache; nothing rewrites a layer.
         assert not found, (pages_per_shard, layer_bytes,
                            [(c.op, c.shape, c.count, c.computation) for c in found])
+
+
+@pytest.mark.parametrize("parallel", [ParallelConfig(kvp=2, tp=2), ParallelConfig(cp=2, tp=2),
+                                      ParallelConfig(kvp=2, cp=2, tp=2)], ids=str)
+def test_the_decode_step_moves_no_layer_of_the_kv_cache_between_devices(parallel):
+    """kvp merges partial outputs and cp's ring sends the step's packed cached pages: no
+    collective of the step (all-gather of the pages included) is as large as one layer of
+    a device's cache."""
+    layer_bytes, found = cache_copies(parallel, 1024, collectives=True)
+    assert not found, (layer_bytes, [(c.op, c.shape, c.bytes, c.count) for c in found])
 
 
 @pytest.mark.parametrize("parallel", [ParallelConfig(), ParallelConfig(kvp=2)], ids=str)

@@ -130,6 +130,8 @@ def test_two_processes_give_one_process_tokens(launch, index):
     # happened is (kvp and cp meshes get a smaller pool a shard, engine_config; cp pages
     # of 16 tokens make an allocator page, so 32 of the 48 shared tokens are whole pages).
     assert got["cached_tokens"] >= 16 and got["preemptions"] > 0
+    free, total = got["free_pages"]
+    assert free == total                     # every page back in the pool
     # The guard on every process: nothing compiled while serving.
     assert got["compiles_after_warmup"] == 0
     follower = [r for r in reports if r["parallel"] == MESHES[index]]
@@ -152,6 +154,8 @@ def test_stages_over_pairs_of_processes_give_one_process_tokens():
     assert got["top_ids"] == want["top_ids"]
     np.testing.assert_allclose(got["logprobs"], want["logprobs"], atol=1e-4, rtol=0)
     assert got["preemptions"] > 0 and got["cached_tokens"] >= 16
+    free, total = got["free_pages"]
+    assert free == total
     assert got["compiles_after_warmup"] == 0
     assert sorted(r["process_id"] for r in reports) == [1, 2, 3]
     assert all(r["compiles_after_warmup"] == 0 and r["steps"] > 0 for r in reports)
@@ -197,6 +201,8 @@ def test_smollm2_stages_over_two_processes_give_one_process_tokens():
     assert got["top_ids"] == want["top_ids"]
     np.testing.assert_allclose(got["logprobs"], want["logprobs"], atol=1e-4, rtol=0)
     assert got["cached_tokens"] >= 16
+    free, total = got["free_pages"]
+    assert free == total
     assert got["compiles_after_warmup"] == 0
     follower, = reports
     assert follower["compiles_after_warmup"] == 0 and follower["steps"] > 0
