@@ -15,19 +15,6 @@ import time
 ENGINE_CONFIG = dict(page_size=16, num_pages=12, max_tokens_per_step=32, min_token_bucket=32,
                      max_seqs=4, max_model_len=128)
 MODEL = "tiny"
-# kvp and cp multiply the pool (each KV shard has num_pages; cp's pages are cp x 16
-# tokens): 4 pages a shard, so that they preempt too.
-SHARDED_POOL_PAGES = 4
-
-
-def engine_config(parallel: str) -> dict:
-    """ENGINE_CONFIG on the mesh `parallel`: a smaller pool a shard where the KV is
-    sharded (kvp, cp), so that every mesh's workload preempts."""
-    from meshes import ParallelConfig
-
-    mesh = ParallelConfig.parse(parallel)
-    sharded = mesh.kvp > 1 or mesh.cp > 1
-    return dict(ENGINE_CONFIG, num_pages=SHARDED_POOL_PAGES) if sharded else ENGINE_CONFIG
 
 
 def _prompt(seed: int, n: int) -> list[int]:
@@ -98,7 +85,7 @@ def main() -> None:
     for i, parallel in enumerate(args.parallel):
         listener = multihost.listen_socket(f"127.0.0.1:{args.channel_port}")
         engine = multihost.build_engine(args.model, ParallelConfig.parse(parallel),
-                                        EngineConfig(**engine_config(parallel)))
+                                        EngineConfig(**ENGINE_CONFIG))
         engine.mirror = multihost.StepMirror(listener, args.num_processes - 1,
                                              step_timeout_s=args.step_timeout_s)
         with Server(engine, warmup=False) as server:
