@@ -22,9 +22,9 @@ weights, KV cache writes, sampling, and the rest (norms, RoPE, residuals, loop o
 The CPU runtime traces every op (thunk) by its HLO name; times are exclusive (a loop's
 body is not counted in the loop) and summed over threads.
 
-The rows "decode xN, min_token_bucket B" run a lone decode and two decodes on engines whose
-token ladder starts at 16 (the default) and at 1 (`vs_bucket_16`, in the ratio column: the
-device time over the 16-token step's). A one-token step copied the whole KV cache three
+The rows "decode xN, min_token_bucket B" run decodes of 1, 2, 4 and 8 sequences on engines
+whose token ladder starts at 16 (the default until 2026-12) and at 1 (the default since;
+`vs_bucket_16`, in the ratio column: the device time over the 16-token step's). A one-token step copied the whole KV cache three
 times per layer until the cache write kept a second, dropped row (21 s for one SmolLM2
 decode on 2 cores).
 """
@@ -205,9 +205,9 @@ def run(model_name: str, quick: bool, repeats: int, breakdown: bool = False):
 
 
 def run_small_token_buckets(model_name: str, repeats: int) -> list[dict]:
-    """A lone decode and two decodes on engines whose token ladder starts at 16 (the
-    default) and at 1, side by side: on the CPU a step costs in proportion to its padded
-    tokens even this small (`vs_bucket_16`: device time over the 16-token step's)."""
+    """Decodes of 1, 2, 4 and 8 sequences on engines whose token ladder starts at 16 and
+    at 1, side by side: on the CPU a step costs with its padded tokens and sequences even
+    this small (`vs_bucket_16`: device time over the 16-token step's)."""
     from medha_jax import load_model
     from medha_jax.engine import Engine, EngineConfig
 
@@ -217,7 +217,7 @@ def run_small_token_buckets(model_name: str, repeats: int) -> list[dict]:
         engine = Engine(model, EngineConfig(max_kv_tokens=16_384, max_tokens_per_step=512,
                                             max_seqs=32, max_model_len=2048,
                                             min_token_bucket=min_bucket))
-        for n in (1, 2):
+        for n in (1, 2, 4, 8):
             chunks = [(int(c), 1) for c in np.random.default_rng(n).integers(200, 600, n)]
             row = measure(engine, f"decode x{n}, min_token_bucket {min_bucket}", chunks,
                           np.random.default_rng(1), repeats)

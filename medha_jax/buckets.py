@@ -130,8 +130,13 @@ class BucketLadder:
     def token_bucket(self, num_tokens: int) -> int:
         return bucket_for(num_tokens, self.token_buckets, "tokens")
 
-    def seq_bucket(self, num_seqs: int) -> int:
-        return bucket_for(num_seqs, self.seq_buckets, "seqs")
+    def seq_bucket(self, num_seqs: int, padded_tokens: int | None = None) -> int:
+        """The padded sequence count of a step of `num_seqs` sequences: its rung, capped at
+        the step's token bucket `padded_tokens` when given. A step of T tokens has at most T
+        sequences, so a rung above T would only pad: a decode of 1, 2 or 4 sequences runs
+        at (T, S) = (1, 1), (2, 2), (4, 4), not at the smallest rung's S rows of logits."""
+        bucket = bucket_for(num_seqs, self.seq_buckets, "seqs")
+        return bucket if padded_tokens is None else min(bucket, padded_tokens)
 
     def width_bucket(self, num_pages: int) -> int:
         return bucket_for(num_pages, self.width_buckets, "page-table width")
@@ -148,7 +153,7 @@ class BucketLadder:
 
         A seq bucket S is reachable with token bucket T only if some batch with more
         sequences than the rung below S still has at most T tokens: each sequence brings at
-        least one token. Width is independent of both (one decode can have a long context).
+        least one token; with T below S it is padded to T (`seq_bucket`). Width is independent of both (one decode can have a long context).
         A cp page bucket C is reachable with (S, W) only if S sequences of W pages each can
         hold more distinct pages than the rung below C.
         """
@@ -157,6 +162,7 @@ class BucketLadder:
             fewest_seqs = self.seq_buckets[j - 1] + 1 if j else 1
             if fewest_seqs > t:
                 continue
+            s = min(s, t)                              # as seq_bucket pads it
             for w in self.width_buckets:
                 if not self.cp_page_buckets:
                     shapes.append((t, s, w))

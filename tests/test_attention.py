@@ -107,9 +107,10 @@ def cache_copies(parallel, pages_per_shard, preset="tiny", tokens=16, *, collect
     shape, sharding = model.kv_cache_sharding(engine.num_kv_shards * pages_per_shard, 16)
     local = sharding.shard_shape(shape)                          # [L, pages, page_size, ...]
     layer_bytes = math.prod(local[1:]) * np.dtype(np.float32).itemsize
-    # The narrowest 8-sequence shape of `tokens` (with cp also its fewest packed pages).
+    # The narrowest shape of `tokens` tokens and 8 sequences, or `tokens` below 8 (the
+    # sequence rung is capped at the token bucket), with cp also its fewest packed pages.
     compiled = engine.executable(min(s for s in engine.ladder.all_shapes()
-                                     if s[:2] == (tokens, 8)))
+                                     if s[:2] == (tokens, min(tokens, 8))))
     if collectives:
         return layer_bytes, [c for c in hlo.collectives(compiled.as_text())
                              if c.bytes >= layer_bytes]

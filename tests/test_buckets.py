@@ -67,11 +67,24 @@ def test_ladder_lookups_name_what_overflowed():
 
 def test_all_shapes_are_exactly_the_reachable_ones():
     ladder = BucketLadder(token_buckets=(4, 8, 16), seq_buckets=(1, 2, 8, 12), width_buckets=(2, 5))
-    reachable = {(ladder.token_bucket(t), ladder.seq_bucket(s), w)
+    reachable = {(ladder.token_bucket(t), ladder.seq_bucket(s, ladder.token_bucket(t)), w)
                  for t in range(1, 17) for s in range(1, min(t, 12) + 1) for w in (2, 5)}
     shapes = ladder.all_shapes()
     assert len(shapes) == len(set(shapes)) and set(shapes) == reachable
-    assert (4, 8, 2) in shapes and (8, 12, 2) not in shapes   # 9..12 sequences need 9+ tokens
+    assert (8, 12, 2) not in shapes                           # 9..12 sequences need 9+ tokens
+    # 3 or 4 sequences in 4 tokens: the rung of 8 capped at the step's 4 tokens.
+    assert (4, 4, 2) in shapes and (4, 8, 2) not in shapes
+
+
+def test_seq_bucket_is_capped_at_the_steps_token_bucket():
+    ladder = BucketLadder.from_limits(max_tokens=512, max_seqs=32, max_pages_per_seq=64,
+                                      min_tokens=1)
+    assert ladder.token_buckets[:5] == (1, 2, 4, 8, 16) and ladder.seq_buckets == (8, 32)
+    steps = {n: (ladder.token_bucket(n), ladder.seq_bucket(n, ladder.token_bucket(n)))
+             for n in (1, 2, 3, 5, 9, 17)}      # n decodes: n tokens, n sequences
+    assert steps == {1: (1, 1), 2: (2, 2), 3: (4, 4), 5: (8, 8), 9: (16, 16), 17: (32, 32)}
+    assert ladder.seq_bucket(3) == 8                          # uncapped without a token bucket
+    assert ladder.seq_bucket(2, 64) == 8                      # the cap only lowers a rung
 
 
 def test_default_ladder_sizes():

@@ -22,8 +22,9 @@ def model():
     return load_model("tiny")
 
 
+# Its ladder starts at 16 tokens, not the default 1: the warm-up tests count its 8 shapes.
 SMALL = EngineConfig(max_kv_tokens=4096, max_tokens_per_step=128, max_seqs=8, max_model_len=512,
-                     enable_prefix_caching=False)
+                     enable_prefix_caching=False, min_token_bucket=16)
 
 
 def make_request(request_id, prompt, max_new_tokens, **sampling):
@@ -190,6 +191,24 @@ def test_one_token_steps_give_the_model_greedy_tokens(model):
                  max_chunk=0, chunk_of=lambda r: 1)
     assert {shape[0] for shape in shapes} == {1}
     assert done["x"] == greedy_with_logits(model, prompt, 6)
+
+
+def test_small_decodes_run_at_as_many_rows_as_sequences_and_give_greedy_tokens(model):
+    """With the default ladder (tokens from 1, sequence rungs capped at the step's token
+    bucket), 3 requests decoding together run at (T, S) = (4, 4) and one alone at (1, 1),
+    not at the smallest sequence rung of 8: the tokens are each request's greedy ones."""
+    engine = Engine(model, dataclasses.replace(SMALL, min_token_bucket=EngineConfig().min_token_bucket))
+    rng = np.random.default_rng(5)
+    prompts = {f"r{i}": rng.integers(0, 256, n).tolist() for i, n in enumerate((9, 21, 14))}
+    new_tokens = {"r0": 3, "r1": 6, "r2": 4}
+    shapes = count_compiles(engine)
+    done = drive(engine, [(0, make_request(rid, p, new_tokens[rid])) for rid, p in prompts.items()],
+                 rng=np.random.default_rng(0), max_chunk=64)
+    assert {(4, 4), (1, 1)} <= {shape[:2] for shape in shapes}
+    assert all(s <= t for t, s, _ in shapes)
+    for rid, prompt in prompts.items():
+        assert done[rid] == greedy_with_logits(model, prompt, new_tokens[rid])
+    assert engine.allocator.num_free_pages == engine.allocator.num_pages
 
 
 def test_prefix_reuse_gives_the_same_tokens(model):

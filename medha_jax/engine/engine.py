@@ -59,8 +59,15 @@ class EngineConfig:
     `max_kv_tokens`) on every KV shard (kvp of the model's mesh); a request's context fills
     a shard up to `max_tokens_per_kvp_group` tokens, then the next (Medha's progressive KVP
     scaling: see `tokens_per_kvp_group` for the default). A step holds at most
-    `max_tokens_per_step` tokens from at most `max_seqs` sequences; both are padded up to
-    power-of-two buckets starting at `min_token_bucket`.
+    `max_tokens_per_step` tokens from at most `max_seqs` sequences. Tokens are padded up to
+    power-of-two buckets starting at `min_token_bucket`; sequences up to 4x rungs from 8,
+    never above the step's token bucket (`BucketLadder.seq_bucket`).
+
+    min_token_bucket is 1: a decode of 1, 2 or 4 sequences runs a step of 1, 2 or 4 tokens.
+    Measured on a 2-core CPU with SmolLM2-135M (`benchmarks/engine.py`, the rows "decode xN,
+    min_token_bucket B"), a step of 1 token costs ~0.6x one of 16 tokens and 8 sequences; on a GPU the small rungs are the
+    batch sizes vLLM captures CUDA graphs for (1, 2, 4, 8). They add 4 token rungs x the
+    width rungs to the executables, compiled in the background with the rest.
     """
 
     page_size: int = 16
@@ -68,7 +75,7 @@ class EngineConfig:
     max_kv_tokens: int = 32_768
     max_model_len: int | None = None
     max_tokens_per_step: int = 512
-    min_token_bucket: int = 16
+    min_token_bucket: int = 1
     max_seqs: int = 32
     enable_prefix_caching: bool = True
     max_tokens_per_kvp_group: int | None = None

@@ -5,7 +5,7 @@ of many) concatenated into one run of T tokens. The arrays below are what the ji
 step and the ragged paged attention kernel read; every size is padded to a bucket of
 the BucketLadder so that the step never recompiles:
 
-    T = ladder.token_bucket(real tokens), S = ladder.seq_bucket(real seqs),
+    T = ladder.token_bucket(real tokens), S = ladder.seq_bucket(real seqs, T),
     W = ladder.width_bucket(pages of the longest context in the batch),
     and with cp ranks C = ladder.cp_page_bucket(cached pages the busiest rank sends).
 
@@ -324,7 +324,7 @@ def build_step_inputs(batch: Batch, allocator: BlockAllocator, ladder: BucketLad
     q_lens_np = np.array(q_lens, np.int32)
     starts_np = np.array(starts, np.int32)
     padded_tokens = ladder.token_bucket(num_tokens)
-    padded_seqs = ladder.seq_bucket(num_seqs)
+    padded_seqs = ladder.seq_bucket(num_seqs, padded_tokens)
 
     cu_q_lens = np.empty(padded_seqs + 1, np.int32)
     cu_q_lens[0] = 0
