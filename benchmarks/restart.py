@@ -10,7 +10,7 @@ Each start is its own process (as a restarted server is): `Server(model, engine_
 from the model's name to ready, then one greedy request; the child reports the Server's
 StartupReport (compilation-cache hits and misses, where the predictor came from), the time
 to construct it, and when every step shape was compiled (a Server warms up in the
-background: it is ready once its smallest shape is, and a step that needs another before
+background: it is ready once a short request's shapes are, and a step that needs another before
 the background thread got to it compiles it then; `waited` counts those). The cache directory is a fresh temporary one unless --cache-dir is
 given, so the first start is cold. The two outputs are compared: the cached executables must
 give the same tokens.

@@ -14,6 +14,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import itertools
+import math
 from collections.abc import Sequence
 
 
@@ -146,6 +147,17 @@ class BucketLadder:
             raise ValueError("this BucketLadder has no cp_page_buckets: a cp step needs them "
                              "(BucketLadder.from_limits(..., cp_pages=pages of a rank's pool))")
         return bucket_for(max(num_pages, 1), self.cp_page_buckets, "cp pages a rank sends")
+
+    def startup_shapes(self, prompt_tokens: int = 16) -> list[tuple[int, ...]]:
+        """The shapes a server compiles before it is ready, the rest of `all_shapes` after
+        (Engine.warmup(first=...)): the smallest, a lone decode's (T = S = 1 with the
+        default ladder), and the smallest of at least `prompt_tokens` tokens, a short
+        prompt's first step, so a first short request waits for no compile."""
+        shapes = self.all_shapes()
+        size = lambda shape: (math.prod(shape[:3]), shape)   # noqa: E731
+        tokens = min(prompt_tokens, self.max_tokens)
+        return sorted({min(shapes, key=size),
+                       min((s for s in shapes if s[0] >= tokens), key=size)})
 
     def all_shapes(self) -> list[tuple[int, ...]]:
         """Every (tokens, seqs, width) a real batch can be padded to, the executables to compile

@@ -48,9 +48,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                        ("--max-model-len", "longest prompt + output, in tokens"),
                        ("--max-tokens-per-step", "tokens in one step (largest shape bucket)"),
                        ("--max-seqs", "sequences in one step"),
-                       ("--min-token-bucket", "tokens in the smallest step shape (default 16; "
-                        "1 on a CPU halves a lone decode's step, for 16 more shapes to "
-                        "compile)")]:
+                       ("--min-token-bucket", "tokens in the smallest step shape (default 1: a "
+                        "lone decode runs a step of one token; 16 compiles fewer shapes)")]:
         engine.add_argument(flag, type=int, default=None, help=help)
 
 

@@ -100,9 +100,10 @@ class Server:
           A request outside them is refused with ValueError. This Python API is the
           operator's own code, so it may use any priority in range; the network front ends
           let a client raise its priority above the default only with a priority token.
-        warmup: "background" (default): the server is ready once the smallest step shape
-          is compiled; the others compile on a background thread, smallest first, and a
-          step that needs one before then compiles it (Engine.warmup(first=...)). True:
+        warmup: "background" (default): the server is ready once a short request's step
+          shapes are compiled (`BucketLadder.startup_shapes`); the others compile on a
+          background thread, smallest first, and a step that needs one before then
+          compiles it (Engine.warmup(first=...)). True:
           every shape before the constructor returns, so no request ever waits for a
           compile. False: none (an Engine given already warmed up).
         predictor: a fitted RuntimePredictor to use as is; by default the one saved for
@@ -193,8 +194,7 @@ class Server:
             raise ValueError(f"warmup must be 'background', True or False, got {warmup!r}")
         for engine in engines if switching is None else ():    # the coordinator's, below
             if warmup == "background":
-                shapes = engine.ladder.all_shapes()
-                engine.warmup(first=[min(shapes, key=lambda s: (s[0] * s[1] * s[2], s))])
+                engine.warmup(first=engine.ladder.startup_shapes())
             elif warmup is True:
                 engine.warmup()
         hits2, misses2, saved2 = cache_dirs.CACHE_EVENTS.snapshot()

@@ -127,3 +127,13 @@ def test_cp_page_rungs_reach_the_rank_pool_and_only_what_s_x_w_pages_can_fill():
     with pytest.raises(ValueError, match="no cp_page_buckets"):
         BucketLadder.from_limits(max_tokens=64, max_seqs=8,
                                  max_pages_per_seq=64).cp_page_bucket(3)
+
+
+def test_startup_shapes_are_a_lone_decode_and_a_short_prompts_first_step():
+    ladder = BucketLadder.from_limits(max_tokens=512, max_seqs=32, max_pages_per_seq=64,
+                                      min_tokens=1)
+    assert ladder.startup_shapes() == [(1, 1, 16), (16, 8, 16)]
+    assert set(ladder.startup_shapes()) <= set(ladder.all_shapes())
+    # A ladder from 16 tokens: its smallest shape is both.
+    assert BucketLadder.from_limits(max_tokens=512, max_seqs=32,
+                                    max_pages_per_seq=64).startup_shapes() == [(16, 8, 16)]

@@ -18,16 +18,24 @@ __all__ = ["POLICY_NAMES", "CapacityError", "SchedulerConfig", "make_controller"
            "make_prefill_time_cache"]
 
 DEFAULT_TARGET_BATCH_TIME_S = 0.05
-# The default budget is at least this many times the cost of the smallest step, so that a
+# The default budget is at least this many times the cost of a one-token step, so that a
 # slow machine (a CPU) still spends most of each step on prefill work, not on fixed costs.
-MIN_BUDGET_OVER_FIXED_COST = 4.0
+# 8, not 4: on a CPU a step's cost per token keeps falling well past 8x its fixed cost
+# (SmolLM2 on 2 cores: 1 token ~55 ms, a 64-token chunk ~160 ms, 512 tokens ~510 ms), and
+# 4 was set while the smallest step held 16 tokens (its time ~1.7x a one-token step's).
+# With one-token steps, 4 halved the prefill chunks (128 -> 64 tokens): in the online
+# workload of benchmarks/peers.py (an in-process replay, alternating) 8 against 4 gave
+# TTFT p99 1.80 / 2.08 s against 2.82 / 2.81 s, and TPOT p99 99 / 107 ms against 115 / 122.
+MIN_BUDGET_OVER_FIXED_COST = 8.0
 
 
-def default_target_batch_time(predictor: RuntimePredictor, limits: EngineLimits) -> float:
-    """50 ms, or 4x the predicted time of a one-token step where that is longer."""
+def default_target_batch_time(predictor: RuntimePredictor, limits: EngineLimits,
+                              over_fixed_cost: float = MIN_BUDGET_OVER_FIXED_COST) -> float:
+    """50 ms, or `over_fixed_cost` times the predicted time of a one-token step where that
+    is longer."""
     one_token = BatchFeatures().plus_chunk(1, 0, True, limits.token_buckets)
     return max(DEFAULT_TARGET_BATCH_TIME_S,
-               MIN_BUDGET_OVER_FIXED_COST * predictor.predict_features(one_token))
+               over_fixed_cost * predictor.predict_features(one_token))
 
 
 def target_batch_time(config: SchedulerConfig, predictor: RuntimePredictor) -> float:
