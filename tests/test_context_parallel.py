@@ -499,7 +499,7 @@ def test_the_cp_engines_page_tables_are_as_wide_as_its_pages_of_cp_ranks_need():
     from medha_jax.engine import Engine, EngineConfig
 
     config = EngineConfig(page_size=16, num_pages=64, max_model_len=2048, max_seqs=8,
-                          max_tokens_per_step=64)
+                          max_tokens_per_step=64, min_token_bucket=16)
     engine = Engine(tiny(ParallelConfig(cp=2)), config)
     assert engine.allocator.page_size == 32 and engine.max_model_len == 2048
     assert engine.ladder.width_buckets == (16, 64)

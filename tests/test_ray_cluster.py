@@ -257,7 +257,13 @@ def test_ray_handoff_survives_either_actor_dying_mid_transfer(ray_cluster, dies)
             assert (server.reruns, server.handoffs) in ((1, 0), (0, 1)), \
                 (server.reruns, server.handoffs)
         else:
-            assert server.handoffs == 0
+            # The same race on this side: the decode actor may register the hand-off before
+            # the kill (the prefill ends in fewer, larger chunks since the default batch
+            # budget is 8x a one-token step: 1 of 1 fresh-clone runs), and then dies with
+            # the request, which re-runs on the prefill actor. Either way its tokens are
+            # the one replica's, on the survivor.
+            assert (server.reruns, server.handoffs) in ((0, 0), (1, 1)), \
+                (server.reruns, server.handoffs)
         assert _settled([survivor])
 
 
