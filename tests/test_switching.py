@@ -19,8 +19,10 @@ from tests.test_engine import backend_compiles, drive
 
 # One replica holds 512 tokens (32 pages of 16); a TP group's pages hold 32 (tiny has 2 K/V
 # heads: each rank keeps one, Eq. 3 with K < m), so a group holds 1024.
+# Its ladder starts at 16 tokens (not the default 1): 2 token rungs, not 6, for every group's
+# warm-up (the suite's slowest tests compile them).
 CFG = EngineConfig(page_size=16, max_kv_tokens=512, max_model_len=1024, max_tokens_per_step=32,
-                   max_seqs=8, enable_prefix_caching=False)
+                   max_seqs=8, enable_prefix_caching=False, min_token_bucket=16)
 WHOLE = lambda request: 32      # noqa: E731  (drive's chunks: the ladder's largest bucket)
 
 
