@@ -165,7 +165,8 @@ class BucketLadder:
 
         A seq bucket S is reachable with token bucket T only if some batch with more
         sequences than the rung below S still has at most T tokens: each sequence brings at
-        least one token; with T below S it is padded to T (`seq_bucket`). Width is independent of both (one decode can have a long context).
+        least one token; with T below S it is padded to T (`seq_bucket`). Width is
+        independent of both (one decode can have a long context).
         A cp page bucket C is reachable with (S, W) only if S sequences of W pages each can
         hold more distinct pages than the rung below C.
         """

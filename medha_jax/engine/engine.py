@@ -65,9 +65,10 @@ class EngineConfig:
 
     min_token_bucket is 1: a decode of 1, 2 or 4 sequences runs a step of 1, 2 or 4 tokens.
     Measured on a 2-core CPU with SmolLM2-135M (`benchmarks/engine.py`, the rows "decode xN,
-    min_token_bucket B"), a step of 1 token costs ~0.6x one of 16 tokens and 8 sequences; on a GPU the small rungs are the
-    batch sizes vLLM captures CUDA graphs for (1, 2, 4, 8). They add 4 token rungs x the
-    width rungs to the executables, compiled in the background with the rest.
+    min_token_bucket B"), a step of 1 token costs ~0.6x one of 16 tokens and 8 sequences;
+    on a GPU the small rungs are the batch sizes vLLM captures CUDA graphs for (1, 2, 4,
+    8). They add 4 token rungs x the width rungs to the executables, compiled in the
+    background with the rest.
     """
 
     page_size: int = 16
