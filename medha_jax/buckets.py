@@ -52,6 +52,12 @@ def padded_size(n: int, buckets: Sequence[int] | None, what: str = "size") -> in
     return bucket_for(n, buckets, what)
 
 
+def shape_size(shape: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
+    """Sort key of step shapes, smallest first: T x S x W (what a compile and a step grow
+    with), then the shape itself so that the order is total."""
+    return math.prod(shape[:3]), shape
+
+
 @dataclasses.dataclass(frozen=True)
 class BucketLadder:
     """Padded sizes for tokens per step, sequences per step and page-table width.
@@ -154,10 +160,9 @@ class BucketLadder:
         default ladder), and the smallest of at least `prompt_tokens` tokens, a short
         prompt's first step, so a first short request waits for no compile."""
         shapes = self.all_shapes()
-        size = lambda shape: (math.prod(shape[:3]), shape)   # noqa: E731
         tokens = min(prompt_tokens, self.max_tokens)
-        return sorted({min(shapes, key=size),
-                       min((s for s in shapes if s[0] >= tokens), key=size)})
+        return sorted({min(shapes, key=shape_size),
+                       min((s for s in shapes if s[0] >= tokens), key=shape_size)})
 
     def all_shapes(self) -> list[tuple[int, ...]]:
         """Every (tokens, seqs, width) a real batch can be padded to, the executables to compile

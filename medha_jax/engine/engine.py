@@ -27,7 +27,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from medha_jax.buckets import BucketLadder
+from medha_jax.buckets import BucketLadder, shape_size
 from medha_jax.engine.logprobs import StepOutputs, sample_with_logprobs
 from medha_jax.engine import step_cache
 from medha_jax.engine.pipeline import PipelinedStep, StageHook
@@ -384,8 +384,7 @@ class Engine:
         shapes = [s for s in (shapes or self.ladder.all_shapes()) if s not in self.executables]
         if first is not None and self.pipeline is None:
             first = [s for s in first if s in shapes]
-            self._backlog = sorted((s for s in shapes if s not in first),
-                                   key=lambda s: (s[0] * s[1] * s[2], s))
+            self._backlog = sorted((s for s in shapes if s not in first), key=shape_size)
             shapes = first
         start = time.perf_counter()
         for shape in tqdm(shapes, desc="compiling step buckets", unit="exe", disable=not progress):
