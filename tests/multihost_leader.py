@@ -27,11 +27,13 @@ CONCURRENT = [(_prompt(0, 60), 24), (_prompt(1, 50), 24), (_prompt(2, 40), 24), 
 PREFIX_REUSE = (_prompt(0, 48) + _prompt(4, 12), 8)
 
 
-def run_workload(server) -> dict:
-    """Greedy tokens of WORKLOAD on `server`, its preemptions and the reused prefix."""
+def run_workload(server, decode_tokens: int | None = None) -> dict:
+    """Greedy tokens of WORKLOAD on `server`, its preemptions and the reused prefix.
+    decode_tokens: each CONCURRENT request's max_tokens, in place of its own (fewer: a
+    model too slow for the whole of it on this CPU)."""
     from medha_jax import SamplingParams
 
-    handles = [server.submit(p, SamplingParams(temperature=0, max_tokens=n))
+    handles = [server.submit(p, SamplingParams(temperature=0, max_tokens=decode_tokens or n))
                for p, n in CONCURRENT]
     tokens = [list(h.result().token_ids) for h in handles]
     prompt, n = PREFIX_REUSE
@@ -71,6 +73,8 @@ def main() -> None:
     parser.add_argument("--scored-only", action="store_true",
                         help="serve only run_scored's request (a model too slow for the "
                              "whole workload on this CPU)")
+    parser.add_argument("--decode-tokens", type=int, default=None,
+                        help="run_workload's decode_tokens")
     args = parser.parse_args()
 
     import jax
@@ -93,7 +97,8 @@ def main() -> None:
                 lambda event, duration, **kw: compiles.append(event)
                 if event == multihost.BACKEND_COMPILE_EVENT else None)
             before = len(compiles)
-            result = (run_scored if args.scored_only else run_workload)(server)
+            result = (run_scored(server) if args.scored_only
+                      else run_workload(server, args.decode_tokens))
             result.update(parallel=parallel, compiles_after_warmup=len(compiles) - before)
             print("RESULT " + json.dumps(result), flush=True)
             last = args.kill_phase and i == len(args.parallel) - 1

@@ -9,8 +9,8 @@ from medha_jax.engine.calibration import (borrow_batch, fit_predictor, release_b
                                           sweep_chunks)
 from medha_jax.scheduler.predictor import BatchFeatures
 
-SMALL = EngineConfig(max_kv_tokens=4096, max_tokens_per_step=128, max_seqs=8, max_model_len=512,
-                     enable_prefix_caching=False)
+SMALL = EngineConfig(max_kv_tokens=4096, max_tokens_per_step=128, min_token_bucket=16, max_seqs=8,
+                     max_model_len=512, enable_prefix_caching=False)
 
 
 @pytest.fixture(scope="module")

@@ -17,9 +17,10 @@ from tests.hf_oracle import greedy_with_logits
 from tests.test_checkpoint_hf import hf_config_dict, random_state_dict, write_hf_dir
 from tests.test_server import byte_level_tokenizer
 
-# One compiled shape, as in tests/test_server.py.
-SMALL_ENGINE = ["--max-model-len", "256", "--max-tokens-per-step", "16", "--max-seqs", "8",
-                "--max-kv-tokens", "2048"]
+# One token rung (16), as in tests/test_server.py: the default ladder from 1 token is 5
+# rungs, each compiled in every process these tests start.
+SMALL_ENGINE = ["--max-model-len", "256", "--max-tokens-per-step", "16",
+                "--min-token-bucket", "16", "--max-seqs", "8", "--max-kv-tokens", "2048"]
 
 
 @pytest.fixture(scope="module")

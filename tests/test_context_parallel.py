@@ -333,7 +333,8 @@ def test_kv_bytes_a_request_occupies_per_device_shrink_with_cp():
     from tests.test_engine import make_request
 
     prompt = np.random.default_rng(17).integers(0, 256, 496).tolist()
-    config = EngineConfig(page_size=16, num_pages=32, max_tokens_per_step=512, max_seqs=4)
+    config = EngineConfig(page_size=16, num_pages=32, max_tokens_per_step=512, min_token_bucket=16,
+                          max_seqs=4)
     per_device = {}
     for cp in (1, 4):
         engine = Engine(tiny(ParallelConfig(cp=cp)), config)

@@ -11,7 +11,8 @@ from medha_jax.scheduler.packer import EngineLimits
 from medha_jax.scheduler.predictor import BatchFeatures, ProfiledPredictor
 from medha_jax.scheduler.prefill_time_cache import PrefillTimeCache
 
-SMALL = EngineConfig(max_kv_tokens=4096, max_tokens_per_step=128, max_seqs=8, max_model_len=512)
+SMALL = EngineConfig(max_kv_tokens=4096, max_tokens_per_step=128, min_token_bucket=16, max_seqs=8,
+                     max_model_len=512)
 
 
 @pytest.fixture(scope="module")

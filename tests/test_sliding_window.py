@@ -196,7 +196,7 @@ def assert_engine_serves_one_device_tokens(preset: str, parallel: str,
     # Seats for the three requests and no more: the kernels run every seat of a step,
     # and in the TPU interpreter an empty seat costs as much as a used one.
     engine = Engine(model, EngineConfig(page_size=16, num_pages=16, max_tokens_per_step=32,
-                                        max_seqs=4, **kvp))
+                                        min_token_bucket=16, max_seqs=4, **kvp))
     arrivals = [(0, make_request(rid, p, 6)) for rid, p in prompts.items()]
     assert drive(engine, arrivals, rng=rng, max_chunk=30) == want
     assert engine.allocator.num_free_pages == engine.allocator.num_pages
@@ -220,7 +220,7 @@ def _serve_with_logprobs(preset: str, parallel, **engine_config):
     prompts = _window_prompts(rng)
     model = load_model(preset, parallel=parallel, verbose=False)
     engine = Engine(model, EngineConfig(page_size=16, num_pages=16, max_tokens_per_step=32,
-                                        max_seqs=4, **engine_config))
+                                        min_token_bucket=16, max_seqs=4, **engine_config))
     arrivals = [(0, make_request(rid, p, 6, logprobs=3, prompt_logprobs=3))
                 for rid, p in prompts.items()]
     logprobs = {}

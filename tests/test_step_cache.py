@@ -12,7 +12,7 @@ from serving.replicas import replica_models
 from tests.test_switching import WHOLE, drive, prompt, request
 
 CFG = EngineConfig(page_size=16, max_kv_tokens=256, max_model_len=256, max_tokens_per_step=32,
-                   max_seqs=4, enable_prefix_caching=False)
+                   min_token_bucket=16, max_seqs=4, enable_prefix_caching=False)
 
 
 @pytest.fixture(autouse=True)
