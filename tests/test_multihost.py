@@ -197,10 +197,10 @@ SMOLLM2_SPP_MESH = "spp=2,kvp=4"
 @pytest.mark.slow
 def test_smollm2_stages_over_two_processes_give_one_process_tokens():
     """The real model's pipeline across the process boundary (the activations handed on
-    through the step channel), the whole workload: greedy tokens, prefix reuse, logprobs
-    within 1e-4 of one process, nothing compiled after warm-up on either process. (The
-    tiny model's tests above preempt; kvp=4's pool is too large to here, so the concurrent
-    requests decode 6 tokens, not 24: the whole workload took 260 s on 2 cores.)"""
+    through the step channel), the workload with 6 tokens a concurrent request, not 24:
+    greedy tokens, prefix reuse, logprobs within 1e-4 of one process, nothing compiled
+    after warm-up on either process. (The tiny model's tests above preempt; kvp=4's pool is
+    too large to here, so the longer decodes added only time: 260 s on 2 cores.)"""
     results, reports = _launch("smollm2-135m", (SMOLLM2_SPP_MESH,), kill_phase=False,
                                decode_tokens=6)
     got, = results
