@@ -230,3 +230,45 @@ def test_a_scheduler_plan_from_one_device_up_runs_exactly(one_device, pool):
     assert is_balanced(list(pool.held_tokens("r").values()))
     pool.release("r")
     assert pool.num_free_pages == 8 * CONFIG.pages_per_device
+
+
+@pytest.mark.slow
+def test_after_warming_up_every_program_no_plan_compiles(one_device):
+    """`warmup(program_keys())` on a pool of 2 devices compiles every program a plan can
+    need (chunks on each block, balancing from each block inside a larger one, gathers, at
+    every bucket): then random plans - a first chunk on either device or on both, growing
+    to both or not, chunks of any length - run with no compile, give one device's logits,
+    gather their K/V for a hand-off, and give back every page."""
+    small = PoolConfig(page_size=PAGE, pages_per_device=2, rank_token_buckets=(16,))
+    pool = CdspPool(load_model("tiny", parallel=ParallelConfig(cp=2), verbose=False), small)
+    keys = pool.program_keys()
+    assert len(keys) == len(set(keys)) == 3 * 2 + 2 * 3 + 3 * 2    # chunks, balancing, gathers
+    assert pool.warmup(keys) == len(keys)
+    rng = np.random.default_rng(6)
+
+    def split(tokens: int, most: int) -> list[int]:
+        """tokens as 1..most chunks of random lengths."""
+        cuts = rng.choice(np.arange(1, tokens), size=min(int(rng.integers(0, most)),
+                                                         tokens - 1), replace=False)
+        return np.diff([0, *sorted(cuts), tokens]).tolist()
+
+    grew = set()
+    for i in range(10):
+        length = int(rng.integers(2, 21))
+        first = [(0, 1), (1, 1), (0, 2)][i % 3]
+        # At most a page on one device: balancing a second page away would need a third.
+        alone = int(rng.integers(1, min(PAGE, length) + 1)) if first[1] == 1 else 0
+        on_first = split(alone, 2) if alone else []
+        on_both = split(length - alone, 2) if length > alone else []
+        sizes, groups = on_first + on_both, [first] * len(on_first) + [(0, 2)] * len(on_both)
+        grew.add(bool(on_first and on_both))
+        ids = [int(t) for t in rng.integers(1, 256, length)]
+        pool.add(f"s{i}", ids)
+        got = [pool.prefill_chunk(f"s{i}", n, g) for n, g in zip(sizes, groups)]
+        np.testing.assert_allclose(np.concatenate(got), one_device.logits(ids), atol=1e-4,
+                                   rtol=0)
+        pool.prompt_kv(f"s{i}", 0, length // PAGE * PAGE)
+        pool.release(f"s{i}")
+    assert grew == {True, False}
+    assert len(pool.executables) == len(keys)
+    assert pool.num_free_pages == 2 * small.pages_per_device

@@ -560,25 +560,56 @@ class CdspPool:
         return executable
 
     def warmup(self, keys: Sequence[tuple]) -> int:
-        """Compiles the programs named by `keys` (`keys_for` a plan, or
-        `chunk_keys` and `gather_keys` for every group); from then
-        on a program not compiled is an error. Returns how many were compiled."""
+        """Compiles the programs named by `keys` (`program_keys()`: every one, or `keys_for`
+        a plan); from then on a program not compiled is an error. Returns how many were
+        compiled."""
         keys = [k for k in keys if k not in self.executables]
         for key in keys:
             self.executables[key] = self._compile(key)
         self.warmed_up = True
         return len(keys)
 
+    def program_keys(self, groups: Sequence[Group] | None = None) -> list[tuple]:
+        """Every program a plan over `groups` (default: every aligned block) can need, so
+        that after `warmup(pool.program_keys())` no plan compiles: each group's chunk step
+        without balancing and after balancing from each aligned block inside it
+        (`balance_keys`), and each group's gather for the hand-off."""
+        return self.chunk_keys(groups) + self.balance_keys(groups) + self.gather_keys(groups)
+
     def chunk_keys(self, groups: Sequence[Group] | None = None) -> list[tuple]:
         """Every (group, rank-token bucket, page bucket) chunk program without balancing."""
-        pages = _powers_of_two(self.num_pages)
         return [("chunk", g, t, p, (), 0) for g in (groups or aligned_groups(self.num_devices))
-                for t in self.config.rank_token_buckets for p in pages]
+                for t in self.config.rank_token_buckets for p in self._page_buckets()]
+
+    def balance_keys(self, groups: Sequence[Group] | None = None) -> list[tuple]:
+        """Every chunk program that first balances the history onto its group (one of
+        `groups`) from an aligned block inside it: per (old block, rank-token bucket, page
+        bucket, message bucket). The pattern of a pair of blocks is fixed
+        (`balance_rounds` sends from the same ranks to the same ranks whatever the counts).
+        A message's bucket is at most the step's page bucket: its receiver holds its pages
+        and more, and the step's page table is as wide as the busiest rank's."""
+        keys = []
+        for new in groups or aligned_groups(self.num_devices):
+            for old in aligned_groups(self.num_devices):
+                if old[1] >= new[1] or not new[0] <= old[0] < new[0] + new[1]:
+                    continue
+                rounds = balance_rounds(np.zeros(old[1], np.int64), old, new)
+                pattern = tuple(tuple((src, dst) for src, dst, _ in moves) for moves in rounds)
+                keys += [("chunk", new, t, p, pattern, b)
+                         for t in self.config.rank_token_buckets
+                         for p in self._page_buckets() for b in self._page_buckets()
+                         if b <= p]
+        return keys
 
     def gather_keys(self, groups: Sequence[Group] | None = None) -> list[tuple]:
         """Every (group, page bucket) gather of the hand-off."""
         return [("gather", g, p) for g in (groups or aligned_groups(self.num_devices))
-                for p in _powers_of_two(self.num_pages)]
+                for p in self._page_buckets()]
+
+    def _page_buckets(self) -> list[int]:
+        """The page buckets a rank's page count (1..P) pads to: up to page_bucket(P), which
+        exceeds P where P is not a power of two."""
+        return _powers_of_two(page_bucket(self.num_pages))
 
     def _compile(self, key: tuple) -> jax.stages.Compiled:
         kind, group = key[0], key[1]
