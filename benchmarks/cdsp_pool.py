@@ -15,6 +15,15 @@ placed, program run, logits back), the least over the repeats. Then Eq. 1 is fit
 size from every step measured (`fit_latency_models`: what the CDSP scheduler plans with),
 with its largest relative error on those steps.
 
+(c) served (--skip c to leave out): --requests prompts of the largest length arriving at
+once beside as many short chats, through a Server whose replica (tp = N/2, one device on a
+CPU) serves them alone, then through one with a prefill pool on the other N/2 devices
+(serving.prefill_pool): TTFT p50/p99 of each class, the wall time, and whether every
+request's greedy tokens are equal. Each server's replica compiles every step shape first,
+then it serves the same lengths, untimed, until a pass compiles nothing (at most 6
+passes: the pool's programs are those its plans use), so the timed pass waits for no
+compile.
+
 On a CPU the virtual devices share its cores, so SP cannot speed a chunk up here: the table
 shows what each way costs in programs, balancing pages and time on one host, and that the
 growth path is exact. On a machine with N accelerators the same script measures SP.
@@ -42,6 +51,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--repeats", type=int, default=None, help="timed runs (default 5; "
                                                               "--quick 2)")
+    p.add_argument("--requests", type=int, default=None,
+                   help="(c): long prompts, and as many chats (default 8; --quick 4)")
+    p.add_argument("--skip", default="", help="sections to leave out, e.g. c")
     return p.parse_args(argv)
 
 
@@ -107,7 +119,72 @@ def run(args) -> dict:
                          "max rel err": worst})
     if fit_rows:
         table("(b) Eq. 1 fitted per SP size from the measured steps", fit_rows)
-    return {"prefill": rows, "eq1_fit": fit_rows, "steps": pool.steps}
+    served = [] if "c" in args.skip else serve(args, one, most)
+    return {"prefill": rows, "eq1_fit": fit_rows, "steps": pool.steps, "served": served}
+
+
+def serve(args, one, length: int) -> list[dict]:
+    """(c): the same requests through a replica alone and through a replica with a pool."""
+    import time
+
+    import numpy as np
+
+    from medha_jax.engine import EngineConfig
+    from medha_jax.sampling_params import SamplingParams
+    from meshes import ParallelConfig, make_mesh
+    from serving.prefill_pool import PrefillPoolConfig
+    from serving.server import Server, TokensPrompt
+
+    n, ps = args.devices, args.page_size
+    count = args.requests or (4 if args.quick else 8)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    engine = EngineConfig(page_size=ps, max_kv_tokens=2 * count * (length + 64),
+                          max_model_len=length + 64, max_seqs=2 * count)
+    replica = one.on_mesh(make_mesh(ParallelConfig(tp=n // 2)))
+    pool = PrefillPoolConfig(devices=n // 2, pages_per_device=2 * -(-length // (n // 2 * ps)),
+                             rank_token_buckets=(64, 256))
+
+    def requests(seed: int) -> list[tuple[str, TokensPrompt]]:
+        rng = np.random.default_rng(seed)
+        out = []
+        for i in range(count):
+            out.append(("long", TokensPrompt(rng.integers(1, one.config.vocab_size,
+                                                          length).tolist())))
+            out.append(("chat", TokensPrompt(rng.integers(1, one.config.vocab_size,
+                                                          int(rng.integers(8, ps))).tolist())))
+        return out
+
+    def programs(server) -> int:
+        pool_programs = server.prefill_pool.pool.executables if server.prefill_pool else ()
+        return len(server.engine.executables) + len(pool_programs)
+
+    rows, tokens = [], {}
+    for name, extra in (("replica alone", {}), (f"replica + pool of {n // 2}",
+                                                 {"prefill_pool": pool})):
+        with Server(replica, engine_config=engine, warmup=False, cache_dir=False,
+                    **extra) as server:
+            server.engine.warmup()            # every step shape of the replica
+            for seed in range(100, 106):      # until a pass compiles nothing (at most 6)
+                compiled = programs(server)
+                server.generate([p for _, p in requests(seed)], greedy)
+                if programs(server) == compiled:
+                    break
+            work = requests(1)
+            started = time.perf_counter()
+            outs = server.generate([p for _, p in work], greedy)
+            wall = time.perf_counter() - started
+        tokens[name] = [o.token_ids for o in outs]
+        for kind in ("long", "chat"):
+            ttft = [o.metrics.ttft for (k, _), o in zip(work, outs) if k == kind]
+            rows.append({"server": name, "requests": kind, "count": len(ttft),
+                         "TTFT p50 s": float(np.percentile(ttft, 50)),
+                         "TTFT p99 s": float(np.percentile(ttft, 99)), "wall s": wall})
+    same = len({repr(t) for t in tokens.values()}) == 1
+    for row in rows:
+        row["tokens equal"] = same
+    table(f"(c) served: {count} prompts of {length} tokens and {count} chats at once, "
+          f"greedy 8 tokens each ({args.model}, page {ps})", rows)
+    return rows
 
 
 def main(argv: Sequence[str] | None = None) -> None:

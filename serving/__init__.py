@@ -13,6 +13,8 @@
     serving.http_server   the OpenAI-compatible HTTP API; serving.openai_logprobs its
                           logprobs objects
     serving.metrics       per-Server Prometheus metrics
+    serving.prefill_pool  a CDSP prefill pool (seed 001) as a Server's prefill stage;
+                          serving.pool_handoff moves its pages to a replica
     serving.replay        replays a request trace against a live Server
     serving.cli           the `medha-jax` command; serving.demo is `medha-jax demo`
 

@@ -109,6 +109,18 @@ class ServerMetrics:
             "medha_switching_latency_seconds",
             "From a switch's decision to its TP group's first step dispatched.",
             buckets=LATENCY_BUCKETS, registry=r)
+        # The CDSP prefill pool (serving.prefill_pool), when the server has one.
+        self.prefill_pool_requests = Counter(
+            "medha_prefill_pool_requests", "Requests leaving the prefill pool: prefilled "
+            "(to a replica with the pool's pages), replica (prefilled there instead: it did "
+            "not fit the pool, or the pool's step failed), cancelled, failed.", ["outcome"],
+            registry=r)
+        self.prefill_pool_waiting = Gauge(
+            "medha_prefill_pool_waiting", "Requests queued for the prefill pool's pages.",
+            registry=r)
+        self.prefill_pool_time = Histogram(
+            "medha_prefill_pool_seconds", "From a request's dispatch in the prefill pool to "
+            "its full pages computed.", buckets=LATENCY_BUCKETS, registry=r)
         self._switching_seen: dict[tuple[Counter, str], int] = {}
         self._replica_state: dict[int, tuple[int, int, int, int, int]] = {}
         self._state_lock = threading.Lock()

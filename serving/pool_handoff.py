@@ -2,27 +2,34 @@
 replica: the decode side of `serving.kv_transfer`'s handshake, from a pool whose K/V are
 split by token over a ring group to a replica whose pages split K/V heads over its tp.
 
-    1. the decode replica reserves the prompt's full pages (pages it has cached are reused,
-       not moved); a replica that cannot reserve them now says so (MemoryError)
-    2. the pool gathers each rank's tokens of the rest; `jax.device_put` moves them to the
-       decode mesh (K/V heads split as its pages split them); one program there places
-       them by position into whole pages, which are written into the reservation
+    1. the pool gathers each rank's tokens of the prompt's full pages (`gather_prompt`, on
+       the thread that drives the pool)
+    2. the decode replica reserves those pages (pages it has cached are reused, not
+       written; one that cannot reserve them now says so: MemoryError);
+       `jax.device_put` moves the gathered K/V to the decode mesh (K/V heads split as
+       its pages split them); one program there places them by position into whole
+       pages, which are written into the reservation (`place_prompt`)
     3. the pages are registered in the replica's prefix cache under the prompt's page
        hashes (seed 003 H6) and stay pinned by the reservation
-    4. the request runs there from prompt + first token (the pool's) and takes them by
-       prefix reuse, computing only the prompt's last partial page; the caller then frees
-       the reservation (the pages stay cached)
+    4. the request runs there and takes them (by prefix reuse, or handed the reservation
+       itself: `ReplicaController.add_request(kv_from=)`), computing only what follows
+       the full pages; a reservation taken by prefix reuse is then freed (the pages stay
+       cached)
 
-Runs on the decode replica's loop thread, which owns its cache and allocator
-(`ServingLoop.call`).
+Steps 2-3 run on the decode replica's loop thread, which owns its cache and allocator
+(`ServingLoop.call`). `hand_off` is all of 1-3 on that thread, for a pool driven there;
+`serving.prefill_pool` runs 1 on the pool's thread and 2-3 on the decode replica's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from medha_jax.model import KVCache
@@ -30,32 +37,74 @@ from serving.kv_copy import PageWriter, check_same_layout, padded_count
 from serving.kv_transfer import global_pages, reservation_id
 
 
-def hand_off(pool, sequence_id: str, engine, request_id: str) -> tuple[str, int]:
-    """Steps 1-3 for `pool`'s prefilled `sequence_id` into `engine` (the decode replica's,
-    on its loop thread). Returns (the reservation id, pages moved); free the reservation
-    (`engine.allocator.free`) once the request holds its pages."""
-    allocator, ps = engine.allocator, pool.page_size
+@dataclasses.dataclass(frozen=True)
+class PromptKV:
+    """A pool sequence's full pages of K/V, gathered on the pool (step 2's first half).
+
+    tokens: the sequence's token ids; kv: [2, layers, k * M, F] the group's ranks' tokens
+    side by side (not waited for); where: int32 [k * M] each one's position, -1 padding;
+    full_pages: the pages they fill; layout: (shape, dtype) of one pool device's K pages."""
+
+    tokens: list[int]
+    kv: jax.Array
+    where: np.ndarray
+    full_pages: int
+    page_size: int
+    layout: tuple
+
+
+def gather_prompt(pool, sequence_id: str) -> PromptKV:
+    """The pool's side of the hand-off, on the thread that drives the pool: every full
+    page of a prefilled sequence gathered (dispatched, not waited for)."""
+    tokens = pool.token_ids(sequence_id).tolist()
+    full = len(tokens) // pool.page_size
+    kv, where = pool.prompt_kv(sequence_id, 0, full * pool.page_size)
+    return PromptKV(tokens, kv, where, full, pool.page_size, pool.kv_layout)
+
+
+def place_prompt(prompt: PromptKV, engine, reservation: str,
+                 prompt_ids: Sequence[int] | None = None, writer: PageWriter | None = None
+                 ) -> int:
+    """The decode side, steps 1-3, on the decode replica's loop thread: reserves the
+    prompt's full pages under `reservation` (pages it has cached are reused, not written;
+    MemoryError, with nothing reserved, when it cannot now), writes the others from
+    `prompt` and registers them in its prefix cache. prompt_ids: the request's prompt,
+    when the pool held only its leading full pages (the prefix cache hashes by it).
+    Returns the pages written; the caller frees the reservation once the request holds
+    its pages (or hands it to the request: `ReplicaController.add_request(kv_from=)`).
+    writer: the engine's PageWriter to reuse (its scatter compiled once), else a new one."""
+    allocator, ps, full = engine.allocator, prompt.page_size, prompt.full_pages
     if allocator.page_size != ps:
         raise ValueError(f"the decode replica's pages hold {allocator.page_size} tokens, the "
                          f"pool's {ps}")
-    check_same_layout(pool.kv_layout, (engine.kv_cache.k.shape, engine.kv_cache.k.dtype))
-    tokens = pool.token_ids(sequence_id).tolist()
-    full = len(tokens) // ps
-    res_id = reservation_id(request_id, 0)
-    reused = allocator.allocate(res_id, tokens[:full * ps + 1])
-    if not allocator.reserve(res_id, full * ps):
-        allocator.free(res_id)
+    check_same_layout(prompt.layout, (engine.kv_cache.k.shape, engine.kv_cache.k.dtype))
+    tokens = list(prompt.tokens if prompt_ids is None else prompt_ids)
+    if tokens[:full * ps] != prompt.tokens[:full * ps]:
+        raise ValueError("prompt_ids do not begin with the pool sequence's full pages")
+    reused = allocator.allocate(reservation, tokens[:full * ps + 1])
+    if not allocator.reserve(reservation, full * ps):
+        allocator.free(reservation)
         raise MemoryError(f"the decode replica cannot reserve {full} pages now")
     low = reused // ps
-    ids = global_pages(allocator, res_id)[low:full]
+    ids = global_pages(allocator, reservation)[low:full]
     if len(ids):
-        writer = PageWriter(engine)
-        kv, where = pool.prompt_kv(sequence_id, low * ps, full * ps)
-        kv = jax.device_put(kv, _gathered_sharding(writer.chunk_sharding))
+        writer = writer or PageWriter(engine)
+        where = prompt.where - low * ps               # offsets in the pages written
+        where = np.where(where < 0, -1, where).astype(np.int32)
+        kv = jax.device_put(prompt.kv, _gathered_sharding(writer.chunk_sharding))
         writer.write(ids, _by_position(kv, where, num_pages=padded_count(len(ids)),
                                        page_size=ps, out=writer.chunk_sharding))
-    allocator.commit(res_id, tokens, full * ps)
-    return res_id, len(ids)
+    allocator.commit(reservation, tokens, full * ps)
+    return len(ids)
+
+
+def hand_off(pool, sequence_id: str, engine, request_id: str) -> tuple[str, int]:
+    """Steps 1-3 for `pool`'s prefilled `sequence_id` into `engine` (the decode replica's,
+    on its loop thread, which then also drives the pool). Returns (the reservation id,
+    pages moved); free the reservation (`engine.allocator.free`) once the request holds
+    its pages."""
+    reservation = reservation_id(request_id, 0)
+    return reservation, place_prompt(gather_prompt(pool, sequence_id), engine, reservation)
 
 
 def _gathered_sharding(chunk_sharding: NamedSharding) -> NamedSharding:

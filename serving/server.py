@@ -71,6 +71,8 @@ class StartupReport:
 class Server:
     """One model replica behind a thread-safe generate / stream / submit / cancel API."""
 
+    prefill_pool = None      # the CDSP prefill pool (serving.prefill_pool), where one is set
+
     def __new__(cls, *args, cluster: str | None = None, **kwargs):
         # cluster= puts the replicas in Ray actors: the same API, served by RayServer.
         if cluster is not None and cls is Server:
@@ -85,7 +87,8 @@ class Server:
                  predictor=None, cache_dir=None,
                  limits: validation.RequestLimits | None = None, replicas: int = 1,
                  router: str | RoutingConfig = PREDICTED_TIME, cluster: None = None,
-                 roles=None, offload=None, disagg=None, switching=None):
+                 roles=None, offload=None, disagg=None, switching=None,
+                 prefill_pool=None):
         """model: a preset name, a Hugging Face directory, a .gguf file, a loaded Model, or
         an Engine to reuse (already compiled; then parallel, dtype and engine_config must
         be None). One engine serves one Server at a time.
@@ -138,6 +141,11 @@ class Server:
           and release, moving no weight and no KV page. Every group's shapes compile before the constructor returns
           (warmup="background" waits for them too), so no switch compiles. /metrics counts
           mode changes, requests per mode and switch latency.
+        prefill_pool: a serving.prefill_pool.PrefillPoolConfig: a CDSP prefill pool (seed
+          001, Tetris) on the devices after the replicas': prompts with a full KV page are
+          prefilled there, on chunks over nested device groups, and decoded on the
+          replicas, which take its pages (serving.prefill_pool says which requests and
+          how). Its programs compile before the constructor returns unless warmup=False.
         """
         # Heavy imports here, so `import serving.server` (and medha_jax) stays cheap.
         from medha_jax.engine import Engine, EngineConfig
@@ -160,6 +168,9 @@ class Server:
         if not isinstance(routing, RoutingConfig):
             raise TypeError(f"router must be a policy name or a RoutingConfig, got "
                             f"{type(router).__name__}")
+        if prefill_pool is not None:                  # before any loading
+            _check_prefill_pool(prefill_pool, switching=switching is not None,
+                                roles=roles is not None, offload=offload is not None)
         if switching is not None:
             switching = _switching_config(switching, parallel, model, replicas, cluster,
                                           roles, offload, disagg)
@@ -243,6 +254,14 @@ class Server:
                              if len(self.replicas) > 1 else None)
         if warmup and self._replica_set is not None and self._replica_set.transfers is not None:
             self._replica_set.transfers.warmup()     # before any request: the loops are idle
+        if prefill_pool is not None:
+            try:
+                self.prefill_pool = _prefill_pool(prefill_pool, engines, self.replicas,
+                                                  metrics=self.metrics, warmup=bool(warmup))
+            except BaseException:
+                for loop in self._loops:         # no server: its loop threads stop too
+                    loop.close()
+                raise
         self.metrics_port = (self.metrics.serve_http(metrics_port)
                              if metrics_port is not None else None)
 
@@ -338,7 +357,8 @@ class Server:
             raise TypeError(f"session_id must be a str, got {type(session_id).__name__}")
         # With several replicas a request may move to another when its replica fails, so
         # its handle cancels it wherever it is.
-        cancel = self._loops[0].cancel if self._replica_set is None else self._cancel_sample
+        cancel = self._loops[0].cancel if self._replica_set is None and \
+            self.prefill_pool is None else self._cancel_sample
         handle = RequestHandle(request_id, prompt_ids, cancel, loop=_loop,
                                id=server_ids[0], ids=server_ids)
         arrival = self._clock.now()
@@ -366,7 +386,10 @@ class Server:
                 for group_id in [g for g, h in self._groups.items() if h.finished]:
                     del self._groups[group_id]
                 self._groups[handle.id] = handle
-        if self._replica_set is None:
+        if self.prefill_pool is not None and _kv_from is None and \
+                self.prefill_pool.accepts(len(prompt_ids), params):
+            self.prefill_pool.add(streams_on(0)[0])
+        elif self._replica_set is None:
             stream, held = streams_on(0)
             self._loops[0].add(stream, held=held, kv_from=_kv_from)
         elif _kv_from is not None:
@@ -486,6 +509,10 @@ class Server:
         return self._cancel_sample(id)
 
     def _cancel_sample(self, id: str) -> bool:
+        # The pool first: it hands a request to a loop before it forgets it, so a request
+        # leaving the pool meanwhile is then found on its loop.
+        if self.prefill_pool is not None and self.prefill_pool.cancel(id):
+            return True
         transfers = self._replica_set.transfers if self._replica_set is not None else None
         found = [loop.cancel(id) for loop in self._loops]     # a list: ask every one
         return any(found) or (transfers is not None and transfers.cancel(id))
@@ -496,6 +523,8 @@ class Server:
     def close(self, *, drain: bool = False, timeout: float | None = None) -> None:
         """Stops the server: cancels in-flight requests (or, with drain=True, lets them
         finish), joins the loop thread and frees every KV page. Idempotent."""
+        if self.prefill_pool is not None:         # first: its requests go on to the loops
+            self.prefill_pool.close(drain=drain, timeout=timeout)
         for loop in self._loops:
             loop.close(drain=drain, timeout=timeout)
         if self._replica_set is not None and self._replica_set.transfers is not None:
@@ -585,6 +614,36 @@ def _switching_replica(engines, config, scheduler_config, *, predictor, cache_di
     return SwitchingReplica(engines, config, scheduler_config=scheduler_config,
                             predictor=predictor, predictor_how=how, clock=clock,
                             metrics=metrics, eos_token_ids=eos_token_ids, warmup=warmup)
+
+
+def _check_prefill_pool(config, **given) -> None:
+    """What Server(prefill_pool=...) takes and what it combines with."""
+    from serving.prefill_pool import PrefillPoolConfig
+
+    if not isinstance(config, PrefillPoolConfig):
+        raise TypeError(f"prefill_pool must be a PrefillPoolConfig, got {type(config).__name__}")
+    clash = [name for name, on in given.items() if on]
+    if clash:
+        raise ValueError(f"prefill_pool does not combine with {', '.join(clash)} (the pool is "
+                         f"the prefill stage and the replicas decode)")
+
+
+def _prefill_pool(config, engines, replicas, *, metrics, warmup: bool):
+    """The PrefillPool of Server(prefill_pool=...), on the first devices no replica uses
+    (the model's weights copied there)."""
+    import jax
+
+    from meshes import ParallelConfig, make_mesh
+    from serving.prefill_pool import PrefillPool
+
+    taken = {d for engine in engines for d in engine.model.mesh.devices.flat}
+    free = [d for d in jax.devices() if d not in taken]
+    if len(free) < config.devices:
+        raise ValueError(f"prefill_pool needs {config.devices} devices besides the replicas' "
+                         f"{len(taken)}; {len(free)} are left")
+    model = engines[0].model.on_mesh(make_mesh(ParallelConfig(cp=config.devices),
+                                               free[:config.devices]))
+    return PrefillPool(model, config, replicas, metrics=metrics, warmup=warmup)
 
 
 def _check_default_slo(limits: validation.RequestLimits, slo: SLO | None) -> None:

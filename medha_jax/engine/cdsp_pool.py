@@ -351,7 +351,27 @@ class CdspPool:
         """Runs the sequence's next `num_tokens` prompt tokens on `group`, which contains the
         group of its previous chunk; when it grew, the step first balances the history over
         it, layer by layer. Returns float32 logits [num_tokens, vocab] of those tokens, in
-        position order. Nothing changes when it raises (the step is booked on copies)."""
+        position order, and records the step's time (`steps`). Nothing changes when its
+        booking raises (the step is booked on copies)."""
+        seq = self._sequences[sequence_id]
+        logits, real, positions, started = self._run_chunk(sequence_id, num_tokens, group)
+        logits = np.asarray(logits)
+        self.steps.append((num_tokens, seq.done, group[1], time.perf_counter() - started))
+        del self.steps[:-STEPS_KEPT]
+        out = np.zeros((num_tokens, self.model.config.vocab_size), np.float32)
+        out[positions[real] - seq.done] = logits[real]
+        return out
+
+    def dispatch_chunk(self, sequence_id: str, num_tokens: int, group: Group) -> jax.Array:
+        """`prefill_chunk` without waiting for the step: it is dispatched (JAX runs it once
+        its inputs are ready, so steps on disjoint groups may run at once) and booked.
+        Returns its logits as the step lays them out (by rank, padded), not waited for.
+        Not timed: `steps` records only the chunks waited for."""
+        return self._run_chunk(sequence_id, num_tokens, group)[0]
+
+    def _run_chunk(self, sequence_id: str, num_tokens: int, group: Group):
+        """Books and dispatches one chunk: (its logits, not waited for; which of its rows
+        are real tokens; their positions; the perf_counter at dispatch)."""
         seq = self._sequences[sequence_id]
         booked = self._book(seq, num_tokens, group, {d: list(f) for d, f in self._free.items()})
         executable = self._executable(booked.key)
@@ -368,27 +388,45 @@ class CdspPool:
         started = time.perf_counter()
         logits, cache = executable(model.state, self._assemble(group), place(ids),
                                    place(positions), meta, send, recv)
-        logits = np.asarray(logits)
-        self.steps.append((num_tokens, seq.done, group[1], time.perf_counter() - started))
-        del self.steps[:-STEPS_KEPT]
         self._split(group, cache)
         self.moved_pages += booked.moved_pages
-        out = np.zeros((num_tokens, self.model.config.vocab_size), np.float32)
-        out[positions[real] - seq.done] = logits[real]
         self._sequences[sequence_id], self._free = booked.sequence, booked.free
-        return out
+        return logits, real, positions, started
 
     def keys_for(self, num_tokens: int, chunks: Sequence[tuple[int, Group]]) -> list[tuple]:
         """The programs a prompt of `num_tokens` run as these (tokens, group) chunks needs
         on an empty pool, for `warmup` (booked as the run would, nothing run)."""
-        seq = _Sequence(np.zeros(num_tokens, np.int32))
         free = {d: list(range(self.num_pages)) for d in range(self.num_devices)}
-        keys = []
+        return [booked.key for booked in self._book_all(num_tokens, chunks, free)]
+
+    def can_book(self, num_tokens: int, chunks: Sequence[tuple[int, Group]], *,
+                 empty: bool = False) -> bool:
+        """Whether a new sequence of `num_tokens` tokens run as these (tokens, group) chunks
+        gets every page it needs from the pages free now (empty: from an empty pool)."""
+        free = {d: list(range(self.num_pages)) if empty else list(f)
+                for d, f in self._free.items()}
+        try:
+            self._book_all(num_tokens, chunks, free)
+        except MemoryError:
+            return False
+        return True
+
+    def most_chunk_tokens(self, group: Group) -> int:
+        """The longest chunk any step on `group` can take (its busiest rank within the
+        largest rank-token bucket): a rank takes at most a k-th of the chunk plus 2
+        (`chunk_counts`: floor or ceil of its share after, less floor or ceil before)."""
+        largest, k = max(self.config.rank_token_buckets), group[1]
+        return largest if k == 1 else k * (largest - 2)
+
+    def _book_all(self, num_tokens: int, chunks: Sequence[tuple[int, Group]],
+                  free: dict[int, list[int]]) -> list[_Booked]:
+        """Every chunk of a new sequence booked in turn on `free` (the caller's copy)."""
+        seq, out = _Sequence(np.zeros(num_tokens, np.int32)), []
         for tokens, group in chunks:
             booked = self._book(seq, tokens, group, free)
-            keys.append(booked.key)
+            out.append(booked)
             seq, free = booked.sequence, booked.free
-        return keys
+        return out
 
     def _book(self, seq: _Sequence, num_tokens: int, group: Group,
               free: dict[int, list[int]]) -> _Booked:

@@ -1,0 +1,441 @@
+"""The CDSP prefill pool as the prefill stage of a Server (seed 001, Tetris).
+
+    Server("smollm2-135m", parallel=ParallelConfig(tp=2),
+           prefill_pool=PrefillPoolConfig(devices=4))
+
+The replicas decode; the pool's devices (taken after theirs) form one sequence-parallel
+ring (`medha_jax.engine.cdsp_pool.CdspPool`). A prompt that has a full KV page and a token
+more goes to the pool; others go to the replicas as without a pool.
+
+    1. first come, first planned: when a request is at the head of the queue,
+       `medha_jax.scheduler.cdsp.CdspScheduler` plans the prompt's full pages as chunks on
+       nested aligned groups from each device's queue, the seconds until it is free by
+       the plans booked so far (Eq. 2), with Eq. 1 fitted per group size from chunk steps
+       timed when the pool starts (`calibrate`)
+    2. the chunks are dispatched at once, in order: JAX runs each step when its devices'
+       earlier steps are done, so chunks on disjoint groups run at the same time; then the
+       full pages' K/V are gathered (`serving.pool_handoff.gather_prompt`)
+    3. once they are computed (a waiter thread blocks on them), the pool frees its pages
+       and the request goes to the decode replica with the least queued work: that
+       replica's loop reserves and writes the pages (`place_prompt`) and the request takes
+       them (`add_request(kv_from=)`), computing only its last partial page (at least one
+       token) and sampling its first token there, so sampling is the replica's own
+
+Where this departs from the paper, and why:
+  - The pool computes the prompt's full pages only, and the decode replica computes the
+    rest (under a page) and samples: one sampler for every request (seeds, logprobs, stop
+    rules), at the cost of a few tokens in a decode step. Prompts that ask for prompt
+    logprobs, or for n > 1 samples, are served by the replicas (the pool keeps no logits).
+  - A planned chunk longer than a group's compiled steps take (`most_chunk_tokens`) runs as
+    several steps on that group; Eq. 1 priced it as one.
+  - The improvement rate is the config's, not looked up per arrival rate (Tetris profiles
+    that table offline by simulation: `AdaptiveImprovementRate`); decode routing is by
+    queued work, not Tetris's freeness with virtual usage.
+  - A plan whose pages do not fit the pool now runs as one chunk on the whole pool if that
+    fits; else the request waits (the queue's head; none passes it) until a prefill ends.
+    A prompt the empty pool cannot hold is prefilled by a decode replica.
+  - The queues are the plans' predictions (Eq. 2); measured ends are not booked back,
+    since dispatch does not wait for steps (only the calibration's are timed).
+  - The pool does not know the replicas' prefix caches: it prefills every full page, and
+    a replica that has some of them cached reuses its own and writes the rest.
+
+Compiles: before the Server is ready, the pool's programs (`CdspPool.program_keys`) and
+each replica's page writes (`serving.kv_copy.warm_up`); with warmup=False each as first
+needed. The program that lays the gathered K/V out as pages (`serving.pool_handoff`)
+compiles on the replica's first hand-off of each size.
+
+Threads: the pool thread owns the CdspPool (plans, dispatches, frees); one waiter thread
+per request in the pool blocks on its gathered K/V; decode replicas' caches are touched
+only on their loop threads (`ServingLoop.call`). A request is in exactly one place: the
+pool's table until the moment it is added to a loop, under the pool's lock, so a cancel
+that asks the pool first and then the loops always finds it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from medha_jax.request import FinishReason
+from medha_jax.scheduler.cdsp import CdspConfig, CdspScheduler, LatencyModel, fit_latency_models
+from serving.kv_copy import PageWriter, padded_count, page_scatter, warm_up
+from serving.kv_transfer import reservation_id
+from serving.outputs import RequestStream
+from serving.pool_handoff import PromptKV, gather_prompt, place_prompt
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillPoolConfig:
+    """devices: the ring's devices (a power of two), the first ones after the replicas'.
+    pages_per_device, rank_token_buckets: each device's KV pages and the per-device token
+      counts a chunk step is compiled for (`medha_jax.engine.cdsp_pool.PoolConfig`; the
+      page size is the replicas').
+    min_prompt_tokens: shorter prompts are prefilled by the replicas (a chat does not
+      need the ring). A prompt also needs a full page and one token more.
+    cdsp: the planner's config; None: aligned groups of every size up to `devices`, one
+      node, chunks in whole pages of at least the smallest rank-token bucket's tokens."""
+
+    devices: int = 2
+    pages_per_device: int = 64
+    rank_token_buckets: tuple[int, ...] = (16, 64, 256)
+    min_prompt_tokens: int = 0
+    cdsp: CdspConfig | None = None
+
+    def __post_init__(self):
+        if self.devices < 1 or self.devices & (self.devices - 1):
+            raise ValueError(f"PrefillPoolConfig.devices must be a power of two, got "
+                             f"{self.devices}")
+        if self.min_prompt_tokens < 0:
+            raise ValueError(f"PrefillPoolConfig.min_prompt_tokens must be >= 0, got "
+                             f"{self.min_prompt_tokens}")
+        if self.cdsp is not None and not self.cdsp.aligned:
+            raise ValueError("PrefillPoolConfig.cdsp must plan aligned groups "
+                             "(CdspConfig(aligned=True)): the pool compiles a program per block")
+
+    def planner(self, page_size: int) -> CdspConfig:
+        if self.cdsp is not None:
+            return self.cdsp
+        sizes = tuple(1 << i for i in range(self.devices.bit_length()))
+        smallest = -(-min(self.rank_token_buckets) // page_size) * page_size
+        return CdspConfig(node_size=self.devices, sp_sizes=sizes, aligned=True,
+                          min_chunk_tokens=smallest, chunk_multiple=page_size)
+
+
+@dataclasses.dataclass(eq=False)
+class _Entry:
+    """A request the pool holds: waiting, prefilling, or being handed to a replica."""
+
+    stream: RequestStream
+    tokens: int                          # the full pages' tokens the pool prefills
+    cancelled: bool = False
+    prompt: PromptKV | None = None       # gathered, once dispatched
+    dispatched: float = 0.0              # perf_counter at dispatch
+
+
+class PrefillPool:
+    """The pool's thread, its queue and its hand-offs (see the module's docstring)."""
+
+    def __init__(self, model, config: PrefillPoolConfig, replicas: Sequence, *, metrics,
+                 warmup: bool):
+        """model: the Model on the pool's cp = devices mesh; replicas: the decode replicas
+        (each with a `loop` and an `engine`, one page size); warmup: compile every pool
+        program first (`CdspPool.program_keys`), else each as first needed."""
+        from medha_jax.engine.cdsp_pool import CdspPool, PoolConfig
+
+        self.config, self.replicas, self.metrics = config, list(replicas), metrics
+        self.page_size = self.replicas[0].engine.allocator.page_size
+        self.pool = CdspPool(model, PoolConfig(page_size=self.page_size,
+                                               pages_per_device=config.pages_per_device,
+                                               rank_token_buckets=config.rank_token_buckets))
+        self.num_pages = self.pool.num_free_pages
+        # One writer per replica: its scatter is compiled once (per padded page count).
+        scatters = [page_scatter(r.engine) for r in self.replicas]
+        self._writers = [PageWriter(r.engine, scatter)
+                         for r, scatter in zip(self.replicas, scatters)]
+        if warmup:
+            self.pool.warmup(self.pool.program_keys())
+            for replica, scatter in zip(self.replicas, scatters):   # their loops are idle
+                warm_up(replica.engine, scatter, padded_count(
+                    min(self.num_pages, replica.engine.allocator.num_pages)))
+        self.models = calibrate(self.pool)
+        self.scheduler = CdspScheduler(config.devices, self.models,
+                                       config.planner(self.page_size))
+        self._free_at = [0.0] * config.devices     # monotonic time each device is free
+        self._tids = itertools.count(1)
+        self._lock = threading.Condition()
+        self._inbox: list[tuple[str, object]] = []
+        self._table: dict[str, _Entry] = {}          # every request the pool holds
+        self._waiting: collections.deque[str] = collections.deque()
+        self._running: set[str] = set()              # dispatched, not yet computed
+        self._closing = self._drain = False
+        self.prefilled = 0               # requests handed to a replica with the pool's pages
+        self.thread = threading.Thread(target=self._run, name="medha-prefill-pool",
+                                       daemon=True)
+        self.thread.start()
+
+    # ------------------------------------------------------------ any thread
+
+    @property
+    def num_free_pages(self) -> int:
+        return self.pool.num_free_pages
+
+    def accepts(self, prompt_len: int, sampling) -> bool:
+        """Whether a request goes to the pool (else to the replicas)."""
+        return (sampling.n == 1 and sampling.prompt_logprobs is None
+                and (prompt_len - 1) // self.page_size >= 1
+                and prompt_len >= self.config.min_prompt_tokens)
+
+    def add(self, stream: RequestStream) -> None:
+        """Queues a validated request (`accepts`); raises RuntimeError once closed."""
+        request = stream.request
+        entry = _Entry(stream, (request.prompt_len - 1) // self.page_size * self.page_size)
+        with self._lock:
+            if self._closing:
+                raise RuntimeError("the server is closed")
+            if not self.thread.is_alive():
+                raise RuntimeError("the prefill pool's thread stopped")
+            self._table[request.request_id] = entry
+            self._inbox.append(("add", request.request_id))
+            self._lock.notify()
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancels a request the pool holds; False when it holds none of that id (it may
+        be on a replica's loop: ask the loops next)."""
+        with self._lock:
+            entry = self._table.get(request_id)
+            if entry is None or entry.cancelled:
+                return False
+            entry.cancelled = True
+            self._inbox.append(("cancel", request_id))
+            self._lock.notify()
+        return True
+
+    def close(self, *, drain: bool = False, timeout: float | None = None) -> None:
+        """Stops the pool: cancels what it holds (or with drain=True hands everything on
+        first), waits for the steps in flight and frees their pages. Idempotent."""
+        with self._lock:
+            self._closing, self._drain = True, drain
+            self._lock.notify()
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            raise TimeoutError(f"the prefill pool did not stop within {timeout=} s")
+
+    # ------------------------------------------------------------ the pool thread
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not (self._inbox or self._closing):
+                    self._lock.wait()
+                commands, self._inbox = self._inbox, []
+                closing, drain = self._closing, self._drain
+            for kind, arg in commands:
+                rid = arg if kind != "computed" else arg[0]
+                try:
+                    if kind == "add":
+                        self._waiting.append(rid)
+                    elif kind == "cancel":
+                        if rid in self._waiting:
+                            self._waiting.remove(rid)
+                            self._end(rid, FinishReason.CANCELLED)
+                    else:
+                        self._computed(*arg)
+                except Exception as e:
+                    logger.exception("the prefill pool failed on request %s", rid)
+                    if rid in self._table:
+                        self._end(rid, FinishReason.ERROR,
+                                  f"prefill pool failed: {type(e).__name__}: {e}")
+            if closing and not drain:
+                for rid in list(self._waiting):
+                    self._end(rid, FinishReason.CANCELLED)
+                self._waiting.clear()
+            try:
+                self._admit()
+            except Exception:
+                logger.exception("the prefill pool failed to admit a request")
+            if self.metrics is not None:
+                self.metrics.prefill_pool_waiting.set(len(self._waiting))
+            if closing and not self._running and not self._waiting:
+                return
+            if closing and not commands:
+                with self._lock:                 # steps in flight: their waiters post
+                    if not self._inbox:
+                        self._lock.wait(0.05)
+
+    def _admit(self) -> None:
+        """Plans and dispatches the waiting requests in arrival order, while their pages
+        fit."""
+        while self._waiting:
+            rid = self._waiting[0]
+            entry = self._table.get(rid)
+            if entry is None:                    # ended meanwhile
+                self._waiting.popleft()
+                continue
+            chunks, booking = self._plan(entry.tokens)
+            if not self.pool.can_book(entry.tokens, chunks):
+                chunks, booking = self._whole_pool(entry.tokens)
+                if not self.pool.can_book(entry.tokens, chunks):
+                    if self._running:
+                        return                  # pages come back as prefills end
+                    self._waiting.popleft()
+                    logger.warning("request %s: the prefill pool cannot hold %d tokens; a "
+                                   "replica prefills it", rid, entry.tokens)
+                    self._to_replica(entry, None)
+                    continue
+            self._waiting.popleft()
+            try:
+                self.pool.add(rid, entry.stream.request.prompt_token_ids[:entry.tokens])
+                try:
+                    for tokens, group in chunks:
+                        self.pool.dispatch_chunk(rid, tokens, group)
+                    entry.prompt = gather_prompt(self.pool, rid)
+                except Exception:
+                    self.pool.release(rid)
+                    raise
+            except Exception:
+                logger.exception("request %s: the prefill pool failed to dispatch it; a "
+                                 "replica prefills it", rid)
+                self._to_replica(entry, None)
+                continue
+            for devices, end in booking:           # Eq. 2
+                for i in devices:
+                    self._free_at[i] = end
+            entry.dispatched = time.perf_counter()
+            self._running.add(rid)
+            threading.Thread(target=self._wait_for, args=(rid, entry.prompt.kv),
+                             name=f"medha-prefill-pool-{rid}", daemon=True).start()
+
+    def _plan(self, tokens: int):
+        """(chunks as (tokens, group) steps, Eq. 2's bookings as (devices, end time))."""
+        from medha_jax.engine.cdsp_pool import group_of
+
+        now = time.monotonic()
+        plan = self.scheduler.plan(tokens, [max(0.0, f - now) for f in self._free_at])
+        chunks = [step for c in plan.chunks for step in
+                  self._steps(c.tokens, group_of(c.group, self.config.devices))]
+        return chunks, [(c.group, now + c.end_s) for c in plan.chunks]
+
+    def _whole_pool(self, tokens: int):
+        """The prompt as one chunk on every device (spread evenly: the least pages on any)."""
+        n = self.config.devices
+        now = time.monotonic()
+        start = max(now, max(self._free_at))
+        end = start + self.models[n].seconds(0, tokens)
+        return self._steps(tokens, (0, n)), [(range(n), end)]
+
+    def _steps(self, tokens: int, group) -> list[tuple[int, tuple[int, int]]]:
+        """A chunk as steps the group's compiled programs take."""
+        most = self.pool.most_chunk_tokens(group)
+        return [(min(most, tokens - done), group) for done in range(0, tokens, most)]
+
+    def _wait_for(self, rid: str, kv) -> None:
+        """Waiter thread: blocks until the request's K/V are computed."""
+        error = None
+        try:
+            jax.block_until_ready(kv)
+        except Exception as e:                       # noqa: BLE001 - reported below
+            error = f"{type(e).__name__}: {e}"
+        with self._lock:
+            self._inbox.append(("computed", (rid, error)))
+            self._lock.notify()
+
+    def _computed(self, rid: str, error: str | None) -> None:
+        self._running.discard(rid)
+        self.pool.release(rid)
+        entry = self._table[rid]
+        if entry.cancelled or (self._closing and not self._drain):
+            self._end(rid, FinishReason.CANCELLED)
+        elif error is not None:
+            logger.error("request %s: its prefill in the pool failed (%s); a replica "
+                         "prefills it", rid, error)
+            self._to_replica(entry, None)
+        else:
+            if self.metrics is not None:
+                self.metrics.prefill_pool_time.observe(time.perf_counter() - entry.dispatched)
+            self._to_replica(entry, entry.prompt)
+
+    def _to_replica(self, entry: _Entry, prompt: PromptKV | None) -> None:
+        """Adds the request to the healthy replica with the least queued work, with the
+        pool's pages (`prompt`) or, without, to be prefilled there."""
+        stream = entry.stream
+        rid = stream.request_id
+        candidates = sorted((i for i, r in enumerate(self.replicas) if r.loop.healthy),
+                            key=lambda i: (self.replicas[i].loop.load[2], i))
+        for i in candidates:
+            loop, engine = self.replicas[i].loop, self.replicas[i].engine
+            with self._lock:
+                if entry.cancelled:
+                    break
+                kv_from = None
+                if prompt is not None:
+                    reservation = reservation_id(rid, next(self._tids))
+                    if not loop.call(lambda r=reservation, e=engine, w=self._writers[i]:
+                                     self._place(e, prompt, r, stream.request.prompt_token_ids,
+                                                 w)):
+                        continue
+                    kv_from = (reservation, entry.tokens)
+                stream.resume(stream.request, i)
+                try:
+                    loop.add(stream, kv_from=kv_from)
+                except (RuntimeError, ValueError):
+                    logger.warning("request %s: replica %d refused it", rid, i)
+                    if kv_from is not None:
+                        loop.call(lambda r=kv_from[0], e=engine: _free(e, r))
+                    continue
+                del self._table[rid]
+                self.prefilled += prompt is not None
+                self._count("prefilled" if prompt is not None else "replica")
+                return
+        if entry.cancelled:
+            self._end(rid, FinishReason.CANCELLED)
+        else:
+            self._end(rid, FinishReason.ERROR, "unavailable: no replica could take the "
+                      "request from the prefill pool", unavailable=True)
+
+    @staticmethod
+    def _place(engine, prompt: PromptKV, reservation: str, prompt_ids, writer) -> None:
+        """On the replica's loop thread, before the request's add: its pages from the pool
+        (none when the replica cannot reserve them now: it prefills the request itself)."""
+        try:
+            place_prompt(prompt, engine, reservation, prompt_ids, writer)
+        except MemoryError as e:
+            logger.warning("%s; the replica prefills the request itself", e)
+        except Exception:
+            logger.exception("writing the prefill pool's pages failed; the replica "
+                             "prefills the request itself")
+            _free(engine, reservation)
+
+    def _end(self, rid: str, reason: FinishReason, error: str | None = None, *,
+             unavailable: bool = False) -> None:
+        with self._lock:
+            entry = self._table.pop(rid)
+        metrics = entry.stream.finish(reason, error, unavailable=unavailable)
+        if self.metrics is not None:
+            self.metrics.observe_finished(metrics, reason.value)
+        self._count("cancelled" if reason is FinishReason.CANCELLED else "failed")
+
+    def _count(self, outcome: str) -> None:
+        if self.metrics is not None:
+            self.metrics.prefill_pool_requests.labels(outcome).inc()
+
+
+def _free(engine, reservation: str) -> None:
+    if engine.allocator.has(reservation):
+        engine.allocator.free(reservation)
+
+
+def calibrate(pool) -> dict[int, LatencyModel]:
+    """Eq. 1 per group size, fitted (`fit_latency_models`) to chunk steps timed on the
+    pool: for each size s on its first block, chunks of a quarter, a half and all of
+    s x the smallest rank-token bucket without history and a quarter after a quarter
+    (three chunk lengths fix alpha, beta and delta; the history, gamma). Each is run
+    twice and the second timed (the first may compile)."""
+    smallest = min(pool.config.rank_token_buckets)
+    samples = []
+    for size in (1 << i for i in range(pool.num_devices.bit_length())):
+        group = (0, size)
+        full = min(size * smallest, pool.most_chunk_tokens(group))
+        quarter, half = max(1, full // 4), max(1, full // 2)
+        for chunks in ([quarter, quarter], [half], [full]):
+            for timed in (False, True):
+                sequence = f"calibrate-{size}-{len(samples)}-{timed}"
+                pool.add(sequence, np.zeros(sum(chunks), np.int32))
+                before = len(pool.steps)
+                try:
+                    for tokens in chunks:
+                        pool.prefill_chunk(sequence, tokens, group)
+                finally:
+                    pool.release(sequence)
+                if timed:
+                    samples += pool.steps[before:]
+    return fit_latency_models(samples)

@@ -1,0 +1,82 @@
+"""The CDSP prefill pool as a Server's prefill stage (serving.prefill_pool): prompts with a
+full page are prefilled on a 2-device ring and decoded on the replica, with one replica's
+greedy tokens; the rest bypass it; cancels and bad configs; every page comes back."""
+
+import numpy as np
+import pytest
+
+from medha_jax import SamplingParams
+from serving.prefill_pool import PrefillPoolConfig
+from serving.server import Server, TokensPrompt
+from tests.test_replicas import tiny_model
+from tests.test_server import TINY_ENGINE, wait_until_idle
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
+PAGE = TINY_ENGINE.page_size
+# Lengths: under a page (bypasses the pool), exactly a page and a token, a few pages, and
+# more than one device's steps take at once.
+LENGTHS = (9, 17, 45, 70, 100)
+PROMPTS = [TokensPrompt([int(t) for t in np.random.default_rng(i).integers(1, 256, n)])
+           for i, n in enumerate(LENGTHS)]
+POOL = PrefillPoolConfig(devices=2, pages_per_device=8, rank_token_buckets=(32,))
+
+
+@pytest.fixture(scope="module")
+def replica_tokens():
+    with Server(tiny_model(), engine_config=TINY_ENGINE, warmup=False,
+                cache_dir=False) as server:
+        return [out.token_ids for out in server.generate(PROMPTS, GREEDY)]
+
+
+@pytest.mark.slow
+def test_pool_prefills_then_a_replica_decodes_its_greedy_tokens(replica_tokens):
+    """Each prompt with a full page and a token more is prefilled in the pool (its full
+    pages, planned over the ring's groups) and one of two replicas takes those pages and
+    computes the rest: the tokens of a replica serving alone, the pages counted as cached;
+    a shorter prompt is served by a replica alone. A request whose pool step fails is
+    prefilled by a replica instead, with the same tokens; one cancelled at once ends
+    cancelled wherever it was. Afterwards every page of the pool and the replicas is free."""
+    with Server(tiny_model(), replicas=2, engine_config=TINY_ENGINE, warmup=False,
+                cache_dir=False, prefill_pool=POOL) as server:
+        pool = server.prefill_pool
+        assert set(pool.models) == {1, 2}               # Eq. 1 fitted per group size
+        outs = server.generate(PROMPTS, GREEDY)
+        assert [out.token_ids for out in outs] == replica_tokens
+        through_pool = [n for n in LENGTHS if n > PAGE]
+        assert pool.prefilled == len(through_pool)
+        for n, out in zip(LENGTHS, outs):
+            # Pages the pool computed: every full page but a last one without a token after.
+            assert out.metrics.num_cached_tokens == ((n - 1) // PAGE * PAGE if n > PAGE else 0)
+
+        text = server.metrics_text()
+        assert f'medha_prefill_pool_requests_total{{outcome="prefilled"}} ' \
+            f'{float(len(through_pool))}' in text
+
+        def broken(*args):
+            raise RuntimeError("a failed step")
+        pool.pool.dispatch_chunk = broken
+        assert server.generate(PROMPTS[3], GREEDY).token_ids == replica_tokens[3]
+        assert 'medha_prefill_pool_requests_total{outcome="replica"} 1.0' in \
+            server.metrics_text()
+        del pool.pool.dispatch_chunk
+        assert pool.num_free_pages == pool.num_pages
+
+        handle = server.submit(PROMPTS[-1], SamplingParams(temperature=0.0, max_tokens=50))
+        assert handle.cancel()
+        assert handle.result(timeout=60).finish_reason == "cancelled"
+        assert wait_until_idle(server)
+        assert pool.num_free_pages == pool.num_pages
+    assert pool.num_free_pages == pool.num_pages
+
+
+def test_a_pool_needs_its_config_devices_to_spare_and_no_roles():
+    with pytest.raises(ValueError, match="power of two"):
+        PrefillPoolConfig(devices=3)
+    with pytest.raises(TypeError, match="PrefillPoolConfig"):
+        Server(tiny_model(), prefill_pool={"devices": 2}, warmup=False, cache_dir=False)
+    with pytest.raises(ValueError, match="does not combine with roles"):
+        Server(tiny_model(), replicas=2, roles="prefill:1,decode:1", prefill_pool=POOL,
+               warmup=False, cache_dir=False)
+    with pytest.raises(ValueError, match="needs 8 devices besides"):
+        Server(tiny_model(), prefill_pool=PrefillPoolConfig(devices=8), warmup=False,
+               cache_dir=False)
