@@ -107,6 +107,31 @@ def hand_off(pool, sequence_id: str, engine, request_id: str) -> tuple[str, int]
     return reservation, place_prompt(gather_prompt(pool, sequence_id), engine, reservation)
 
 
+def warm_up_placement(pool, engine, writer: PageWriter) -> int:
+    """Compiles, on `engine`'s mesh, the placing (`_by_position`) of every gather the pool
+    can hand over - each group size times page bucket of tokens per rank, into each padded
+    count of pages it can fill - so that no hand-off waits for a compile. Runs each on
+    zeros that fill nothing. Returns the shapes compiled."""
+    from medha_jax.engine.cdsp_pool import aligned_groups
+
+    (layers, _, ps, features), dtype = pool.kv_layout
+    sharding = _gathered_sharding(writer.chunk_sharding)
+    rank_pages = {size * bucket for _, size in aligned_groups(pool.num_devices)
+                  for bucket in pool.page_buckets()}
+    most = engine.allocator.num_pages
+    count = 0
+    for gathered in sorted(rank_pages):
+        kv = jax.device_put(np.zeros((2, layers, gathered * ps, features), dtype), sharding)
+        where = np.full(gathered * ps, -1, np.int32)
+        pages = padded_count(1)
+        while pages <= padded_count(min(gathered, most)):
+            jax.block_until_ready(_by_position(kv, where, num_pages=pages, page_size=ps,
+                                               out=writer.chunk_sharding))
+            count += 1
+            pages *= 2
+    return count
+
+
 def _gathered_sharding(chunk_sharding: NamedSharding) -> NamedSharding:
     """Of the gathered [2, layers, tokens, F] on the decode mesh: F (the K/V heads) split
     as the replica's page chunks split it, the rest whole."""

@@ -39,10 +39,10 @@ Where this departs from the paper, and why:
   - The pool does not know the replicas' prefix caches: it prefills every full page, and
     a replica that has some of them cached reuses its own and writes the rest.
 
-Compiles: before the Server is ready, the pool's programs (`CdspPool.program_keys`) and
-each replica's page writes (`serving.kv_copy.warm_up`); with warmup=False each as first
-needed. The program that lays the gathered K/V out as pages (`serving.pool_handoff`)
-compiles on the replica's first hand-off of each size.
+Compiles: before the Server is ready, the pool's programs (`CdspPool.program_keys`) and,
+on each replica, the page writes (`serving.kv_copy.warm_up`) and the layout of every size
+of gathered K/V as pages (`serving.pool_handoff.warm_up_placement`); with warmup=False
+each as first needed.
 
 Threads: the pool thread owns the CdspPool (plans, dispatches, frees); one waiter thread
 per request in the pool blocks on its gathered K/V; decode replicas' caches are touched
@@ -69,7 +69,7 @@ from medha_jax.scheduler.cdsp import CdspConfig, CdspScheduler, LatencyModel, fi
 from serving.kv_copy import PageWriter, padded_count, page_scatter, warm_up
 from serving.kv_transfer import reservation_id
 from serving.outputs import RequestStream
-from serving.pool_handoff import PromptKV, gather_prompt, place_prompt
+from serving.pool_handoff import PromptKV, gather_prompt, place_prompt, warm_up_placement
 
 logger = logging.getLogger(__name__)
 
@@ -139,14 +139,12 @@ class PrefillPool:
                                                rank_token_buckets=config.rank_token_buckets))
         self.num_pages = self.pool.num_free_pages
         # One writer per replica: its scatter is compiled once (per padded page count).
-        scatters = [page_scatter(r.engine) for r in self.replicas]
+        self._scatters = [page_scatter(r.engine) for r in self.replicas]
         self._writers = [PageWriter(r.engine, scatter)
-                         for r, scatter in zip(self.replicas, scatters)]
+                         for r, scatter in zip(self.replicas, self._scatters)]
         if warmup:
             self.pool.warmup(self.pool.program_keys())
-            for replica, scatter in zip(self.replicas, scatters):   # their loops are idle
-                warm_up(replica.engine, scatter, padded_count(
-                    min(self.num_pages, replica.engine.allocator.num_pages)))
+            self.warm_up_replicas()
         self.models = calibrate(self.pool)
         self.scheduler = CdspScheduler(config.devices, self.models,
                                        config.planner(self.page_size))
@@ -162,6 +160,17 @@ class PrefillPool:
         self.thread = threading.Thread(target=self._run, name="medha-prefill-pool",
                                        daemon=True)
         self.thread.start()
+
+    def warm_up_replicas(self) -> int:
+        """Compiles what a hand-off runs on each replica: its page writes and the layout of
+        every size of gathered K/V as pages. Only while no request is in flight (the
+        replicas' caches belong to their loop threads). Returns the shapes compiled."""
+        count = 0
+        for replica, scatter, writer in zip(self.replicas, self._scatters, self._writers):
+            count += warm_up(replica.engine, scatter, padded_count(
+                min(self.num_pages, replica.engine.allocator.num_pages)))
+            count += warm_up_placement(self.pool, replica.engine, writer)
+        return count
 
     # ------------------------------------------------------------ any thread
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from medha_jax import SamplingParams
+from serving import pool_handoff
 from serving.prefill_pool import PrefillPoolConfig
 from serving.server import Server, TokensPrompt
 from tests.test_replicas import tiny_model
@@ -40,7 +41,10 @@ def test_pool_prefills_then_a_replica_decodes_its_greedy_tokens(replica_tokens):
                 cache_dir=False, prefill_pool=POOL) as server:
         pool = server.prefill_pool
         assert set(pool.models) == {1, 2}               # Eq. 1 fitted per group size
+        assert pool.warm_up_replicas() > 0              # what warmup=True compiles there
+        placing = pool_handoff._by_position._cache_size()
         outs = server.generate(PROMPTS, GREEDY)
+        assert pool_handoff._by_position._cache_size() == placing    # no compile
         assert [out.token_ids for out in outs] == replica_tokens
         through_pool = [n for n in LENGTHS if n > PAGE]
         assert pool.prefilled == len(through_pool)

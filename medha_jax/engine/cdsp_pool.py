@@ -617,7 +617,7 @@ class CdspPool:
     def chunk_keys(self, groups: Sequence[Group] | None = None) -> list[tuple]:
         """Every (group, rank-token bucket, page bucket) chunk program without balancing."""
         return [("chunk", g, t, p, (), 0) for g in (groups or aligned_groups(self.num_devices))
-                for t in self.config.rank_token_buckets for p in self._page_buckets()]
+                for t in self.config.rank_token_buckets for p in self.page_buckets()]
 
     def balance_keys(self, groups: Sequence[Group] | None = None) -> list[tuple]:
         """Every chunk program that first balances the history onto its group (one of
@@ -635,16 +635,16 @@ class CdspPool:
                 pattern = tuple(tuple((src, dst) for src, dst, _ in moves) for moves in rounds)
                 keys += [("chunk", new, t, p, pattern, b)
                          for t in self.config.rank_token_buckets
-                         for p in self._page_buckets() for b in self._page_buckets()
+                         for p in self.page_buckets() for b in self.page_buckets()
                          if b <= p]
         return keys
 
     def gather_keys(self, groups: Sequence[Group] | None = None) -> list[tuple]:
         """Every (group, page bucket) gather of the hand-off."""
         return [("gather", g, p) for g in (groups or aligned_groups(self.num_devices))
-                for p in self._page_buckets()]
+                for p in self.page_buckets()]
 
-    def _page_buckets(self) -> list[int]:
+    def page_buckets(self) -> list[int]:
         """The page buckets a rank's page count (1..P) pads to: up to page_bucket(P), which
         exceeds P where P is not a power of two."""
         return _powers_of_two(page_bucket(self.num_pages))
