@@ -39,10 +39,11 @@ Where this departs from the paper, and why:
   - The pool does not know the replicas' prefix caches: it prefills every full page, and
     a replica that has some of them cached reuses its own and writes the rest.
 
-Compiles: before the Server is ready, the pool's programs (`CdspPool.program_keys`) and,
-on each replica, the page writes (`serving.kv_copy.warm_up`) and the layout of every size
-of gathered K/V as pages (`serving.pool_handoff.warm_up_placement`); with warmup=False
-each as first needed.
+Compiles: before the Server is ready, on each replica the page writes
+(`serving.kv_copy.warm_up`) and the layout of every size of gathered K/V as pages
+(`serving.pool_handoff.warm_up_placement`); the pool's programs (`CdspPool.program_keys`)
+then too with warmup=True, or on a background thread with "background" (the Server's
+default). With warmup=False each compiles as first needed.
 
 Threads: the pool thread owns the CdspPool (plans, dispatches, frees); one waiter thread
 per request in the pool blocks on its gathered K/V; decode replicas' caches are touched
@@ -126,10 +127,13 @@ class PrefillPool:
     """The pool's thread, its queue and its hand-offs (see the module's docstring)."""
 
     def __init__(self, model, config: PrefillPoolConfig, replicas: Sequence, *, metrics,
-                 warmup: bool):
+                 warmup: bool | str):
         """model: the Model on the pool's cp = devices mesh; replicas: the decode replicas
-        (each with a `loop` and an `engine`, one page size); warmup: compile every pool
-        program first (`CdspPool.program_keys`), else each as first needed."""
+        (each with a `loop` and an `engine`, one page size). warmup: True compiles every
+        pool program first (`CdspPool.program_keys`: hundreds for many buckets and
+        devices), "background" on a thread while the pool serves (a plan that needs one
+        sooner compiles it), False each as first needed; with either of the first two
+        the replicas' hand-off programs compile first (`warm_up_replicas`)."""
         from medha_jax.engine.cdsp_pool import CdspPool, PoolConfig
 
         self.config, self.replicas, self.metrics = config, list(replicas), metrics
@@ -143,8 +147,9 @@ class PrefillPool:
         self._writers = [PageWriter(r.engine, scatter)
                          for r, scatter in zip(self.replicas, self._scatters)]
         if warmup:
-            self.pool.warmup(self.pool.program_keys())
             self.warm_up_replicas()
+        if warmup is True:
+            self.pool.warmup(self.pool.program_keys())
         self.models = calibrate(self.pool)
         self.scheduler = CdspScheduler(config.devices, self.models,
                                        config.planner(self.page_size))
@@ -160,6 +165,11 @@ class PrefillPool:
         self.thread = threading.Thread(target=self._run, name="medha-prefill-pool",
                                        daemon=True)
         self.thread.start()
+        self._warming = None
+        if warmup and warmup is not True:
+            self._warming = threading.Thread(target=self._warm_up_pool, daemon=True,
+                                             name="medha-prefill-pool-warmup")
+            self._warming.start()
 
     def warm_up_replicas(self) -> int:
         """Compiles what a hand-off runs on each replica: its page writes and the layout of
@@ -171,6 +181,18 @@ class PrefillPool:
                 min(self.num_pages, replica.engine.allocator.num_pages)))
             count += warm_up_placement(self.pool, replica.engine, writer)
         return count
+
+    def _warm_up_pool(self) -> None:
+        """The background warm-up: one program at a time, until done or closing (a
+        process must not exit in the middle of a compile)."""
+        try:
+            for key in self.pool.program_keys():
+                if self._closing:
+                    return
+                self.pool.warmup([key], strict=False)
+        except Exception:
+            logger.exception("compiling the prefill pool's programs in the background "
+                             "failed; each compiles when first needed")
 
     # ------------------------------------------------------------ any thread
 
@@ -215,9 +237,11 @@ class PrefillPool:
         with self._lock:
             self._closing, self._drain = True, drain
             self._lock.notify()
-        self.thread.join(timeout)
-        if self.thread.is_alive():
-            raise TimeoutError(f"the prefill pool did not stop within {timeout=} s")
+        for thread in (self.thread, self._warming):
+            if thread is not None:
+                thread.join(timeout)
+                if thread.is_alive():
+                    raise TimeoutError(f"the prefill pool did not stop within {timeout=} s")
 
     # ------------------------------------------------------------ the pool thread
 

@@ -145,7 +145,8 @@ class Server:
           001, Tetris) on the devices after the replicas': prompts with a full KV page are
           prefilled there, on chunks over nested device groups, and decoded on the
           replicas, which take its pages (serving.prefill_pool says which requests and
-          how). Its programs compile before the constructor returns unless warmup=False.
+          how). Its programs compile before the constructor returns with warmup=True, on a
+          background thread with "background" (a plan that needs one first compiles it).
         """
         # Heavy imports here, so `import serving.server` (and medha_jax) stays cheap.
         from medha_jax.engine import Engine, EngineConfig
@@ -257,7 +258,7 @@ class Server:
         if prefill_pool is not None:
             try:
                 self.prefill_pool = _prefill_pool(prefill_pool, engines, self.replicas,
-                                                  metrics=self.metrics, warmup=bool(warmup))
+                                                  metrics=self.metrics, warmup=warmup)
             except BaseException:
                 for loop in self._loops:         # no server: its loop threads stop too
                     loop.close()
@@ -628,7 +629,7 @@ def _check_prefill_pool(config, **given) -> None:
                          f"the prefill stage and the replicas decode)")
 
 
-def _prefill_pool(config, engines, replicas, *, metrics, warmup: bool):
+def _prefill_pool(config, engines, replicas, *, metrics, warmup: bool | str):
     """The PrefillPool of Server(prefill_pool=...), on the first devices no replica uses
     (the model's weights copied there)."""
     import jax

@@ -249,6 +249,7 @@ class CdspPool:
         shape, _ = model.kv_cache_sharding(n * self.num_pages, self.page_size)
         self._cache_shape = (shape[0], self.num_pages, *shape[2:])
         cache = model.new_kv_cache(n * self.num_pages, self.page_size)
+        self._cache_dtype = cache.k.dtype
         self._k = _by_device(cache.k)           # device index -> [L, P, ps, F] on it
         self._v = _by_device(cache.v)
         self._free = {d: list(range(self.num_pages)) for d in range(n)}
@@ -597,14 +598,17 @@ class CdspPool:
             executable = self.executables[key] = self._compile(key)
         return executable
 
-    def warmup(self, keys: Sequence[tuple]) -> int:
+    def warmup(self, keys: Sequence[tuple], *, strict: bool = True) -> int:
         """Compiles the programs named by `keys` (`program_keys()`: every one, or `keys_for`
-        a plan); from then on a program not compiled is an error. Returns how many were
-        compiled."""
+        a plan); from then on (strict) a program not compiled is an error. Returns how many
+        were compiled. strict=False may run on another thread while the pool serves, which
+        compiles what it needs first itself: compiling reads no cache buffer (only their
+        shapes), and each program enters `executables` whole."""
         keys = [k for k in keys if k not in self.executables]
         for key in keys:
-            self.executables[key] = self._compile(key)
-        self.warmed_up = True
+            if key not in self.executables:          # (the serving thread may have it now)
+                self.executables[key] = self._compile(key)
+        self.warmed_up = self.warmed_up or strict
         return len(keys)
 
     def program_keys(self, groups: Sequence[Group] | None = None) -> list[tuple]:
@@ -652,9 +656,11 @@ class CdspPool:
     def _compile(self, key: tuple) -> jax.stages.Compiled:
         kind, group = key[0], key[1]
         model = self._models[group]
-        cache = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
-                             self._assemble(group))
         size, axis = group[1], _cp_axis(self)
+        shape = (self._cache_shape[0], size * self.num_pages, *self._cache_shape[2:])
+        part = jax.ShapeDtypeStruct(shape, self._cache_dtype,
+                                    sharding=model.layout.sharding(shape, KV_CACHE_AXES))
+        cache = KVCache(k=part, v=part)
         slot_sharding = NamedSharding(model.mesh, PartitionSpec(axis))
         cache_spec = model.layout.rules.spec(KV_CACHE_AXES)
         if kind == "gather":
