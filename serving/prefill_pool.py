@@ -291,8 +291,10 @@ class PrefillPool:
         while self._waiting:
             rid = self._waiting[0]
             entry = self._table.get(rid)
-            if entry is None:                    # ended meanwhile
+            if entry is None or entry.cancelled:     # ended, or cancelled, meanwhile
                 self._waiting.popleft()
+                if entry is not None:
+                    self._end(rid, FinishReason.CANCELLED)
                 continue
             chunks, booking = self._plan(entry.tokens)
             if not self.pool.can_book(entry.tokens, chunks):
