@@ -36,7 +36,8 @@ def test_pool_prefills_then_a_replica_decodes_its_greedy_tokens(replica_tokens):
     computes the rest: the tokens of a replica serving alone, the pages counted as cached;
     a shorter prompt is served by a replica alone. A request whose pool step fails is
     prefilled by a replica instead, with the same tokens; one cancelled at once ends
-    cancelled wherever it was. Afterwards every page of the pool and the replicas is free."""
+    cancelled wherever it was; one in the pool when the server closes with drain=True
+    finishes. Afterwards every page of the pool and the replicas is free."""
     with Server(tiny_model(), replicas=2, engine_config=TINY_ENGINE, warmup=False,
                 cache_dir=False, prefill_pool=POOL) as server:
         pool = server.prefill_pool
@@ -70,7 +71,13 @@ def test_pool_prefills_then_a_replica_decodes_its_greedy_tokens(replica_tokens):
         assert handle.result(timeout=60).finish_reason == "cancelled"
         assert wait_until_idle(server)
         assert pool.num_free_pages == pool.num_pages
+
+        # Closing with drain: what the pool holds goes on to a replica and finishes there.
+        handle = server.submit(PROMPTS[4], GREEDY)
+        server.close(drain=True)
+        assert handle.result(timeout=60).token_ids == replica_tokens[4]
     assert pool.num_free_pages == pool.num_pages
+    assert server.num_free_pages == server.num_total_pages
 
 
 def test_a_pool_needs_its_config_devices_to_spare_and_no_roles():
