@@ -161,6 +161,7 @@ class PrefillPool:
         self._waiting: collections.deque[str] = collections.deque()
         self._running: set[str] = set()              # dispatched, not yet computed
         self._closing = self._drain = False
+        self._dead = False                   # the thread died: requests go to the replicas
         self.prefilled = 0               # requests handed to a replica with the pool's pages
         self.thread = threading.Thread(target=self._run, name="medha-prefill-pool",
                                        daemon=True)
@@ -201,23 +202,27 @@ class PrefillPool:
         return self.pool.num_free_pages
 
     def accepts(self, prompt_len: int, sampling) -> bool:
-        """Whether a request goes to the pool (else to the replicas)."""
+        """Whether a request goes to the pool (else to the replicas, also once the pool's
+        thread has died)."""
         return (sampling.n == 1 and sampling.prompt_logprobs is None
                 and (prompt_len - 1) // self.page_size >= 1
-                and prompt_len >= self.config.min_prompt_tokens)
+                and prompt_len >= self.config.min_prompt_tokens and not self._dead)
 
-    def add(self, stream: RequestStream) -> None:
-        """Queues a validated request (`accepts`); raises RuntimeError once closed."""
+    def add(self, stream: RequestStream) -> bool:
+        """Queues a validated request (`accepts`). False, with nothing queued, when the
+        pool's thread has died (the caller sends it to a replica); raises RuntimeError once
+        the pool is closed."""
         request = stream.request
         entry = _Entry(stream, (request.prompt_len - 1) // self.page_size * self.page_size)
         with self._lock:
+            if self._dead:
+                return False
             if self._closing:
                 raise RuntimeError("the server is closed")
-            if not self.thread.is_alive():
-                raise RuntimeError("the prefill pool's thread stopped")
             self._table[request.request_id] = entry
             self._inbox.append(("add", request.request_id))
             self._lock.notify()
+        return True
 
     def cancel(self, request_id: str) -> bool:
         """Cancels a request the pool holds; False when it holds none of that id (it may
@@ -246,6 +251,25 @@ class PrefillPool:
     # ------------------------------------------------------------ the pool thread
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException:
+            # The thread dies: what the pool holds is prefilled by the replicas instead (a
+            # request added meanwhile too: `add` takes the lock this takes), none is lost.
+            logger.exception("the prefill pool's thread died; the replicas prefill its "
+                             "requests")
+            with self._lock:
+                self._dead = True              # `add` refuses from now on
+                held = list(self._table.values())
+            for entry in held:
+                try:
+                    self._to_replica(entry, None)
+                except Exception:
+                    logger.exception("request %s was lost with the prefill pool",
+                                     entry.stream.request_id)
+            raise
+
+    def _serve(self) -> None:
         while True:
             with self._lock:
                 while not (self._inbox or self._closing):

@@ -388,8 +388,9 @@ class Server:
                     del self._groups[group_id]
                 self._groups[handle.id] = handle
         if self.prefill_pool is not None and _kv_from is None and \
-                self.prefill_pool.accepts(len(prompt_ids), params):
-            self.prefill_pool.add(streams_on(0)[0])
+                self.prefill_pool.accepts(len(prompt_ids), params) and \
+                self.prefill_pool.add(streams_on(0)[0]):
+            pass                            # the pool hands it to a replica's loop
         elif self._replica_set is None:
             stream, held = streams_on(0)
             self._loops[0].add(stream, held=held, kv_from=_kv_from)

@@ -30,14 +30,16 @@ def replica_tokens():
 
 
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # killed
 def test_pool_prefills_then_a_replica_decodes_its_greedy_tokens(replica_tokens):
     """Each prompt with a full page and a token more is prefilled in the pool (its full
     pages, planned over the ring's groups) and one of two replicas takes those pages and
     computes the rest: the tokens of a replica serving alone, the pages counted as cached;
     a shorter prompt is served by a replica alone. A request whose pool step fails is
     prefilled by a replica instead, with the same tokens; one cancelled at once ends
-    cancelled wherever it was; one in the pool when the server closes with drain=True
-    finishes. Afterwards every page of the pool and the replicas is free."""
+    cancelled wherever it was. When the pool's thread dies, what it held and what comes
+    after are served by the replicas. A request in flight when the server closes with
+    drain=True finishes. Afterwards every page of the pool and the replicas is free."""
     with Server(tiny_model(), replicas=2, engine_config=TINY_ENGINE, warmup=False,
                 cache_dir=False, prefill_pool=POOL) as server:
         pool = server.prefill_pool
@@ -71,6 +73,16 @@ def test_pool_prefills_then_a_replica_decodes_its_greedy_tokens(replica_tokens):
         assert handle.result(timeout=60).finish_reason == "cancelled"
         assert wait_until_idle(server)
         assert pool.num_free_pages == pool.num_pages
+
+        # The pool's thread dies: what it held is prefilled by a replica, and the requests
+        # after it go to the replicas.
+        def killed():
+            raise SystemExit("the pool's thread is killed")
+        pool._admit = killed
+        assert server.generate(PROMPTS[2], GREEDY).token_ids == replica_tokens[2]
+        pool.thread.join(30)
+        assert not pool.thread.is_alive() and not pool.accepts(100, GREEDY)
+        assert server.generate(PROMPTS[1], GREEDY).token_ids == replica_tokens[1]
 
         # Closing with drain: what the pool holds goes on to a replica and finishes there.
         handle = server.submit(PROMPTS[4], GREEDY)
