@@ -103,6 +103,13 @@ def _make_server(args, *, warmup: bool, calibrate: bool, engine=None):
     sizes = {f: getattr(args, f) for f in ENGINE_FLAGS if getattr(args, f) is not None}
     limits = {f: getattr(args, f) for f in LIMIT_FLAGS if getattr(args, f, None) is not None}
     switching, dp = getattr(args, "switching", None), getattr(args, "dp", 1)
+    pool = None
+    if getattr(args, "prefill_pool", None) is not None:
+        from serving.prefill_pool import PrefillPoolConfig
+        if getattr(args, "ray", None) is not None or switching is not None:
+            raise ValueError("--prefill-pool does not combine with --ray or --switching yet")
+        pool = PrefillPoolConfig(devices=args.prefill_pool,          # checked before loading
+                                 min_prompt_tokens=args.prefill_pool_min_tokens)
     if (dp != 1) != (switching is not None):
         raise ValueError("--dp N and --switching POLICY go together: N base replicas (one "
                          "device each, or --parallel tp=b) that switch between DP and TP "
@@ -120,6 +127,8 @@ def _make_server(args, *, warmup: bool, calibrate: bool, engine=None):
                       metrics_port=getattr(args, "metrics_port", None), warmup=warmup,
                       cache_dir=False if args.no_cache else args.cache_dir)
     disagg = {k: v for k in ("roles", "offload") if (v := getattr(args, k, None)) is not None}
+    if pool is not None:
+        disagg["prefill_pool"] = pool
     if getattr(args, "ray", None) is not None:
         # The replica actors load the model themselves, on whichever hosts Ray places them.
         return Server(args.model, parallel=parallel, dtype=args.dtype, scheduler=scheduler,
@@ -392,6 +401,13 @@ def build_parser() -> argparse.ArgumentParser:
                             "priority <= -1 binds a TP group at once, pausing the members' "
                             "DP requests), memory (a request longer than one replica holds "
                             "binds the smallest group that holds it), off (DP only)")
+    serve.add_argument("--prefill-pool", type=int, default=None, metavar="DEVICES",
+                       help="a CDSP prefill pool (seed 001, Tetris) on this many devices after "
+                            "the replicas' (a power of two): prompts with a full KV page are "
+                            "prefilled there, on chunks over nested device groups, and "
+                            "decoded on the replicas (serving.prefill_pool)")
+    serve.add_argument("--prefill-pool-min-tokens", type=int, default=0,
+                       help="with --prefill-pool: shorter prompts skip the pool (default 0)")
     hosts = serve.add_argument_group("one replica over several processes (serving.multihost)")
     hosts.add_argument("--hosts", type=int, default=1,
                        help="processes the replica spans, one per host: every process runs "

@@ -60,6 +60,8 @@ def test_generate_prints_the_greedy_text(model_dir, capsys):
     (["serve", "--replicas", "2", "--parallel", "tp=2/tp=1", "--ray"],
      "not supported with --ray yet"),
     (["serve", "--dp", "2"], "--dp N and --switching POLICY go together"),
+    (["serve", "--prefill-pool", "3"], "PrefillPoolConfig.devices must be a power of two"),
+    (["serve", "--prefill-pool", "2", "--ray"], "--prefill-pool does not combine with --ray"),
     (["serve", "--dp", "2", "--switching", "load", "--parallel", "kvp=2"],
      "switching's base replicas are one device or a TP group"),
 ])
