@@ -51,6 +51,7 @@ import time
 
 import numpy as np
 
+from medha_jax.kv_cache.allocator import free_if_held
 from medha_jax.request import RequestState
 from serving.kv_copy import PageCopier, page_scatter, warm_up
 
@@ -257,8 +258,7 @@ class KVTransfers:
         allocator = self.set.replicas[replica].engine.allocator
         for res_id in list(self._reservations[replica]):
             del self._reservations[replica][res_id]
-            if allocator.has(res_id):
-                allocator.free(res_id)
+            free_if_held(allocator, res_id)
         self._queues[replica].clear()
         with self._lock:
             held = [t for t in self._by_id.values() if t.prefill == replica and t.hold]
@@ -267,8 +267,7 @@ class KVTransfers:
                     self._drop(t)
         for t in held:
             hold, t.hold = t.hold, None
-            if allocator.has(hold):
-                allocator.free(hold)
+            free_if_held(allocator, hold)
 
     def close(self) -> None:
         self._stop.set()
@@ -578,7 +577,7 @@ class KVTransfers:
         hold, t.hold = t.hold, None
         if hold is not None:
             allocator = self.set.replicas[t.prefill].engine.allocator
-            self._on_loop(t.prefill, lambda: allocator.has(hold) and allocator.free(hold))
+            self._on_loop(t.prefill, lambda: free_if_held(allocator, hold))
 
     def _sweep_forever(self) -> None:
         while not self._stop.wait(self.config.sweep_interval_s):

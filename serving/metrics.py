@@ -118,6 +118,10 @@ class ServerMetrics:
         self.prefill_pool_waiting = Gauge(
             "medha_prefill_pool_waiting", "Requests queued for the prefill pool's pages.",
             registry=r)
+        self.prefill_pool_improvement_rate = Gauge(
+            "medha_prefill_pool_improvement_rate", "The improvement rate the prefill pool's "
+            "planner takes a larger group at (seed 001's r), looked up for the arrival rate.",
+            registry=r)
         self.prefill_pool_time = Histogram(
             "medha_prefill_pool_seconds", "From a request's dispatch in the prefill pool to "
             "its full pages computed.", buckets=LATENCY_BUCKETS, registry=r)

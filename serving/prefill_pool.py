@@ -28,9 +28,11 @@ Where this departs from the paper, and why:
     logprobs, or for n > 1 samples, are served by the replicas (the pool keeps no logits).
   - A planned chunk longer than a group's compiled steps take (`most_chunk_tokens`) runs as
     several steps on that group; Eq. 1 priced it as one.
-  - The improvement rate is the config's, not looked up per arrival rate (Tetris profiles
-    that table offline by simulation: `AdaptiveImprovementRate`); decode routing is by
-    queued work, not Tetris's freeness with virtual usage.
+  - The improvement rate is looked up per arrival rate as in the paper
+    (`AdaptiveImprovementRate`), but the table is profiled by simulation when the pool
+    starts, on prompts drawn log-uniform over what the pool takes, since the pool does not
+    know its workload's traces (`profile_improvement`). Decode routing is by queued work,
+    not Tetris's freeness with virtual usage.
   - A plan whose pages do not fit the pool now runs as one chunk on the whole pool if that
     fits; else the request waits (the queue's head; none passes it) until a prefill ends.
     A prompt the empty pool cannot hold is prefilled by a decode replica.
@@ -58,6 +60,7 @@ import collections
 import dataclasses
 import itertools
 import logging
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -65,12 +68,15 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from medha_jax.kv_cache.allocator import free_if_held
 from medha_jax.request import FinishReason
-from medha_jax.scheduler.cdsp import CdspConfig, CdspScheduler, LatencyModel, fit_latency_models
+from medha_jax.scheduler.cdsp import (AdaptiveImprovementRate, CdspConfig, CdspScheduler,
+                                      ImprovementRateTable, LatencyModel, fit_latency_models)
 from serving.kv_copy import PageWriter, padded_count, page_scatter, warm_up
 from serving.kv_transfer import reservation_id
 from serving.outputs import RequestStream
 from serving.pool_handoff import PromptKV, gather_prompt, place_prompt, warm_up_placement
+from serving.replicas import by_queued_work
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +89,10 @@ class PrefillPoolConfig:
       page size is the replicas').
     min_prompt_tokens: shorter prompts are prefilled by the replicas (a chat does not
       need the ring). A prompt also needs a full page and one token more.
+    improvement_rate: r of Algorithm 2 (a larger group must cut the TTFT by more than r);
+      None: chosen per arrival rate, as the paper does, from a table the pool profiles by
+      simulation when it starts (`profile_improvement`), looked up from the arrivals of
+      the last minute (`AdaptiveImprovementRate`).
     cdsp: the planner's config; None: aligned groups of every size up to `devices`, one
       node, chunks in whole pages of at least the smallest rank-token bucket's tokens."""
 
@@ -90,6 +100,7 @@ class PrefillPoolConfig:
     pages_per_device: int = 64
     rank_token_buckets: tuple[int, ...] = (16, 64, 256)
     min_prompt_tokens: int = 0
+    improvement_rate: float | None = None
     cdsp: CdspConfig | None = None
 
     def __post_init__(self):
@@ -99,6 +110,9 @@ class PrefillPoolConfig:
         if self.min_prompt_tokens < 0:
             raise ValueError(f"PrefillPoolConfig.min_prompt_tokens must be >= 0, got "
                              f"{self.min_prompt_tokens}")
+        if self.improvement_rate is not None and not 0 <= self.improvement_rate < 1:
+            raise ValueError(f"PrefillPoolConfig.improvement_rate must be in [0, 1) or None, "
+                             f"got {self.improvement_rate}")
         if self.cdsp is not None and not self.cdsp.aligned:
             raise ValueError("PrefillPoolConfig.cdsp must plan aligned groups "
                              "(CdspConfig(aligned=True)): the pool compiles a program per block")
@@ -120,6 +134,8 @@ class _Entry:
     tokens: int                          # the full pages' tokens the pool prefills
     cancelled: bool = False
     prompt: PromptKV | None = None       # gathered, once dispatched
+    arrived: float = 0.0                 # time.monotonic() when added
+    improvement_rate: float = 0.0        # the planner's r, from the arrival rate then
     dispatched: float = 0.0              # perf_counter at dispatch
 
 
@@ -153,6 +169,12 @@ class PrefillPool:
         self.models = calibrate(self.pool)
         self.scheduler = CdspScheduler(config.devices, self.models,
                                        config.planner(self.page_size))
+        self.improvement = None                    # None: the config's fixed rate
+        if config.improvement_rate is None:
+            self.improvement = AdaptiveImprovementRate(profile_improvement(
+                self.scheduler, smallest_prompt=max(config.min_prompt_tokens,
+                                                    self.page_size + 1),
+                largest_prompt=self.num_pages * self.page_size))
         self._free_at = [0.0] * config.devices     # monotonic time each device is free
         self._tids = itertools.count(1)
         self._lock = threading.Condition()
@@ -160,6 +182,8 @@ class PrefillPool:
         self._table: dict[str, _Entry] = {}          # every request the pool holds
         self._waiting: collections.deque[str] = collections.deque()
         self._running: set[str] = set()              # dispatched, not yet computed
+        # (the head of the queue, the free pages) when its plans last did not fit
+        self._blocked: tuple[str, int] | None = None
         self._closing = self._drain = False
         self._dead = False                   # the thread died: requests go to the replicas
         self.prefilled = 0               # requests handed to a replica with the pool's pages
@@ -213,7 +237,8 @@ class PrefillPool:
         pool's thread has died (the caller sends it to a replica); raises RuntimeError once
         the pool is closed."""
         request = stream.request
-        entry = _Entry(stream, (request.prompt_len - 1) // self.page_size * self.page_size)
+        entry = _Entry(stream, (request.prompt_len - 1) // self.page_size * self.page_size,
+                       arrived=time.monotonic())
         with self._lock:
             if self._dead:
                 return False
@@ -281,6 +306,7 @@ class PrefillPool:
                 try:
                     if kind == "add":
                         self._waiting.append(rid)
+                        self._observe_arrival(self._table[rid])
                     elif kind == "cancel":
                         if rid in self._waiting:
                             self._waiting.remove(rid)
@@ -309,6 +335,16 @@ class PrefillPool:
                     if not self._inbox:
                         self._lock.wait(0.05)
 
+    def _observe_arrival(self, entry: _Entry) -> None:
+        """Fixes the request's improvement rate from the arrival rate when it came (in
+        arrival order: `add` queues under the lock)."""
+        if self.improvement is None:
+            entry.improvement_rate = self.config.improvement_rate
+            return
+        entry.improvement_rate = self.improvement.observe(entry.arrived)
+        if self.metrics is not None:
+            self.metrics.prefill_pool_improvement_rate.set(entry.improvement_rate)
+
     def _admit(self) -> None:
         """Plans and dispatches the waiting requests in arrival order, while their pages
         fit."""
@@ -320,12 +356,16 @@ class PrefillPool:
                 if entry is not None:
                     self._end(rid, FinishReason.CANCELLED)
                 continue
-            chunks, booking = self._plan(entry.tokens)
+            if self._blocked == (rid, self.pool.num_free_pages):
+                return                 # no page came back since its plans did not fit
+            chunks, booking = self._plan(entry.tokens, entry.improvement_rate)
             if not self.pool.can_book(entry.tokens, chunks):
                 chunks, booking = self._whole_pool(entry.tokens)
                 if not self.pool.can_book(entry.tokens, chunks):
                     if self._running:
-                        return                  # pages come back as prefills end
+                        # Pages come back as prefills end: plan it again then.
+                        self._blocked = (rid, self.pool.num_free_pages)
+                        return
                     self._waiting.popleft()
                     logger.warning("request %s: the prefill pool cannot hold %d tokens; a "
                                    "replica prefills it", rid, entry.tokens)
@@ -354,12 +394,13 @@ class PrefillPool:
             threading.Thread(target=self._wait_for, args=(rid, entry.prompt.kv),
                              name=f"medha-prefill-pool-{rid}", daemon=True).start()
 
-    def _plan(self, tokens: int):
+    def _plan(self, tokens: int, improvement_rate: float):
         """(chunks as (tokens, group) steps, Eq. 2's bookings as (devices, end time))."""
         from medha_jax.engine.cdsp_pool import group_of
 
         now = time.monotonic()
-        plan = self.scheduler.plan(tokens, [max(0.0, f - now) for f in self._free_at])
+        plan = self.scheduler.plan(tokens, [max(0.0, f - now) for f in self._free_at],
+                                   improvement_rate)
         chunks = [step for c in plan.chunks for step in
                   self._steps(c.tokens, group_of(c.group, self.config.devices))]
         return chunks, [(c.group, now + c.end_s) for c in plan.chunks]
@@ -408,9 +449,7 @@ class PrefillPool:
         pool's pages (`prompt`) or, without, to be prefilled there."""
         stream = entry.stream
         rid = stream.request_id
-        candidates = sorted((i for i, r in enumerate(self.replicas) if r.loop.healthy),
-                            key=lambda i: (self.replicas[i].loop.load[2], i))
-        for i in candidates:
+        for i in by_queued_work(self.replicas, range(len(self.replicas))):
             loop, engine = self.replicas[i].loop, self.replicas[i].engine
             with self._lock:
                 if entry.cancelled:
@@ -429,7 +468,7 @@ class PrefillPool:
                 except (RuntimeError, ValueError):
                     logger.warning("request %s: replica %d refused it", rid, i)
                     if kv_from is not None:
-                        loop.call(lambda r=kv_from[0], e=engine: _free(e, r))
+                        loop.call(lambda r=kv_from[0], e=engine: free_if_held(e.allocator, r))
                     continue
                 del self._table[rid]
                 self.prefilled += prompt is not None
@@ -452,7 +491,7 @@ class PrefillPool:
         except Exception:
             logger.exception("writing the prefill pool's pages failed; the replica "
                              "prefills the request itself")
-            _free(engine, reservation)
+            free_if_held(engine.allocator, reservation)
 
     def _end(self, rid: str, reason: FinishReason, error: str | None = None, *,
              unavailable: bool = False) -> None:
@@ -468,9 +507,39 @@ class PrefillPool:
             self.metrics.prefill_pool_requests.labels(outcome).inc()
 
 
-def _free(engine, reservation: str) -> None:
-    if engine.allocator.has(reservation):
-        engine.allocator.free(reservation)
+# Algorithm 2's r: the candidates the start-up profile searches (the paper's sweep spans
+# 0-0.75; above ~0.5 a larger group is almost never taken).
+IMPROVEMENT_RATE_CANDIDATES = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5)
+# Arrival rates profiled, as fractions of the pool's throughput bound.
+PROFILED_LOADS = (0.2, 0.4, 0.6, 0.8, 1.0)
+
+
+def profile_improvement(scheduler: CdspScheduler, *, smallest_prompt: int,
+                        largest_prompt: int, num_requests: int = 200,
+                        seed: int = 0) -> ImprovementRateTable:
+    """Section 5.1's offline profile, run when the pool starts: at each arrival rate the
+    rate r with the least mean simulated TTFT (`profile_improvement_rates`), the pool's own
+    planner and fitted Eq. 1 driving the simulator.
+
+    The paper profiles on its workload's traces; a pool does not know its workload when it
+    starts, so prompts are drawn log-uniform between the smallest the pool takes and the
+    most its pages hold, and the arrival rates are `PROFILED_LOADS` of the pool's
+    throughput bound (every device prefilling its own prompts: devices / the mean
+    one-device seconds). About 6,000 plans: a fraction of a second at 8 devices."""
+    from medha_jax.cluster.prefill_pool_sim import profile_improvement_rates
+
+    low, high = math.log(smallest_prompt), math.log(max(largest_prompt, smallest_prompt))
+
+    def lengths(n: int, rng_seed: int) -> list[int]:
+        rng = np.random.default_rng(rng_seed)
+        return [int(x) for x in np.exp(rng.uniform(low, high, n))]
+
+    one = scheduler.models[1]
+    capacity = scheduler.num_instances / float(np.mean(
+        [one.seconds(0, n) for n in lengths(1000, seed)]))
+    return profile_improvement_rates(
+        lengths, [load * capacity for load in PROFILED_LOADS], IMPROVEMENT_RATE_CANDIDATES,
+        lambda: scheduler, num_requests=num_requests, seed=seed)
 
 
 def calibrate(pool) -> dict[int, LatencyModel]:

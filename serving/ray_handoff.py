@@ -55,6 +55,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from medha_jax.kv_cache.allocator import free_if_held
 from medha_jax.request import RequestState
 from serving.kv_copy import page_scatter, warm_up
 from serving.kv_transfer import DisaggConfig, global_pages, reservation_id
@@ -189,8 +190,8 @@ class ReplicaHandoffs:
 
     def release_hold(self, request_id: str) -> None:
         out = self._forget(request_id)
-        if out is not None and out.hold is not None and self.engine.allocator.has(out.hold):
-            self.engine.allocator.free(out.hold)
+        if out is not None and out.hold is not None:
+            free_if_held(self.engine.allocator, out.hold)
 
     def _forget(self, request_id: str) -> _Outgoing | None:
         out = self._outgoing.pop(request_id, None)

@@ -228,6 +228,13 @@ def starting_refit(engine, cache_dir):
     return refit, how
 
 
+def by_queued_work(replicas: Sequence, candidates: Sequence[int]) -> list[int]:
+    """The healthy replicas among `candidates` (indices into `replicas`, each with a
+    `loop`), the least predicted seconds of queued work first (ties: the lower index)."""
+    return sorted((i for i in candidates if replicas[i].loop.healthy),
+                  key=lambda i: (replicas[i].loop.load[2], i))
+
+
 def handed_off_request(request: Request, generated: Sequence[int]) -> Request:
     """`request` to decode on another replica after its prefill (serving.kv_transfer):
     as `resumed_request`, but no preemption: its prompt's pages come with it."""
@@ -364,9 +371,10 @@ class ReplicaSet:
     def decode_target(self, prefill: int, exclude=frozenset()) -> int | None:
         """Another replica to decode a request prefilled on `prefill` (its pages re-homed
         after a decode replica failed): the healthy decoder with the least queued work."""
-        candidates = [i for i, r in enumerate(self.replicas) if r.loop.healthy
-                      and i not in self._prefill_only and i not in exclude]
-        return min(candidates, key=lambda i: (self.replicas[i].loop.load[2], i), default=None)
+        order = by_queued_work(self.replicas, [i for i in range(len(self.replicas))
+                                               if i not in self._prefill_only
+                                               and i not in exclude])
+        return order[0] if order else None
 
     def _after_step(self, replica: int) -> None:
         transfers = self.transfers

@@ -2,12 +2,17 @@
 full page are prefilled on a 2-device ring and decoded on the replica, with one replica's
 greedy tokens; the rest bypass it; cancels and bad configs; every page comes back."""
 
+import gc
+
+import jax
 import numpy as np
 import pytest
 
 from medha_jax import SamplingParams
 from serving import pool_handoff
-from serving.prefill_pool import PrefillPoolConfig
+from medha_jax.scheduler.cdsp import CdspScheduler, LatencyModel
+from serving.prefill_pool import (IMPROVEMENT_RATE_CANDIDATES, PROFILED_LOADS,
+                                  PrefillPoolConfig, profile_improvement)
 from serving.server import Server, TokensPrompt
 from tests.test_replicas import tiny_model
 from tests.test_server import TINY_ENGINE, wait_until_idle
@@ -44,6 +49,9 @@ def test_pool_prefills_then_a_replica_decodes_its_greedy_tokens(replica_tokens):
                 cache_dir=False, prefill_pool=POOL) as server:
         pool = server.prefill_pool
         assert set(pool.models) == {1, 2}               # Eq. 1 fitted per group size
+        # r per arrival rate, profiled on the fitted models when the pool started.
+        assert set(pool.improvement.table.improvement_rates) <= \
+            set(IMPROVEMENT_RATE_CANDIDATES)
         assert pool.warm_up_replicas() > 0              # what warmup=True compiles there
         placing = pool_handoff._by_position._cache_size()
         outs = server.generate(PROMPTS, GREEDY)
@@ -55,9 +63,19 @@ def test_pool_prefills_then_a_replica_decodes_its_greedy_tokens(replica_tokens):
             # Pages the pool computed: every full page but a last one without a token after.
             assert out.metrics.num_cached_tokens == ((n - 1) // PAGE * PAGE if n > PAGE else 0)
 
+        # The pool keeps no array of a request it handed on: the second time, the live
+        # arrays are the first time's (the K/V it gathered went with the requests).
+        def live_arrays():
+            assert wait_until_idle(server)
+            gc.collect()
+            return sorted((a.shape, a.dtype.name) for a in jax.live_arrays())
+        before = live_arrays()
+        assert [out.token_ids for out in server.generate(PROMPTS, GREEDY)] == replica_tokens
+        assert live_arrays() == before
         text = server.metrics_text()
+        assert f"medha_prefill_pool_improvement_rate {pool.improvement.current}" in text
         assert f'medha_prefill_pool_requests_total{{outcome="prefilled"}} ' \
-            f'{float(len(through_pool))}' in text
+            f'{float(2 * len(through_pool))}' in text
 
         def broken(*args):
             raise RuntimeError("a failed step")
@@ -103,3 +121,27 @@ def test_a_pool_needs_its_config_devices_to_spare_and_no_roles():
     with pytest.raises(ValueError, match="needs 8 devices besides"):
         Server(tiny_model(), prefill_pool=PrefillPoolConfig(devices=8), warmup=False,
                cache_dir=False)
+
+
+def test_the_start_up_profile_scales_its_arrival_rates_to_the_pool_and_picks_candidates():
+    """The improvement-rate table is profiled at loads of the pool's throughput bound: a
+    device twice as slow halves every arrival rate and keeps each rate's r (the same
+    simulation in a slower clock); every r is a candidate; the profile is seeded."""
+    def models(scale):
+        return {s: LatencyModel(s, 0.01 * scale, 2e-5 * scale / s, 2e-10 * scale / s,
+                                1e-10 * scale / s) for s in (1, 2, 4)}
+    config = PrefillPoolConfig(devices=4).planner(16)
+    fast = profile_improvement(CdspScheduler(4, models(1.0), config), smallest_prompt=17,
+                               largest_prompt=4 * 64 * 16)
+    slow = profile_improvement(CdspScheduler(4, models(2.0), config), smallest_prompt=17,
+                               largest_prompt=4 * 64 * 16)
+    assert len(fast.arrival_rates) == len(PROFILED_LOADS)
+    assert np.allclose(np.array(fast.arrival_rates) / PROFILED_LOADS,
+                       fast.arrival_rates[-1] / PROFILED_LOADS[-1])
+    assert np.allclose(slow.arrival_rates, np.array(fast.arrival_rates) / 2)
+    assert slow.improvement_rates == fast.improvement_rates      # the same pool, time x 2
+    assert set(fast.improvement_rates) <= set(IMPROVEMENT_RATE_CANDIDATES)
+    assert profile_improvement(CdspScheduler(4, models(1.0), config), smallest_prompt=17,
+                               largest_prompt=4 * 64 * 16) == fast
+    with pytest.raises(ValueError, match="improvement_rate"):
+        PrefillPoolConfig(improvement_rate=1.5)

@@ -64,7 +64,7 @@ from medha_jax.engine import step_cache
 from medha_jax.engine.engine import Engine, EngineConfig
 from medha_jax.engine.logprobs import StepOutputs, sample_with_logprobs
 from medha_jax.engine.step_inputs import StepInputs, unpack_int32
-from medha_jax.kv_cache.allocator import BlockAllocator
+from medha_jax.kv_cache.allocator import BlockAllocator, free_if_held
 from medha_jax.model import AttentionMetadata, KVCache
 from medha_jax.model import layers
 from medha_jax.model.attention import _attend_on_device
@@ -162,8 +162,7 @@ class GroupAllocator(BlockAllocator):
         super().free(request_id)
         holder = self.holder_id(request_id)
         for member in self.members:
-            if member.has(holder):
-                member.free(holder)
+            free_if_held(member, holder)
 
     def physical(self, rank: int) -> np.ndarray:
         """int32 [pages]: rank's physical page id of each logical page (held ones)."""

@@ -653,6 +653,16 @@ class BlockAllocator:
             raise ValueError(f"{shard=} must be in [0, num_shards={self.num_shards})")
 
 
+def free_if_held(allocator, request_id: str) -> bool:
+    """Frees `request_id`'s pages if `allocator` (any KV allocator) holds that id: for
+    reservations and holds that their request may already have taken or freed. Returns
+    whether it held them."""
+    if not allocator.has(request_id):
+        return False
+    allocator.free(request_id)
+    return True
+
+
 def num_pages_for_memory(bytes_available: int, kv_bytes_per_page: int) -> int:
     """How many KV pages fit in bytes_available (K and V of all layers per page)."""
     if kv_bytes_per_page < 1:

@@ -44,7 +44,7 @@ import bisect
 import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -197,10 +197,10 @@ def table1_latency_models() -> dict[int, LatencyModel]:
 # Plans and Eq. 2
 # ---------------------------------------------------------------------------------------
 
-@dataclasses.dataclass(frozen=True)
-class Chunk:
+class Chunk(NamedTuple):
     """One chunk of a plan: `tokens` prompt tokens after `history`, on instances `group`,
-    from start_s to end_s (seconds from the moment the plan was made)."""
+    from start_s to end_s (seconds from the moment the plan was made). A named tuple, not
+    a frozen dataclass: building a plan's chunks was 4% of `CdspScheduler.plan`."""
 
     tokens: int
     history: int
