@@ -96,6 +96,8 @@ class ServingLoop:
         # (waiting, running, queued predicted seconds) after the last iteration: what the
         # router reads from other threads (one tuple, replaced whole).
         self.load: tuple[int, int, float] = (0, 0, 0.0)
+        # Free KV pages after the last iteration (reservations count as used), likewise.
+        self.free_pages: int = engine.allocator.num_free_pages
         # Each request here with prefill left, its predicted seconds of it (what a new
         # prefill shares steps with: the router's predicted TTFT; their sum is what slows
         # decodes here: the offload decision, medha_jax.cluster.offload).
@@ -480,6 +482,7 @@ class ServingLoop:
             work = sum(self.queued_prefills_s) + \
                 controller.decode_tokens_left * self._decode_token_s
         self.load = (waiting, running, work)
+        self.free_pages = allocator.num_free_pages
         if self.publishes_decode_contexts:
             self.decode_contexts = controller.decode_contexts()
 

@@ -18,7 +18,8 @@ split by token over a ring group to a replica whose pages split K/V heads over i
 
 Steps 2-3 run on the decode replica's loop thread, which owns its cache and allocator
 (`ServingLoop.call`). `hand_off` is all of 1-3 on that thread, for a pool driven there;
-`serving.prefill_pool` runs 1 on the pool's thread and 2-3 on the decode replica's.
+`serving.prefill_pool` reserves (`reserve_prompt`, step 2's first half) before the pool
+computes the pages, runs 1 on the pool's thread, and the rest on the decode replica's.
 """
 
 from __future__ import annotations
@@ -62,12 +63,26 @@ def gather_prompt(pool, sequence_id: str) -> PromptKV:
     return PromptKV(tokens, kv, where, full, pool.page_size, pool.kv_layout)
 
 
+def reserve_prompt(engine, reservation: str, prompt_ids: Sequence[int],
+                   full_pages: int) -> int:
+    """The decode side's step 2 alone, the handshake, on its loop thread: reserves the
+    first `full_pages` pages of `prompt_ids` under `reservation`, those it has cached by
+    reuse. Returns the tokens reused; MemoryError, with nothing reserved, when it cannot
+    now."""
+    allocator, ps = engine.allocator, engine.allocator.page_size
+    reused = allocator.allocate(reservation, list(prompt_ids[:full_pages * ps + 1]))
+    if not allocator.reserve(reservation, full_pages * ps):
+        allocator.free(reservation)
+        raise MemoryError(f"the decode replica cannot reserve {full_pages} pages now")
+    return reused
+
+
 def place_prompt(prompt: PromptKV, engine, reservation: str,
-                 prompt_ids: Sequence[int] | None = None, writer: PageWriter | None = None
-                 ) -> int:
-    """The decode side, steps 1-3, on the decode replica's loop thread: reserves the
-    prompt's full pages under `reservation` (pages it has cached are reused, not written;
-    MemoryError, with nothing reserved, when it cannot now), writes the others from
+                 prompt_ids: Sequence[int] | None = None, writer: PageWriter | None = None,
+                 reused: int | None = None) -> int:
+    """The decode side, steps 2-3, on the decode replica's loop thread: reserves the
+    prompt's full pages under `reservation` (`reserve_prompt`; with `reused` given, the
+    tokens it reused, the reservation was made before), writes the pages not reused from
     `prompt` and registers them in its prefix cache. prompt_ids: the request's prompt,
     when the pool held only its leading full pages (the prefix cache hashes by it).
     Returns the pages written; the caller frees the reservation once the request holds
@@ -81,10 +96,8 @@ def place_prompt(prompt: PromptKV, engine, reservation: str,
     tokens = list(prompt.tokens if prompt_ids is None else prompt_ids)
     if tokens[:full * ps] != prompt.tokens[:full * ps]:
         raise ValueError("prompt_ids do not begin with the pool sequence's full pages")
-    reused = allocator.allocate(reservation, tokens[:full * ps + 1])
-    if not allocator.reserve(reservation, full * ps):
-        allocator.free(reservation)
-        raise MemoryError(f"the decode replica cannot reserve {full} pages now")
+    if reused is None:
+        reused = reserve_prompt(engine, reservation, tokens, full)
     low = reused // ps
     ids = global_pages(allocator, reservation)[low:full]
     if len(ids):

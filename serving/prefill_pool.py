@@ -7,19 +7,26 @@ The replicas decode; the pool's devices (taken after theirs) form one sequence-p
 ring (`medha_jax.engine.cdsp_pool.CdspPool`). A prompt that has a full KV page and a token
 more goes to the pool; others go to the replicas as without a pool.
 
-    1. first come, first planned: when a request is at the head of the queue,
-       `medha_jax.scheduler.cdsp.CdspScheduler` plans the prompt's full pages as chunks on
-       nested aligned groups from each device's queue, the seconds until it is free by
-       the plans booked so far (Eq. 2), with Eq. 1 fitted per group size from chunk steps
-       timed when the pool starts (`calibrate`)
-    2. the chunks are dispatched at once, in order: JAX runs each step when its devices'
+    1. the handshake, first come first served: when a request is at the head of the
+       queue, the freest decode replica (`serving.replicas.by_freeness`) reserves its
+       full pages (on its loop thread, between steps: `serving.pool_handoff.reserve_prompt`;
+       pages it has cached are reused). One without room refuses and the next is asked; when all
+       refused, the head waits (none passes it) and asks again as pages come back. So the
+       pool never computes pages no replica can take (Tetris, seed 003's failure modes).
+    2. planned: `medha_jax.scheduler.cdsp.CdspScheduler` plans the prompt's full pages as
+       chunks on nested aligned groups from each device's queue, the seconds until it is
+       free by the plans booked so far (Eq. 2), with Eq. 1 fitted per group size from
+       chunk steps timed when the pool starts (`calibrate`)
+    3. the chunks are dispatched at once, in order: JAX runs each step when its devices'
        earlier steps are done, so chunks on disjoint groups run at the same time; then the
        full pages' K/V are gathered (`serving.pool_handoff.gather_prompt`)
-    3. once they are computed (a waiter thread blocks on them), the pool frees its pages
-       and the request goes to the decode replica with the least queued work: that
-       replica's loop reserves and writes the pages (`place_prompt`) and the request takes
-       them (`add_request(kv_from=)`), computing only its last partial page (at least one
-       token) and sampling its first token there, so sampling is the replica's own
+    4. once they are computed (a waiter thread blocks on them), the pool frees its pages;
+       the replica that reserved writes them into its reservation (`place_prompt`) and
+       the request takes them (`add_request(kv_from=)`), computing only its last partial
+       page (at least one token) and sampling its first token there, so sampling is the
+       replica's own. A reservation whose request ends first (cancelled, failed, the pool
+       closed or died) is freed; if the replica that reserved went down meanwhile,
+       another reserves and takes the pages at the hand-off.
 
 Where this departs from the paper, and why:
   - The pool computes the prompt's full pages only, and the decode replica computes the
@@ -31,8 +38,10 @@ Where this departs from the paper, and why:
   - The improvement rate is looked up per arrival rate as in the paper
     (`AdaptiveImprovementRate`), but the table is profiled by simulation when the pool
     starts, on prompts drawn log-uniform over what the pool takes, since the pool does not
-    know its workload's traces (`profile_improvement`). Decode routing is by queued work,
-    not Tetris's freeness with virtual usage.
+    know its workload's traces (`profile_improvement`).
+  - Decode routing is Tetris's freeness (free pages per running request) with the
+    reservations the handshakes made counting as used, its virtual usage; it is chosen at
+    the handshake, before the prefill, rather than when the prefill ends.
   - A plan whose pages do not fit the pool now runs as one chunk on the whole pool if that
     fits; else the request waits (the queue's head; none passes it) until a prefill ends.
     A prompt the empty pool cannot hold is prefilled by a decode replica.
@@ -75,10 +84,15 @@ from medha_jax.scheduler.cdsp import (AdaptiveImprovementRate, CdspConfig, CdspS
 from serving.kv_copy import PageWriter, padded_count, page_scatter, warm_up
 from serving.kv_transfer import reservation_id
 from serving.outputs import RequestStream
-from serving.pool_handoff import PromptKV, gather_prompt, place_prompt, warm_up_placement
-from serving.replicas import by_queued_work
+from serving.pool_handoff import (PromptKV, gather_prompt, place_prompt, reserve_prompt,
+                                  warm_up_placement)
+from serving.replicas import by_freeness, by_queued_work
 
 logger = logging.getLogger(__name__)
+
+# When every decode replica refused to reserve the head's pages: seconds until it asks again
+# (pages come back as their requests finish; a decode step is milliseconds to a second).
+HANDSHAKE_RETRY_S = 0.05
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +150,14 @@ class _Entry:
     prompt: PromptKV | None = None       # gathered, once dispatched
     arrived: float = 0.0                 # time.monotonic() when added
     improvement_rate: float = 0.0        # the planner's r, from the arrival rate then
+    # The handshake: the decode replica asked to reserve the full pages (answer pending),
+    # the ones that refused this round, and the one that granted, its reservation's id
+    # and the prompt tokens it had cached.
+    asked: int | None = None
+    refused: set[int] = dataclasses.field(default_factory=set)
+    decode: int | None = None
+    reservation: str = ""
+    reused: int = 0
     dispatched: float = 0.0              # perf_counter at dispatch
 
 
@@ -184,8 +206,10 @@ class PrefillPool:
         self._running: set[str] = set()              # dispatched, not yet computed
         # (the head of the queue, the free pages) when its plans last did not fit
         self._blocked: tuple[str, int] | None = None
+        self._retry_at: float | None = None  # when every replica refused the head: ask again
         self._closing = self._drain = False
         self._dead = False                   # the thread died: requests go to the replicas
+        self._stopped = False                # the thread ended: no grant is taken any more
         self.prefilled = 0               # requests handed to a replica with the pool's pages
         self.thread = threading.Thread(target=self._run, name="medha-prefill-pool",
                                        daemon=True)
@@ -286,23 +310,40 @@ class PrefillPool:
             with self._lock:
                 self._dead = True              # `add` refuses from now on
                 held = list(self._table.values())
+            self._stop_taking_grants()
             for entry in held:
                 try:
+                    self._release_reservation(entry)
                     self._to_replica(entry, None)
                 except Exception:
                     logger.exception("request %s was lost with the prefill pool",
                                      entry.stream.request_id)
             raise
 
+    def _stop_taking_grants(self) -> None:
+        """From now on `_reserve` frees what it reserves; the grants posted before are
+        freed here."""
+        with self._lock:
+            self._stopped = True
+            late = [arg for kind, arg in self._inbox if kind == "granted"]
+            self._inbox = [c for c in self._inbox if c[0] != "granted"]
+        for _, replica, reservation, _ in late:
+            self._free_reservation(replica, reservation)
+
     def _serve(self) -> None:
         while True:
+            if not self._waiting:
+                self._retry_at = None
             with self._lock:
                 while not (self._inbox or self._closing):
-                    self._lock.wait()
+                    if self._retry_at is None:
+                        self._lock.wait()
+                    elif not self._lock.wait(max(0.0, self._retry_at - time.monotonic())):
+                        break                      # time to ask the replicas again
                 commands, self._inbox = self._inbox, []
                 closing, drain = self._closing, self._drain
             for kind, arg in commands:
-                rid = arg if kind != "computed" else arg[0]
+                rid = arg if isinstance(arg, str) else arg[0]
                 try:
                     if kind == "add":
                         self._waiting.append(rid)
@@ -311,6 +352,10 @@ class PrefillPool:
                         if rid in self._waiting:
                             self._waiting.remove(rid)
                             self._end(rid, FinishReason.CANCELLED)
+                    elif kind == "granted":
+                        self._granted(*arg)
+                    elif kind == "refused":
+                        self._refused(*arg)
                     else:
                         self._computed(*arg)
                 except Exception as e:
@@ -329,6 +374,7 @@ class PrefillPool:
             if self.metrics is not None:
                 self.metrics.prefill_pool_waiting.set(len(self._waiting))
             if closing and not self._running and not self._waiting:
+                self._stop_taking_grants()
                 return
             if closing and not commands:
                 with self._lock:                 # steps in flight: their waiters post
@@ -356,6 +402,11 @@ class PrefillPool:
                 if entry is not None:
                     self._end(rid, FinishReason.CANCELLED)
                 continue
+            if entry.decode is None:
+                # The handshake first: a decode replica reserves the pages it will take
+                # before the pool computes them, so the hand-off never lacks pages.
+                self._handshake(entry)
+                return
             if self._blocked == (rid, self.pool.num_free_pages):
                 return                 # no page came back since its plans did not fit
             chunks, booking = self._plan(entry.tokens, entry.improvement_rate)
@@ -369,6 +420,7 @@ class PrefillPool:
                     self._waiting.popleft()
                     logger.warning("request %s: the prefill pool cannot hold %d tokens; a "
                                    "replica prefills it", rid, entry.tokens)
+                    self._release_reservation(entry)
                     self._to_replica(entry, None)
                     continue
             self._waiting.popleft()
@@ -384,6 +436,7 @@ class PrefillPool:
             except Exception:
                 logger.exception("request %s: the prefill pool failed to dispatch it; a "
                                  "replica prefills it", rid)
+                self._release_reservation(entry)
                 self._to_replica(entry, None)
                 continue
             for devices, end in booking:           # Eq. 2
@@ -393,6 +446,78 @@ class PrefillPool:
             self._running.add(rid)
             threading.Thread(target=self._wait_for, args=(rid, entry.prompt.kv),
                              name=f"medha-prefill-pool-{rid}", daemon=True).start()
+
+    def _handshake(self, entry: _Entry) -> None:
+        """Asks the freest decode replica (`by_freeness`), of those that did not refuse this
+        round, to reserve the request's full pages (`_reserve`, on its loop thread;
+        the answer comes back as a command). When every one refused, asks again in
+        `HANDSHAKE_RETRY_S`: the head waits and none passes it (first-handshake order)."""
+        if entry.asked is not None and not self.replicas[entry.asked].loop.healthy:
+            self._refused(entry.stream.request_id, entry.asked)   # its calls are dropped
+        if entry.asked is not None or (self._retry_at is not None
+                                       and time.monotonic() < self._retry_at):
+            return
+        self._retry_at = None
+        stream = entry.stream
+        for i in by_freeness(self.replicas, range(len(self.replicas))):
+            if i in entry.refused:
+                continue
+            reservation = reservation_id(stream.request_id, next(self._tids))
+            ids, full = stream.request.prompt_token_ids, entry.tokens // self.page_size
+            entry.asked = i
+            if self.replicas[i].loop.call(lambda i=i, r=reservation:
+                                          self._reserve(i, stream.request_id, r, ids, full)):
+                return
+            entry.asked = None                     # that loop stopped meanwhile
+            entry.refused.add(i)
+        entry.refused.clear()
+        self._retry_at = time.monotonic() + HANDSHAKE_RETRY_S
+
+    def _reserve(self, replica: int, rid: str, reservation: str, prompt_ids,
+                 full_pages: int) -> None:
+        """On the decode replica's loop thread: the reservation, answered to the pool."""
+        engine = self.replicas[replica].engine
+        try:
+            reused = reserve_prompt(engine, reservation, prompt_ids, full_pages)
+        except Exception as e:                     # noqa: BLE001 - refused, said below
+            if not isinstance(e, MemoryError):
+                logger.exception("request %s: replica %d failed to reserve its pages", rid,
+                                 replica)
+            answer = ("refused", (rid, replica))
+        else:
+            answer = ("granted", (rid, replica, reservation, reused))
+        with self._lock:
+            if self._stopped:
+                if answer[0] == "granted":
+                    free_if_held(engine.allocator, reservation)
+                return
+            self._inbox.append(answer)
+            self._lock.notify()
+
+    def _granted(self, rid: str, replica: int, reservation: str, reused: int) -> None:
+        entry = self._table.get(rid)
+        if entry is None or entry.cancelled or entry.asked != replica:
+            self._free_reservation(replica, reservation)   # it ended or was cancelled
+            return
+        entry.asked, entry.decode, entry.reservation, entry.reused = (
+            None, replica, reservation, reused)
+
+    def _refused(self, rid: str, replica: int) -> None:
+        entry = self._table.get(rid)
+        if entry is not None and entry.asked == replica:
+            entry.asked = None
+            entry.refused.add(replica)
+
+    def _release_reservation(self, entry: _Entry) -> None:
+        """Frees the request's reservation on its decode replica (it will not take it)."""
+        if entry.decode is not None:
+            self._free_reservation(entry.decode, entry.reservation)
+            entry.decode = None
+
+    def _free_reservation(self, replica: int, reservation: str) -> None:
+        engine = self.replicas[replica].engine
+        # A stopped loop frees nothing more: its pool is gone with it.
+        self.replicas[replica].loop.call(lambda: free_if_held(engine.allocator, reservation))
 
     def _plan(self, tokens: int, improvement_rate: float):
         """(chunks as (tokens, group) steps, Eq. 2's bookings as (devices, end time))."""
@@ -438,11 +563,35 @@ class PrefillPool:
         elif error is not None:
             logger.error("request %s: its prefill in the pool failed (%s); a replica "
                          "prefills it", rid, error)
+            self._release_reservation(entry)
             self._to_replica(entry, None)
         else:
             if self.metrics is not None:
                 self.metrics.prefill_pool_time.observe(time.perf_counter() - entry.dispatched)
-            self._to_replica(entry, entry.prompt)
+            self._hand_over(entry)
+
+    def _hand_over(self, entry: _Entry) -> None:
+        """The computed pages to the replica holding the request's reservation: written
+        there, then the request added to take them. If that replica went away meanwhile,
+        to another (`_to_replica`, which reserves anew)."""
+        stream, i = entry.stream, entry.decode
+        loop, engine = self.replicas[i].loop, self.replicas[i].engine
+        with self._lock:
+            if not entry.cancelled and loop.call(
+                    lambda r=entry.reservation, e=engine, w=self._writers[i], p=entry.prompt:
+                    self._place(e, p, r, stream.request.prompt_token_ids, w, entry.reused)):
+                stream.resume(stream.request, i)
+                try:
+                    loop.add(stream, kv_from=(entry.reservation, entry.tokens))
+                except (RuntimeError, ValueError):
+                    logger.warning("request %s: replica %d refused it", stream.request_id, i)
+                else:
+                    del self._table[stream.request_id]
+                    self.prefilled += 1
+                    self._count("prefilled")
+                    return
+        self._release_reservation(entry)
+        self._to_replica(entry, None if entry.cancelled else entry.prompt)
 
     def _to_replica(self, entry: _Entry, prompt: PromptKV | None) -> None:
         """Adds the request to the healthy replica with the least queued work, with the
@@ -481,11 +630,13 @@ class PrefillPool:
                       "request from the prefill pool", unavailable=True)
 
     @staticmethod
-    def _place(engine, prompt: PromptKV, reservation: str, prompt_ids, writer) -> None:
-        """On the replica's loop thread, before the request's add: its pages from the pool
-        (none when the replica cannot reserve them now: it prefills the request itself)."""
+    def _place(engine, prompt: PromptKV, reservation: str, prompt_ids, writer,
+               reused: int | None = None) -> None:
+        """On the replica's loop thread, before the request's add: its pages from the pool,
+        into the reservation the handshake made (`reused` tokens of it were cached), or
+        reserved now (none when the replica cannot now: it prefills the request itself)."""
         try:
-            place_prompt(prompt, engine, reservation, prompt_ids, writer)
+            place_prompt(prompt, engine, reservation, prompt_ids, writer, reused)
         except MemoryError as e:
             logger.warning("%s; the replica prefills the request itself", e)
         except Exception:
@@ -497,6 +648,7 @@ class PrefillPool:
              unavailable: bool = False) -> None:
         with self._lock:
             entry = self._table.pop(rid)
+        self._release_reservation(entry)
         metrics = entry.stream.finish(reason, error, unavailable=unavailable)
         if self.metrics is not None:
             self.metrics.observe_finished(metrics, reason.value)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -233,6 +234,18 @@ def by_queued_work(replicas: Sequence, candidates: Sequence[int]) -> list[int]:
     `loop`), the least predicted seconds of queued work first (ties: the lower index)."""
     return sorted((i for i in candidates if replicas[i].loop.healthy),
                   key=lambda i: (replicas[i].loop.load[2], i))
+
+
+def by_freeness(replicas: Sequence, candidates: Sequence[int]) -> list[int]:
+    """Tetris's decode routing (seed 001, section 5.2): the healthy replicas among
+    `candidates`, the freest first: free KV pages per running request, an idle replica
+    first (ties: the lower index). Pages reserved for requests still on their way count as
+    used (Llumnix's virtual usage): the allocator holds them for the reservation."""
+    def freeness(i: int) -> float:
+        running = replicas[i].loop.load[1]
+        return math.inf if running == 0 else replicas[i].loop.free_pages / running
+    return sorted((i for i in candidates if replicas[i].loop.healthy),
+                  key=lambda i: (-freeness(i), i))
 
 
 def handed_off_request(request: Request, generated: Sequence[int]) -> Request:

@@ -2,7 +2,9 @@
 full page are prefilled on a 2-device ring and decoded on the replica, with one replica's
 greedy tokens; the rest bypass it; cancels and bad configs; every page comes back."""
 
+import dataclasses
 import gc
+import time
 
 import jax
 import numpy as np
@@ -123,6 +125,44 @@ def test_a_pool_needs_its_config_devices_to_spare_and_no_roles():
                cache_dir=False)
 
 
+@pytest.mark.slow
+def test_the_decode_replica_reserves_the_pages_before_the_pool_computes_them(replica_tokens):
+    """The handshake: a decode replica without room for a request's full pages refuses
+    it, and the request waits at the head of the pool's queue, not computed, until pages
+    come back; then the replica reserves them, the pool computes them and that replica
+    takes them. The tokens of a replica serving alone; every page back after."""
+    engine = dataclasses.replace(TINY_ENGINE, max_kv_tokens=256)      # 16 pages
+    with Server(tiny_model(), engine_config=engine, warmup=False, cache_dir=False,
+                prefill_pool=dataclasses.replace(POOL, min_prompt_tokens=90)) as server:
+        pool = server.prefill_pool
+        refusals, reserved_on = [], []
+        refused, dispatch = pool._refused, pool.pool.dispatch_chunk
+
+        def count_refusal(rid, replica):
+            refusals.append(replica)
+            refused(rid, replica)
+
+        def dispatch_chunk(rid, *args):
+            reserved_on.append(pool._table[rid].decode)
+            return dispatch(rid, *args)
+        pool._refused, pool.pool.dispatch_chunk = count_refusal, dispatch_chunk
+        # Under the pool's 90 tokens: the replica prefills it, and decoding fills its pages.
+        filler = server.submit(TokensPrompt(list(range(1, 81))),
+                               SamplingParams(temperature=0.0, max_tokens=160,
+                                              ignore_eos=True))
+        deadline = time.monotonic() + 60
+        while server.num_free_pages > 4 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert server.num_free_pages <= 4                   # fewer than PROMPTS[4]'s 6
+        out = server.generate(PROMPTS[4], GREEDY)
+        assert out.token_ids == replica_tokens[4]
+        assert refusals and set(reserved_on) == {0}          # computed once reserved
+        assert out.metrics.num_cached_tokens == (100 - 1) // PAGE * PAGE
+        assert len(filler.result(timeout=60).token_ids) == 160
+        assert wait_until_idle(server)
+        assert pool.num_free_pages == pool.num_pages
+
+
 def test_the_start_up_profile_scales_its_arrival_rates_to_the_pool_and_picks_candidates():
     """The improvement-rate table is profiled at loads of the pool's throughput bound: a
     device twice as slow halves every arrival rate and keeps each rate's r (the same
@@ -145,3 +185,19 @@ def test_the_start_up_profile_scales_its_arrival_rates_to_the_pool_and_picks_can
                                largest_prompt=4 * 64 * 16) == fast
     with pytest.raises(ValueError, match="improvement_rate"):
         PrefillPoolConfig(improvement_rate=1.5)
+
+
+def test_decode_replicas_are_asked_freest_first():
+    """Tetris's decode routing: free pages per running request, an idle replica first,
+    ties to the lower index; a replica that is down is not asked."""
+    from types import SimpleNamespace
+
+    from serving.replicas import by_freeness
+
+    def replica(free_pages, running, healthy=True):
+        return SimpleNamespace(loop=SimpleNamespace(free_pages=free_pages, healthy=healthy,
+                                                    load=(0, running, 0.0)))
+    replicas = [replica(40, 4), replica(30, 1), replica(10, 0), replica(40, 4),
+                replica(99, 0, healthy=False)]
+    assert by_freeness(replicas, range(5)) == [2, 1, 0, 3]
+    assert by_freeness(replicas, [0, 3]) == [0, 3]
