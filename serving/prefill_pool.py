@@ -93,6 +93,10 @@ logger = logging.getLogger(__name__)
 # When every decode replica refused to reserve the head's pages: seconds until it asks again
 # (pages come back as their requests finish; a decode step is milliseconds to a second).
 HANDSHAKE_RETRY_S = 0.05
+# The waiting requests at the queue's front that ask for their reservations before their
+# turn, so a replica's step between the asks does not hold each prefill up in turn (a
+# few: a reservation holds the replica's pages from then on).
+HANDSHAKES_AHEAD = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +162,7 @@ class _Entry:
     decode: int | None = None
     reservation: str = ""
     reused: int = 0
+    retry_at: float | None = None        # every replica refused: ask again then
     dispatched: float = 0.0              # perf_counter at dispatch
 
 
@@ -206,7 +211,7 @@ class PrefillPool:
         self._running: set[str] = set()              # dispatched, not yet computed
         # (the head of the queue, the free pages) when its plans last did not fit
         self._blocked: tuple[str, int] | None = None
-        self._retry_at: float | None = None  # when every replica refused the head: ask again
+        self._retry_at: float | None = None  # the soonest a refused request asks again
         self._closing = self._drain = False
         self._dead = False                   # the thread died: requests go to the replicas
         self._stopped = False                # the thread ended: no grant is taken any more
@@ -402,10 +407,10 @@ class PrefillPool:
                 if entry is not None:
                     self._end(rid, FinishReason.CANCELLED)
                 continue
+            # The handshake first: a decode replica reserves the pages it will take before
+            # the pool computes them, so the hand-off never lacks pages.
+            self._ask_ahead()
             if entry.decode is None:
-                # The handshake first: a decode replica reserves the pages it will take
-                # before the pool computes them, so the hand-off never lacks pages.
-                self._handshake(entry)
                 return
             if self._blocked == (rid, self.pool.num_free_pages):
                 return                 # no page came back since its plans did not fit
@@ -447,17 +452,36 @@ class PrefillPool:
             threading.Thread(target=self._wait_for, args=(rid, entry.prompt.kv),
                              name=f"medha-prefill-pool-{rid}", daemon=True).start()
 
+    def _ask_ahead(self) -> None:
+        """The handshakes of the first `HANDSHAKES_AHEAD` waiting requests, in arrival
+        order (each replica reserves in the order it is asked). When every replica refused
+        the head, the ones behind it give back what they reserved and ask no more until
+        it is granted: they cannot be prefilled before it, and their pages may be what it
+        waits for."""
+        front = [entry for entry in (self._table.get(rid) for rid in
+                                     itertools.islice(self._waiting, HANDSHAKES_AHEAD))
+                 if entry is not None and not entry.cancelled]
+        for k, entry in enumerate(front):
+            self._handshake(entry)
+            if k == 0 and entry.decode is None and entry.retry_at is not None:
+                for behind in front[1:]:
+                    self._release_reservation(behind)
+                front = front[:1]
+                break
+        retries = [e.retry_at for e in front if e.retry_at is not None]
+        self._retry_at = min(retries) if retries else None
+
     def _handshake(self, entry: _Entry) -> None:
         """Asks the freest decode replica (`by_freeness`), of those that did not refuse this
         round, to reserve the request's full pages (`_reserve`, on its loop thread;
         the answer comes back as a command). When every one refused, asks again in
-        `HANDSHAKE_RETRY_S`: the head waits and none passes it (first-handshake order)."""
+        `HANDSHAKE_RETRY_S`."""
         if entry.asked is not None and not self.replicas[entry.asked].loop.healthy:
             self._refused(entry.stream.request_id, entry.asked)   # its calls are dropped
-        if entry.asked is not None or (self._retry_at is not None
-                                       and time.monotonic() < self._retry_at):
+        if entry.decode is not None or entry.asked is not None or (
+                entry.retry_at is not None and time.monotonic() < entry.retry_at):
             return
-        self._retry_at = None
+        entry.retry_at = None
         stream = entry.stream
         for i in by_freeness(self.replicas, range(len(self.replicas))):
             if i in entry.refused:
@@ -471,7 +495,7 @@ class PrefillPool:
             entry.asked = None                     # that loop stopped meanwhile
             entry.refused.add(i)
         entry.refused.clear()
-        self._retry_at = time.monotonic() + HANDSHAKE_RETRY_S
+        entry.retry_at = time.monotonic() + HANDSHAKE_RETRY_S
 
     def _reserve(self, replica: int, rid: str, reservation: str, prompt_ids,
                  full_pages: int) -> None:
