@@ -29,11 +29,16 @@ PROMPTS = [TokensPrompt([int(t) for t in np.random.default_rng(i).integers(1, 25
 POOL = PrefillPoolConfig(devices=2, pages_per_device=8, rank_token_buckets=(32,))
 
 
+# 15 full pages: a whole 16-page replica's reservation but one (and the 2-device pool's).
+NEARLY_FULL = TokensPrompt([int(t) for t in np.random.default_rng(9).integers(1, 256, 245)])
+
+
 @pytest.fixture(scope="module")
 def replica_tokens():
+    """The greedy tokens of PROMPTS and then NEARLY_FULL on one replica alone."""
     with Server(tiny_model(), engine_config=TINY_ENGINE, warmup=False,
                 cache_dir=False) as server:
-        return [out.token_ids for out in server.generate(PROMPTS, GREEDY)]
+        return [out.token_ids for out in server.generate(PROMPTS + [NEARLY_FULL], GREEDY)]
 
 
 @pytest.mark.slow
@@ -161,6 +166,31 @@ def test_the_decode_replica_reserves_the_pages_before_the_pool_computes_them(rep
         assert len(filler.result(timeout=60).token_ids) == 160
         assert wait_until_idle(server)
         assert pool.num_free_pages == pool.num_pages
+
+
+@pytest.mark.slow
+def test_requests_behind_a_refused_head_give_their_reservations_back(replica_tokens):
+    """A head refused by every replica waits, and the requests behind it, which asked
+    ahead of their turn and may hold the very pages it needs, give theirs back: here a
+    15-page head on a 16-page replica, refused while a chat runs, and a 2-page request
+    granted behind it; once the chat ends only the 2 pages stand in its way. Both are
+    served with a replica's tokens (no deadlock), every page back after."""
+    engine = dataclasses.replace(TINY_ENGINE, max_kv_tokens=256)      # 16 pages
+    with Server(tiny_model(), engine_config=engine, warmup=False, cache_dir=False,
+                prefill_pool=dataclasses.replace(POOL, min_prompt_tokens=44)) as server:
+        chat = server.submit(TokensPrompt(list(range(1, 41))),     # under 44: a replica's
+                             SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))
+        deadline = time.monotonic() + 60
+        while server.num_free_pages > 13 and time.monotonic() < deadline:
+            time.sleep(0.002)
+        assert server.num_free_pages <= 13                   # the head's 15 do not fit
+        head, behind = server.submit(NEARLY_FULL, GREEDY), server.submit(PROMPTS[2], GREEDY)
+        assert head.result(timeout=60).token_ids == replica_tokens[len(PROMPTS)]
+        assert behind.result(timeout=60).token_ids == replica_tokens[2]
+        assert len(chat.result(timeout=60).token_ids) == 100
+        assert wait_until_idle(server)
+        assert server.prefill_pool.prefilled == 2
+        assert server.prefill_pool.num_free_pages == server.prefill_pool.num_pages
 
 
 def test_the_start_up_profile_scales_its_arrival_rates_to_the_pool_and_picks_candidates():
