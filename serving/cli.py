@@ -109,7 +109,8 @@ def _make_server(args, *, warmup: bool, calibrate: bool, engine=None):
         if getattr(args, "ray", None) is not None or switching is not None:
             raise ValueError("--prefill-pool does not combine with --ray or --switching yet")
         pool = PrefillPoolConfig(devices=args.prefill_pool,          # checked before loading
-                                 min_prompt_tokens=args.prefill_pool_min_tokens)
+                                 min_prompt_tokens=args.prefill_pool_min_tokens,
+                                 improvement_rate=args.prefill_pool_improvement_rate)
     if (dp != 1) != (switching is not None):
         raise ValueError("--dp N and --switching POLICY go together: N base replicas (one "
                          "device each, or --parallel tp=b) that switch between DP and TP "
@@ -408,6 +409,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "decoded on the replicas (serving.prefill_pool)")
     serve.add_argument("--prefill-pool-min-tokens", type=int, default=0,
                        help="with --prefill-pool: shorter prompts skip the pool (default 0)")
+    serve.add_argument("--prefill-pool-improvement-rate", type=float, default=None,
+                       metavar="R", help="with --prefill-pool: the planner takes a larger "
+                            "group only if it cuts the TTFT by more than R (0 <= R < 1; "
+                            "default: looked up for the arrival rate, as in Tetris)")
     hosts = serve.add_argument_group("one replica over several processes (serving.multihost)")
     hosts.add_argument("--hosts", type=int, default=1,
                        help="processes the replica spans, one per host: every process runs "

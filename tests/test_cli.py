@@ -62,6 +62,8 @@ def test_generate_prints_the_greedy_text(model_dir, capsys):
     (["serve", "--dp", "2"], "--dp N and --switching POLICY go together"),
     (["serve", "--prefill-pool", "3"], "PrefillPoolConfig.devices must be a power of two"),
     (["serve", "--prefill-pool", "2", "--ray"], "--prefill-pool does not combine with --ray"),
+    (["serve", "--prefill-pool", "2", "--prefill-pool-improvement-rate", "1"],
+     "improvement_rate must be in"),
     (["serve", "--dp", "2", "--switching", "load", "--parallel", "kvp=2"],
      "switching's base replicas are one device or a TP group"),
 ])
