@@ -7,12 +7,13 @@ The replicas decode; the pool's devices (taken after theirs) form one sequence-p
 ring (`medha_jax.engine.cdsp_pool.CdspPool`). A prompt that has a full KV page and a token
 more goes to the pool; others go to the replicas as without a pool.
 
-    1. the handshake, first come first served: when a request is at the head of the
-       queue, the freest decode replica (`serving.replicas.by_freeness`) reserves its
-       full pages (on its loop thread, between steps: `serving.pool_handoff.reserve_prompt`;
-       pages it has cached are reused). One without room refuses and the next is asked; when all
-       refused, the head waits (none passes it) and asks again as pages come back. So the
-       pool never computes pages no replica can take (Tetris, seed 003's failure modes).
+    1. the handshake, in arrival order: when a request is among the first few waiting
+       (`HANDSHAKES_AHEAD`), the freest decode replica (`serving.replicas.by_freeness`)
+       reserves its full pages, on its loop thread between steps
+       (`serving.pool_handoff.reserve_prompt`; pages it has cached are reused). One
+       without room refuses and the next is asked; when all refused, the request asks
+       again shortly, and a refused head waits (none passes it; those behind it give
+       their reservations back). So the pool never computes pages no replica can take.
     2. planned: `medha_jax.scheduler.cdsp.CdspScheduler` plans the prompt's full pages as
        chunks on nested aligned groups from each device's queue, the seconds until it is
        free by the plans booked so far (Eq. 2), with Eq. 1 fitted per group size from
