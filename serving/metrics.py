@@ -118,6 +118,10 @@ class ServerMetrics:
         self.prefill_pool_waiting = Gauge(
             "medha_prefill_pool_waiting", "Requests queued for the prefill pool's pages.",
             registry=r)
+        self.prefill_pool_refusals = Counter(
+            "medha_prefill_pool_refusals", "Handshakes a decode replica refused (no room for "
+            "a prefill pool request's pages then, or it went down): the next one is asked.",
+            registry=r)
         self.prefill_pool_improvement_rate = Gauge(
             "medha_prefill_pool_improvement_rate", "The improvement rate the prefill pool's "
             "planner takes a larger group at (seed 001's r), looked up for the arrival rate.",

@@ -532,6 +532,8 @@ class PrefillPool:
         if entry is not None and entry.asked == replica:
             entry.asked = None
             entry.refused.add(replica)
+        if self.metrics is not None:
+            self.metrics.prefill_pool_refusals.inc()
 
     def _release_reservation(self, entry: _Entry) -> None:
         """Frees the request's reservation on its decode replica (it will not take it)."""
