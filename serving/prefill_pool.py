@@ -469,7 +469,11 @@ class PrefillPool:
                     self._release_reservation(behind)
                 front = front[:1]
                 break
-        retries = [e.retry_at for e in front if e.retry_at is not None]
+        # Ask again when refused; and look again while an answer is pending: a replica that
+        # goes down drops the calls posted to it, and nothing else would wake this thread.
+        now = time.monotonic()
+        retries = [e.retry_at if e.asked is None else now + HANDSHAKE_RETRY_S
+                   for e in front if e.retry_at is not None or e.asked is not None]
         self._retry_at = min(retries) if retries else None
 
     def _handshake(self, entry: _Entry) -> None:

@@ -196,6 +196,37 @@ def test_requests_behind_a_refused_head_give_their_reservations_back(replica_tok
         assert server.prefill_pool.num_free_pages == server.prefill_pool.num_pages
 
 
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # killed
+def test_a_decode_replica_that_dies_holding_an_ask_is_passed_over(replica_tokens):
+    """The freest replica is asked to reserve and dies before it answers (its loop drops
+    the calls posted to it): the pool asks the other one, which serves the request with
+    a lone replica's tokens; the pool's pages all come back."""
+    import threading
+
+    with Server(tiny_model(), replicas=2, engine_config=TINY_ENGINE, warmup=False,
+                cache_dir=False, prefill_pool=POOL) as server:
+        pool = server.prefill_pool
+        held, release = threading.Event(), threading.Event()
+
+        def die_when_released():
+            held.set()
+            release.wait(60)
+            raise SystemExit("replica 0's loop is killed")
+        assert pool.replicas[0].loop.call(die_when_released)
+        assert held.wait(60)                    # replica 0's loop is inside the call
+        handle = server.submit(PROMPTS[3], GREEDY)
+        deadline = time.monotonic() + 60
+        while not any(e.asked == 0 for e in list(pool._table.values())) and \
+                time.monotonic() < deadline:
+            time.sleep(0.002)
+        release.set()                           # it dies with the ask in its inbox
+        assert handle.result(timeout=60).token_ids == replica_tokens[3]
+        assert not pool.replicas[0].loop.healthy and pool.prefilled == 1
+        assert wait_until_idle(server)
+        assert pool.num_free_pages == pool.num_pages
+
+
 def test_the_start_up_profile_scales_its_arrival_rates_to_the_pool_and_picks_candidates():
     """The improvement-rate table is profiled at loads of the pool's throughput bound: a
     device twice as slow halves every arrival rate and keeps each rate's r (the same
