@@ -605,60 +605,57 @@ class PrefillPool:
         """The computed pages to the replica holding the request's reservation: written
         there, then the request added to take them. If that replica went away meanwhile,
         to another (`_to_replica`, which reserves anew)."""
-        stream, i = entry.stream, entry.decode
-        loop, engine = self.replicas[i].loop, self.replicas[i].engine
-        with self._lock:
-            if not entry.cancelled and loop.call(
-                    lambda r=entry.reservation, e=engine, w=self._writers[i], p=entry.prompt:
-                    self._place(e, p, r, stream.request.prompt_token_ids, w, entry.reused)):
-                stream.resume(stream.request, i)
-                try:
-                    loop.add(stream, kv_from=(entry.reservation, entry.tokens))
-                except (RuntimeError, ValueError):
-                    logger.warning("request %s: replica %d refused it", stream.request_id, i)
-                else:
-                    del self._table[stream.request_id]
-                    self.prefilled += 1
-                    self._count("prefilled")
-                    return
+        if self._add_to(entry, entry.decode, entry.prompt, entry.reservation, entry.reused):
+            return
         self._release_reservation(entry)
         self._to_replica(entry, None if entry.cancelled else entry.prompt)
 
     def _to_replica(self, entry: _Entry, prompt: PromptKV | None) -> None:
         """Adds the request to the healthy replica with the least queued work, with the
-        pool's pages (`prompt`) or, without, to be prefilled there."""
-        stream = entry.stream
-        rid = stream.request_id
+        pool's pages (`prompt`, reserved there now) or, without, to be prefilled there."""
+        rid = entry.stream.request_id
         for i in by_queued_work(self.replicas, range(len(self.replicas))):
-            loop, engine = self.replicas[i].loop, self.replicas[i].engine
-            with self._lock:
-                if entry.cancelled:
-                    break
-                kv_from = None
-                if prompt is not None:
-                    reservation = reservation_id(rid, next(self._tids))
-                    if not loop.call(lambda r=reservation, e=engine, w=self._writers[i]:
-                                     self._place(e, prompt, r, stream.request.prompt_token_ids,
-                                                 w)):
-                        continue
-                    kv_from = (reservation, entry.tokens)
-                stream.resume(stream.request, i)
-                try:
-                    loop.add(stream, kv_from=kv_from)
-                except (RuntimeError, ValueError):
-                    logger.warning("request %s: replica %d refused it", rid, i)
-                    if kv_from is not None:
-                        loop.call(lambda r=kv_from[0], e=engine: free_if_held(e.allocator, r))
-                    continue
-                del self._table[rid]
-                self.prefilled += prompt is not None
-                self._count("prefilled" if prompt is not None else "replica")
+            reservation = reservation_id(rid, next(self._tids)) if prompt is not None else ""
+            if self._add_to(entry, i, prompt, reservation, None):
                 return
+            if entry.cancelled:
+                break
         if entry.cancelled:
             self._end(rid, FinishReason.CANCELLED)
         else:
             self._end(rid, FinishReason.ERROR, "unavailable: no replica could take the "
                       "request from the prefill pool", unavailable=True)
+
+    def _add_to(self, entry: _Entry, i: int, prompt: PromptKV | None, reservation: str,
+                reused: int | None) -> bool:
+        """Adds the request to replica i, with the pool's pages written first into
+        `reservation` when `prompt` is given (`reused`: see `_place`). Under the pool's
+        lock, so a cancel finds the request in the pool or on the loop. False, the request
+        still the pool's, when it was cancelled or the replica would not take it."""
+        stream, rid = entry.stream, entry.stream.request_id
+        loop, engine = self.replicas[i].loop, self.replicas[i].engine
+        with self._lock:
+            if entry.cancelled:
+                return False
+            kv_from = None
+            if prompt is not None:
+                if not loop.call(lambda: self._place(engine, prompt, reservation,
+                                                     stream.request.prompt_token_ids,
+                                                     self._writers[i], reused)):
+                    return False
+                kv_from = (reservation, entry.tokens)
+            stream.resume(stream.request, i)
+            try:
+                loop.add(stream, kv_from=kv_from)
+            except (RuntimeError, ValueError):
+                logger.warning("request %s: replica %d refused it", rid, i)
+                if kv_from is not None:
+                    loop.call(lambda: free_if_held(engine.allocator, reservation))
+                return False
+            del self._table[rid]
+            self.prefilled += prompt is not None
+            self._count("prefilled" if prompt is not None else "replica")
+            return True
 
     @staticmethod
     def _place(engine, prompt: PromptKV, reservation: str, prompt_ids, writer,
