@@ -28,9 +28,11 @@ The paper's setup (section 7.1), simulated with `medha_jax.cluster.prefill_pool_
 
 Tables: (a) TTFT and max rate per trace and system; (b) the improvement-rate sweep (p50
 TTFT of each fixed r over the dynamic one); (c) scheduler latency (CPU time of one
-`CdspScheduler.plan` on this CPU, Python) over random trials at pools of 8..128 instances,
-on queue states drawn uniformly and on states taken from simulated runs; with --baseline REF
-also the scheduler as of a git ref, timed on the same trials and checked to plan the same.
+`CdspScheduler.plan` on this CPU) over random trials at pools of 8..128 instances, on queue
+states drawn uniformly and on states taken from simulated runs: the planner as installed
+(compiled by mypyc when it could be) and, when that is compiled, its source interpreted;
+with --baseline REF also the scheduler as of a git ref; all timed on the same trials,
+interleaved, and checked to plan the same.
 """
 
 from __future__ import annotations
@@ -273,7 +275,10 @@ def baseline_scheduler_module(ref: str):
 
 
 def _chunks(plan) -> list[tuple]:
-    return [(c.tokens, c.history, c.group, c.start_s, c.end_s) for c in plan.chunks]
+    """A plan's chunks as plain values (a baseline may return numpy floats where the
+    queues were numpy floats; the comparison is of values)."""
+    return [(c.tokens, c.history, tuple(c.group), float(c.start_s), float(c.end_s))
+            for c in plan.chunks]
 
 
 def scheduler_latency(args, trials: int) -> list[dict]:
@@ -282,9 +287,14 @@ def scheduler_latency(args, trials: int) -> list[dict]:
     from medha_jax.scheduler.cdsp import CdspConfig, CdspScheduler, book_plan
     from medha_jax.workloads import TETRIS_LONG_PROMPT
 
-    impls = {"current": cdsp}
+    from medha_jax.scheduler import cdsp_search
+
+    # name -> (module, keyword arguments of its CdspScheduler)
+    impls = {"compiled" if cdsp.PLANNER_COMPILED else "interpreted": (cdsp, {})}
+    if cdsp.PLANNER_COMPILED:
+        impls["interpreted"] = (cdsp, {"planner": cdsp_search})
     if args.baseline:
-        impls[args.baseline] = baseline_scheduler_module(args.baseline)
+        impls[args.baseline] = (baseline_scheduler_module(args.baseline), {})
     models = timing_models()
     rows = []
     for states in ("uniform", "simulated"):
@@ -310,8 +320,9 @@ def scheduler_latency(args, trials: int) -> list[dict]:
                         book_plan(queues, scheduler.plan(int(lengths[k]), queues, r))
                         dt = gaps[k] / (load * capacity)
                         queues = [max(0.0, q - dt) for q in queues]
-                schedulers = {name: m.CdspScheduler(n, models, m.CdspConfig(aligned=aligned))
-                              for name, m in impls.items()}
+                schedulers = {name: m.CdspScheduler(n, models, m.CdspConfig(aligned=aligned),
+                                                    **kw)
+                              for name, (m, kw) in impls.items()}
                 cpu = {name: [] for name in impls}
                 wall = {name: [] for name in impls}
                 least = {name: [] for name in impls}
@@ -334,8 +345,9 @@ def scheduler_latency(args, trials: int) -> list[dict]:
                             best = min(best, time.thread_time() - c0)
                         least[name].append(best)
                     if len({repr(_chunks(p)) for p in plans.values()}) != 1:
-                        raise AssertionError(f"{states} n={n} aligned={aligned}: plans differ "
-                                             f"from the baseline's for {tokens} tokens")
+                        raise AssertionError(f"{states} n={n} aligned={aligned}: the "
+                                             f"implementations plan {tokens} tokens "
+                                             f"differently")
                 for name in impls:
                     cpu_us, wall_us = np.array(cpu[name]) * 1e6, np.array(wall[name]) * 1e6
                     min_us = np.array(least[name]) * 1e6
@@ -377,11 +389,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         table("(b) simulated: improvement-rate sweep, CDSP p50 TTFT at each fixed r over the "
               "dynamic rate's (Eq. 1 per setup as in (a))", sweeps)
     if latency:
-        table(f"(c) measured: CdspScheduler.plan latency on this CPU (Python), {trials} random "
+        table(f"(c) measured: CdspScheduler.plan latency on this CPU, {trials} random "
               "trials per max SP (node size 8, SP candidates powers of two up to the pool); "
+              "compiled: by mypyc at install; interpreted: the same source in CPython; "
               f"cpu: one call's thread CPU time; min: the least of {args.repeats} calls "
-              "per trial" + (f"; {args.baseline}: the scheduler at that git ref, same trials, "
-                             "same plans" if args.baseline else ""), latency)
+              "per trial" + (f"; {args.baseline}: the scheduler at that git ref" if
+                             args.baseline else "") + "; every row plans the same", latency)
     if rows and "a" not in skip:
         for key, inf in info.items():
             print(f"{key}: SLO p99 TTFT {inf['slo_p99_s']:.2f} s; best fixed "

@@ -3,6 +3,8 @@ the properties every plan must have."""
 
 import math
 import random
+import sys
+import types
 
 import pytest
 from hypothesis import given, settings
@@ -10,9 +12,11 @@ from hypothesis import strategies as st
 
 from medha_jax.scheduler.cdsp import (TABLE1_LLAMA3_8B_A100, AdaptiveImprovementRate,
                                       CdspConfig, CdspScheduler, DecodeRouter,
-                                      FixedSpScheduler, ImprovementRateTable, LatencyModel, _Pool,
+                                      FixedSpScheduler, ImprovementRateTable, LatencyModel,
                                       book_chunk, book_plan, fit_latency_models,
                                       table1_latency_models, table1_tabulated)
+from medha_jax.scheduler import cdsp, cdsp_search
+from medha_jax.scheduler.cdsp_search import NONE, Groups
 
 
 def test_section_2_4_first_example_greedy_sp16_versus_reserving_8_instances():
@@ -116,16 +120,15 @@ def test_book_chunk_is_eq2():
 def test_extend_follows_the_papers_two_rules():
     # Three nodes of 4: node 0 has one idle instance, node 1 is free in 1 s, node 2 in 2 s.
     queues = [0.0, 5.0, 5.0, 5.0, 1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 0.5]
-    pool = _Pool(queues, node_size=4, aligned=False)
+    pool = Groups(queues, node_size=4, aligned=False, sp_sizes=list(range(17)))
 
     def grow(*sizes):
         """Extend from the empty group through `sizes`: (members, longest added queue)."""
-        key, added = pool.EMPTY, None
+        key, added = 0, None   # 0: the empty group
         for s in sizes:
-            out = pool.extend(key, s)
-            if out is None:
+            key, added = pool.extend(key, s)   # sp_sizes[s] is s
+            if key == NONE:
                 return None
-            key, added = out
         return pool.members(key), added
 
     # (1) first chunk within a node: the node whose s-th shortest queue is shortest.
@@ -187,6 +190,41 @@ def test_chunking_never_predicts_a_later_first_token_than_one_chunk(case):
                            CdspConfig(improvement_rate=r, aligned=aligned, chunking=False)
                            ).plan(tokens, queues)
     assert chunked.ttft_s <= single.ttft_s + 1e-12
+
+
+@st.composite
+def odd_pools(draw):
+    """Pools of any size and node size (a short last node, a pool of 24 with one aligned
+    block of 16), with ties among the queues."""
+    n = draw(st.integers(1, 40))
+    queues = draw(st.lists(st.sampled_from([0.0, 0.5, 1.0]) | st.floats(0, 5),
+                           min_size=n, max_size=n))
+    return (queues, draw(st.sampled_from([1, 2, 3, 4, 8])), draw(st.integers(1, 300_000)),
+            draw(st.floats(0, 0.75)), draw(st.booleans()), draw(st.booleans()))
+
+
+@pytest.mark.skipif(not cdsp.PLANNER_COMPILED,
+                    reason="the CDSP planner was not compiled at install (no mypyc or no C "
+                           "compiler): the source is what runs")
+@settings(max_examples=150, deadline=None)
+@given(odd_pools())
+def test_the_compiled_planner_plans_exactly_as_its_source(case):
+    queues, node_size, tokens, r, aligned, tabulated = case
+    models = table1_tabulated() if tabulated else table1_latency_models()
+    config = CdspConfig(node_size=node_size, aligned=aligned, improvement_rate=r)
+    compiled = CdspScheduler(len(queues), models, config)
+    source = CdspScheduler(len(queues), models, config, planner=cdsp_search)
+    assert type(compiled._search).__module__ == "medha_jax.scheduler._cdsp_search_compiled"
+    assert type(source._search).__module__ == "medha_jax.scheduler.cdsp_search"
+    assert compiled.plan(tokens, queues) == source.plan(tokens, queues)
+
+
+def test_a_compiled_planner_built_from_other_source_is_not_used(monkeypatch):
+    stale = types.ModuleType("medha_jax.scheduler._cdsp_search_compiled")
+    stale.SOURCE_SHA256 = "0" * 64
+    monkeypatch.setitem(sys.modules, "medha_jax.scheduler._cdsp_search_compiled", stale)
+    with pytest.warns(UserWarning, match="older cdsp_search.py"):
+        assert cdsp._planner_module() is cdsp_search
 
 
 def test_aligned_groups_of_a_first_chunk_pick_the_block_free_first():

@@ -4,7 +4,9 @@ All prefill instances form one sequence-parallel ring. A prompt is prefilled as 
 c_1..c_n, in order, on nested instance groups G_1 ⊆ G_2 ⊆ ... (so SP sizes only grow and no
 cache ever leaves an instance): early chunks fill instances idle now, later ones grow to
 the groups that free up later. Plain Python (no JAX), so the simulator
-(`medha_jax.cluster.prefill_pool_sim`) and a serving loop run the same code.
+(`medha_jax.cluster.prefill_pool_sim`) and a serving loop run the same code. The per-arrival
+search (Eq. 1, Extend, Algorithms 1-3) is in `cdsp_search`, typed for mypyc, which compiles
+it at install when it can (`planner`, `PLANNER_COMPILED`; the same plans either way).
 
 The seed lost its formulas; section A of research/seeds-001-003-004.md rebuilds them from
 the prose ([R] there). Implemented as written there:
@@ -15,9 +17,10 @@ the prose ([R] there). Implemented as written there:
   Eq. 2  q_i ← max_{j∈G_c} q_j + T_c  for i ∈ G_c, unchanged elsewhere  (`book_chunk`)
          q_i: seconds until instance i is free. A ring chunk starts when its slowest member
          is free and holds all members until it ends.
-  Alg. 1 recursive chunk search (`CdspScheduler.plan` / `_search`); Alg. 2 single-chunk
-         scheduling with the improvement rate (`_single_chunk`); Alg. 3 the chunk that fills
-         the gap until the next group is free (in `_search`); `Extend` (`_Pool.extend`).
+  Alg. 1 recursive chunk search (`CdspScheduler.plan` / `ChunkSearch.search`); Alg. 2
+         single-chunk scheduling with the improvement rate (`ChunkSearch.single_chunk`);
+         Alg. 3 the chunk that fills the gap until the next group is free (in
+         `ChunkSearch.search`); `Extend` (`Groups.extend`).
 
 Choices the paper leaves open (A.4), each made here and named where it is made:
   - Gain in Alg. 2 is relative to the best plan so far: (ttft_best - ttft_s) / ttft_best > r.
@@ -42,61 +45,40 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import hashlib
+import importlib
 import math
+import pathlib
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 import numpy as np
 
+from medha_jax.scheduler import cdsp_search
 from medha_jax.scheduler.predictor import _nonnegative_least_squares
 
 
-class ChunkLatency(Protocol):
-    """Seconds one chunk takes at one SP size (Eq. 1, or a table)."""
+def _planner_module():
+    """cdsp_search as compiled by mypyc at install (setup.py's compiled_planner) when that
+    build is of the source beside it, else the source itself (same plans, 2-3x slower)."""
+    try:
+        compiled = importlib.import_module("medha_jax.scheduler._cdsp_search_compiled")
+    except ImportError:
+        return cdsp_search
+    digest = hashlib.sha256(pathlib.Path(cdsp_search.__file__).read_bytes()).hexdigest()
+    if compiled.SOURCE_SHA256 != digest:
+        warnings.warn("the compiled CDSP planner was built from an older cdsp_search.py: "
+                      "running the source interpreted until the next `make install`",
+                      stacklevel=2)
+        return cdsp_search
+    return compiled
 
-    def seconds(self, history: float, tokens: float) -> float: ...
 
-    def tokens_within(self, history: float, budget_s: float) -> float:
-        """The largest chunk (real-valued tokens) that ends within budget_s; 0 if none."""
-        ...
-
-
-@dataclasses.dataclass(frozen=True)
-class LatencyModel:
-    """Eq. 1 [R] at one SP size: T(h, l) = alpha + beta·l + gamma·h·l + delta·l² seconds.
-
-    alpha: constant overhead; beta: fully connected layers (per token); gamma: attention to
-    the h history tokens (per (query, key) pair); delta: attention within the chunk. The
-    normalisations (l²/2 for causal, 1/sp) are absorbed by the fitted coefficients.
-    """
-
-    sp: int
-    alpha: float
-    beta: float
-    gamma: float
-    delta: float
-
-    def __post_init__(self):
-        for name in ("alpha", "beta", "gamma", "delta"):
-            value = getattr(self, name)
-            if not math.isfinite(value) or value < 0:
-                raise ValueError(f"LatencyModel.{name} must be finite and >= 0 (sp={self.sp}), "
-                                 f"got {value!r}")
-
-    def seconds(self, history: float, tokens: float) -> float:
-        return self.alpha + tokens * (self.beta + self.gamma * history + self.delta * tokens)
-
-    def tokens_within(self, history: float, budget_s: float) -> float:
-        """Alg. 3's root of T(h, l) = budget: delta·l² + (beta + gamma·h)·l - (budget - alpha)
-        = 0, closed form (Newton's method would only be needed for more terms)."""
-        c = budget_s - self.alpha
-        if c <= 0:
-            return 0.0
-        b = self.beta + self.gamma * history
-        if self.delta == 0:
-            return math.inf if b == 0 else c / b
-        # 2c / (b + sqrt(b² + 4·delta·c)): the stable form of the positive root.
-        return 2 * c / (b + math.sqrt(b * b + 4 * self.delta * c))
+planner = _planner_module()
+PLANNER_COMPILED = planner is not cdsp_search
+ChunkLatency, ChunkSearch, LatencyModel = planner.ChunkLatency, planner.ChunkSearch, \
+    planner.LatencyModel
 
 
 def fit_latency_models(samples: Iterable[tuple[int, int, int, float]]
@@ -280,205 +262,18 @@ class CdspConfig:
                              f"chunk_multiple ({self.chunk_multiple}) must be >= 1")
 
 
-_MISSING = object()
-
-
-class _Pool:
-    """One `plan` call's view of the instances, for Extend.
-
-    Queues outside the group being grown stay fixed through the search (Eq. 2 only touches
-    group members, which Extend never adds again), so each node's queues are sorted once per
-    call. Both rules of Extend take a node's instances shortest-queue first, so a group is a
-    prefix of each node's sorted order: a group is its nodes (a bit mask) and the counts of
-    the nodes it takes in part (free mode), or its (start, size) block (aligned mode). The
-    search passes groups around as small ints (an index into this call's Extend results,
-    or start * (n + 1) + size), so Extend's memo is keyed by ints; 0 is the empty group in
-    both modes. Instances are named (sorting a node's indices, ties to the lower index)
-    only for the groups of the plan returned.
-    """
-
-    EMPTY = 0
-
-    def __init__(self, queues: Sequence[float], node_size: int, aligned: bool):
-        self.q = queues
-        self.n = n = len(queues)
-        self.stride = n + 1
-        self.node_size = node_size
-        self.aligned = aligned
-        # Extend's memo, keyed group * (n + 1) + s; the search reads and fills it inline.
-        self.memo: dict[int, tuple[int, float] | None] = {}
-        self.extend_unmemoised = self._extend_aligned if aligned else self._extend
-        if aligned:
-            # The longest queue of each aligned block of size s (powers of two up to n):
-            # pairs of halves; a pool of 24 at s = 16 drops the odd half ([0, 16) only).
-            level = list(queues)
-            self._levels: dict[int, list[float]] = {1: level}
-            s = 2
-            while s <= n:
-                level = self._levels[s] = [b if b > a else a for a, b in
-                                           zip(level[0:2 * (n // s):2], level[1::2])]
-                s *= 2
-            return
-        # Sorting values (not indices by value) is a third of the cost; members() names them.
-        self.qs: list[list[float]] = [sorted(queues[b:b + node_size])
-                                      for b in range(0, n, node_size)]
-        # Free-mode groups by id: (size, nodes as bits, {node: count} of nodes taken in part).
-        self._groups: list[tuple[int, int, dict[int, int]]] = [(0, 0, {})]
-        self._by_kth: dict[int, list[int]] = {}
-        self._prefix: tuple[list[int], list[int]] | None = None
-
-    def size(self, group: int) -> int:
-        return group % self.stride if self.aligned else self._groups[group][0]
-
-    def members(self, group: int) -> tuple[int, ...]:
-        if self.aligned:
-            start, size = divmod(group, self.stride)
-            return tuple(range(start, start + size))
-        _, mask, part = self._groups[group]
-        out = []   # node by node, each ascending: the whole group ascending
-        node_size, b = self.node_size, 0
-        while mask:
-            if mask & 1:
-                ids = range(b, min(b + node_size, self.n))
-                out += (sorted(sorted(ids, key=self.q.__getitem__)[:part[b // node_size]])
-                        if part and b // node_size in part else ids)
-            mask >>= 1
-            b += node_size
-        return tuple(out)
-
-    def extend(self, group: int, s: int) -> tuple[int, float] | None:
-        """Extend(G_prev, s): a group of s instances containing `group`, and the longest
-        queue of the instances it adds (-inf if none); None if the pool cannot make one."""
-        k = group * self.stride + s
-        try:
-            return self.memo[k]
-        except KeyError:
-            out = self.memo[k] = self.extend_unmemoised(group, s)
-            return out
-
-    def _extend_aligned(self, group, s):
-        if s > self.n:
-            return None
-        levels = self._levels
-        if not group:   # the aligned block whose longest queue is shortest (ties: lower)
-            level = levels[s]
-            b = level.index(min(level))
-            return b * s * self.stride + s, level[b]
-        start, size = divmod(group, self.stride)
-        if size == s:
-            return group, -math.inf
-        new_start = start // s * s
-        if new_start + s > self.n:   # a pool of 24 has one block of 16: [0, 16)
-            return None
-        added, t = -math.inf, size
-        while t < s:   # the sibling block at each level up to s
-            sibling = levels[t][(start // t) ^ 1]
-            added = sibling if sibling > added else added
-            start, t = start // (2 * t) * (2 * t), 2 * t
-        return new_start * self.stride + s, added
-
-    def _nodes_by_kth(self, k: int) -> list[int]:
-        """Nodes with >= k instances, by their k-th shortest queue (ties: lower node, as
-        the sort is stable; only the last node can be short)."""
-        if k not in self._by_kth:
-            qs = self.qs
-            kth = [q[k - 1] for q in qs] if len(qs[-1]) >= k else [q[k - 1] for q in qs[:-1]]
-            self._by_kth[k] = sorted(range(len(kth)), key=kth.__getitem__)
-        return self._by_kth[k]
-
-    def _whole_ranking(self) -> tuple[list[int], list[int]]:
-        """Whole nodes by longest queue, and prefix[t]: the bit mask of its first t."""
-        if self._prefix is None:
-            ranking = self._nodes_by_kth(self.node_size)
-            prefix = [0]
-            for node in ranking:
-                prefix.append(prefix[-1] | 1 << node)
-            self._prefix = ranking, prefix
-        return self._prefix
-
-    def _extend(self, group, s):
-        size, mask, part = self._groups[group]
-        need = s - size
-        if need < 0 or s > self.n:
-            return None
-        if need == 0:
-            return group, -math.inf
-        qs, node_size = self.qs, self.node_size
-        added = -math.inf
-        if part:
-            # Rule (2): first the shortest-queued instances of the nodes the group uses (only
-            # those it takes in part have any left).
-            if len(part) == 1:   # one node's sorted tail: a prefix of it, no merge
-                (node, k), = part.items()
-                left = len(qs[node]) - k
-                if need < left:
-                    self._groups.append((s, mask, {node: k + need}))
-                    return len(self._groups) - 1, qs[node][k + need - 1]
-                added = qs[node][-1]
-                need -= left
-                part = {}
-            else:
-                part = dict(part)
-                cand = [(q, node) for node, k in part.items() for q in qs[node][k:]]
-                if len(cand) > need:
-                    cand.sort()
-                    cand = cand[:need]
-                for q, node in cand:
-                    part[node] += 1
-                    added = q if q > added else added
-                need -= len(cand)
-                part = {node: k for node, k in part.items() if k < len(qs[node])}
-        whole = need // node_size
-        if whole:   # rule (1) across nodes: whole nodes, longest queue shortest first
-            # The first `whole` nodes of the ranking outside the group: the least t with
-            # `whole` of the first t outside (the count grows by at most one per node, so
-            # stepping by the shortfall never passes it); the last of them has the longest
-            # queue added.
-            ranking, prefix = self._prefix or self._whole_ranking()
-            t = whole
-            while t < len(prefix):
-                short = whole - t + (mask & prefix[t]).bit_count()
-                if not short:
-                    break
-                t += short
-            else:
-                return None
-            mask |= prefix[t]
-            last = qs[ranking[t - 1]][-1]
-            added = last if last > added else added
-            need %= node_size
-        if need and not mask:   # rule (1) from nothing: the first such node, no ranking
-            kth = [q[need - 1] for q in (qs if len(qs[-1]) >= need else qs[:-1])]
-            if not kth:
-                return None
-            node = kth.index(min(kth))
-            self._groups.append((s, 1 << node, {node: need} if need < len(qs[node]) else {}))
-            return len(self._groups) - 1, kth[node]
-        if need:    # rule (1) in a node: the node whose need-th shortest queue is shortest
-            for node in self._by_kth.get(need) or self._nodes_by_kth(need):
-                if not mask >> node & 1:
-                    mask |= 1 << node
-                    if need < len(qs[node]):
-                        part = {**part, node: need}
-                    kth = qs[node][need - 1]
-                    added = kth if kth > added else added
-                    break
-            else:
-                return None
-        self._groups.append((s, mask, part))
-        return len(self._groups) - 1, added
-
-
 class CdspScheduler:
     """Algorithms 1-3 over a pool of `num_instances` prefill instances (node-major: instance
     i is on node i // node_size).
 
     models: an Eq. 1 model (or any ChunkLatency) per SP size; S is the config's sizes that
     have a model and fit the pool.
+    planner: the module whose search plans: `planner` (the compiled build when there is
+    one) by default; `cdsp_search` runs the source (tests and benchmarks compare the two).
     """
 
     def __init__(self, num_instances: int, models: Mapping[int, ChunkLatency],
-                 config: CdspConfig = CdspConfig()):
+                 config: CdspConfig = CdspConfig(), *, planner=planner):
         if num_instances < 1:
             raise ValueError(f"num_instances must be >= 1, got {num_instances}")
         self.num_instances, self.config, self.models = num_instances, config, dict(models)
@@ -486,9 +281,13 @@ class CdspScheduler:
         if not self.sp_sizes:
             raise ValueError(f"no SP size of {config.sp_sizes} has a model "
                              f"({sorted(models)}) and fits {num_instances} instances")
-        # Per SP-size index, bound once: the search evaluates them in its inner loop.
-        self._seconds = tuple(self.models[s].seconds for s in self.sp_sizes)
-        self._tokens_within = tuple(self.models[s].tokens_within for s in self.sp_sizes)
+        # An Eq. 1 model of either build becomes the planner's own, which it calls directly.
+        eq1 = (cdsp_search.LatencyModel, LatencyModel)
+        search_models = [planner.LatencyModel(m.sp, m.alpha, m.beta, m.gamma, m.delta)
+                         if isinstance(m, eq1) else m
+                         for m in (self.models[s] for s in self.sp_sizes)]
+        self._search = planner.ChunkSearch(list(self.sp_sizes), search_models, config.chunking,
+                                           config.chunk_multiple, config.min_chunk_tokens)
 
     def plan(self, tokens: int, queues: Sequence[float],
              improvement_rate: float | None = None) -> Plan:
@@ -499,108 +298,11 @@ class CdspScheduler:
         if len(queues) != self.num_instances:
             raise ValueError(f"queues has {len(queues)} entries, the pool {self.num_instances}")
         r = self.config.improvement_rate if improvement_rate is None else improvement_rate
-        pool = _Pool(queues, self.config.node_size, self.config.aligned)
-        found = self._search(pool, tokens, _Pool.EMPTY, 0, 0.0, 0, 0, r, math.inf)
-        if found is None:
+        chunks = self._search.plan(tokens, queues, self.config.node_size, self.config.aligned,
+                                   float(r))
+        if not chunks:
             raise RuntimeError(f"no group of any size in {self.sp_sizes} fits the pool")
-        return Plan(tuple(Chunk(t, h, pool.members(g), start, end)
-                          for t, h, g, start, end in found[2]))
-
-    def _single_chunk(self, pool: _Pool, tokens: int, group: int, size: int, end_prev: float,
-                      history: int, first: int, r: float):
-        """Algorithm 2: all remaining tokens as one chunk on the group grown from the last; a
-        larger SP is taken only if it cuts TTFT by more than r relative to the best so far.
-        (ttft, index of its SP size, (chunk,)) or None.
-
-        A size whose chunk could not pass even starting at end_prev is skipped before its
-        group is built: it starts no sooner, and float addition and subtraction are
-        monotone, so the test fails on its real end too."""
-        best = None
-        sizes, seconds, extend = self.sp_sizes, self._seconds, pool.extend_unmemoised
-        memo, key = pool.memo, group * pool.stride   # Extend's memo, read inline
-        for i in range(first, len(sizes)):
-            s = sizes[i]
-            if s < size:
-                continue
-            t = seconds[i](history, tokens)
-            if best is not None and (best[1] - (end_prev + t)) <= r * best[1]:
-                continue
-            ext = memo.get(key + s, _MISSING)
-            if ext is _MISSING:
-                ext = memo[key + s] = extend(group, s)
-            if ext is None:
-                continue
-            start = end_prev if end_prev > ext[1] else ext[1]
-            end = start + t
-            if best is None or (best[1] - end) > r * best[1]:
-                best = (ext[0], end, start, i)
-        if best is None:
-            return None
-        g, end, start, i = best
-        return end, i, ((tokens, history, g, start, end),)
-
-    def _search(self, pool: _Pool, tokens: int, group: int, size: int, end_prev: float,
-                history: int, first: int, r: float, bound: float):
-        """Algorithm 1 for the last `tokens` tokens after `history`, the previous chunk on
-        `group` of `size` instances ending at end_prev, with candidate sizes
-        sp_sizes[first:]: (ttft, index of the single-chunk plan's SP size, the chunks) or
-        None.
-
-        `bound`: the caller takes the result only if its TTFT is below this, so a chunked
-        candidate whose chunk cannot end before min(bound, best so far) is skipped
-        unexplored: a chunk's seconds are >= 0 and every later chunk starts after it ends,
-        so no plan through it ends sooner. Exact by induction on the recursion: where the
-        unpruned search's plan ends before `bound`, this returns that same plan (the first
-        plan at the least TTFT; only TTFTs above it are skipped); elsewhere it returns a
-        plan ending no sooner than the unpruned one, so not before `bound` either. At the
-        top, bound is inf (tests/test_cdsp.py pins the plans). Alg. 2's plan is always
-        computed: it sets sp_max."""
-        best = self._single_chunk(pool, tokens, group, size, end_prev, history, first,
-                                  r)                                   # line 3
-        sizes = self.sp_sizes
-        if best is None or not self.config.chunking or first == len(sizes) - 1:
-            return best                                                # line 5
-        top = best[1]                                                  # line 4: sp_max
-        lo = first
-        while sizes[lo] < size:
-            lo += 1
-        multiple, min_tokens = self.config.chunk_multiple, self.config.min_chunk_tokens
-        extend, seconds, within = pool.extend_unmemoised, self._seconds, self._tokens_within
-        memo, stride = pool.memo, pool.stride
-        limit = best[0] if best[0] < bound else bound
-        for i in range(lo, top + 1):                                   # lines 6-7
-            # Algorithm 3 (line 10): the chunk on G_cur that ends when G_next is free.
-            cur = memo.get(group * stride + sizes[i], _MISSING)
-            if cur is _MISSING:
-                cur = memo[group * stride + sizes[i]] = extend(group, sizes[i])
-            if cur is None:
-                continue
-            start = end_prev if end_prev > cur[1] else cur[1]
-            if start >= limit:
-                continue
-            g = cur[0]
-            for j in range(i + 1, top + 1):
-                nxt = memo.get(g * stride + sizes[j], _MISSING)
-                if nxt is _MISSING:
-                    nxt = memo[g * stride + sizes[j]] = extend(g, sizes[j])
-                if nxt is None or nxt[1] <= start:
-                    continue
-                l_c = int(min(within[i](history, nxt[1] - start), tokens)
-                          // multiple * multiple)
-                # Lines 11-12: too short to pay for a chunk, or leaving too little after it.
-                if l_c < min_tokens or tokens - l_c < min_tokens:
-                    continue
-                end = start + seconds[i](history, l_c)
-                if end >= limit:
-                    continue
-                # Lines 14-18: Eq. 2 for the chunk (its group is busy until it ends), then
-                # the rest with the sizes >= s_next.
-                rest = self._search(pool, tokens - l_c, g, sizes[i], end, history + l_c, j, r,
-                                    limit)
-                if rest is not None and rest[0] < best[0]:             # lines 20-21
-                    best = (rest[0], best[1], ((l_c, history, g, start, end),) + rest[2])
-                    limit = best[0] if best[0] < bound else bound
-        return best                                                    # line 22
+        return Plan(tuple(map(Chunk._make, chunks)))
 
 
 class FixedSpScheduler:
