@@ -2,10 +2,11 @@
 
 `medha_jax.scheduler.cdsp` is the scheduler (its docstring states the algorithms and the
 choices made where the paper leaves them open); this module is the part of it that runs per
-arrival, typed so that mypyc can compile it. `setup.py` compiles it when a C compiler is
-there (the paper's planner is C++: 22.8-30.6 us a plan; interpreted, this search took
-53-69 us p50 and 4-6x that at p99 at SP 128 on our CPUs). Without a compiler it runs as
-plain Python, with the same plans: `tests/test_cdsp.py` compares the two.
+arrival, on the prompt's TTFT path, typed so that mypyc can compile it: `setup.py` does
+at install when it can (the paper's planner is C++, 22.8-30.6 us a plan; at SP 128 on a
+2-core VM this one plans in 34-45 us p50 compiled and 116-195 us interpreted,
+`benchmarks.cdsp` section c). Without a compiler it runs as plain Python, with the same
+plans: `tests/test_cdsp.py` compares the two.
 
 Kept to what mypyc compiles to native code: classes with typed attributes, int and float
 locals, lists and int-keyed dicts, no closures, no numpy.
