@@ -47,7 +47,7 @@ def compiled_planner() -> list:
     medha_jax.scheduler._cdsp_search_compiled, from medha_jax/scheduler/cdsp_search.py.
 
     It plans each long prompt of the prefill pool, so its latency is on every such request's
-    TTFT; compiled it is 2-3x faster (README, benchmarks/cdsp). The source is compiled under
+    TTFT; compiled it is 3-4x faster (README, benchmarks/cdsp). The source is compiled under
     another name with its SHA-256 appended, so `medha_jax.scheduler.cdsp` uses the build
     only while it matches the source beside it: an edited cdsp_search.py runs interpreted
     (with a warning) until the next install, never a stale build. Without mypyc or a C

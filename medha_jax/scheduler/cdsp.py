@@ -61,7 +61,7 @@ from medha_jax.scheduler.predictor import _nonnegative_least_squares
 
 def _planner_module():
     """cdsp_search as compiled by mypyc at install (setup.py's compiled_planner) when that
-    build is of the source beside it, else the source itself (same plans, 2-3x slower)."""
+    build is of the source beside it, else the source itself (same plans, 3-4x slower at SP 128)."""
     try:
         compiled = importlib.import_module("medha_jax.scheduler._cdsp_search_compiled")
     except ImportError:
