@@ -66,7 +66,10 @@ def _planner_module():
         compiled = importlib.import_module("medha_jax.scheduler._cdsp_search_compiled")
     except ImportError:
         return cdsp_search
-    digest = hashlib.sha256(pathlib.Path(cdsp_search.__file__).read_bytes()).hexdigest()
+    try:
+        digest = hashlib.sha256(pathlib.Path(cdsp_search.__file__).read_bytes()).hexdigest()
+    except OSError:   # installed without its sources (bytecode only): nothing to be stale
+        return compiled
     if compiled.SOURCE_SHA256 != digest:
         warnings.warn("the compiled CDSP planner was built from an older cdsp_search.py: "
                       "running the source interpreted until the next `make install`",
