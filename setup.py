@@ -133,7 +133,7 @@ setup(
     # The legacy PEP 517 backend reports setup_requires as build requirements, so pip puts
     # grpcio-tools into the isolated build environment and the stubs are built at install;
     # mypy brings mypyc, which compiles the CDSP planner (compiled_planner).
-    setup_requires=["grpcio-tools==1.85.1", "mypy==2.4.1"],
+    setup_requires=["grpcio-tools==1.85.1", "mypy>=2.3,<3"],   # tested with mypy 2.4.1
     ext_modules=compiled_planner(),
     cmdclass={"build_py": BuildPyWithStubs, "develop": DevelopWithStubs},
     entry_points={"console_scripts": ["medha-jax=serving.cli:main"]},
