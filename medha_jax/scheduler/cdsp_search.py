@@ -242,7 +242,7 @@ class Groups:
     def _extend(self, group: int, s: int) -> tuple[int, float]:
         size, mask, part = self.sizes[group], self.masks[group], self.parts[group]
         need = s - size
-        if need < 0 or s > self.n:
+        if need < 0:   # (s > n is refused by extend)
             return NONE, 0.0
         if need == 0:
             return group, -math.inf
