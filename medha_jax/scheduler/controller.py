@@ -36,6 +36,10 @@ from medha_jax.scheduler.policies import SRPT, Policy, PriorityIndex
 from medha_jax.scheduler.prefill_time_cache import PrefillTimeCache
 
 _new_tuple = tuple.__new__      # a NamedTuple's own __new__ is Python: per chunk, this is not
+# Read per chunk, so bound once: on Python 3.11, `RequestState.WAITING` goes through
+# EnumType.__getattr__'s slow attribute hook (a bound method-wrapper allocated per read;
+# gone in 3.12).
+_WAITING, _RUNNING = RequestState.WAITING, RequestState.RUNNING
 
 __all__ = ["CapacityError", "KVAllocator", "ReplicaController", "run_one_step"]
 
@@ -394,8 +398,8 @@ class ReplicaController:
 
     def _start_running(self, request: Request, now: float) -> None:
         """A chunk of the request got its pages: it holds KV from now on."""
-        if request.state is RequestState.WAITING:
-            request.state = RequestState.RUNNING
+        if request.state is _WAITING:
+            request.state = _RUNNING
             self._running[request.request_id] = request
         if request.first_scheduled_time is None:
             request.first_scheduled_time = now
@@ -489,7 +493,7 @@ class _KVGate:
         rid = request.request_id
         if rid in self.preempted:     # preempted for a more urgent chunk of this very batch
             return False
-        if request.state is RequestState.WAITING and not self.kv.has(rid):
+        if request.state is _WAITING and not self.kv.has(rid):
             reused = self.kv.register(request)
             request.num_computed_tokens = request.num_cached_tokens = reused
             self.registered.append(request)
@@ -510,7 +514,7 @@ class _KVGate:
         rid = request.request_id
         if rid in self.preempted:
             return False
-        if request.state is RequestState.WAITING and not self.kv.has(rid):   # prepare()
+        if request.state is _WAITING and not self.kv.has(rid):   # prepare()
             reused = self.kv.register(request)
             request.num_computed_tokens = request.num_cached_tokens = reused
             self.registered.append(request)
@@ -581,7 +585,7 @@ class _KVGate:
     def _give_back(self, request: Request) -> None:
         """Releases the pages of a waiting request registered during packing (no-op for a
         running one); it starts from its cached prefix again next time."""
-        if request.state is RequestState.WAITING and self.kv.has(request.request_id):
+        if request.state is _WAITING and self.kv.has(request.request_id):
             self.kv.release(request.request_id)
             if request.num_computed_tokens:
                 request.num_computed_tokens = request.num_cached_tokens = 0
