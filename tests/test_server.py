@@ -6,6 +6,7 @@ outputs equal to transformers' generate on a checkpoint directory (marked hf).
 """
 
 import asyncio
+import gc
 import threading
 import time
 import urllib.request
@@ -322,3 +323,18 @@ def test_greedy_outputs_equal_transformers_generate(tmp_path):
             i = next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b)
             logits = hf_logits(hf_model, prompt + theirs[:i])[-1]
             assert abs(logits[ours[i]] - logits[theirs[i]]) < 1e-4, (prompt, ours, theirs)
+
+
+# --- The start-up heap kept out of the garbage collector's walks ------------------------------
+
+def test_a_server_freezes_the_heap_while_open_and_gives_it_back_when_closed(server):
+    from serving.gc_freeze import frozen_holders
+
+    held = frozen_holders()             # the module's server holds one
+    assert held >= 1 and gc.get_freeze_count() > 0
+    with make_tiny_server() as other:
+        assert frozen_holders() == held + 1
+        assert other.generate([[1, 2, 3]], SamplingParams(max_tokens=2))[0].token_ids
+    assert frozen_holders() == held
+    with make_tiny_server(freeze_gc=False):
+        assert frozen_holders() == held

@@ -1,0 +1,66 @@
+"""serving.gc_freeze: the process's heap frozen out of the cyclic collector while a holder
+lives, and given back to it when the last one releases."""
+
+import gc
+import weakref
+
+import pytest
+
+from serving.gc_freeze import HeapFreeze, frozen_holders
+
+
+@pytest.fixture(autouse=True)
+def no_holder_before_or_after():
+    assert frozen_holders() == 0 and gc.get_freeze_count() == 0, \
+        "another holder is alive in this process: the counts below would be off"
+    yield
+    assert frozen_holders() == 0
+    gc.unfreeze()     # whatever a failed test left
+
+
+class Node:
+    def __init__(self):
+        self.me = self          # a reference cycle: only the cyclic collector frees it
+
+
+def test_objects_alive_at_the_freeze_are_not_walked_until_the_last_holder_releases():
+    cycle = Node()
+    alive = weakref.ref(cycle)
+    first = HeapFreeze()
+    assert gc.get_freeze_count() > 0 and frozen_holders() == 1
+    second = HeapFreeze()
+    del cycle                   # garbage now, but frozen: no collection reaches it
+    gc.collect()
+    assert alive() is not None
+    first.release()
+    first.release()             # idempotent: still one holder
+    assert frozen_holders() == 1 and gc.get_freeze_count() > 0
+    gc.collect()
+    assert alive() is not None
+    second.release()
+    assert frozen_holders() == 0 and gc.get_freeze_count() == 0
+    gc.collect()
+    assert alive() is None      # back with the collector, and reclaimed
+
+
+def test_refreeze_takes_in_what_was_made_since_and_nothing_after_release():
+    holder = HeapFreeze()
+    frozen = gc.get_freeze_count()
+    made_since = [Node() for _ in range(1000)]
+    holder.refreeze()
+    assert gc.get_freeze_count() >= frozen + len(made_since)
+    holder.release()
+    holder.refreeze()           # released: no freeze again
+    assert gc.get_freeze_count() == 0
+
+
+def test_garbage_made_after_the_freeze_is_still_collected():
+    holder = HeapFreeze()
+    try:
+        cycle = Node()
+        alive = weakref.ref(cycle)
+        del cycle
+        gc.collect()
+        assert alive() is None
+    finally:
+        holder.release()
