@@ -79,7 +79,8 @@ def one_run(spec: dict) -> dict:
 
         params = SamplingParams(temperature=0.0, max_tokens=spec["output_tokens"],
                                 ignore_eos=True)
-        prompts = [f"Request {i}: write a short story about the number {i}." * (1 + i % 4)
+        # Token ids (any model, with or without a tokenizer): 16 to 64 tokens each.
+        prompts = [[1 + (7 * i + j) % 250 for j in range(16 * (1 + i % 4))]
                    for i in range(spec["requests"])]
         gaps: list[float] = []
 

@@ -338,3 +338,4 @@ def test_a_server_freezes_the_heap_while_open_and_gives_it_back_when_closed(serv
     assert frozen_holders() == held
     with make_tiny_server(freeze_gc=False):
         assert frozen_holders() == held
+
