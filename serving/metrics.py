@@ -10,15 +10,21 @@ iteration old.
 
 Every Server owns its own CollectorRegistry (no process-global state), so two servers in
 one process, or the tests, never mix their numbers. The same registry is served over HTTP
-(optional `metrics_port`) and returned as text by the gRPC Metrics RPC.
+(optional `metrics_port`) and returned as text by the gRPC Metrics RPC. The one process-wide
+family is medha_gc_pause_seconds{generation}: Python's garbage-collector pauses (every
+thread stops for them), counted from when the server was made.
 """
 
 from __future__ import annotations
 
+import bisect
+import gc
 import threading
+import time
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import HistogramMetricFamily
 
 from serving.outputs import RequestMetrics
 
@@ -27,6 +33,50 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                    10.0, 25.0, 60.0, 120.0, 300.0)
 # Tokens per step: powers of two, the shape of the engine's bucket ladder.
 BATCH_TOKEN_BUCKETS = tuple(float(2 ** i) for i in range(17))
+# Seconds: a young generation's collection (~0.2 ms) to a full one of an unfrozen heap (0.5 s).
+GC_PAUSE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                    0.25, 0.5, 1.0, 2.5)
+
+
+class GcPauses:
+    """Python's garbage-collector pauses, per generation, as a Prometheus collector.
+
+    A gc callback times each collection. It only adds to plain numbers and takes no lock: a
+    collection can start inside any allocation, also one made while this registry is read
+    under its metrics' locks. Collections never overlap (the collector holds the GIL)."""
+
+    def __init__(self):
+        self._started: float | None = None
+        self._buckets = [[0] * (len(GC_PAUSE_BUCKETS) + 1) for _ in range(3)]
+        self._sums = [0.0] * 3
+        gc.callbacks.append(self._time)
+
+    def _time(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        elif self._started is not None:
+            seconds = time.perf_counter() - self._started
+            self._started = None
+            generation = info["generation"]
+            self._buckets[generation][bisect.bisect_left(GC_PAUSE_BUCKETS, seconds)] += 1
+            self._sums[generation] += seconds
+
+    def collect(self):
+        family = HistogramMetricFamily(
+            "medha_gc_pause_seconds", "Python garbage-collector pauses (every thread stops), "
+            "by generation; the process's, since this server was made.",
+            labels=["generation"])
+        for generation in range(3):
+            counts = list(self._buckets[generation])        # a snapshot
+            cumulative = [sum(counts[:i + 1]) for i in range(len(counts))]
+            bounds = [repr(b) for b in GC_PAUSE_BUCKETS] + ["+Inf"]
+            family.add_metric([str(generation)], list(zip(bounds, cumulative)),
+                              self._sums[generation])
+        yield family
+
+    def close(self) -> None:
+        if self._time in gc.callbacks:
+            gc.callbacks.remove(self._time)
 
 
 class ServerMetrics:
@@ -129,6 +179,8 @@ class ServerMetrics:
         self.prefill_pool_time = Histogram(
             "medha_prefill_pool_seconds", "From a request's dispatch in the prefill pool to "
             "its full pages computed.", buckets=LATENCY_BUCKETS, registry=r)
+        self.gc_pauses = GcPauses()
+        r.register(self.gc_pauses)
         self._switching_seen: dict[tuple[Counter, str], int] = {}
         self._replica_state: dict[int, tuple[int, int, int, int, int]] = {}
         self._state_lock = threading.Lock()
@@ -217,6 +269,7 @@ class ServerMetrics:
         return self._http.server_port
 
     def close(self) -> None:
+        self.gc_pauses.close()
         if self._http is not None:
             self._http.shutdown()
             self._http.server_close()

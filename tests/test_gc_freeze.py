@@ -79,3 +79,29 @@ def test_the_gc_pauses_benchmark_runs_and_a_frozen_server_leaves_the_collector_l
     assert unfrozen["frozen"] == 0 and unfrozen["tracked"] > frozen["frozen"] / 2
     for run in (frozen, unfrozen):
         assert run["tpot_p99_ms"] > 0 and run["max_token_gap_ms"] > 0
+
+
+def test_server_metrics_count_every_collection_by_generation_until_closed():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from serving.metrics import ServerMetrics
+
+    def counts(metrics) -> dict[str, float]:
+        family, = [f for f in text_string_to_metric_families(metrics.text())
+                   if f.name == "medha_gc_pause_seconds"]
+        return {s.labels["generation"]: s.value for s in family.samples
+                if s.name.endswith("_count")}
+
+    metrics = ServerMetrics()
+    try:
+        assert counts(metrics) == {"0": 0, "1": 0, "2": 0}
+        gc.collect(0)
+        gc.collect(0)
+        gc.collect()
+        seen = counts(metrics)
+        assert seen["0"] >= 2 and seen["2"] >= 1
+    finally:
+        metrics.close()
+    assert metrics.gc_pauses._time not in gc.callbacks
+    gc.collect()
+    assert counts(metrics) == seen        # no longer timed
