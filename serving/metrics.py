@@ -57,7 +57,7 @@ class GcPauses:
         elif self._started is not None:
             seconds = time.perf_counter() - self._started
             self._started = None
-            generation = info["generation"]
+            generation = min(info["generation"], 2)    # a later numbering counts as the oldest
             self._buckets[generation][bisect.bisect_left(GC_PAUSE_BUCKETS, seconds)] += 1
             self._sums[generation] += seconds
 
