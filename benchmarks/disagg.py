@@ -33,6 +33,15 @@ Six tables:
     [cluster] extra, else skipped): one long prompt at a time on a prefill:1,decode:1 pair
     of actors (pages pulled over serving.kv_wire by the decode actor while the prefill
     runs) vs on one actor alone; TTFT p50, gap token 1 -> 2 p50, page chunks moved.
+(g) (c) again over two replicas that are Ray actors, each bound to its own CPUs
+    (`cpu_binding="auto"`; needs the [cluster] extra, else skipped). In one process each
+    replica's steps spread over every core (no XLA flag keeps them to one:
+    benchmarks.cpu_concurrency), so in (c) a decode moved off a prefilling replica still
+    shares the cores with that replica's prefill steps: there is no second machine for
+    it to go to. Here each replica computes on its own core. The time gate is priced at
+    the between-process link of (a) (kv_wire's pull), measured again when (a) is
+    skipped. Also per gate: the decode seconds (tokens after the first) of the plan each
+    request took, as the gate predicted them and as measured.
 (e) the same experiment simulated at --sim-replicas replicas (llama3-8b, one H100 each,
     the analytical predictor, real prefix caches; `simulate(offload=...)` models the
     handshake and the transfer): sessions whose first turn is HEAVY (20K cold tokens, half
@@ -131,8 +140,6 @@ def bandwidth(args, server, between_processes: bool = True) -> list[dict]:
     import jax
     import numpy as np
 
-    from serving.kv_wire import PageReceiver
-
     copier = server._replica_set.transfers._copier(0, 1)
     source, destination = server.replicas[0].engine, server.replicas[1].engine
     k = source.kv_cache.k
@@ -155,10 +162,22 @@ def bandwidth(args, server, between_processes: bool = True) -> list[dict]:
             seconds.append(time.perf_counter() - start)
         row("in process", pages, seconds)
     server._measured_link_bytes_per_s = rows[-1]["GB_per_s"] * 1e9
-    if not between_processes:
-        return rows
-    # Between processes: a child replica offers the same page counts, replica 1 pulls them.
+    if between_processes:
+        for pages, seconds in wire_pulls(args, destination):
+            row("between processes", pages, seconds)
+    return rows
+
+
+def wire_pulls(args, destination) -> list[tuple[int, list[float]]]:
+    """A replica in a child process offers PAGE_COUNTS pages, `destination` (an Engine)
+    pulls them over serving.kv_wire and scatters them: [(pages, seconds of each pull)]."""
+    import jax
+    import numpy as np
+
+    from serving.kv_wire import PageReceiver
+
     receiver = PageReceiver(destination)
+    pulls = []
     with page_sender_process(args) as wires:
         for pages in PAGE_COUNTS:
             seconds = []
@@ -167,8 +186,8 @@ def bandwidth(args, server, between_processes: bool = True) -> list[dict]:
                 receiver.receive(wire, np.arange(pages) + 300)
                 jax.block_until_ready(destination.kv_cache.k)
                 seconds.append(time.perf_counter() - start)
-            row("between processes", pages, seconds)
-    return rows
+            pulls.append((pages, seconds))
+    return pulls
 
 
 PAGE_COUNTS = (8, 64, 256)
@@ -308,6 +327,42 @@ def ray_part(args, skip) -> list[dict]:
     return rows
 
 
+def ray_h8(args, link_bytes_per_s: float | None) -> tuple[list[dict], list[dict]]:
+    """Part (g): (c)'s rounds over two Ray replica actors bound to disjoint CPUs; the
+    rows of (c) and every measured request. link_bytes_per_s: kv_wire's pull as (a)
+    measured it (None: measured here)."""
+    try:
+        import ray
+    except ImportError:
+        print("(g) skipped: Ray is not installed (pip install -e '.[cluster]')")
+        return [], []
+    from medha_jax.cluster.offload import OffloadConfig
+    from medha_jax.scheduler.config import SchedulerConfig
+    from serving.server import Server
+
+    if link_bytes_per_s is None:
+        from medha_jax.engine import Engine
+        from medha_jax.model import load_model
+        from serving.kv_transfer import page_bytes
+
+        engine = Engine(load_model(args.model, verbose=False), engine_config(args.quick))
+        pages, seconds = wire_pulls(args, engine)[-1]
+        link_bytes_per_s = pages * page_bytes(engine) / statistics.median(seconds[1:])
+        del engine
+    try:
+        # Transfers on from the start, as make_server's; each round sets its own gate.
+        with Server(args.model, engine_config=engine_config(args.quick), replicas=2,
+                    warmup=True, scheduler=SchedulerConfig("lars-mp", target_batch_time_s=0.2),
+                    offload=OffloadConfig("always-heavy", heavy_new_tokens=1),
+                    metrics_port=None, cluster="ray", actor_options={"num_cpus": 0},
+                    cpu_binding="auto") as server:
+            server._measured_link_bytes_per_s = link_bytes_per_s
+            runs, _, requests = h8(args, server)
+    finally:
+        ray.shutdown()
+    return runs, requests
+
+
 def h8(args, server) -> tuple[list[dict], list[dict], list[dict]]:
     """Parts (c) and (d). An unmeasured round under the `never` gate first: the server's
     predictor is refined online from served steps, so without it the first gate measured
@@ -340,6 +395,14 @@ def h8(args, server) -> tuple[list[dict], list[dict], list[dict]]:
                      "ttft_p50_s": percentile(ttft, 50), "ttft_p90_s": percentile(ttft, 90),
                      "tpot_p90_s": percentile(tpot, 90),
                      "warm_tpot_p90_s": percentile(warm_tpot, 90)})
+        # How well the gate's predictor priced the plan each request took: its decode
+        # seconds (tokens after the first) as predicted at the decision and as measured.
+        decided = [r for r in done if r["colocated_s"] is not None and r["outputs"] > 1]
+        rows[-1].update(
+            decode_s_predicted_p50=percentile([r["offloaded_s"] if r["offloaded"] else
+                                               r["colocated_s"] for r in decided], 50),
+            decode_s_measured_p50=percentile([r["tpot"] * (r["outputs"] - 1)
+                                              for r in decided], 50))
         rows[-1].update(versus(done, results[gates[0]]) if gate != gates[0] else
                         dict.fromkeys(("ttft_p50_diff_s", "ttft_p50_diff_90pct",
                                        "tpot_p90_diff_s", "tpot_p90_diff_90pct"), "-"))
@@ -394,10 +457,13 @@ def run_gate(args, server, gate: str, seed: int) -> list[dict]:
     from serving.kv_transfer import DisaggConfig
     from serving.server import TokensPrompt
 
-    replica_set = server._replica_set
+    # In process the replica set holds the gate and the decisions; on Ray the front does.
+    owner = getattr(server, "_replica_set", server)
+    transfers = getattr(owner, "transfers", None)     # in process only
     vocab = server.config.vocab_size
-    replica_set.offload = gate_config(gate, server)
-    replica_set.transfers.config = DisaggConfig()
+    owner.offload = gate_config(gate, server)
+    if transfers is not None:
+        transfers.config = DisaggConfig()
     results, lock = [], threading.Lock()
     started = time.perf_counter()
 
@@ -416,14 +482,15 @@ def run_gate(args, server, gate: str, seed: int) -> list[dict]:
                 temperature=0.0, max_tokens=args.output_tokens),
                 session_id=f"{gate}-{seed}-{i}")
             out = handle.result(timeout=600)
-            decode = next((d.decode for rid, d in reversed(replica_set.offload_decisions[-200:])
-                           if rid == handle.id), None)
+            decision = next((d for rid, d in reversed(owner.offload_decisions[-200:])
+                             if rid == handle.id), None)
+            decode = None if decision is None else decision.decode
             offloaded = decode is not None
             m = out.metrics
             cached = m.num_cached_tokens
-            if offloaded:            # the decode side counts the moved pages as cached
-                cached = next((r.prefill_cached_tokens for r in
-                               reversed(replica_set.transfers.records)
+            if offloaded and transfers is not None:
+                # The decode side counts the moved pages as cached.
+                cached = next((r.prefill_cached_tokens for r in reversed(transfers.records)
                                if r.request_id == handle.id), cached)
             with lock:
                 results.append({"session": i, "heavy": heavy, "turn": turn,
@@ -433,6 +500,9 @@ def run_gate(args, server, gate: str, seed: int) -> list[dict]:
                                 "offloaded": offloaded, "replica": m.replica,
                                 "decode_replica": decode, "queue_s": m.queue_time,
                                 "preemptions": m.num_preemptions,
+                                # The gate's predicted decode seconds of staying and moving.
+                                "colocated_s": decision and decision.colocated_s,
+                                "offloaded_s": decision and decision.offloaded_s,
                                 "after_offloaded": previous_offloaded})
             previous_offloaded = offloaded
             history = prompt + list(out.token_ids)
@@ -521,7 +591,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         table(f"(e) simulated: {args.sim_replicas} replicas of llama3-8b (one H100 each), "
               f"{args.sim_sessions} sessions x 4 turns, half HEAVY (20K cold tokens)", sim)
     if not {"a", "b", "c"} - skip:
-        return _write(args, band, gaps, runs, cached, sim, ray_part(args, skip))
+        ray_rows = ray_part(args, skip)
+        ray_runs, ray_requests = ray_h8_part(args, skip, band)
+        return _write(args, band, gaps, runs, cached, sim, ray_rows, h8_requests, ray_runs,
+                      ray_requests)
     with make_server(args) as server:
         if "a" in skip:             # the gates of (b) and (c) are priced at the link's speed
             bandwidth(args, server, between_processes=False)
@@ -543,20 +616,37 @@ def main(argv: Sequence[str] | None = None) -> None:
                   "predicted-time router, per offload gate", runs)
             table("(d) H6: the next turn's cached share of its prompt", cached)
     ray_rows = ray_part(args, skip)         # after the in-process replicas are gone
+    ray_runs, ray_requests = ray_h8_part(args, skip, band)
     if sim:
         table(f"(e) simulated: {args.sim_replicas} replicas of llama3-8b (one H100 each), "
               f"{args.sim_sessions} sessions x 4 turns, half HEAVY (20K cold tokens)", sim)
-    _write(args, band, gaps, runs, cached, sim, ray_rows, h8_requests)
+    _write(args, band, gaps, runs, cached, sim, ray_rows, h8_requests, ray_runs,
+           ray_requests)
 
 
-def _write(args, band, gaps, runs, cached, sim, ray_rows=(), h8_requests=()) -> None:
+def ray_h8_part(args, skip, band) -> tuple[list[dict], list[dict]]:
+    if "g" in skip:
+        return [], []
+    pulled = [r for r in band if r["path"] == "between processes"]
+    runs, requests = ray_h8(args, pulled[-1]["GB_per_s"] * 1e9 if pulled else None)
+    if runs:
+        table(f"(g) H8 over two Ray replica actors, one CPU set each: {args.sessions} "
+              f"sessions x {args.turns} turns x {args.h8_rounds} rounds, every "
+              f"{args.heavy_every}th session HEAVY ({args.heavy_tokens} cold tokens), per "
+              "offload gate", runs)
+    return runs, requests
+
+
+def _write(args, band, gaps, runs, cached, sim, ray_rows=(), h8_requests=(), ray_h8_runs=(),
+           ray_h8_requests=()) -> None:
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"context": {**environment(), **vars(args)}, "bandwidth": band,
                        "gap": gaps, "h8": runs, "next_turn_cache": cached,
                        "h8_requests": list(h8_requests), "simulated": sim,
-                       "ray_handoff": list(ray_rows)}, f, indent=2)
+                       "ray_handoff": list(ray_rows), "h8_ray": list(ray_h8_runs),
+                       "h8_ray_requests": list(ray_h8_requests)}, f, indent=2)
 
 
 if __name__ == "__main__":

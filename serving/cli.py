@@ -60,6 +60,11 @@ def _add_ray_args(parser: argparse.ArgumentParser) -> None:
                           "medha): join the cluster at ADDRESS (host:port or ray://...), or "
                           "$RAY_ADDRESS, else start a local one; prints 'ray address: ...'; "
                           "--replicas actors")
+    ray.add_argument("--cpu-bind", default=None, metavar="CPUS",
+                     help="with --ray on CPU hosts: the CPUs each replica actor runs on, "
+                          "'auto' (this host's CPUs split among the replicas) or one list "
+                          "per replica, '0-3|4-7' (unbound, every actor's XLA threads span "
+                          "every core and the replicas' steps contend)")
 
 
 ENGINE_FLAGS = ("max_kv_tokens", "max_model_len", "max_tokens_per_step", "max_seqs",
@@ -99,6 +104,13 @@ def _make_server(args, *, warmup: bool, calibrate: bool, engine=None):
     if len(per_replica) > 1 and getattr(args, "ray", None) is not None:
         raise ValueError("--parallel with one mesh per replica is not supported with --ray "
                          "yet: every Ray replica runs the same mesh")
+    cpu_bind = getattr(args, "cpu_bind", None)
+    if cpu_bind is not None:
+        if getattr(args, "ray", None) is None:
+            raise ValueError("--cpu-bind binds Ray replica actors (--ray): replicas in one "
+                             "process share its CPUs")
+        from serving.ray_cluster import parse_cpu_binding
+        parse_cpu_binding(cpu_bind, replicas)                  # checked before loading
     parallel = per_replica[0]
     sizes = {f: getattr(args, f) for f in ENGINE_FLAGS if getattr(args, f) is not None}
     limits = {f: getattr(args, f) for f in LIMIT_FLAGS if getattr(args, f, None) is not None}
@@ -136,7 +148,8 @@ def _make_server(args, *, warmup: bool, calibrate: bool, engine=None):
                       engine_config=EngineConfig(**sizes), limits=RequestLimits(**limits),
                       metrics_port=getattr(args, "metrics_port", None), warmup=warmup,
                       cache_dir=False if args.no_cache else args.cache_dir,
-                      replicas=replicas, router=router, cluster=args.ray, **disagg)
+                      replicas=replicas, router=router, cluster=args.ray,
+                      cpu_binding=cpu_bind, **disagg)
     model = load_model(args.model, parallel=parallel, dtype=args.dtype)
     if len(per_replica) > 1:       # each replica's own predictor, from its own mesh
         disagg["parallel"] = per_replica

@@ -109,6 +109,8 @@ class ReplicaSpec:
     cache_dir: object = None
     limits: validation.RequestLimits | None = None
     disagg: DisaggConfig | None = None        # set: the replica takes part in KV hand-offs
+    # Actor i runs on the CPUs cpu_binding[i] only (`bind_cpus`); None: wherever the OS puts it.
+    cpu_binding: tuple[tuple[int, ...], ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +146,8 @@ class ReplicaActor:
     def __init__(self, index: int, spec: ReplicaSpec):
         self.index = index
         self.incarnation = secrets.token_hex(8)
+        if spec.cpu_binding is not None:
+            bind_cpus(spec.cpu_binding[index])
         self.server = Server(spec.model, parallel=spec.parallel, scheduler=spec.scheduler,
                              engine_config=spec.engine_config, default_slo=spec.default_slo,
                              dtype=spec.dtype, warmup=spec.warmup, predictor=spec.predictor,
@@ -185,6 +189,7 @@ class ReplicaActor:
                 "num_pages": server.num_total_pages, "default_slo": server.default_slo,
                 "policy": server.policy, "startup": server.startup,
                 "incarnation": self.incarnation, "pid": os.getpid(),
+                "cpus": tuple(sorted(os.sched_getaffinity(0))),
                 "page_bytes": page_bytes(self.replica.engine)}
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -347,6 +352,57 @@ class ReplicaActor:
             self._next_seq += 1
 
 
+def parse_cpu_binding(binding, replicas: int) -> tuple[tuple[int, ...], ...] | None:
+    """The CPUs of each replica actor: None (unbound); "auto" (this host's CPUs split into
+    `replicas` contiguous blocks, for a local Ray); or one set per replica, as vLLM's CPU
+    backend binds its ranks ("0-3|4-7", or a list of CPU lists)."""
+    if binding is None:
+        return None
+    if binding == "auto":
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < replicas:
+            raise ValueError(f"cpu_binding='auto': {replicas} replicas need at least as many "
+                             f"CPUs, this process may use {len(cpus)}")
+        per = len(cpus) // replicas
+        return tuple(tuple(cpus[i * per:(i + 1) * per]) for i in range(replicas))
+    given = binding
+    if isinstance(binding, str):
+        binding = [_cpu_list(part) for part in binding.split("|")]
+    sets = tuple(tuple(sorted({int(c) for c in cpus})) for cpus in binding)
+    if len(sets) != replicas or not all(sets) or any(c < 0 for s in sets for c in s):
+        raise ValueError(f"cpu_binding needs one non-empty set of CPU numbers per replica "
+                         f"({replicas}), got {given!r}")
+    return sets
+
+
+def _cpu_list(text: str) -> list[int]:
+    """"0-3,6" -> [0, 1, 2, 3, 6]; "" -> []."""
+    cpus = []
+    for item in filter(str.strip, text.split(",")):
+        lo, _, hi = item.strip().partition("-")
+        try:
+            cpus += range(int(lo), int(hi or lo) + 1)
+        except ValueError:
+            raise ValueError(f"cpu_binding: {text!r} is not a CPU list like 0-3,6") from None
+    return cpus
+
+
+def bind_cpus(cpus: Sequence[int]) -> None:
+    """Runs this process on `cpus` only, before its XLA backend starts: XLA's CPU client
+    sizes its thread pools by the CPUs the process may use, and one program spreads over
+    all of them, so replica actors bound to disjoint CPUs compute side by side. Unbound,
+    each actor's pools span the whole host, and two actors' steps contend for every
+    core (`benchmarks.cpu_concurrency`); a bound actor alone is slower (its CPUs, not
+    the host's)."""
+    from jax._src import xla_bridge
+
+    started = getattr(xla_bridge, "backends_are_initialized", lambda: False)
+    if started():
+        raise RuntimeError("bind_cpus must run before JAX starts its backends (the thread "
+                           "pools are sized then)")
+    os.sched_setaffinity(0, cpus)
+
+
 def _resolve(future: asyncio.Future, result) -> None:
     if not future.done():
         future.set_result(result)
@@ -422,7 +478,7 @@ class RayServer(Server):
                  router: str | RoutingConfig = PREDICTED_TIME, cluster: str = "ray",
                  roles=None, offload=None, disagg: DisaggConfig | None = None,
                  actor_options: dict | None = None, max_restarts: int = 3,
-                 ready_timeout_s: float = 600.0):
+                 ready_timeout_s: float = 600.0, cpu_binding=None):
         """The Server's arguments (model: a preset name, checkpoint directory or .gguf
         path, which every host must be able to load; roles, offload and disagg: prefill
         on one replica and decode on another, the KV moved between the actors by
@@ -430,7 +486,10 @@ class RayServer(Server):
         cluster: "ray" or a Ray address (see `connect`).
         actor_options: Ray's resources per replica actor (default {"num_cpus": 1}; e.g.
           {"num_gpus": 1}, or {"resources": {"TPU": 4}} for one actor per TPU host).
-        max_restarts: how many times Ray restarts a replica that died (-1: forever)."""
+        max_restarts: how many times Ray restarts a replica that died (-1: forever).
+        cpu_binding: the CPUs each replica actor runs on (`parse_cpu_binding`: "auto",
+          "0-3|4-7" or one CPU list per replica); on a CPU host, replicas that share it
+          then compute side by side instead of contending for every core."""
         from medha_jax.cluster.offload import OffloadConfig
         from serving.kv_transfer import DECODE, MIXED, PREFILL
 
@@ -459,9 +518,10 @@ class RayServer(Server):
         started = time.perf_counter()
         self.ray_address = connect(cluster)
         self.limits = validation.DEFAULT_LIMITS if limits is None else limits
+        self.cpu_binding = parse_cpu_binding(cpu_binding, replicas)
         spec = ReplicaSpec(model, parallel, scheduler, engine_config, default_slo, dtype,
                            warmup, predictor, cache_dir, limits,
-                           self.disagg if handoffs else None)
+                           self.disagg if handoffs else None, self.cpu_binding)
         options = {"num_cpus": 1, **(actor_options or {})}
         env = {k: os.environ[k] for k in ("JAX_PLATFORMS", "XLA_FLAGS", "MEDHA_CACHE_DIR")
                if k in os.environ}
@@ -496,6 +556,7 @@ class RayServer(Server):
         self.default_slo, self.policy = first["default_slo"], first["policy"]
         self.startup = first["startup"]
         self.replica_pids = [info["pid"] for info in infos]
+        self.replica_cpus = [info["cpus"] for info in infos]   # as each actor reports them
         self.metrics = ServerMetrics()
         self._ids = itertools.count()
         self._id_prefix = f"req-{secrets.token_hex(4)}"
@@ -972,13 +1033,16 @@ class RayServer(Server):
         prefilled = request.prefill_metrics
         if prefilled is not None:
             # Handed off: two replicas on two clocks (hosts), so the times are this
-            # process's (TTFT counts the handshake), the TPOT the decode side's (its tokens
-            # after the first), the queue time and the prompt's cached tokens the prefill
-            # side's.
+            # process's (TTFT counts the handshake; TPOT the hand-off's gap between the
+            # first token, sampled on the prefill side, and the second: the decode side's
+            # own TPOT starts after it), the queue time and the prompt's cached tokens the
+            # prefill side's.
+            finished = time.monotonic()
             metrics = dataclasses.replace(
                 metrics, arrival_time=request.submitted,
-                first_token_time=request.first_token_at, finish_time=time.monotonic(),
+                first_token_time=request.first_token_at, finish_time=finished,
                 ttft=request.first_token_at - request.submitted,
+                tpot=(finished - request.first_token_at) / max(len(request.tokens) - 1, 1),
                 queue_time=prefilled.queue_time,
                 num_cached_tokens=prefilled.num_cached_tokens)
         request.handle._push(StreamDelta(

@@ -66,6 +66,10 @@ def test_generate_prints_the_greedy_text(model_dir, capsys):
      "improvement_rate must be in"),
     (["serve", "--dp", "2", "--switching", "load", "--parallel", "kvp=2"],
      "switching's base replicas are one device or a TP group"),
+    (["serve", "--replicas", "2", "--cpu-bind", "auto"], "--cpu-bind binds Ray replica actors"),
+    (["serve", "--replicas", "2", "--cpu-bind", "0-1", "--ray"],
+     "one non-empty set of CPU numbers per replica (2)"),
+    (["serve", "--replicas", "2", "--cpu-bind", "0|a", "--ray"], "'a' is not a CPU list"),
 ])
 def test_errors_name_the_value(model_dir, capsys, argv, message):
     assert main([*argv, "--model", model_dir, *SMALL_ENGINE]) == 2

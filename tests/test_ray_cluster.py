@@ -3,9 +3,10 @@
 Greedy tokens through two Ray replicas equal one in-process replica's; killing replica 1
 during a streaming load loses no request (each completes, re-run elsewhere from the tokens
 already streamed, or ends with UNAVAILABLE), leaves none hanging, and Ray's restart puts
-the replica back in service.
+the replica back in service. The actors are bound to a CPU each (cpu_binding="auto").
 """
 
+import os
 import threading
 import time
 
@@ -16,7 +17,8 @@ ray = pytest.importorskip("ray", reason="the Ray tests need the [cluster] extra:
                                         "pip install -e '.[cluster]'")
 
 from medha_jax import SamplingParams  # noqa: E402
-from serving.ray_cluster import ACTOR_NAME, NAMESPACE, _prefill_s  # noqa: E402
+from serving.ray_cluster import (ACTOR_NAME, NAMESPACE, _prefill_s,  # noqa: E402
+                                  parse_cpu_binding)
 from serving.server import Server, TokensPrompt  # noqa: E402
 from tests.test_server import TINY_ENGINE  # noqa: E402
 
@@ -40,10 +42,15 @@ def ray_cluster():
     ray.shutdown()
 
 
+# Each actor on its own CPU where there are two (XLA sizes its thread pools by them).
+BINDING = "auto" if len(os.sched_getaffinity(0)) >= 2 else None
+
+
 @pytest.fixture(scope="module")
 def ray_server(ray_cluster):
     with Server("tiny", engine_config=TINY_ENGINE, warmup=False, replicas=2,
-                cluster="ray", router="round-robin", cache_dir=False) as server:
+                cluster="ray", router="round-robin", cache_dir=False,
+                cpu_binding=BINDING) as server:
         yield server
 
 
@@ -62,6 +69,9 @@ def test_two_ray_replicas_give_one_replicas_greedy_tokens(ray_server):
     assert {out.metrics.replica for out in outputs} == {0, 1}
     assert all(out.finish_reason == "length" for out in outputs)
     assert ray_server.ray_address
+    if BINDING is not None:        # each actor runs on its own CPUs, as bound
+        want = parse_cpu_binding(BINDING, 2)
+        assert ray_server.replica_cpus == list(want) and not set(want[0]) & set(want[1])
     # Cancel reaches the actor: the request ends "cancelled" before its budget.
     handle = ray_server.submit(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=200))
     next(iter(handle))
@@ -204,6 +214,11 @@ def test_ray_roles_prefill_on_one_actor_decode_on_the_other(ray_cluster):
             time.sleep(0.05)
         assert ray.get(decode_actor.handoffs_state.remote())["taken_whole"] == 3
         assert all(o.metrics.ttft > 0 and o.metrics.num_output_tokens == 8 for o in outputs)
+        # TPOT spans the first token (sampled on actor 0) to the last (actor 1), the
+        # hand-off's gap included, on this process's clock like the TTFT.
+        for o in outputs:
+            m = o.metrics
+            assert m.tpot * 7 == pytest.approx(m.finish_time - m.first_token_time)
         hashes = tuple(prefix_page_hashes(HANDOFF_PROMPTS[2].prompt_token_ids,
                                           TINY_ENGINE.page_size))
         deadline = time.monotonic() + 10
@@ -291,3 +306,18 @@ def test_serve_hosts_2_on_ray_starts_a_process_per_host_and_restarts_a_lost_repl
     while time.monotonic() < deadline and ray.available_resources().get("medha_host") != 2:
         time.sleep(0.5)
     assert ray.available_resources().get("medha_host") == 2
+
+
+def test_cpu_binding_is_one_cpu_set_per_replica():
+    assert parse_cpu_binding(None, 2) is None
+    assert parse_cpu_binding("0-2,5|3-4", 2) == ((0, 1, 2, 5), (3, 4))
+    assert parse_cpu_binding([[1, 0], [2]], 2) == ((0, 1), (2,))
+    cpus = sorted(os.sched_getaffinity(0))
+    auto = parse_cpu_binding("auto", 1)
+    assert auto == (tuple(cpus),)
+    for bad in ("0-1", "0||1", [[0], []], [[-1], [0]]):
+        with pytest.raises(ValueError, match="one non-empty set"):
+            parse_cpu_binding(bad, 2)
+    with pytest.raises(ValueError, match="need at least as many CPUs"):
+        parse_cpu_binding("auto", len(cpus) + 1)
+

@@ -42,6 +42,26 @@ def test_prefill_share_forgets_old_steps_while_the_replica_is_idle():
     assert LocalReplica.prefill_share.fget(replica) == 0.0
 
 
+def test_chunk_step_is_the_prefill_steps_measured_in_the_window():
+    # A decode beside prefill work pays the steps the packer really forms (chunks sized to
+    # its budget), not a full chunk's: the mean of the window's prefill steps; with none,
+    # the packer's budget; without one, a full chunk's predicted seconds.
+    now = time.monotonic()
+    steps = collections.deque([(now - PREFILL_SHARE_WINDOW_S - 5.0, 4.0), (now - 2.0, 0.2),
+                               (now - 1.0, 0.4)])
+    replica = types.SimpleNamespace(
+        _prefill_steps=steps, controller=types.SimpleNamespace(
+            packer=types.SimpleNamespace(target_batch_time_s=0.25)),
+        engine=types.SimpleNamespace(config=types.SimpleNamespace(max_tokens_per_step=256)),
+        prefill_s=lambda n, cached: n / 100)
+    chunk_step_s = LocalReplica.chunk_step_s.fget
+    assert chunk_step_s(replica) == pytest.approx(0.3)
+    steps.clear()
+    assert chunk_step_s(replica) == 0.25
+    replica.controller.packer = types.SimpleNamespace()        # a packer without a budget
+    assert chunk_step_s(replica) == pytest.approx(2.56)
+
+
 def test_device_groups_are_disjoint_and_contiguous():
     groups = device_groups(2, 3, devices=list(range(8)))
     assert groups == [[0, 1], [2, 3], [4, 5]]
