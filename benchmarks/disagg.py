@@ -19,10 +19,15 @@ Six tables:
 (c) seed 003's H8 experiment at this scale: --sessions concurrent multi-turn sessions
     (closed loop: a session's next turn right after its last), every --heavy-every-th HEAVY (a
     cold first turn of --heavy-tokens new tokens), the rest WARM (--warm-tokens); every
-    later turn adds --turn-tokens. Per gate (co-located = never, always-offload,
+    later turn adds --turn-tokens. With --heavy-turn spread the HEAVY tokens come in a
+    later turn of a session that began WARM, HEAVY sessions at different turns: the
+    HEAVY prefills land one replica at a time, so the other has room for a decode the
+    prefilling one would slow (the case where offloading can pay). Per gate (co-located = never, always-offload,
     cached-fraction >= 0.3, time comparison; the time gate priced at the in-process link
     speed measured as in (a), also when (a) is skipped): TTFT p50, decode TPOT p90 (over requests,
-    each request's mean seconds per output token after the first), requests offloaded,
+    each request's mean seconds per output token after the first), requests the gate
+    decided to offload and those that moved (a mixed prefill replica whose first token
+    came before the decode side's grant decodes the request itself),
     and each gate's TTFT p50 and TPOT p90 less co-located's with a 90% bootstrap interval
     (resampling a session's turns in a round).
     After one unmeasured round (the predictor is refined online from served steps),
@@ -80,6 +85,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heavy-every", type=int, default=3,
                    help="(c) sessions 0, K, 2K, ... are HEAVY (default 3: a third)")
     p.add_argument("--turn-tokens", type=int, default=32, help="(c) new tokens a later turn")
+    p.add_argument("--heavy-turn", choices=("first", "spread"), default="first",
+                   help="(c), (g) the turn a HEAVY session's cold tokens arrive in: first "
+                        "(seed 003's H8: every HEAVY prefill at the start, on both replicas "
+                        "at once) or spread (HEAVY session j's turn 1 + j mod (turns - 1), "
+                        "its first turn WARM: a document pasted into a running chat, so "
+                        "the HEAVY prefills come one replica at a time)")
     p.add_argument("--output-tokens", type=int, default=None, help="(c) tokens per answer")
     p.add_argument("--prompt-tokens", type=int, default=None,
                    help="(b), (f) the long prompt (default 1540; --quick 1030)")
@@ -371,8 +382,8 @@ def h8(args, server) -> tuple[list[dict], list[dict], list[dict]]:
     each round; a gate's figures are over all its rounds' requests. Returns the table
     rows of (c) and (d) and every measured request (for the JSON: where a tail comes from)."""
     gates = args.gates.split(",")
-    longest = (args.heavy_tokens + (args.turns - 1) * args.turn_tokens
-               + args.turns * args.output_tokens)
+    longest = max(sum(session_plan(args, i)[0]) for i in range(args.sessions)) \
+        + args.turns * args.output_tokens
     if longest > server.max_model_len:
         raise SystemExit(f"(c): a HEAVY session's last turn reaches {longest} tokens, past "
                          f"the engine's max_model_len {server.max_model_len}: lower "
@@ -391,6 +402,7 @@ def h8(args, server) -> tuple[list[dict], list[dict], list[dict]]:
         tpot = [r["tpot"] for r in done if r["outputs"] > 1]
         warm_tpot = [r["tpot"] for r in done if r["outputs"] > 1 and not r["heavy"]]
         rows.append({"gate": gate, "requests": len(done),
+                     "offload_decided": sum(r["offload_decided"] for r in done),
                      "offloaded": sum(r["offloaded"] for r in done),
                      "ttft_p50_s": percentile(ttft, 50), "ttft_p90_s": percentile(ttft, 90),
                      "tpot_p90_s": percentile(tpot, 90),
@@ -450,6 +462,19 @@ def versus(done: list[dict], baseline: list[dict], resamples: int = 2000) -> dic
     return out
 
 
+def session_plan(args, i: int) -> tuple[list[int], int | None]:
+    """The new tokens of session i's turns and its HEAVY turn (None for a WARM session): a
+    WARM session --warm-tokens then --turn-tokens a turn; a HEAVY one (every
+    --heavy-every-th) --heavy-tokens in its HEAVY turn (--heavy-turn) in place of that
+    turn's."""
+    plan = [args.warm_tokens] + [args.turn_tokens] * (args.turns - 1)
+    if i % args.heavy_every:
+        return plan, None
+    heavy = 0 if args.heavy_turn == "first" else 1 + (i // args.heavy_every) % (args.turns - 1)
+    plan[heavy] = args.heavy_tokens
+    return plan, heavy
+
+
 def run_gate(args, server, gate: str, seed: int) -> list[dict]:
     """One round of (c) under `gate`: --sessions closed-loop sessions of --turns turns, their
     prompts drawn from `seed` (fresh tokens each round, so no round hits another's cache)."""
@@ -469,13 +494,12 @@ def run_gate(args, server, gate: str, seed: int) -> list[dict]:
 
     def session(i: int) -> None:
         rng = random.Random(1000 * seed + i)
-        heavy = i % args.heavy_every == 0
+        plan, heavy_turn = session_plan(args, i)
+        heavy = heavy_turn is not None
         history: list[int] = []
         previous_offloaded = None
         time.sleep(0.3 * i)                     # staggered starts
-        for turn in range(args.turns):
-            new = (args.heavy_tokens if heavy else args.warm_tokens) if turn == 0 \
-                else args.turn_tokens
+        for turn, new in enumerate(plan):
             prompt = history + [rng.randrange(1, vocab) for _ in range(new)]
             handle_submitted = time.perf_counter()
             handle = server.submit(TokensPrompt(prompt), SamplingParams(
@@ -485,8 +509,10 @@ def run_gate(args, server, gate: str, seed: int) -> list[dict]:
             decision = next((d for rid, d in reversed(owner.offload_decisions[-200:])
                              if rid == handle.id), None)
             decode = None if decision is None else decision.decode
-            offloaded = decode is not None
             m = out.metrics
+            # Decided and done: a mixed prefill replica whose first token came before the
+            # decode side's grant decodes the request itself.
+            offloaded = decode is not None and m.replica == decode
             cached = m.num_cached_tokens
             if offloaded and transfers is not None:
                 # The decode side counts the moved pages as cached.
@@ -494,10 +520,12 @@ def run_gate(args, server, gate: str, seed: int) -> list[dict]:
                                if r.request_id == handle.id), cached)
             with lock:
                 results.append({"session": i, "heavy": heavy, "turn": turn,
+                                "heavy_turn": turn == heavy_turn,
                                 "submitted_s": handle_submitted - started, "ttft": m.ttft,
                                 "tpot": m.tpot, "outputs": m.num_output_tokens,
                                 "cached": cached, "prompt": len(prompt),
-                                "offloaded": offloaded, "replica": m.replica,
+                                "offloaded": offloaded, "offload_decided": decode is not None,
+                                "replica": m.replica,
                                 "decode_replica": decode, "queue_s": m.queue_time,
                                 "preemptions": m.num_preemptions,
                                 # The gate's predicted decode seconds of staying and moving.
@@ -584,6 +612,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     args.prompt_tokens = args.prompt_tokens or (1030 if args.quick else 1540)
     args.repeats = args.repeats or (3 if args.quick else 5)
     args.sim_sessions = args.sim_sessions or (192 if args.quick else 384)
+    if args.heavy_turn == "spread" and args.turns < 2:
+        raise SystemExit("--heavy-turn spread needs --turns >= 2 (the HEAVY turn is a later one)")
     skip = set(args.skip.split(",")) - {""}
     band = gaps = runs = cached = sim = h8_requests = []
     if "e" not in skip:
@@ -612,7 +642,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             runs, cached, h8_requests = h8(args, server)
             table(f"(c) H8 at this scale: {args.sessions} sessions x {args.turns} turns x "
                   f"{args.h8_rounds} rounds, every {args.heavy_every}th session "
-                  f"HEAVY ({args.heavy_tokens} cold tokens), 2 mixed replicas, "
+                  f"HEAVY ({heavy_phrase(args)}), 2 mixed replicas, "
                   "predicted-time router, per offload gate", runs)
             table("(d) H6: the next turn's cached share of its prompt", cached)
     ray_rows = ray_part(args, skip)         # after the in-process replicas are gone
@@ -624,6 +654,12 @@ def main(argv: Sequence[str] | None = None) -> None:
            ray_requests)
 
 
+def heavy_phrase(args) -> str:
+    return (f"{args.heavy_tokens} cold tokens in its "
+            + ("first turn" if args.heavy_turn == "first" else "turn 1 + j mod "
+               f"{args.turns - 1}, j its number among the HEAVY"))
+
+
 def ray_h8_part(args, skip, band) -> tuple[list[dict], list[dict]]:
     if "g" in skip:
         return [], []
@@ -632,7 +668,7 @@ def ray_h8_part(args, skip, band) -> tuple[list[dict], list[dict]]:
     if runs:
         table(f"(g) H8 over two Ray replica actors, one CPU set each: {args.sessions} "
               f"sessions x {args.turns} turns x {args.h8_rounds} rounds, every "
-              f"{args.heavy_every}th session HEAVY ({args.heavy_tokens} cold tokens), per "
+              f"{args.heavy_every}th session HEAVY ({heavy_phrase(args)}), per "
               "offload gate", runs)
     return runs, requests
 

@@ -277,6 +277,14 @@ class KVTransfers:
         with self._lock:
             return len(self._by_id)
 
+    def incoming_contexts(self, replica: int) -> tuple[int, ...]:
+        """The prompt lengths of the decodes on their way to `replica` (not yet running
+        there): the offload decision counts them in its decode batch, else offloads decided
+        during one long prefill all see the same idle replica and pile onto it."""
+        with self._lock:
+            return tuple(len(t.tokens) for t in self._by_id.values()
+                         if t.decode == replica and t.state not in ("done", "aborted"))
+
     # ------------------------------------------------------------------ handshake (decode thread)
 
     def _post_handshake(self, t: _Transfer) -> None:

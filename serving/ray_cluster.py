@@ -131,11 +131,13 @@ class ReplicaState:
     num_preemptions: int = 0
     # With hand-offs, what the front's offload decision reads (serving.replicas'
     # offload_decision reads the same of its replicas): seconds of a chunked prefill step,
-    # the share of recent time spent on prefill steps, and [(context, seconds)] of a decode
-    # step of its decodes plus one request of that context; hand-offs still kept here.
+    # the share of recent time spent on prefill steps, [(context, seconds)] of a decode
+    # step of its decodes plus one request of that context and the seconds of one of its
+    # decodes alone (what one more adds: the table's less this); hand-offs still kept here.
     chunk_step_s: float = 0.0
     prefill_share: float = 0.0
     decode_step_table: tuple[tuple[int, float], ...] = ()
+    decode_base_s: float = 0.0
     handoffs_in_flight: int = 0
 
 
@@ -226,10 +228,13 @@ class ReplicaActor:
     # The actor side of serving.ray_handoff; the front (RayServer._hand_off) calls these.
 
     async def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                      slo: SLO | None, priority: int, start_page: int, paced: bool = True):
+                      slo: SLO | None, priority: int, start_page: int | None,
+                      paced: bool = True):
         """generate(), with the decode handed off: the first token's delta, PagesOffered
-        items as the prompt's pages fill (from start_page), then HandedOff; a final delta
-        instead when the request ends here (at its first token, cancelled, failed)."""
+        items as the prompt's pages fill (from start_page; None: from the page `grant`
+        gives, nothing before it), then HandedOff; a final delta instead when the request
+        ends here (at its first token, cancelled, failed, or decoded here when the grant
+        came after its first token)."""
         handle = self.server.submit(validation.TokensPrompt(prompt_ids), params, slo=slo,
                                     priority=priority, request_id=request_id,
                                     _loop=asyncio.get_running_loop(), _paced=paced)
@@ -250,6 +255,10 @@ class ReplicaActor:
             self._handles.pop(request_id, None)
             if not handle.finished and not handed:
                 handle.cancel()
+
+    async def grant(self, request_id: str, start_page: int) -> None:
+        """A prefill started before the decode side's grant may offer its pages now."""
+        self.handoffs.grant(request_id, start_page)
 
     async def reserve(self, request_id: str, tid: int, prompt_ids: list[int]) -> int | None:
         """The handshake: returns once every full prompt page is booked here (the pages
@@ -324,6 +333,7 @@ class ReplicaActor:
                 decode_step_table=tuple(
                     (n, decode_step_seconds(replica.predictor, contexts + (n,)))
                     for n, _ in self._table[::8] + self._table[-1:]),
+                decode_base_s=decode_step_seconds(replica.predictor, contexts),
                 handoffs_in_flight=self.handoffs.in_flight)
         return ReplicaState(self.incarnation, waiting, running, prefills,
                             self.replica.decode_token_s, self._table, events,
@@ -575,6 +585,11 @@ class RayServer(Server):
         self.chunks_moved = 0              # page chunks they moved (several per long prompt)
         self.offload_decisions: list = []  # (request id, OffloadDecision), bounded
         self._tids = itertools.count(1)
+        self._grants: set[asyncio.Task] = set()   # handshakes of prefills already running
+        # Per replica, the decodes offloaded to it that its polled state may not show yet
+        # (front id -> context): without them, offloads decided within a poll (or during
+        # one long prefill) all see the same idle replica and pile onto it.
+        self._pending_decodes: list[dict[str, int]] = [{} for _ in range(replicas)]
         self._router = Router(replicas, self._routable, routing)
         self._closing = False
         self._aloop = asyncio.new_event_loop()
@@ -801,8 +816,13 @@ class RayServer(Server):
 
         try:
             decode = self._offload_target(server_id, request)
-            if decode is not None and await self._hand_off(server_id, request, decode):
-                return
+            if decode is not None:
+                try:
+                    if await self._hand_off(server_id, request, decode):
+                        return
+                finally:                    # once the decode side's polls show it
+                    asyncio.get_running_loop().call_later(
+                        2 * POLL_S, self._pending_decodes[decode].pop, server_id, None)
             while True:
                 params = request.params
                 remaining = params.max_tokens - len(request.tokens)
@@ -887,14 +907,26 @@ class RayServer(Server):
             chunk_step_s=state.chunk_step_s if state else 0.0,
             decode_token_s=status.decode_token_s, cached_pages=cached_pages[i],
             prefill_share=state.prefill_share if state else 0.0,
-            decode_step_s=_interpolated(state.decode_step_table)(prompt_len) if state else 0.0)
+            decode_step_s=self._decode_step_s(i, state, prompt_len))
             for i, (status, state) in enumerate(zip(statuses, states))]
         decision = choose_decode(offload_request, prefill, views, self.offload)
+        if decision.decode is not None:
+            self._pending_decodes[decision.decode][server_id] = prompt_len
         with self._lock:
             if len(self.offload_decisions) >= 10_000:
                 del self.offload_decisions[:5_000]
             self.offload_decisions.append((server_id, decision))
         return decision.decode
+
+    def _decode_step_s(self, replica: int, state, context: int) -> float:
+        """Predicted seconds of a decode step on `replica` with one more decode of this
+        context: its polled decodes, plus what each offloaded to it and not yet polled
+        there adds (the predictor's decode features add up per sequence)."""
+        if state is None:
+            return 0.0
+        step = _interpolated(state.decode_step_table)
+        return step(context) + sum(step(c) - state.decode_base_s
+                                   for c in self._pending_decodes[replica].values())
 
     async def _hand_off(self, server_id: str, request: _InFlight, decode: int) -> bool:
         """Prefills on request.replica while the KV streams to `decode`, then moves the
@@ -907,21 +939,42 @@ class RayServer(Server):
         source, destination = self._actors[prefill], self._actors[decode]
         tid = next(self._tids)
         res_id = reservation_id(server_id, tid)
-        try:
-            start = await asyncio.wait_for(
-                destination.reserve.remote(server_id, tid, request.prompt_ids),
-                self.disagg.handshake_timeout_s)
-        except (asyncio.TimeoutError, RayActorError):
-            start = None
-        if start is None:                   # no pages there in time: served co-located
-            destination.release_reservation.remote(res_id)
-            return False
-        if request.cancelled or self._closing:     # while it waited for the pages
-            destination.release_reservation.remote(res_id)
-            self._finish(server_id, request, "cancelled", None, None)
-            return True
+
+        async def granted() -> int | None:
+            """The pages D has cached once it booked the rest; None: not in time."""
+            try:
+                return await asyncio.wait_for(
+                    destination.reserve.remote(server_id, tid, request.prompt_ids),
+                    self.disagg.handshake_timeout_s)
+            except (asyncio.TimeoutError, RayActorError):
+                return None
+
+        start = None
+        if prefill in self._prefill_only:
+            # It cannot decode, so it may prefill only once the pages are booked.
+            start = await granted()
+            if start is None:               # no pages there in time: served co-located
+                destination.release_reservation.remote(res_id)
+                return False
+            if request.cancelled or self._closing:     # while it waited for the pages
+                destination.release_reservation.remote(res_id)
+                self._finish(server_id, request, "cancelled", None, None)
+                return True
+        else:
+            # A mixed P starts at once (the handshake's wait is not in the TTFT) and offers
+            # pages once told the grant; a first token before it decodes there.
+            async def pass_on_the_grant() -> None:
+                pages = await granted()
+                if pages is None:
+                    destination.release_reservation.remote(res_id)
+                else:
+                    source.grant.remote(server_id, pages)
+
+            task = asyncio.ensure_future(pass_on_the_grant())
+            self._grants.add(task)                 # (the loop keeps only weak references)
+            task.add_done_callback(self._grants.discard)
         params = dataclasses.replace(request.params, stop=())
-        lands, handed = [], None
+        lands, handed, deltas = [], None, 0
         try:
             stream = source.prefill.remote(server_id, request.prompt_ids, params, request.slo,
                                            request.priority, start, request.paced)
@@ -935,6 +988,10 @@ class RayServer(Server):
                 elif self._deliver(server_id, request, item):     # it ended on P
                     destination.release_reservation.remote(res_id)
                     return True
+                else:
+                    deltas += 1
+                    if deltas == 2:         # a delta after the first token's: it decodes
+                        destination.release_reservation.remote(res_id)      # on P
         except RayActorError:                # P died: D keeps what landed as prefix cache
             self._replica_down(prefill)
             # Pulls of what P offered before it died end first (those of chunks still in

@@ -21,6 +21,12 @@ ReplicaActor) and the front (RayServer) carries every message, so only it talks 
                                     page again
     release_hold(id) ------------------------------------------> unpins (they stay cached)
 
+A mixed prefill actor (one that can decode) starts the prefill at once, beside the
+reserve, so the handshake's wait is not in the TTFT: its prefill offers nothing until the
+front passes on the grant (`grant`, the pages D has cached), and a first token sampled
+before then stays, the request decoding on P (serving.kv_transfer's start_now). A
+prefill-role actor, which cannot decode, prefills once the grant is known.
+
 Order: an async actor runs calls in no set order, so the front waits for each call whose
 order matters (every land before register, register before the decode's generate, and after
 a prefill actor died, the release that registers what landed before the re-run).
@@ -88,7 +94,8 @@ class _Outgoing:
     push: Callable                # puts an item in the request's stream (any thread)
     tokens: list[int]
     num_pages: int                # full prompt pages the decode side needs
-    sent: int                     # pages [.., sent) offered (from the first not cached there)
+    sent: int | None              # pages [.., sent) offered (from the first not cached
+                                  # there); None until the decode side's grant is known
     hold: str | None = None
     held_at: float = 0.0
     taker: str | None = None      # a re-run here that takes the held pages (decode side died)
@@ -126,6 +133,9 @@ class ReplicaHandoffs:
         self._front_id: dict[str, str] = {}           # this replica's request id -> front's
         self._incoming: dict[str, _Incoming] = {}     # reservation id -> its booking
         self._queue: collections.deque[str] = collections.deque()   # arrival order
+        # The front's request id -> (pages the decode side has cached, when it came), for
+        # prefills started before the grant; written from any thread (`grant`).
+        self._grants: dict[str, tuple[int, float]] = {}
         self._sender: PageSender | None = None
         self._receiver: PageReceiver | None = None
         self._scatter = page_scatter(self.engine)      # the receiver's writes, warmed up once
@@ -143,13 +153,27 @@ class ReplicaHandoffs:
 
     # ------------------------------------------------------------------ prefill side
 
-    def expect(self, request_id: str, internal: str, tokens: list[int], start_page: int,
-               num_pages: int, push: Callable) -> None:
+    def expect(self, request_id: str, internal: str, tokens: list[int],
+               start_page: int | None, num_pages: int, push: Callable) -> None:
         """The request (added just before as `internal`) hands its decode off: offer its
         full prompt pages from start_page (those before it the decode side has cached) as
-        they fill, and the partial last one with the first token."""
+        they fill, and the partial last one with the first token. start_page None (a mixed
+        replica, which started the prefill before the decode side granted the pages):
+        nothing is offered until `grant` gives it, and a first token sampled before that
+        stays here (the request decodes here, as serving.kv_transfer's start_now)."""
         self._outgoing[request_id] = _Outgoing(internal, push, tokens, num_pages, start_page)
         self._front_id[internal] = request_id
+
+    def grant(self, request_id: str, start_page: int) -> None:
+        """Any thread: the decode side granted the pages of a prefill started before it,
+        start_page of them cached there. Read on the loop thread at the next step's end."""
+        self._grants[request_id] = (start_page, time.monotonic())
+
+    def _granted(self, request_id: str, out: _Outgoing) -> bool:
+        """Whether out's pages may be offered (its grant known), taking a grant that came."""
+        if out.sent is None and request_id in self._grants:
+            out.sent = self._grants.pop(request_id)[0]
+        return out.sent is not None
 
     def _ship_filled(self) -> None:
         ps = self.engine.allocator.page_size
@@ -160,7 +184,8 @@ class ReplicaHandoffs:
             if request is None or request.state is RequestState.FINISHED:
                 self._forget(request_id)           # ended before its first token
                 continue
-            if self.config.stream_chunks and self.engine.allocator.has(out.internal):
+            if (self.config.stream_chunks and self._granted(request_id, out)
+                    and self.engine.allocator.has(out.internal)):
                 full = min(request.num_computed_tokens // ps, out.num_pages)
                 self._offer(out, out.internal, full)
 
@@ -180,6 +205,9 @@ class ReplicaHandoffs:
         out = self._outgoing.get(request_id)
         if out is None or out.hold is not None:
             return False
+        if not self._granted(request_id, out):       # the grant is late: decode here
+            self._forget(request_id)
+            return False
         allocator = self.engine.allocator
         self._offer(out, out.internal, allocator.pages_needed(len(out.tokens)))   # partial too
         hold = f"kv-out:{request_id}"
@@ -195,6 +223,7 @@ class ReplicaHandoffs:
 
     def _forget(self, request_id: str) -> _Outgoing | None:
         out = self._outgoing.pop(request_id, None)
+        self._grants.pop(request_id, None)
         if out is not None:
             self._front_id.pop(out.internal, None)
         return out
@@ -321,6 +350,10 @@ class ReplicaHandoffs:
             if out.hold is not None and (out.taker is not None and allocator.has(out.taker)
                                          or now - out.held_at > config.ack_timeout_s):
                 self.release_hold(request_id)
+        # A grant that came after its request stopped handing off (decoded here, ended).
+        for request_id, (_, at) in list(self._grants.items()):
+            if request_id not in self._outgoing and now - at > config.ack_timeout_s:
+                self._grants.pop(request_id, None)
 
     @property
     def leading_pages_landed(self) -> int:

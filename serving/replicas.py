@@ -392,7 +392,8 @@ class ReplicaSet:
                                 chunk_step_s=r.chunk_step_s, decode_token_s=r.decode_token_s,
                                 cached_pages=cached_pages[i], prefill_share=r.prefill_share,
                                 decode_step_s=decode_step_seconds(
-                                    r.predictor, r.loop.decode_contexts + (prompt_len,)))
+                                    r.predictor, r.loop.decode_contexts
+                                    + self.transfers.incoming_contexts(i) + (prompt_len,)))
                  for i, r in enumerate(self.replicas)]
         return choose_decode(request, prefill, views, self.offload)
 

@@ -436,3 +436,66 @@ def test_warm_up_compiles_every_copy_shape_and_changes_no_page():
     copier.write(np.arange(9), copier.read(np.arange(20, 29)))      # 9 -> 16 pages
     assert (gather_pages._cache_size(), scatters[1]._cache_size()) == compiled
     np.testing.assert_array_equal(np.asarray(engines[1].kv_cache.k)[:, :9], values[:, 20:29])
+
+
+def test_h8_spread_puts_each_heavy_sessions_cold_tokens_in_a_later_turn():
+    from benchmarks.disagg import parse_args, session_plan
+
+    args = parse_args(["--heavy-turn", "spread", "--turns", "4", "--heavy-tokens", "1024",
+                       "--heavy-every", "3"])
+    plans = [session_plan(args, i) for i in range(12)]
+    assert [heavy for _, heavy in plans] == [1, None, None, 2, None, None, 3, None, None, 1,
+                                             None, None]
+    for plan, heavy in plans:
+        assert plan[0] == args.warm_tokens                  # every session begins WARM
+        assert [k for k, n in enumerate(plan) if n == 1024] == ([] if heavy is None
+                                                                 else [heavy])
+    first = parse_args(["--turns", "4", "--heavy-tokens", "1024"])
+    assert session_plan(first, 0) == ([1024, 32, 32, 32], 0)     # seed 003's H8
+    assert session_plan(first, 1) == ([64, 32, 32, 32], None)
+
+
+def test_a_ray_prefill_started_before_its_grant_offers_nothing_and_decodes_here_if_late():
+    """serving.ray_handoff on a mixed prefill actor (start_page None): no page offered and
+    no hold before the grant; a first token before it keeps the request here (the loop's
+    hook says no hand-off); a grant that comes after is dropped at the ack timeout; a
+    grant that comes first sets where the offers start."""
+    from types import SimpleNamespace
+
+    from serving.kv_transfer import DisaggConfig
+    from serving.ray_handoff import ReplicaHandoffs
+
+    engine = Engine(tiny_model(), TINY_ENGINE)
+    loop = SimpleNamespace()
+    replica = SimpleNamespace(engine=engine, loop=loop, step_hooks=[],
+                              controller=SimpleNamespace(get=lambda internal: None))
+    handoffs = ReplicaHandoffs(replica, DisaggConfig(ack_timeout_s=5.0))
+    pushed = []
+    handoffs.expect("A", "a", list(range(1, 41)), None, 2, pushed.append)
+    stream = SimpleNamespace(request_id="a", request=None)
+    assert loop.on_prefilled(stream) is False              # decodes here
+    assert pushed == [] and handoffs.in_flight == 0
+    handoffs.grant("A", 0)                                 # late: nobody takes it
+    handoffs.sweep(time.monotonic())
+    assert "A" in handoffs._grants
+    handoffs.sweep(time.monotonic() + 6.0)
+    assert handoffs._grants == {}
+    handoffs.expect("B", "b", list(range(1, 41)), None, 2, pushed.append)
+    handoffs.grant("B", 1)
+    out = handoffs._outgoing["B"]
+    assert out.sent is None and handoffs._granted("B", out) and out.sent == 1
+    assert handoffs._grants == {}
+
+
+def test_decodes_on_their_way_count_in_the_decode_sides_batch():
+    """The offload decision prices a decode replica's step with the decodes already handed
+    to it and not running there yet, so offloads decided during one long prefill do not
+    all pile onto the same idle replica."""
+    replica_set, decode, transfers = _handshakes_on_a_decode_side_with_4_free_pages()
+    decode.free("blocker")
+    transfers.begin(_stream("A", 2 * 16 + 3), 0, 1)
+    transfers.begin(_stream("B", 16 + 3), 0, 1)
+    assert transfers.incoming_contexts(1) == (35, 19)
+    assert transfers.incoming_contexts(0) == ()
+    transfers._abort(transfers._by_id["A"])
+    assert transfers.incoming_contexts(1) == (19,)

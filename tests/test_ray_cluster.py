@@ -237,6 +237,50 @@ def test_ray_roles_prefill_on_one_actor_decode_on_the_other(ray_cluster):
 
 
 
+def test_a_mixed_prefill_actor_starts_before_the_grant_and_hands_off_once_it_comes(
+        ray_cluster):
+    """Two mixed actors, every decode offloaded: the prefill starts beside the handshake
+    (its wait is not in the TTFT) and offers pages once the front passes the grant on. The
+    200-token prompt (13 prefill steps) hands off; a short one whose first token came
+    before the grant decodes where it prefilled. Either way one replica's greedy tokens,
+    and both pools come back whole with no reservation or hold kept."""
+    from medha_jax.cluster.offload import OffloadConfig
+
+    long = TokensPrompt([int(t) for t in np.random.default_rng(12).integers(1, 256, 200)])
+    prompts = HANDOFF_PROMPTS + [long]
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    with Server("tiny", engine_config=TINY_ENGINE, warmup=False, cache_dir=False) as local:
+        expected = [out.token_ids for out in local.generate(prompts, params)]
+    with Server("tiny", engine_config=TINY_ENGINE, warmup=False, replicas=2, cluster="ray",
+                cache_dir=False, actor_options={"num_cpus": 0},
+                offload=OffloadConfig("always-heavy", heavy_new_tokens=1)) as server:
+        handles = [server.submit(p, params) for p in prompts]
+        outputs = [h.result(timeout=120) for h in handles]
+        assert [o.token_ids for o in outputs] == expected
+        decided = dict(server.offload_decisions)
+        moved = [decided[h.id].decode == o.metrics.replica for h, o in zip(handles, outputs)]
+        assert all(decided[h.id].decode is not None for h in handles)
+        assert moved[-1]                           # granted long before its first token
+        assert server.handoffs == sum(moved)
+        assert _settled()
+
+
+def test_the_front_prices_a_decode_side_with_the_decodes_offloaded_to_it_not_yet_polled():
+    from types import SimpleNamespace
+
+    from serving.ray_cluster import RayServer
+
+    # A decode step: 0.10 s for its own decodes, + 0.02 s + 0.0001 s a context token for
+    # each more.
+    table = tuple((n, 0.12 + 1e-4 * n) for n in (0, 100, 1000))
+    state = SimpleNamespace(decode_step_table=table, decode_base_s=0.10)
+    front = SimpleNamespace(_pending_decodes=[{}, {"a": 100, "b": 1000}])
+    assert RayServer._decode_step_s(front, 0, state, 500) == pytest.approx(0.17)
+    assert RayServer._decode_step_s(front, 1, state, 500) == pytest.approx(
+        0.17 + 0.03 + 0.12)
+    assert RayServer._decode_step_s(front, 1, None, 500) == 0.0
+
+
 @pytest.mark.parametrize("dies", ["decode", "prefill"])
 def test_ray_handoff_survives_either_actor_dying_mid_transfer(ray_cluster, dies):
     """An actor killed while a 200-token prompt's pages stream: the request still gives the
