@@ -949,7 +949,7 @@ class RayServer(Server):
             except (asyncio.TimeoutError, RayActorError):
                 return None
 
-        start = None
+        start, stays = None, False          # stays: it ended or decodes on P
         if prefill in self._prefill_only:
             # It cannot decode, so it may prefill only once the pages are booked.
             start = await granted()
@@ -965,8 +965,8 @@ class RayServer(Server):
             # pages once told the grant; a first token before it decodes there.
             async def pass_on_the_grant() -> None:
                 pages = await granted()
-                if pages is None:
-                    destination.release_reservation.remote(res_id)
+                if pages is None or stays:      # (a release sent before the booking
+                    destination.release_reservation.remote(res_id)      # found nothing)
                 else:
                     source.grant.remote(server_id, pages)
 
@@ -986,12 +986,14 @@ class RayServer(Server):
                 elif isinstance(item, HandedOff):
                     handed = item
                 elif self._deliver(server_id, request, item):     # it ended on P
+                    stays = True
                     destination.release_reservation.remote(res_id)
                     return True
                 else:
                     deltas += 1
                     if deltas == 2:         # a delta after the first token's: it decodes
-                        destination.release_reservation.remote(res_id)      # on P
+                        stays = True                                        # on P
+                        destination.release_reservation.remote(res_id)
         except RayActorError:                # P died: D keeps what landed as prefix cache
             self._replica_down(prefill)
             # Pulls of what P offered before it died end first (those of chunks still in
