@@ -96,7 +96,10 @@ def test_two_ray_replicas_give_one_replicas_greedy_tokens(ray_server):
 
 
 def test_a_killed_replica_loses_no_request_and_serves_again(ray_server):
-    params = SamplingParams(temperature=0.0, max_tokens=40)
+    # 200 tokens each (230 of the engine's 256), so replica 1 is still decoding when the
+    # kill lands: with 40, a fresh-clone run saw every one of its requests finish between
+    # the first delta and the kill.
+    params = SamplingParams(temperature=0.0, max_tokens=200)
     prompts = [TokensPrompt([int(t) for t in np.random.default_rng(100 + i).integers(1, 256, 30)])
                for i in range(12)]
     with Server("tiny", engine_config=TINY_ENGINE, warmup=False, cache_dir=False) as local:
@@ -254,8 +257,13 @@ def test_a_mixed_prefill_actor_starts_before_the_grant_and_hands_off_once_it_com
     with Server("tiny", engine_config=TINY_ENGINE, warmup=False, replicas=2, cluster="ray",
                 cache_dir=False, actor_options={"num_cpus": 0},
                 offload=OffloadConfig("always-heavy", heavy_new_tokens=1)) as server:
-        handles = [server.submit(p, params) for p in prompts]
+        # The short ones together, then the long one alone: with both actors idle and
+        # their steps compiled, its grant comes within its first prefill steps (a step
+        # that compiles on the decode actor answers the handshake seconds late).
+        handles = [server.submit(p, params) for p in HANDOFF_PROMPTS]
         outputs = [h.result(timeout=120) for h in handles]
+        handles.append(server.submit(long, params))
+        outputs.append(handles[-1].result(timeout=120))
         assert [o.token_ids for o in outputs] == expected
         decided = dict(server.offload_decisions)
         moved = [decided[h.id].decode == o.metrics.replica for h, o in zip(handles, outputs)]
