@@ -22,12 +22,13 @@ Six tables:
     later turn adds --turn-tokens. With --heavy-turn spread the HEAVY tokens come in a
     later turn of a session that began WARM, HEAVY sessions at different turns: the
     HEAVY prefills land one replica at a time, so the other has room for a decode the
-    prefilling one would slow (the case where offloading can pay). Per gate (co-located = never, always-offload,
-    cached-fraction >= 0.3, time comparison; the time gate priced at the in-process link
-    speed measured as in (a), also when (a) is skipped): TTFT p50, decode TPOT p90 (over requests,
-    each request's mean seconds per output token after the first), requests the gate
-    decided to offload and those that moved (a mixed prefill replica whose first token
-    came before the decode side's grant decodes the request itself),
+    prefilling one would slow (the case where offloading can pay). Per gate (co-located
+    = never, always-offload, cached-fraction >= 0.3, time comparison; the time gate
+    priced at the in-process link speed measured as in (a), also when (a) is skipped):
+    TTFT p50, decode TPOT p90 (over requests, each request's mean seconds per output
+    token after the first), requests the gate decided to offload and those that moved (a
+    mixed prefill replica whose first token came before the decode side's grant decodes
+    the request itself),
     and each gate's TTFT p50 and TPOT p90 less co-located's with a 90% bootstrap interval
     (resampling a session's turns in a round).
     After one unmeasured round (the predictor is refined online from served steps),

@@ -585,7 +585,7 @@ class RayServer(Server):
         self.chunks_moved = 0              # page chunks they moved (several per long prompt)
         self.offload_decisions: list = []  # (request id, OffloadDecision), bounded
         self._tids = itertools.count(1)
-        self._grants: set[asyncio.Task] = set()   # handshakes of prefills already running
+        self._grant_tasks: set[asyncio.Task] = set()   # handshakes of prefills running
         # Per replica, the decodes offloaded to it that its polled state may not show yet
         # (front id -> context): without them, offloads decided within a poll (or during
         # one long prefill) all see the same idle replica and pile onto it.
@@ -971,8 +971,8 @@ class RayServer(Server):
                     source.grant.remote(server_id, pages)
 
             task = asyncio.ensure_future(pass_on_the_grant())
-            self._grants.add(task)                 # (the loop keeps only weak references)
-            task.add_done_callback(self._grants.discard)
+            self._grant_tasks.add(task)            # (the loop keeps only weak references)
+            task.add_done_callback(self._grant_tasks.discard)
         params = dataclasses.replace(request.params, stop=())
         lands, handed, deltas = [], None, 0
         try:
