@@ -529,9 +529,13 @@ def run_gate(args, server, gate: str, seed: int) -> list[dict]:
                                 "replica": m.replica,
                                 "decode_replica": decode, "queue_s": m.queue_time,
                                 "preemptions": m.num_preemptions,
-                                # The gate's predicted decode seconds of staying and moving.
-                                "colocated_s": decision and decision.colocated_s,
-                                "offloaded_s": decision and decision.offloaded_s,
+                                # The gate's predicted seconds of the request's own
+                                # decode, staying and moving (less what it adds to the
+                                # other decodes: not measurable per request).
+                                "colocated_s": decision and (decision.colocated_s
+                                                             - decision.colocated_others_s),
+                                "offloaded_s": decision and (decision.offloaded_s
+                                                             - decision.offloaded_others_s),
                                 "after_offloaded": previous_offloaded})
             previous_offloaded = offloaded
             history = prompt + list(out.token_ids)

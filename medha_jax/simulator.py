@@ -482,15 +482,17 @@ class SimulatedHandoffs:
     def next_time(self) -> float:
         return self._heap[0][0] if self._heap else math.inf
 
-    def _decode_step_s(self, j: int, prompt_len: int) -> float:
-        """Replica j's decode step with the decodes it runs, those handed to it and not yet
-        landed, and one more at prompt_len: what each of the new request's tokens costs."""
+    def _decode_steps(self, j: int, prompt_len: int) -> dict:
+        """OffloadReplica's decode fields for replica j: its decode step with the decodes
+        it runs and those handed to it and not yet landed, with one more at prompt_len
+        (what each of the new request's tokens costs) and without it, and how many."""
         contexts = [r.prompt_len + len(r.output_token_ids)
                     for r in self.controllers[j].unfinished() if r.max_new_tokens > 1]
         contexts += [entry[0].prompt_len for entry in self._waiting.values() if entry[3] == j]
         contexts += [entry[0].prompt_len for entry in self._ready.values() if entry[2] == j]
-        contexts.append(prompt_len)
-        return decode_step_seconds(self.predictor, contexts)
+        return dict(decode_step_s=decode_step_seconds(self.predictor, contexts + [prompt_len]),
+                    decode_base_step_s=decode_step_seconds(self.predictor, contexts),
+                    decodes=len(contexts))
 
     def _chunk_step_s(self, controller) -> float:
         target = getattr(controller.packer, "target_batch_time_s", None)
@@ -506,11 +508,11 @@ class SimulatedHandoffs:
         pages = -(-request.prompt_len // page_size)       # the partial last one moves too
         cached_pages = self.router.index.cached_pages(tuple(hashes))
         pt = self.controllers[p].prefill_time_cache.prefill_time
-        views = [OffloadReplica(True, queued_prefill_s=sum(c.queued_prefills_s()),
+        views = [OffloadReplica(True, queued_prefills_s=tuple(c.queued_prefills_s()),
                                 chunk_step_s=self._chunk_step_s(c),
                                 decode_token_s=self.decode_token_s, cached_pages=cached_pages[j],
                                 prefill_share=self._prefill_share(j, request.arrival_time),
-                                decode_step_s=self._decode_step_s(j, request.prompt_len))
+                                **self._decode_steps(j, request.prompt_len))
                  for j, c in enumerate(self.controllers)]
         decision = choose_decode(OffloadRequest(
             request.prompt_len, cached_tokens, request.max_new_tokens,

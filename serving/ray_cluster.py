@@ -132,12 +132,14 @@ class ReplicaState:
     # With hand-offs, what the front's offload decision reads (serving.replicas'
     # offload_decision reads the same of its replicas): seconds of a chunked prefill step,
     # the share of recent time spent on prefill steps, [(context, seconds)] of a decode
-    # step of its decodes plus one request of that context and the seconds of one of its
-    # decodes alone (what one more adds: the table's less this); hand-offs still kept here.
+    # step of its decodes plus one request of that context and the seconds of a step of
+    # its decodes alone (what one more adds: the table's less this), how many decodes it
+    # runs; hand-offs still kept here.
     chunk_step_s: float = 0.0
     prefill_share: float = 0.0
     decode_step_table: tuple[tuple[int, float], ...] = ()
     decode_base_s: float = 0.0
+    decodes: int = 0
     handoffs_in_flight: int = 0
 
 
@@ -334,6 +336,7 @@ class ReplicaActor:
                     (n, decode_step_seconds(replica.predictor, contexts + (n,)))
                     for n, _ in self._table[::8] + self._table[-1:]),
                 decode_base_s=decode_step_seconds(replica.predictor, contexts),
+                decodes=len(contexts),
                 handoffs_in_flight=self.handoffs.in_flight)
         return ReplicaState(self.incarnation, waiting, running, prefills,
                             self.replica.decode_token_s, self._table, events,
@@ -903,11 +906,11 @@ class RayServer(Server):
         views = [OffloadReplica(
             can_decode=status.healthy and state is not None,
             prefill_only=i in self._prefill_only,
-            queued_prefill_s=sum(status.queued_prefills_s),
+            queued_prefills_s=tuple(status.queued_prefills_s),
             chunk_step_s=state.chunk_step_s if state else 0.0,
             decode_token_s=status.decode_token_s, cached_pages=cached_pages[i],
             prefill_share=state.prefill_share if state else 0.0,
-            decode_step_s=self._decode_step_s(i, state, prompt_len))
+            **self._decode_steps(i, state, prompt_len))
             for i, (status, state) in enumerate(zip(statuses, states))]
         decision = choose_decode(offload_request, prefill, views, self.offload)
         if decision.decode is not None:
@@ -918,15 +921,18 @@ class RayServer(Server):
             self.offload_decisions.append((server_id, decision))
         return decision.decode
 
-    def _decode_step_s(self, replica: int, state, context: int) -> float:
-        """Predicted seconds of a decode step on `replica` with one more decode of this
-        context: its polled decodes, plus what each offloaded to it and not yet polled
-        there adds (the predictor's decode features add up per sequence)."""
+    def _decode_steps(self, replica: int, state, context: int) -> dict:
+        """OffloadReplica's decode fields for `replica`: its decode step's predicted
+        seconds with one more decode of this context and without it, and the decodes it
+        runs: its polled ones plus those offloaded to it and not yet polled there (each
+        adds its own share: the predictor's decode features add up per sequence)."""
         if state is None:
-            return 0.0
+            return {}
         step = _interpolated(state.decode_step_table)
-        return step(context) + sum(step(c) - state.decode_base_s
-                                   for c in self._pending_decodes[replica].values())
+        pending = self._pending_decodes[replica].values()
+        base = state.decode_base_s + sum(step(c) - state.decode_base_s for c in pending)
+        return dict(decode_step_s=base + step(context) - state.decode_base_s,
+                    decode_base_step_s=base, decodes=state.decodes + len(pending))
 
     async def _hand_off(self, server_id: str, request: _InFlight, decode: int) -> bool:
         """Prefills on request.replica while the KV streams to `decode`, then moves the

@@ -387,14 +387,17 @@ class ReplicaSet:
                                  self.replicas[prefill].prefill_s(prompt_len, cached_tokens),
                                  -(-prompt_len // self.page_size),
                                  page_bytes(self.replicas[prefill].engine))
-        views = [OffloadReplica(can_decode=r.loop.healthy, prefill_only=i in self._prefill_only,
-                                queued_prefill_s=sum(r.loop.queued_prefills_s),
-                                chunk_step_s=r.chunk_step_s, decode_token_s=r.decode_token_s,
-                                cached_pages=cached_pages[i], prefill_share=r.prefill_share,
-                                decode_step_s=decode_step_seconds(
-                                    r.predictor, r.loop.decode_contexts
-                                    + self.transfers.incoming_contexts(i) + (prompt_len,)))
-                 for i, r in enumerate(self.replicas)]
+        views = []
+        for i, r in enumerate(self.replicas):
+            decodes = r.loop.decode_contexts + self.transfers.incoming_contexts(i)
+            views.append(OffloadReplica(
+                can_decode=r.loop.healthy, prefill_only=i in self._prefill_only,
+                queued_prefills_s=tuple(r.loop.queued_prefills_s), chunk_step_s=r.chunk_step_s,
+                decode_token_s=r.decode_token_s, cached_pages=cached_pages[i],
+                prefill_share=r.prefill_share,
+                decode_step_s=decode_step_seconds(r.predictor, decodes + (prompt_len,)),
+                decodes=len(decodes),
+                decode_base_step_s=decode_step_seconds(r.predictor, decodes)))
         return choose_decode(request, prefill, views, self.offload)
 
     def decode_target(self, prefill: int, exclude=frozenset()) -> int | None:

@@ -6,10 +6,12 @@ import math
 import pytest
 
 from medha_jax.cluster.offload import (OffloadConfig, OffloadReplica, OffloadRequest,
-                                       choose_decode, decode_seconds, exposed_transfer_s,
-                                       offloaded_seconds)
+                                       choose_decode, colocated_seconds, decode_seconds,
+                                       exposed_transfer_s, first_token_s, offloaded_seconds,
+                                       others_delay_s)
 
-BUSY_P = OffloadReplica(True, queued_prefill_s=2.0, chunk_step_s=0.1, decode_token_s=0.02)
+# A 3 s prefill queued: the 1.0 s one of REQ ends after 2 s, with 2 s of it left.
+BUSY_P = OffloadReplica(True, queued_prefills_s=(3.0,), chunk_step_s=0.1, decode_token_s=0.02)
 IDLE = OffloadReplica(True, chunk_step_s=0.1, decode_token_s=0.02)
 # 1 GB of pages (1000 pages of 1 MB) behind a 1.0 s prefill.
 REQ = OffloadRequest(prompt_len=16_000, cached_tokens=0, max_new_tokens=100, prefill_s=1.0,
@@ -18,8 +20,10 @@ CFG = OffloadConfig(link_bytes_per_s=10e9, handshake_s=0.005)
 
 
 def test_the_docstrings_worked_numbers():
-    # 2 s of prefill queued at 0.1 s a step: the first 20 tokens pay a chunk step.
-    assert decode_seconds(BUSY_P, 100) == pytest.approx(20 * 0.1 + 80 * 0.02)      # 3.6
+    assert first_token_s(REQ, BUSY_P) == (pytest.approx(2.0), pytest.approx(2.0))
+    # 2 s of prefill left at 0.1 s a step: the first 20 tokens pay a chunk step.
+    assert decode_seconds(BUSY_P, 100, 2.0) == pytest.approx(20 * 0.1 + 80 * 0.02)  # 3.6
+    assert colocated_seconds(REQ, BUSY_P) == pytest.approx(3.6)
     assert decode_seconds(IDLE, 100) == pytest.approx(2.0)
     # 0.1 s of transfer, 0.9 s of prefill to hide it behind: only the handshake shows.
     assert exposed_transfer_s(REQ, BUSY_P, IDLE, CFG) == pytest.approx(0.005)
@@ -30,7 +34,9 @@ def test_the_docstrings_worked_numbers():
 
 def test_prefill_arriving_during_the_decode_counts_through_its_recent_share():
     busy = OffloadReplica(True, chunk_step_s=0.1, decode_token_s=0.02, prefill_share=0.5)
-    assert decode_seconds(busy, 100) == pytest.approx(100 * (0.5 * 0.02 + 0.5 * 0.1))  # 6.0
+    # Half its time in 0.1 s prefill steps, half in 0.02 s decode steps: 5 + 25 tokens a
+    # second.
+    assert decode_seconds(busy, 100) == pytest.approx(100 / (0.5 / 0.02 + 0.5 / 0.1))
     assert choose_decode(REQ, 0, [busy, IDLE], CFG).decode == 1
     assert choose_decode(REQ, 1, [busy, IDLE], CFG).decode is None
 
@@ -42,7 +48,7 @@ def test_a_cold_turn_on_an_idle_replica_stays():
 
 def test_transfer_not_hidden_behind_a_short_prefill_keeps_the_decode_home():
     """A 10 GB/s link moves 100 GB in 10 s; a 0.2 s prefill hides 0.1 s of it: 9.9 s
-    exposed beats 1.6 s of interference saved -> stays."""
+    exposed beats 2.24 s of interference saved (2.8 s of prefill left on P) -> stays."""
     big = OffloadRequest(16_000, 15_000, 100, 0.2, 100_000, 1_000_000)
     d = choose_decode(big, 0, [BUSY_P, IDLE], CFG)
     assert d.decode is None
@@ -54,9 +60,16 @@ def test_transfer_not_hidden_behind_a_short_prefill_keeps_the_decode_home():
 
 
 def test_the_decode_replica_with_the_least_predicted_time_wins():
-    loaded = OffloadReplica(True, queued_prefill_s=1.0, chunk_step_s=0.1, decode_token_s=0.02)
+    # 3 s queued on D, 2 s of it served by the time P's first token comes: 10 chunk steps.
+    loaded = OffloadReplica(True, queued_prefills_s=(3.0,), chunk_step_s=0.1,
+                            decode_token_s=0.02)
+    assert offloaded_seconds(REQ, BUSY_P, loaded, CFG) == pytest.approx(
+        10 * 0.1 + 90 * 0.02 + 0.005 + 0.02)
     d = choose_decode(REQ, 0, [BUSY_P, loaded, IDLE], CFG)
     assert d.decode == 2
+    # A queue D works through before P's first token does not count.
+    cleared = dataclasses.replace(loaded, queued_prefills_s=(1.5,))
+    assert offloaded_seconds(REQ, BUSY_P, cleared, CFG) == pytest.approx(2.025)
     down = OffloadReplica(False, chunk_step_s=0.1, decode_token_s=0.02)
     assert choose_decode(REQ, 0, [BUSY_P, loaded, down], CFG).decode == 1
 
@@ -111,7 +124,7 @@ def test_staying_wins_when_every_target_is_busier():
     assert (d.colocated_s, d.offloaded_s) == (pytest.approx(3.6), pytest.approx(5.055))
     # The same load on P prices staying too: 20 chunk steps + 80 steps of 0.05 s.
     loaded_p = dataclasses.replace(BUSY_P, decode_step_s=0.05)
-    assert decode_seconds(loaded_p, 100) == pytest.approx(20 * 0.1 + 80 * 0.05)   # 6.0
+    assert colocated_seconds(REQ, loaded_p) == pytest.approx(20 * 0.1 + 80 * 0.05)   # 6.0
     assert choose_decode(REQ, 0, [loaded_p, busy_d, IDLE], CFG).decode == 2
 
 
@@ -128,3 +141,24 @@ def test_the_decode_step_prices_every_sequence_it_carries():
     many = decode_step_seconds(predictor, [20_000] * 32)
     assert decode_step_seconds(predictor, []) == 0.0
     assert 0 < one < many      # 32 sequences read 32 contexts' KV in the same step
+
+
+def test_the_decodes_a_request_would_slow_are_priced_on_both_sides():
+    """The docstring's numbers: P decodes 8 sequences, one more adding 2 ms to its step
+    (0.036 -> 0.038 s); D is slower, idle, a step alone 0.036 s. Own seconds alone,
+    (a) = 3.8 s and (b) = 3.641 s > 3.8 * 0.9: it would stay. P's 8 decodes each paying
+    2 ms for 100 steps add 1.6 s to (a): offload."""
+    p = OffloadReplica(True, chunk_step_s=0.1, decode_token_s=0.02, decode_step_s=0.038,
+                       decodes=8, decode_base_step_s=0.036)
+    slow_d = OffloadReplica(True, chunk_step_s=0.1, decode_token_s=0.02, decode_step_s=0.036)
+    assert others_delay_s(p, 100) == pytest.approx(8 * 100 * 0.002)
+    assert colocated_seconds(REQ, p) == pytest.approx(3.8 + 1.6)
+    d = choose_decode(REQ, 0, [p, slow_d], CFG)
+    assert d.decode == 1
+    assert (d.colocated_s, d.offloaded_s) == (pytest.approx(5.4), pytest.approx(3.641))
+    without_others = dataclasses.replace(p, decodes=0)
+    assert choose_decode(REQ, 0, [without_others, slow_d], CFG).decode is None
+    # The same decodes on D price it alike: (b) = 3.641 + 1.6 > 5.4 * 0.9 - it stays.
+    loaded_d = dataclasses.replace(slow_d, decodes=8, decode_base_step_s=0.034)
+    assert offloaded_seconds(REQ, p, loaded_d, CFG) == pytest.approx(3.641 + 1.6)
+    assert choose_decode(REQ, 0, [p, loaded_d], CFG).decode is None

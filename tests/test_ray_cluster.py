@@ -281,12 +281,17 @@ def test_the_front_prices_a_decode_side_with_the_decodes_offloaded_to_it_not_yet
     # A decode step: 0.10 s for its own decodes, + 0.02 s + 0.0001 s a context token for
     # each more.
     table = tuple((n, 0.12 + 1e-4 * n) for n in (0, 100, 1000))
-    state = SimpleNamespace(decode_step_table=table, decode_base_s=0.10)
+    state = SimpleNamespace(decode_step_table=table, decode_base_s=0.10, decodes=3)
     front = SimpleNamespace(_pending_decodes=[{}, {"a": 100, "b": 1000}])
-    assert RayServer._decode_step_s(front, 0, state, 500) == pytest.approx(0.17)
-    assert RayServer._decode_step_s(front, 1, state, 500) == pytest.approx(
-        0.17 + 0.03 + 0.12)
-    assert RayServer._decode_step_s(front, 1, None, 500) == 0.0
+    idle = RayServer._decode_steps(front, 0, state, 500)
+    assert idle == dict(decode_step_s=pytest.approx(0.17), decode_base_step_s=0.10,
+                        decodes=3)
+    # Each offloaded one adds to the step without this request too, and counts as a decode
+    # this one would slow.
+    inbound = RayServer._decode_steps(front, 1, state, 500)
+    assert inbound == dict(decode_step_s=pytest.approx(0.17 + 0.03 + 0.12),
+                           decode_base_step_s=pytest.approx(0.10 + 0.03 + 0.12), decodes=5)
+    assert RayServer._decode_steps(front, 1, None, 500) == {}
 
 
 @pytest.mark.parametrize("dies", ["decode", "prefill"])

@@ -14,13 +14,26 @@ They differ in the decode. A decode token on replica r costs one of r's decode s
 many sequences prices each token dearer and offloads spread instead of piling onto one
 replica (0 when unknown: `decode_token_s`). While r has prefill
 work queued, its steps carry a prefill chunk too (`chunk_step_s`), so the request's first
-k = min(n, ceil(Q_r / chunk_step_s)) tokens pay chunk_step_s (Q_r: prefill seconds queued
-there now; n: the tokens to decode). Prefill keeps arriving meanwhile: rho_r, the share
-of r's recent time its steps carried prefill chunks, is the share of the remaining steps
-that carry one too:
+k = min(n, ceil(Q_r / chunk_step_s)) tokens pay chunk_step_s (n: the tokens to decode;
+Q_r: the prefill seconds still queued there when the decode starts). Q_r is what is left
+then of the prefill queued there now, served as the router's TTFT prediction serves it
+(processor sharing, `medha_jax.cluster.router`): P's own prefill of x seconds ends once
+each prefill w queued there has had min(w, x) of the steps, so the decode starts at
+TTFT_P = x + sum(min(w, x)) with Q_P = sum(max(0, w - x)) left on P, and D has worked
+through its queue meanwhile: Q_D = max(0, sum(w_D) - TTFT_P). (The whole queue as it is
+now put the first tokens on P behind prefill that shared the steps with the request's
+own prefill, and overpriced staying.) Prefill keeps arriving meanwhile: rho_r, the share
+of r's recent time its steps carried prefill chunks, is the share of the decode's time
+they carry one too. Every step, either kind, gives the request a token, so a second gives
+it (1 - rho_r) / decode_step_s(r) + rho_r / chunk_step_s(r) of them:
 
     decode_s(r) = k * chunk_step_s(r)
-                  + (n - k) * ((1 - rho_r) * decode_step_s(r) + rho_r * chunk_step_s(r))
+                  + (n - k) / ((1 - rho_r) / decode_step_s(r) + rho_r / chunk_step_s(r))
+
+(rho_r is a share of time, not of steps: weighting the two step times by it, as this
+did first, counted a long prefill step as often as the short decode steps between them,
+and priced the decodes that stayed in benchmarks/disagg.py (g) at 1.3-1.4x what they
+measured.)
     (a) = decode_s(P)
     (b) = decode_s(D) + exposed transfer + one decode step on D (the first token's: the
           prompt's pages all move, its partial last one too, so D computes none of it)
@@ -29,16 +42,30 @@ that carry one too:
 
 Pages move after the step that filled them, so everything but the last chunk's pages
 travels while later chunks compute (`hidden`); bytes are the prompt's pages D does not
-already hold. Offload when (b) < (a) * (1 - margin). A cold turn on an idle P has
+already hold.
+
+The decode also slows the decodes already on the replica that takes it: one more
+sequence in r's batch adds delta_r = decode_step_s(r) - decode_base_step_s(r) (the step
+without it) to each of r's steps, and each of r's m_r decodes pays that for up to n of
+them (their own remaining tokens are not known here: n bounds it, on both sides alike):
+
+    others(r) = m_r * n * delta_r;   (a) += others(P),   (b) += others(D)
+
+Offload when (b) < (a) * (1 - margin). A cold turn on an idle P has
 (a) = n * decode_token_s, which (b) cannot beat: it stays.
 
-Worked numbers (test_offload.py): n = 100, P with 2 s of prefill queued at 0.1 s a
-chunk step and 0.02 s a decode token, rho 0: k = 20, (a) = 20 * 0.1 + 80 * 0.02 = 3.6 s
-(with rho = 0.5 and nothing queued: 100 * (0.01 + 0.05) = 6.0 s). An idle
+Worked numbers (test_offload.py): n = 100, a request of 1.0 s of prefill on P with a
+3 s prefill queued there (TTFT_P = 1 + 1 = 2 s, Q_P = 2 s left) at 0.1 s a chunk step
+and 0.02 s a decode token, rho 0: k = 20, (a) = 20 * 0.1 + 80 * 0.02 = 3.6 s (with
+rho = 0.5 and nothing queued: 100 / (0.5 / 0.02 + 0.5 / 0.1) = 100 / 30 = 3.33 s). An idle
 D at 0.02 s a token, 1 GB to move at 10 GB/s behind a 1.0 s prefill (hidden 0.9 s),
 handshake 5 ms: exposed = 0.005 + 0.1 - 0.9 -> 0.005 s; (b) = 2.0 + 0.005 + 0.02 =
 2.025 s: offload. The same D already decoding a batch it steps in 0.05 s:
 (b) = 100 * 0.05 + 0.005 + 0.05 = 5.055 s > 3.6 s: it stays (or goes to an idler D).
+Others: P decodes 8 sequences, each one more adding 2 ms to its step (0.036 -> 0.038 s),
+nothing queued; D is a slower replica, idle, whose step alone takes 0.036 s. Own seconds
+alone: (a) = 3.8 s, (b) = 3.6 + 0.005 + 0.036 = 3.641 s > 3.8 * 0.9: it would stay; with
+P's 8 decodes each paying 2 ms for 100 steps, (a) = 3.8 + 1.6 = 5.4 s: offload.
 
 Fixed gates, the baselines (each offloads to the D with the smallest (b)):
   never; always-heavy (new tokens >= heavy_new_tokens); cached-fraction (P's cached
@@ -50,6 +77,7 @@ A prefill-role P always offloads when some replica can decode.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 
@@ -91,7 +119,7 @@ class OffloadReplica:
 
     can_decode: bool
     prefill_only: bool = False
-    queued_prefill_s: float = 0.0
+    queued_prefills_s: tuple[float, ...] = ()   # each queued prefill's predicted seconds
     chunk_step_s: float = 0.0
     decode_token_s: float = 0.0
     cached_pages: int = 0
@@ -99,6 +127,10 @@ class OffloadReplica:
     # Its decode step's predicted seconds with its decodes (running and inbound) plus this
     # request's; 0: not known, one decode_token_s.
     decode_step_s: float = 0.0
+    # Those decodes (running and inbound, not this request) and their step's seconds
+    # without this request: what one more slows each of them by (0 decodes: nothing).
+    decodes: int = 0
+    decode_base_step_s: float = 0.0
 
     @property
     def step_s(self) -> float:
@@ -123,24 +155,56 @@ class OffloadRequest:
 @dataclasses.dataclass(frozen=True)
 class OffloadDecision:
     """decode: the replica that decodes, None to stay on P. colocated_s / offloaded_s:
-    predicted decode seconds of plans (a) and (b) (b with the best D)."""
+    predicted seconds of plans (a) and (b) (b with the best D): the request's decode and
+    what it adds to the other decodes where it runs."""
 
     decode: int | None
     colocated_s: float
     offloaded_s: float
     gate: str
+    # Of which what it adds to the other decodes there (on P, on the best D).
+    colocated_others_s: float = 0.0
+    offloaded_others_s: float = 0.0
 
 
-def decode_seconds(replica: OffloadReplica, num_tokens: int) -> float:
-    """Seconds to decode num_tokens there beside the prefill work queued there."""
+def decode_seconds(replica: OffloadReplica, num_tokens: int,
+                   queued_prefill_s: float = 0.0) -> float:
+    """Seconds to decode num_tokens there beside queued_prefill_s of prefill work still
+    queued there when the decode starts."""
     if num_tokens <= 0:
         return 0.0
     decode = replica.step_s
     step = max(replica.chunk_step_s, decode)
-    k = (min(num_tokens, math.ceil(replica.queued_prefill_s / step - 1e-9))
-         if step > 0 and replica.queued_prefill_s > 0 else 0)
+    k = (min(num_tokens, math.ceil(queued_prefill_s / step - 1e-9))
+         if step > 0 and queued_prefill_s > 0 else 0)
     rho = min(max(replica.prefill_share, 0.0), 1.0)
-    return k * step + (num_tokens - k) * ((1 - rho) * decode + rho * step)
+    if decode <= 0:
+        return k * step + (num_tokens - k) * rho * step
+    return k * step + (num_tokens - k) / ((1 - rho) / decode + rho / step)
+
+
+def others_delay_s(replica: OffloadReplica, num_tokens: int) -> float:
+    """Seconds the decodes already there wait in all, over num_tokens steps, for one more
+    sequence in their batch (0 when the replica's step is not known)."""
+    if replica.decodes <= 0 or replica.decode_step_s <= 0 or num_tokens <= 0:
+        return 0.0
+    return replica.decodes * num_tokens * max(0.0, replica.decode_step_s
+                                              - replica.decode_base_step_s)
+
+
+def first_token_s(request: OffloadRequest, prefill: OffloadReplica) -> tuple[float, float]:
+    """(TTFT_P, Q_P): when the request's prefill on P ends, sharing P's steps with the
+    prefills queued there, and the prefill seconds left queued on P then."""
+    x = request.prefill_s
+    queued = prefill.queued_prefills_s
+    return (x + sum(min(w, x) for w in queued), sum(max(0.0, w - x) for w in queued))
+
+
+def colocated_seconds(request: OffloadRequest, prefill: OffloadReplica) -> float:
+    """Plan (a)'s seconds: the decode on P, and what it adds to P's other decodes."""
+    _, left = first_token_s(request, prefill)
+    return (decode_seconds(prefill, request.max_new_tokens, left)
+            + others_delay_s(prefill, request.max_new_tokens))
 
 
 def exposed_transfer_s(request: OffloadRequest, prefill: OffloadReplica,
@@ -154,9 +218,13 @@ def exposed_transfer_s(request: OffloadRequest, prefill: OffloadReplica,
 
 def offloaded_seconds(request: OffloadRequest, prefill: OffloadReplica,
                       decode: OffloadReplica, config: OffloadConfig) -> float:
-    """Plan (b)'s decode seconds with this decode replica."""
-    return (decode_seconds(decode, request.max_new_tokens)
-            + exposed_transfer_s(request, prefill, decode, config) + decode.step_s)
+    """Plan (b)'s seconds with this decode replica: the decode there, the exposed
+    transfer, and what it adds to that replica's other decodes."""
+    ttft, _ = first_token_s(request, prefill)
+    left = max(0.0, sum(decode.queued_prefills_s) - ttft)
+    return (decode_seconds(decode, request.max_new_tokens, left)
+            + exposed_transfer_s(request, prefill, decode, config) + decode.step_s
+            + others_delay_s(decode, request.max_new_tokens))
 
 
 def choose_decode(request: OffloadRequest, prefill_index: int,
@@ -164,15 +232,21 @@ def choose_decode(request: OffloadRequest, prefill_index: int,
                   config: OffloadConfig = OffloadConfig()) -> OffloadDecision:
     """The offload decision (see the module's docstring)."""
     prefill = replicas[prefill_index]
-    colocated = decode_seconds(prefill, request.max_new_tokens)
+    n = request.max_new_tokens
+    colocated = colocated_seconds(request, prefill)
     candidates = [i for i, r in enumerate(replicas)
                   if r.can_decode and not r.prefill_only and i != prefill_index]
-    if not candidates or request.max_new_tokens <= 1:
-        return OffloadDecision(None, colocated, math.inf, config.gate)
+    if not candidates or n <= 1:
+        return OffloadDecision(None, colocated, math.inf, config.gate,
+                               others_delay_s(prefill, n))
     offloaded = {i: offloaded_seconds(request, prefill, replicas[i], config) for i in candidates}
     best = min(candidates, key=lambda i: (offloaded[i], i))
+    decision = functools.partial(OffloadDecision, colocated_s=colocated,
+                                 offloaded_s=offloaded[best],
+                                 colocated_others_s=others_delay_s(prefill, n),
+                                 offloaded_others_s=others_delay_s(replicas[best], n))
     if prefill.prefill_only:
-        return OffloadDecision(best, colocated, offloaded[best], config.gate)
+        return decision(best, gate=config.gate)
     new_tokens = request.prompt_len - request.cached_tokens
     gate = config.gate
     if gate == NEVER:
@@ -186,4 +260,4 @@ def choose_decode(request: OffloadRequest, prefill_index: int,
                   and new_tokens < config.dynamo_max_local_fraction * request.prompt_len)
     else:
         go = offloaded[best] < colocated * (1 - config.margin)
-    return OffloadDecision(best if go else None, colocated, offloaded[best], gate)
+    return decision(best if go else None, gate=gate)
