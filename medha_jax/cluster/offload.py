@@ -12,8 +12,8 @@ They differ in the decode. A decode token on replica r costs one of r's decode s
 `decode_step_s(r)`: the predictor's seconds for r's batch of the decodes it already runs
 (and those handed to it, not yet landed) plus this one, so a replica that already decodes
 many sequences prices each token dearer and offloads spread instead of piling onto one
-replica (0 when unknown: `decode_token_s`). While r has prefill
-work queued, its steps carry a prefill chunk too (`chunk_step_s`), so the request's first
+replica (0 when unknown: `decode_token_s`). While r has prefill work queued, its steps
+carry a prefill chunk too (`chunk_step_s`), so the request's first
 k = min(n, ceil(Q_r / chunk_step_s)) tokens pay chunk_step_s (n: the tokens to decode;
 Q_r: the prefill seconds still queued there when the decode starts). Q_r is what is left
 then of the prefill queued there now, served as the router's TTFT prediction serves it
@@ -32,8 +32,12 @@ it (1 - rho_r) / decode_step_s(r) + rho_r / chunk_step_s(r) of them:
 
 (rho_r is a share of time, not of steps: weighting the two step times by it, as this
 did first, counted a long prefill step as often as the short decode steps between them,
-and priced the decodes that stayed in benchmarks/disagg.py (g) at 1.3-1.4x what they
-measured.)
+and priced the decodes that stayed in benchmarks/disagg.py (g) at 1.2-1.6x what they
+measured.) rho_r is r's history: a long prefill the router sends to D after the decode
+moved there (its queue is the shortest) is not in the price (benchmarks/disagg.py (g),
+HEAVY turns later in the session: moved decodes ran at 2-3x their price when it came).
+The plans:
+
     (a) = decode_s(P)
     (b) = decode_s(D) + exposed transfer + one decode step on D (the first token's: the
           prompt's pages all move, its partial last one too, so D computes none of it)
