@@ -81,7 +81,6 @@ A prefill-role P always offloads when some replica can decode.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Sequence
 
@@ -245,12 +244,9 @@ def choose_decode(request: OffloadRequest, prefill_index: int,
                                others_delay_s(prefill, n))
     offloaded = {i: offloaded_seconds(request, prefill, replicas[i], config) for i in candidates}
     best = min(candidates, key=lambda i: (offloaded[i], i))
-    decision = functools.partial(OffloadDecision, colocated_s=colocated,
-                                 offloaded_s=offloaded[best],
-                                 colocated_others_s=others_delay_s(prefill, n),
-                                 offloaded_others_s=others_delay_s(replicas[best], n))
+    others = (others_delay_s(prefill, n), others_delay_s(replicas[best], n))
     if prefill.prefill_only:
-        return decision(best, gate=config.gate)
+        return OffloadDecision(best, colocated, offloaded[best], config.gate, *others)
     new_tokens = request.prompt_len - request.cached_tokens
     gate = config.gate
     if gate == NEVER:
@@ -264,4 +260,4 @@ def choose_decode(request: OffloadRequest, prefill_index: int,
                   and new_tokens < config.dynamo_max_local_fraction * request.prompt_len)
     else:
         go = offloaded[best] < colocated * (1 - config.margin)
-    return decision(best if go else None, gate=gate)
+    return OffloadDecision(best if go else None, colocated, offloaded[best], gate, *others)
