@@ -47,7 +47,8 @@ Six tables:
     it to go to. Here each replica computes on its own core. The time gate is priced at
     the between-process link of (a) (kv_wire's pull), measured again when (a) is
     skipped. Also per gate: the decode seconds (tokens after the first) of the plan each
-    request took, as the gate predicted them and as measured.
+    request took, as the gate predicted them and as measured. --decode-delay-weight sets
+    the router's RoutingConfig.decode_delay_weight for every gate.
 (e) the same experiment simulated at --sim-replicas replicas (llama3-8b, one H100 each,
     the analytical predictor, real prefix caches; `simulate(offload=...)` models the
     handshake and the transfer): sessions whose first turn is HEAVY (20K cold tokens, half
@@ -98,6 +99,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=None, help="(a), (b) repetitions")
     p.add_argument("--gates", default="never,always,cached-fraction,time",
                    help="(c) gates, comma-separated")
+    p.add_argument("--decode-delay-weight", type=float, default=None,
+                   help="(g) the router's RoutingConfig.decode_delay_weight (default: its own)")
     p.add_argument("--h8-rounds", type=int, default=2,
                    help="(c) rounds of every gate after an unmeasured warm-up round, the "
                         "order rotated each round")
@@ -349,9 +352,12 @@ def ray_h8(args, link_bytes_per_s: float | None) -> tuple[list[dict], list[dict]
         print("(g) skipped: Ray is not installed (pip install -e '.[cluster]')")
         return [], []
     from medha_jax.cluster.offload import OffloadConfig
+    from medha_jax.cluster.router import RoutingConfig
     from medha_jax.scheduler.config import SchedulerConfig
     from serving.server import Server
 
+    routing = (RoutingConfig() if args.decode_delay_weight is None
+               else RoutingConfig(decode_delay_weight=args.decode_delay_weight))
     if link_bytes_per_s is None:
         from medha_jax.engine import Engine
         from medha_jax.model import load_model
@@ -367,7 +373,7 @@ def ray_h8(args, link_bytes_per_s: float | None) -> tuple[list[dict], list[dict]
                     warmup=True, scheduler=SchedulerConfig("lars-mp", target_batch_time_s=0.2),
                     offload=OffloadConfig("always-heavy", heavy_new_tokens=1),
                     metrics_port=None, cluster="ray", actor_options={"num_cpus": 0},
-                    cpu_binding="auto") as server:
+                    cpu_binding="auto", router=routing) as server:
             server._measured_link_bytes_per_s = link_bytes_per_s
             runs, _, requests = h8(args, server)
     finally:

@@ -231,14 +231,18 @@ def _fresh_copy(r: Request, keep_token_ids: bool) -> Request:
 
 
 def _replica_status(controller: ReplicaController, page_size: int,
-                    decode_token_s: float) -> ReplicaStatus:
+                    decode_token_s: float, inbound_decodes: int = 0) -> ReplicaStatus:
     """What the router reads of a simulated replica: its queue, its queued prefills'
-    predicted seconds and its Algorithm-3 prefill times."""
+    predicted seconds, its Algorithm-3 prefill times and the sequences it decodes (with
+    inbound_decodes, those handed to it and not yet landed)."""
     prefill_time = controller.prefill_time_cache.prefill_time
+    waiting, running = controller.num_waiting, controller.num_running
+    queued = controller.queued_prefills_s()
     return ReplicaStatus(
         prefill_s=lambda n, cached: prefill_time(n) - prefill_time(cached), page_size=page_size,
-        num_waiting=controller.num_waiting, num_running=controller.num_running,
-        queued_prefills_s=controller.queued_prefills_s(), decode_token_s=decode_token_s)
+        num_waiting=waiting, num_running=running, queued_prefills_s=queued,
+        decode_token_s=decode_token_s,
+        decodes=waiting + running - len(queued) + inbound_decodes)
 
 
 def _advance_replica(runner: InFlightRunner, policy: str, index: int) -> float | None:
@@ -345,7 +349,9 @@ def simulate(requests: list[Request], *, scheduler: str | SchedulerConfig, model
     decode_token_s = decode_token_seconds(predictor, seats)
 
     def statuses() -> list[ReplicaStatus]:
-        return [_replica_status(c, page_size, decode_token_s) for c in controllers]
+        return [_replica_status(c, page_size, decode_token_s,
+                                len(handoffs.inbound_contexts(j)) if handoffs else 0)
+                for j, c in enumerate(controllers)]
 
     handoffs = None
     if offload is not None:
@@ -488,11 +494,15 @@ class SimulatedHandoffs:
         (what each of the new request's tokens costs) and without it, and how many."""
         contexts = [r.prompt_len + len(r.output_token_ids)
                     for r in self.controllers[j].unfinished() if r.max_new_tokens > 1]
-        contexts += [entry[0].prompt_len for entry in self._waiting.values() if entry[3] == j]
-        contexts += [entry[0].prompt_len for entry in self._ready.values() if entry[2] == j]
+        contexts += self.inbound_contexts(j)
         return dict(decode_step_s=decode_step_seconds(self.predictor, contexts + [prompt_len]),
                     decode_base_step_s=decode_step_seconds(self.predictor, contexts),
                     decodes=len(contexts))
+
+    def inbound_contexts(self, j: int) -> list[int]:
+        """The prompt lengths of the decodes handed to replica j and not yet landed."""
+        return ([entry[0].prompt_len for entry in self._waiting.values() if entry[3] == j]
+                + [entry[0].prompt_len for entry in self._ready.values() if entry[2] == j])
 
     def _chunk_step_s(self, controller) -> float:
         target = getattr(controller.packer, "target_batch_time_s", None)

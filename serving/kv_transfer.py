@@ -196,11 +196,13 @@ class KVTransfers:
 
     # ------------------------------------------------------------------ any thread
 
-    def begin(self, stream, prefill: int, decode: int, *, start_now: bool = False) -> None:
+    def begin(self, stream, prefill: int, decode: int, *, start_now: bool = False,
+              prefill_s: float | None = None) -> None:
         """Starts the hand-off of a new request: the handshake with `decode`. start_now:
         the request joins `prefill`'s loop at once (a mixed replica, which can decode it
         itself if the grant comes after its prefill); else once `decode` reserved its
-        pages. Raises RuntimeError, with nothing begun, when `prefill`'s loop refuses it."""
+        pages. prefill_s: the router's predicted prefill seconds (ServingLoop.add). Raises
+        RuntimeError, with nothing begun, when `prefill`'s loop refuses it."""
         request = stream.request
         page_size = self.set.page_size
         t = _Transfer(stream, list(request.prompt_token_ids), prefill, decode,
@@ -210,7 +212,7 @@ class KVTransfers:
             self._by_id[t.request_id] = t
         if start_now:
             try:
-                self.set.replicas[prefill].loop.add(stream)
+                self.set.replicas[prefill].loop.add(stream, prefill_s=prefill_s)
             except RuntimeError:
                 with self._lock:
                     self._drop(t)

@@ -100,8 +100,17 @@ class ServingLoop:
         self.free_pages: int = engine.allocator.num_free_pages
         # Each request here with prefill left, its predicted seconds of it (what a new
         # prefill shares steps with: the router's predicted TTFT; their sum is what slows
-        # decodes here: the offload decision, medha_jax.cluster.offload).
+        # decodes here: the offload decision, medha_jax.cluster.offload). Requests added
+        # and not yet taken from the inbox count with the seconds their add() gave: the
+        # loop takes them in only between steps, and a request routed here during a long
+        # prefill step was invisible to the next decisions until it ended.
         self.queued_prefills_s: tuple[float, ...] = ()
+        self._taken_prefills_s: tuple[float, ...] = ()   # the controller's, last published
+        self._inbox_prefills_s: dict[str, float] = {}    # under _lock
+        self._taken_ids: list[str] = []     # loop thread: added since the last publication
+        # The requests here that decode (prefill done, not finished): a prefill's chunks
+        # slow each of them (the router prices that).
+        self.num_decoding = 0
         # Context lengths of the requests that decode here (one tuple, replaced whole): the
         # offload decision prices this replica's decode step with them. A pass over every
         # request (3 ms at 10,000 queued), so published only where a ReplicaSet that moves
@@ -135,10 +144,12 @@ class ServingLoop:
         return self.down_reason is None and not self._closing and self.thread.is_alive()
 
     def add(self, stream: RequestStream, held: Sequence[RequestStream] = (), *,
-            kv_from: tuple[str, int] | None = None) -> None:
+            kv_from: tuple[str, int] | None = None, prefill_s: float | None = None) -> None:
         """Queues a validated request; `held`: the other samples of its prompt (n > 1),
         added once it has its first token (see the module's docstring); kv_from: pages of
-        this engine that hold its first tokens' K/V (`ReplicaController.add_request`).
+        this engine that hold its first tokens' K/V (`ReplicaController.add_request`);
+        prefill_s: its predicted prefill seconds here (the router's), published in
+        `queued_prefills_s` until the loop takes it in.
         Raises when an id is in flight or the loop stopped."""
         ids = [stream.request_id, *(h.request_id for h in held)]
         with self._lock:
@@ -151,6 +162,10 @@ class ServingLoop:
                 raise ValueError(f"request_id {(taken or ids)[0]!r} is already in flight")
             self._in_flight.update(ids)
             self._inbox.append(("add", (stream, tuple(held), kv_from)))
+            if prefill_s is not None and self._decode_token_s is not None:
+                self._inbox_prefills_s[stream.request_id] = prefill_s
+                self.queued_prefills_s = (self._taken_prefills_s
+                                          + tuple(self._inbox_prefills_s.values()))
             self._lock.notify()
 
     def cancel(self, request_id: str) -> bool:
@@ -225,6 +240,7 @@ class ServingLoop:
                     raise
             elif kind == "add":
                 stream, held, kv_from = arg
+                self._taken_ids.append(stream.request_id)
                 if held:
                     group = _SampleGroup(stream.request_id, list(held))
                     self._groups.update(dict.fromkeys(
@@ -478,7 +494,14 @@ class ServingLoop:
         work = 0.0
         if self._decode_token_s is not None:
             # Predicted seconds of work queued here: prefills, then every decode token.
-            self.queued_prefills_s = controller.queued_prefills_s()
+            taken = controller.queued_prefills_s()
+            with self._lock:
+                for request_id in self._taken_ids:
+                    self._inbox_prefills_s.pop(request_id, None)
+                self._taken_ids.clear()
+                self._taken_prefills_s = taken
+                self.queued_prefills_s = taken + tuple(self._inbox_prefills_s.values())
+            self.num_decoding = waiting + running - len(taken)
             work = sum(self.queued_prefills_s) + \
                 controller.decode_tokens_left * self._decode_token_s
         self.load = (waiting, running, work)

@@ -129,6 +129,7 @@ class ReplicaState:
     pages_in_use: int = 0
     pages_total: int = 0
     num_preemptions: int = 0
+    num_decoding: int = 0          # requests whose prefill is done (ServingLoop.num_decoding)
     # With hand-offs, what the front's offload decision reads (serving.replicas'
     # offload_decision reads the same of its replicas): seconds of a chunked prefill step,
     # the share of recent time spent on prefill steps, [(context, seconds)] of a decode
@@ -198,17 +199,18 @@ class ReplicaActor:
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                        slo: SLO | None, priority: int, paced: bool = True,
-                       reservation: str | None = None):
+                       reservation: str | None = None, prefill_s: float | None = None):
         """Streams the request's StreamDeltas (the last one finished). paced: as
         Server.submit's _paced (False: the front's generate(), no TPOT). reservation: a
         hand-off's, registered here: the request takes its pages when every prompt page
-        landed (serving.ray_handoff)."""
+        landed (serving.ray_handoff). prefill_s: the front's predicted prefill seconds
+        (counted in the queued prefills until the loop takes the request in)."""
         kv_from = (self.handoffs.whole_prompt(reservation)
                    if reservation is not None and self.handoffs is not None else None)
         handle = self.server.submit(validation.TokensPrompt(prompt_ids), params, slo=slo,
                                     priority=priority, request_id=request_id,
                                     _loop=asyncio.get_running_loop(), _paced=paced,
-                                    _kv_from=kv_from)
+                                    _kv_from=kv_from, _prefill_s=prefill_s)
         self._handles[request_id] = handle
         if self.handoffs is not None:         # a hand-off's pages may be waiting for it here
             self.replica.loop.call(lambda: self.handoffs.bind(request_id, handle.id))
@@ -231,7 +233,7 @@ class ReplicaActor:
 
     async def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                       slo: SLO | None, priority: int, start_page: int | None,
-                      paced: bool = True):
+                      paced: bool = True, prefill_s: float | None = None):
         """generate(), with the decode handed off: the first token's delta, PagesOffered
         items as the prompt's pages fill (from start_page; None: from the page `grant`
         gives, nothing before it), then HandedOff; a final delta instead when the request
@@ -239,7 +241,8 @@ class ReplicaActor:
         came after its first token)."""
         handle = self.server.submit(validation.TokensPrompt(prompt_ids), params, slo=slo,
                                     priority=priority, request_id=request_id,
-                                    _loop=asyncio.get_running_loop(), _paced=paced)
+                                    _loop=asyncio.get_running_loop(), _paced=paced,
+                                    _prefill_s=prefill_s)
         self._handles[request_id] = handle
         # After the add (the loop takes its inbox in order): a first token sampled before
         # this call reached the loop just stays here (the front then releases D's pages).
@@ -341,7 +344,8 @@ class ReplicaActor:
         return ReplicaState(self.incarnation, waiting, running, prefills,
                             self.replica.decode_token_s, self._table, events,
                             allocator.num_pages - allocator.num_free_pages, allocator.num_pages,
-                            self.replica.controller.num_preemptions, **handoffs)
+                            self.replica.controller.num_preemptions,
+                            self.replica.loop.num_decoding, **handoffs)
 
     def _prefill_table(self) -> tuple[tuple[int, float], ...]:
         max_len = self.server.max_model_len
@@ -477,6 +481,7 @@ class _InFlight:
     submitted: float = dataclasses.field(default_factory=time.monotonic)
     first_token_at: float | None = None   # when its first token reached this process
     paced: bool = True                    # Server.submit's _paced (generate(): False)
+    prefill_s: float | None = None        # predicted where it was routed (its first run's)
 
 
 class RayServer(Server):
@@ -593,6 +598,13 @@ class RayServer(Server):
         # (front id -> context): without them, offloads decided within a poll (or during
         # one long prefill) all see the same idle replica and pile onto it.
         self._pending_decodes: list[dict[str, int]] = [{} for _ in range(replicas)]
+        # Likewise the prefills routed to it (front id -> (predicted seconds, when routed)),
+        # until a poll sent a poll interval after the routing answers: the actor counts a
+        # request in its queued prefills from its add (ServingLoop.add), and a decision
+        # before then saw none of it (a decode moved to the replica a long prefill had
+        # just been routed to).
+        self._pending_prefills: list[dict[str, tuple[float, float]]] = [
+            {} for _ in range(replicas)]
         self._router = Router(replicas, self._routable, routing)
         self._closing = False
         self._aloop = asyncio.new_event_loop()
@@ -609,14 +621,29 @@ class RayServer(Server):
                              if metrics_port is not None else None)
 
     def _routable(self) -> list[ReplicaStatus]:
-        """The statuses the router places new requests by: decode-only replicas prefill
-        only when no other replica is healthy."""
-        statuses = self._statuses
+        """The statuses the router places new requests by (with what was sent to each
+        since its last poll): decode-only replicas prefill only when no other replica is
+        healthy."""
+        statuses = [dataclasses.replace(s, decodes=s.decodes + len(self._pending_decodes[i]))
+                    if self._pending_decodes[i] else s
+                    for i, s in enumerate(self._with_pending_prefills(self._statuses))]
         if self._decode_only and any(s.healthy for i, s in enumerate(statuses)
                                      if i not in self._decode_only):
             statuses = [dataclasses.replace(s, healthy=False) if i in self._decode_only else s
                         for i, s in enumerate(statuses)]
         return statuses
+
+    def _with_pending_prefills(self, statuses: Sequence[ReplicaStatus],
+                               exclude: str | None = None) -> list[ReplicaStatus]:
+        """The statuses with the prefills routed to each replica since its last poll (not
+        `exclude`'s: a request's own)."""
+        out = []
+        for status, pending in zip(statuses, self._pending_prefills):
+            seconds = tuple(s for rid, (s, _) in tuple(pending.items()) if rid != exclude)
+            out.append(dataclasses.replace(
+                status, queued_prefills_s=tuple(status.queued_prefills_s) + seconds)
+                if seconds else status)
+        return out
 
     @staticmethod
     def _kill_leftover(ray, name: str) -> None:
@@ -691,13 +718,17 @@ class RayServer(Server):
         with self._lock:
             decision = self._router.route(route)
             decision_s = self._router.decision_seconds[-1]
-        replica = decision.replica
+            replica = decision.replica
+            prefill_s = self._statuses[replica].prefill_s(len(prompt_ids),
+                                                          decision.cached_tokens)
+            self._pending_prefills[replica][server_id] = (prefill_s, time.monotonic())
         self.metrics.observe_routed(replica, decision_s)
         handle = RequestHandle(request_id or server_id, prompt_ids, self.cancel, loop=_loop,
                                id=server_id)
         request = _InFlight(handle, list(prompt_ids), params, slo, priority, session_id,
                             replica, detokenizer, hashes=hashes,
-                            cached_tokens=decision.cached_tokens, paced=_paced)
+                            cached_tokens=decision.cached_tokens, paced=_paced,
+                            prefill_s=prefill_s)
         with self._lock:
             self._in_flight[server_id] = request
         asyncio.run_coroutine_threadsafe(self._serve(server_id, request), self._aloop)
@@ -765,6 +796,7 @@ class RayServer(Server):
 
         actor = self._actors[i]
         while not self._closing:
+            sent = time.monotonic()
             try:
                 state = await asyncio.wait_for(
                     actor.state.remote(self._incarnation[i], self._next_seq[i]), 10.0)
@@ -786,10 +818,13 @@ class RayServer(Server):
                     prefill_s=_prefill_s(state.prefill_table), page_size=self.page_size,
                     num_waiting=state.num_waiting, num_running=state.num_running,
                     queued_prefills_s=state.queued_prefills_s,
-                    decode_token_s=state.decode_token_s,
+                    decode_token_s=state.decode_token_s, decodes=state.num_decoding,
                     healthy=True), *self._statuses[i + 1:]]
                 self._pages[i] = (state.pages_in_use, state.pages_total)
                 self._states[i] = state
+                pending = self._pending_prefills[i]
+                for rid in [rid for rid, (_, at) in pending.items() if at <= sent - POLL_S]:
+                    del pending[rid]
             self.metrics.observe_state(
                 pages_in_use=state.pages_in_use, pages_total=state.pages_total,
                 waiting=state.num_waiting, running=state.num_running,
@@ -839,8 +874,9 @@ class RayServer(Server):
                 replica = request.replica
                 stream = self._actors[replica].generate.remote(
                     server_id, request.prompt_ids + request.tokens, run_params, request.slo,
-                    request.priority, request.paced, request.reservation)
+                    request.priority, request.paced, request.reservation, request.prefill_s)
                 request.reservation = None        # a re-run elsewhere finds none
+                request.prefill_s = None          # nor is it priced by the first routing
                 try:
                     async for ref in stream:
                         if self._deliver(server_id, request, await ref):
@@ -897,7 +933,8 @@ class RayServer(Server):
             return None
         prefill, prompt_len = request.replica, len(request.prompt_ids)
         with self._lock:
-            statuses, states = list(self._statuses), list(self._states)
+            statuses = self._with_pending_prefills(self._statuses, exclude=server_id)
+            states = list(self._states)
             cached_pages = self._router.index.cached_pages(request.hashes)
         offload_request = OffloadRequest(
             prompt_len, request.cached_tokens, params.max_tokens,
@@ -983,7 +1020,9 @@ class RayServer(Server):
         lands, handed, deltas = [], None, 0
         try:
             stream = source.prefill.remote(server_id, request.prompt_ids, params, request.slo,
-                                           request.priority, start, request.paced)
+                                           request.priority, start, request.paced,
+                                           request.prefill_s)
+            request.prefill_s = None
             async for ref in stream:
                 item = await ref
                 if isinstance(item, PagesOffered):

@@ -424,6 +424,7 @@ class ReplicaSet:
             if self.metrics is not None:
                 self.metrics.observe_routed(replica, decision_s)
             stream, held = stream_for(replica)
+            prefill_s = self.replicas[replica].prefill_s(len(prompt_ids), decision.cached_tokens)
             decode = None
             if self.transfers is not None and not held:
                 offload = self.offload_decision(replica, len(prompt_ids),
@@ -435,9 +436,10 @@ class ReplicaSet:
             try:
                 if decode is not None:
                     self.transfers.begin(stream, replica, decode,
-                                         start_now=replica not in self._prefill_only)
+                                         start_now=replica not in self._prefill_only,
+                                         prefill_s=prefill_s)
                     return replica, (stream,)
-                self.replicas[replica].loop.add(stream, held=held)
+                self.replicas[replica].loop.add(stream, held=held, prefill_s=prefill_s)
                 return replica, (stream, *held)
             except RuntimeError:
                 if self.replicas[replica].loop.closing:
@@ -532,10 +534,13 @@ class ReplicaSet:
         statuses = []
         for replica in self.replicas:
             waiting, running, _ = replica.loop.load
+            decodes = replica.loop.num_decoding
+            if self.transfers is not None:
+                decodes += len(self.transfers.incoming_contexts(replica.index))
             statuses.append(ReplicaStatus(
                 prefill_s=replica.prefill_s, page_size=self.page_size, num_waiting=waiting,
                 num_running=running, queued_prefills_s=replica.loop.queued_prefills_s,
-                decode_token_s=replica.decode_token_s,
+                decode_token_s=replica.decode_token_s, decodes=decodes,
                 healthy=replica.loop.healthy and replica.index not in self._exclude))
         return statuses
 

@@ -327,7 +327,8 @@ class Server:
                session_id: str | None = None,
                _loop: asyncio.AbstractEventLoop | None = None,
                _paced: bool = True,
-               _kv_from: tuple[str, int] | None = None) -> RequestHandle:
+               _kv_from: tuple[str, int] | None = None,
+               _prefill_s: float | None = None) -> RequestHandle:
         """Queues one prompt (a str, token ids, a TokensPrompt or a 1-D numpy array) and
         returns at once. Raises ValueError or TypeError naming a bad field.
         request_id: the caller's label for the request, echoed in its deltas and output;
@@ -350,7 +351,9 @@ class Server:
 
         _kv_from (a one-replica server: a Ray replica actor taking a KV hand-off,
         serving.ray_handoff): pages of its engine that hold the prompt's first tokens
-        (`ReplicaController.add_request`)."""
+        (`ReplicaController.add_request`). _prefill_s (a one-replica server: a Ray replica
+        actor): the front's predicted prefill seconds of it, counted in the loop's queued
+        prefills until its loop takes it in (ServingLoop.add)."""
         params = SamplingParams() if sampling_params is None else sampling_params
         try:
             if request_id is not None:
@@ -411,7 +414,7 @@ class Server:
             pass                            # the pool hands it to a replica's loop
         elif self._replica_set is None:
             stream, held = streams_on(0)
-            self._loops[0].add(stream, held=held, kv_from=_kv_from)
+            self._loops[0].add(stream, held=held, kv_from=_kv_from, prefill_s=_prefill_s)
         elif _kv_from is not None:
             raise ValueError("_kv_from is for a one-replica server")
         else:

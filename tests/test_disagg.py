@@ -306,7 +306,7 @@ class _InlineLoop:
         fn()
         return True
 
-    def add(self, stream, kv_from=None):
+    def add(self, stream, held=(), *, kv_from=None, prefill_s=None):
         self.added.append(stream.request_id)
 
 

@@ -157,3 +157,43 @@ def test_cancelling_the_handle_after_sample_0_finished_cancels_the_others(loop):
     while allocator.num_free_pages != allocator.num_pages and time.monotonic() < deadline:
         time.sleep(0.01)
     assert allocator.num_free_pages == allocator.num_pages
+
+
+def test_a_request_added_during_a_step_counts_in_the_queued_prefills_at_once():
+    """The loop takes its inbox in only between steps; a request routed here while a
+    step runs is published with the router's seconds from its add (a decision made
+    meanwhile would else see the replica without it), and with the controller's once
+    taken in. The requests whose prefill is done count as decoding."""
+    allocator = BlockAllocator(num_pages=64, page_size=16)
+    controller = make_controller(
+        SchedulerConfig("lars", token_buckets=(16, 32, 64), max_seqs_per_batch=4,
+                        target_batch_time_s=0.002),
+        allocator=allocator, clock=WallClock(), model_config=MODEL, max_model_len=256,
+        predictor=AnalyticalPredictor(MODEL, ParallelConfig(), "a100"))
+    engine = ScriptedEngine(allocator)
+    loop = ServingLoop(controller, engine, ServerMetrics(), decode_token_s=1e-3)
+    try:
+        engine.hold = threading.Event()
+        first = submit(loop, "decoding", max_tokens=50)
+        assert engine.entered.wait(30)            # its prefill step runs, held
+        before = loop.queued_prefills_s           # its own, in flight
+        request = Request("routed", 40, 3, time.monotonic(), prompt_token_ids=list(range(40)),
+                          sampling=SamplingParams(temperature=0.0, max_tokens=3))
+        handle = RequestHandle("routed", request.prompt_token_ids, loop.cancel)
+        loop.add(RequestStream(request, handle, IncrementalDetokenizer(None)), prefill_s=0.7)
+        assert loop.queued_prefills_s == before + (0.7,)
+        engine.entered.clear()
+        engine.hold.set()                         # the held step ends; the loop takes it in
+        deadline = time.monotonic() + 30
+        while 0.7 in loop.queued_prefills_s and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert 0.7 not in loop.queued_prefills_s
+        assert list(handle.result(timeout=30).outputs[0].token_ids) == [TOKEN] * 3
+        # Both prefilled; "decoding" goes on decoding (or has just finished).
+        assert loop.queued_prefills_s == () and loop.num_decoding in (0, 1)
+        first.result(timeout=30)
+        assert loop.num_decoding == 0
+    finally:
+        engine.hold.set()
+        loop.close(timeout=30)
+        loop.metrics.close()

@@ -294,6 +294,30 @@ def test_the_front_prices_a_decode_side_with_the_decodes_offloaded_to_it_not_yet
     assert RayServer._decode_steps(front, 1, None, 500) == {}
 
 
+def test_the_front_counts_what_it_sent_each_replica_since_its_last_poll():
+    """Prefills routed (and decodes offloaded) to a replica since its last poll count in
+    what the router and the offload decision read; a request's own prefill does not
+    count against it."""
+    from types import SimpleNamespace
+
+    from medha_jax.cluster.router import ReplicaStatus
+    from serving.ray_cluster import RayServer
+
+    polled = [ReplicaStatus(prefill_s=lambda n, c: 0.0, page_size=16, queued_prefills_s=(1.0,),
+                            decodes=2),
+              ReplicaStatus(prefill_s=lambda n, c: 0.0, page_size=16)]
+    front = SimpleNamespace(_statuses=polled, _decode_only=frozenset(),
+                            _pending_prefills=[{}, {"long": (3.0, 0.0), "own": (0.5, 0.0)}],
+                            _pending_decodes=[{"moved": 100}, {}])
+    front._with_pending_prefills = lambda statuses, exclude=None: \
+        RayServer._with_pending_prefills(front, statuses, exclude)
+    routable = RayServer._routable(front)
+    assert [s.queued_prefills_s for s in routable] == [(1.0,), (3.0, 0.5)]
+    assert [s.decodes for s in routable] == [3, 0]
+    views = RayServer._with_pending_prefills(front, polled, exclude="own")
+    assert [s.queued_prefills_s for s in views] == [(1.0,), (3.0,)]
+
+
 @pytest.mark.parametrize("dies", ["decode", "prefill"])
 def test_ray_handoff_survives_either_actor_dying_mid_transfer(ray_cluster, dies):
     """An actor killed while a 200-token prompt's pages stream: the request still gives the

@@ -163,3 +163,19 @@ def test_the_last_prompt_token_is_never_counted_as_cached():
     hashes = tuple(prefix_page_hashes(list(range(32)), 16))
     router.route(RouteRequest(32, hashes))
     assert router.route(RouteRequest(32, hashes)).cached_tokens == 31
+
+
+def test_a_prefill_is_charged_for_the_decodes_its_chunks_would_slow():
+    """Replica 1 would give the first token sooner (nothing queued there), but 8 decodes
+    run there and each waits about the prefill's seconds for its chunks: 1.01 + 8 x 1.01
+    against 1.01 + 1.0 on replica 0, whose decodes moved away (the router did send the
+    next long prefill to where they went, and undid the move)."""
+    statuses = [status(queued_prefills_s=(1.0,)), status(decodes=8)]
+    request = RouteRequest(1000)
+    priced = RoutingConfig(decode_delay_weight=1.0)
+    assert decide(request, snapshot(statuses, [0, 0]), priced).replica == 0
+    assert decide(request, snapshot(statuses, [0, 0])).replica == 1      # off by default
+    # A short prefill slows them little: 0.11 + 8 x 0.11 = 0.99 against 0.11 + 0.11.
+    assert decide(RouteRequest(100), snapshot(statuses, [0, 0]), priced).replica == 0
+    with pytest.raises(ValueError, match="decode_delay_weight"):
+        RoutingConfig(decode_delay_weight=-1.0)

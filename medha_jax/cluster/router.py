@@ -38,6 +38,23 @@ Policies (`ROUTING_POLICIES`):
   cached twice. The lowest charge wins. The weight 2 is measured, not derived: in the
   simulated 16-replica Mooncake run (`benchmarks/cluster.py`) it held 0.1-0.3 points more
   of the prefix cache than 1, at the same TTFT p90; 0 held 1-2 points less.
+  Optionally (`decode_delay_weight`, default 0) each replica is also charged that weight
+  x the decodes running there (and those handed to it, not yet landed) x the prompt's
+  prefill seconds there: the prefill's chunks ride in those decodes' steps, each step
+  grows by what its chunk computes, so every one of them waits about the prefill's
+  seconds in all (a bound: a decode that ends first waits less). A TTFT alone does not
+  see them: under decode offloading (`medha_jax.cluster.offload`) the replica the decodes
+  had just moved to had the shortest prefill queue, so the next long prefill went there
+  and slowed exactly the decodes that had moved to escape one (one run of
+  benchmarks/disagg.py (g): 24 of the 35 long prefills routed within 5 s of a move).
+  It is off by default because it did not pay: in the simulated 16-replica Mooncake run
+  (`benchmarks/cluster.py`, H200 preset) a weight of 1 raised TTFT p90 from 1.31 to
+  2.29 s and TPOT p90 from 26.3 to 28.9 ms (0.25: 1.79 s and 22.7 ms); in (g) it made
+  the time gate's TPOT p90 better than co-located in one run of three, and in another
+  sent every prefill to one replica and every decode to the other, where short prefills
+  waited up to 10 s behind long ones (the TTFT above assumes they share steps; LARS
+  serves the least relative slack first, so a short one waits behind a long one that is
+  late, up to its own deadline).
   The session's previous replica is kept unless another's charge is lower by more than
   `affinity_margin` (relative) + `affinity_margin_s`; a session's first turn goes, among
   the replicas within that margin of the lowest, to the one with the least load placed on
@@ -83,6 +100,8 @@ class ReplicaStatus:
       of it (`ReplicaController.queued_prefills_s`), in any order.
     decode_token_s: predicted seconds one decode token adds to its work (the load placed
       on it lately counts its decodes at this price).
+    decodes: sequences decoding there, with those handed to it and not yet landed (a
+      prefill's chunks slow each of them).
     """
 
     prefill_s: Callable[[int, int], float]
@@ -91,6 +110,7 @@ class ReplicaStatus:
     num_running: int = 0
     queued_prefills_s: tuple[float, ...] = ()
     decode_token_s: float = 0.0
+    decodes: int = 0
     healthy: bool = True
 
 
@@ -127,6 +147,7 @@ class RoutingConfig:
     affinity_margin: float = 0.2
     affinity_margin_s: float = 0.05
     recompute_weight: float = 2.0
+    decode_delay_weight: float = 0.0
     recent_load_halflife_s: float = 60.0
     sglang_cache_threshold: float = 0.3
     sglang_balance_abs: int = 64
@@ -138,7 +159,7 @@ class RoutingConfig:
             raise ValueError(f"unknown routing policy {self.policy!r}; choose one of "
                              f"{', '.join(ROUTING_POLICIES)}")
         for name in ("affinity_margin", "affinity_margin_s", "recompute_weight",
-                     "sglang_cache_threshold", "speculative_ttl_s"):
+                     "decode_delay_weight", "sglang_cache_threshold", "speculative_ttl_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"RoutingConfig.{name} must be >= 0, got {getattr(self, name)!r}")
         if not self.recent_load_halflife_s > 0:
@@ -211,7 +232,8 @@ def _predicted_time(request: RouteRequest, snapshot: RouterSnapshot, healthy: li
         status = snapshot.replicas[i]
         prefill = status.prefill_s(request.prompt_len, snapshot.cached_tokens[i])
         recompute = prefill - status.prefill_s(request.prompt_len, most_cached)
-        charge[i] = _shared_steps_ttft_s(status, prefill) + config.recompute_weight * recompute
+        charge[i] = (_shared_steps_ttft_s(status, prefill) + config.recompute_weight * recompute
+                     + config.decode_delay_weight * status.decodes * prefill)
     lowest = min(charge.values())
     within = lowest * (1 + config.affinity_margin) + config.affinity_margin_s
     session = snapshot.session_replica
