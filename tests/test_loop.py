@@ -37,15 +37,20 @@ class ScriptedEngine:
         return StepResult({c.request.request_id: TOKEN for c in batch.chunks if c.samples}, 1e-3)
 
 
-@pytest.fixture
-def loop():
+def scripted_loop(poison=(), **loop_options) -> ServingLoop:
     allocator = BlockAllocator(num_pages=64, page_size=16)
     controller = make_controller(
         SchedulerConfig("lars", token_buckets=(16, 32, 64), max_seqs_per_batch=4,
                         target_batch_time_s=0.002),
         allocator=allocator, clock=WallClock(), model_config=MODEL, max_model_len=256,
         predictor=AnalyticalPredictor(MODEL, ParallelConfig(), "a100"))
-    loop = ServingLoop(controller, ScriptedEngine(allocator, poison={"bad"}), ServerMetrics())
+    return ServingLoop(controller, ScriptedEngine(allocator, poison), ServerMetrics(),
+                       **loop_options)
+
+
+@pytest.fixture
+def loop():
+    loop = scripted_loop(poison={"bad"})
     yield loop
     loop.close(timeout=30)
     loop.metrics.close()
@@ -164,14 +169,8 @@ def test_a_request_added_during_a_step_counts_in_the_queued_prefills_at_once():
     step runs is published with the router's seconds from its add (a decision made
     meanwhile would else see the replica without it), and with the controller's once
     taken in. The requests whose prefill is done count as decoding."""
-    allocator = BlockAllocator(num_pages=64, page_size=16)
-    controller = make_controller(
-        SchedulerConfig("lars", token_buckets=(16, 32, 64), max_seqs_per_batch=4,
-                        target_batch_time_s=0.002),
-        allocator=allocator, clock=WallClock(), model_config=MODEL, max_model_len=256,
-        predictor=AnalyticalPredictor(MODEL, ParallelConfig(), "a100"))
-    engine = ScriptedEngine(allocator)
-    loop = ServingLoop(controller, engine, ServerMetrics(), decode_token_s=1e-3)
+    loop = scripted_loop(decode_token_s=1e-3)
+    engine = loop.engine
     try:
         engine.hold = threading.Event()
         first = submit(loop, "decoding", max_tokens=50)
