@@ -28,7 +28,7 @@ Six tables:
     TTFT p50, decode TPOT p90 (over requests, each request's mean seconds per output
     token after the first), requests the gate decided to offload and those that moved (a
     mixed prefill replica whose first token came before the decode side's grant decodes
-    the request itself),
+    the request itself), the router's predicted TTFT over the measured one (p10, p50),
     and each gate's TTFT p50 and TPOT p90 less co-located's with a 90% bootstrap interval
     (resampling a session's turns in a round).
     After one unmeasured round (the predictor is refined online from served steps),
@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import random
@@ -408,10 +409,15 @@ def h8(args, server) -> tuple[list[dict], list[dict], list[dict]]:
         ttft = [r["ttft"] for r in done]
         tpot = [r["tpot"] for r in done if r["outputs"] > 1]
         warm_tpot = [r["tpot"] for r in done if r["outputs"] > 1 and not r["heavy"]]
+        # The router's TTFT against the measured one (its model: prefills share steps).
+        ttft_ratio = [r["ttft_predicted"] / r["ttft"] for r in done
+                      if r["ttft_predicted"] is not None and r["ttft"] > 0]
         rows.append({"gate": gate, "requests": len(done),
                      "offload_decided": sum(r["offload_decided"] for r in done),
                      "offloaded": sum(r["offloaded"] for r in done),
                      "ttft_p50_s": percentile(ttft, 50), "ttft_p90_s": percentile(ttft, 90),
+                     "ttft_predicted_over_measured_p10": percentile(ttft_ratio, 10),
+                     "ttft_predicted_over_measured_p50": percentile(ttft_ratio, 50),
                      "tpot_p90_s": percentile(tpot, 90),
                      "warm_tpot_p90_s": percentile(warm_tpot, 90)})
         # How well the gate's predictor priced the plan each request took: its decode
@@ -513,8 +519,10 @@ def run_gate(args, server, gate: str, seed: int) -> list[dict]:
                 temperature=0.0, max_tokens=args.output_tokens),
                 session_id=f"{gate}-{seed}-{i}")
             out = handle.result(timeout=600)
-            decision = next((d for rid, d in reversed(owner.offload_decisions[-200:])
-                             if rid == handle.id), None)
+            decision = next((d for rid, d in itertools.islice(
+                reversed(owner.offload_decisions), 200) if rid == handle.id), None)
+            routed = next((d for rid, d in itertools.islice(
+                reversed(owner.routing_decisions), 200) if rid == handle.id), None)
             decode = None if decision is None else decision.decode
             m = out.metrics
             # Decided and done: a mixed prefill replica whose first token came before the
@@ -529,6 +537,8 @@ def run_gate(args, server, gate: str, seed: int) -> list[dict]:
                 results.append({"session": i, "heavy": heavy, "turn": turn,
                                 "heavy_turn": turn == heavy_turn,
                                 "submitted_s": handle_submitted - started, "ttft": m.ttft,
+                                # The router's, where it sent the prefill.
+                                "ttft_predicted": routed and routed.predicted_ttft_s,
                                 "tpot": m.tpot, "outputs": m.num_output_tokens,
                                 "cached": cached, "prompt": len(prompt),
                                 "offloaded": offloaded, "offload_decided": decode is not None,

@@ -39,6 +39,7 @@ random stream would restart), or no healthy replica left.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import inspect
 import itertools
@@ -591,7 +592,10 @@ class RayServer(Server):
         self._states: list[ReplicaState | None] = [None] * replicas   # last poll's
         self.handoffs = 0                  # requests whose decode moved to another replica
         self.chunks_moved = 0              # page chunks they moved (several per long prompt)
-        self.offload_decisions: list = []  # (request id, OffloadDecision), bounded
+        # The latest requests' (front id, router Decision) and (front id, OffloadDecision):
+        # what was predicted for each, beside what it measured.
+        self.routing_decisions: collections.deque = collections.deque(maxlen=10_000)
+        self.offload_decisions: collections.deque = collections.deque(maxlen=10_000)
         self._tids = itertools.count(1)
         self._grant_tasks: set[asyncio.Task] = set()   # handshakes of prefills running
         # Per replica, the decodes offloaded to it that its polled state may not show yet
@@ -722,6 +726,7 @@ class RayServer(Server):
             prefill_s = self._statuses[replica].prefill_s(len(prompt_ids),
                                                           decision.cached_tokens)
             self._pending_prefills[replica][server_id] = (prefill_s, time.monotonic())
+            self.routing_decisions.append((server_id, decision))
         self.metrics.observe_routed(replica, decision_s)
         handle = RequestHandle(request_id or server_id, prompt_ids, self.cancel, loop=_loop,
                                id=server_id)
@@ -952,10 +957,7 @@ class RayServer(Server):
         decision = choose_decode(offload_request, prefill, views, self.offload)
         if decision.decode is not None:
             self._pending_decodes[decision.decode][server_id] = prompt_len
-        with self._lock:
-            if len(self.offload_decisions) >= 10_000:
-                del self.offload_decisions[:5_000]
-            self.offload_decisions.append((server_id, decision))
+        self.offload_decisions.append((server_id, decision))
         return decision.decode
 
     def _decode_steps(self, replica: int, state, context: int) -> dict:

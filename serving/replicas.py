@@ -328,7 +328,10 @@ class ReplicaSet:
         self._exclude: frozenset[int] = frozenset()  # under _lock, for one decision
         self.roles = parse_roles(roles, len(self.replicas))
         self.offload = offload or OffloadConfig("never")
-        self.offload_decisions: list = []          # (request id, OffloadDecision), bounded
+        # The latest requests' (request id, router Decision) and (request id,
+        # OffloadDecision): what was predicted for each, beside what it measured.
+        self.routing_decisions: collections.deque = collections.deque(maxlen=10_000)
+        self.offload_decisions: collections.deque = collections.deque(maxlen=10_000)
         self._decode_only = frozenset(i for i, r in enumerate(self.roles) if r == DECODE)
         self._prefill_only = frozenset(i for i, r in enumerate(self.roles) if r == PREFILL)
         self.transfers = None
@@ -424,13 +427,12 @@ class ReplicaSet:
             if self.metrics is not None:
                 self.metrics.observe_routed(replica, decision_s)
             stream, held = stream_for(replica)
+            self.routing_decisions.append((stream.request_id, decision))
             prefill_s = self.replicas[replica].prefill_s(len(prompt_ids), decision.cached_tokens)
             decode = None
             if self.transfers is not None and not held:
                 offload = self.offload_decision(replica, len(prompt_ids),
                                                 decision.cached_tokens, max_new_tokens, hashes)
-                if len(self.offload_decisions) >= 10_000:
-                    del self.offload_decisions[:5_000]
                 self.offload_decisions.append((stream.request_id, offload))
                 decode = offload.decode
             try:

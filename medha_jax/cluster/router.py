@@ -52,9 +52,10 @@ Policies (`ROUTING_POLICIES`):
   2.29 s and TPOT p90 from 26.3 to 28.9 ms (0.25: 1.79 s and 22.7 ms); in (g) it made
   the time gate's TPOT p90 better than co-located in one run of three, and in another
   sent every prefill to one replica and every decode to the other, where short prefills
-  waited up to 10 s behind long ones (the TTFT above assumes they share steps; LARS
-  serves the least relative slack first, so a short one waits behind a long one that is
-  late, up to its own deadline).
+  waited up to 10 s behind long ones (the TTFT above assumes they share steps; lars-mp
+  lets a short prefill ride beside a more urgent long one only when the long one's slack
+  covers it or the short one is due first, so it waits for a late long one that ends
+  before its deadline).
   The session's previous replica is kept unless another's charge is lower by more than
   `affinity_margin` (relative) + `affinity_margin_s`; a session's first turn goes, among
   the replicas within that margin of the lowest, to the one with the least load placed on
