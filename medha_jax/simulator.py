@@ -349,8 +349,9 @@ def simulate(requests: list[Request], *, scheduler: str | SchedulerConfig, model
     decode_token_s = decode_token_seconds(predictor, seats)
 
     def statuses() -> list[ReplicaStatus]:
+        inbound = handoffs is not None and routing.decode_delay_weight > 0   # priced only then
         return [_replica_status(c, page_size, decode_token_s,
-                                len(handoffs.inbound_contexts(j)) if handoffs else 0)
+                                len(handoffs.inbound_contexts(j)) if inbound else 0)
                 for j, c in enumerate(controllers)]
 
     handoffs = None

@@ -537,7 +537,8 @@ class ReplicaSet:
         for replica in self.replicas:
             waiting, running, _ = replica.loop.load
             decodes = replica.loop.num_decoding
-            if self.transfers is not None:
+            if self.transfers is not None and self.router.config.decode_delay_weight:
+                # (a pass over the hand-offs under their lock: only where it is priced)
                 decodes += len(self.transfers.incoming_contexts(replica.index))
             statuses.append(ReplicaStatus(
                 prefill_s=replica.prefill_s, page_size=self.page_size, num_waiting=waiting,
