@@ -138,10 +138,26 @@ def simulated(args) -> list[dict]:
             "ttft_p50_s": percentile(ttft, 50), "ttft_p90_s": percentile(ttft, 90),
             "tpot_p90_s": percentile(tpot, 90),
             "imbalance_max_over_min_busy": max(busy) / max(min(busy), 1e-9),
+            **predicted_over_measured(result.predicted_ttft_s, done),
             "decision_p50_us": 1e6 * percentile(result.decision_s, 50),
             "decision_p99_us": 1e6 * percentile(result.decision_s, 99),
             "wall_s": result.wall_s})
     return rows
+
+
+def predicted_over_measured(predicted_ttft_s: dict[str, float], done) -> dict[str, float]:
+    """The router's predicted TTFT over the simulated one, p10/p50/p90 over the requests it
+    routed, and the share of them it predicted within 2x either way: how well its TTFT
+    model follows the replicas' scheduler."""
+    ratios = [predicted_ttft_s[r.request_id] / (r.first_token_time - r.arrival_time)
+              for r in done if r.request_id in predicted_ttft_s
+              and r.first_token_time > r.arrival_time]
+    if not ratios:
+        return {}
+    return {"ttft_predicted_over_measured_p10": percentile(ratios, 10),
+            "ttft_predicted_over_measured_p50": percentile(ratios, 50),
+            "ttft_predicted_over_measured_p90": percentile(ratios, 90),
+            "ttft_predicted_within_2x": sum(0.5 <= x <= 2 for x in ratios) / len(ratios)}
 
 
 def trace_reuse(trace) -> float:

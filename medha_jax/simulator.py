@@ -206,6 +206,8 @@ class SimulationResult:
     busy_s: list[float] = dataclasses.field(default_factory=list)  # per replica: stage seconds
     routing: str = ""               # the router's policy
     decision_s: list[float] = dataclasses.field(default_factory=list)  # router wall seconds
+    # request_id -> the TTFT the router predicted for it where it sent it (Decision)
+    predicted_ttft_s: dict[str, float] = dataclasses.field(default_factory=dict)
     # With offload: request_id -> the replica that decoded it (prefilled at replica_of),
     # and the prompt tokens its prefill found cached there (the request's own
     # num_cached_tokens counts the moved pages the decode side reused).
@@ -373,6 +375,7 @@ def simulate(requests: list[Request], *, scheduler: str | SchedulerConfig, model
     horizon = math.inf if time_limit_s is None else arrivals[0].arrival_time + time_limit_s
     num_rejected = 0
     replica_of: dict[str, int] = {}
+    predicted_ttft: dict[str, float] = {}
     next_arrival = 0
     # Busy replicas by the time of their next event: a stage free to take a batch, or the
     # oldest batch in flight leaving the pipe.
@@ -396,6 +399,8 @@ def simulate(requests: list[Request], *, scheduler: str | SchedulerConfig, model
             route_request = _route_request(request, page_size)
             decision = (None if total_replicas == 1 else router.route(route_request))
             i = replica_of[request.request_id] = 0 if decision is None else decision.replica
+            if decision is not None:
+                predicted_ttft[request.request_id] = decision.predicted_ttft_s
             if handoffs is not None and decision is not None:
                 request = handoffs.on_route(request, i, decision.cached_tokens,
                                             route_request.page_hashes)
@@ -439,7 +444,7 @@ def simulate(requests: list[Request], *, scheduler: str | SchedulerConfig, model
         num_replicas=len(controllers), kv_capacity_tokens=capacity,
         wall_s=time.perf_counter() - wall_start, replica_of=replica_of,
         busy_s=[runner.executor.busy_s for runner in runners], routing=routing.policy,
-        decision_s=router.decision_seconds,
+        decision_s=router.decision_seconds, predicted_ttft_s=predicted_ttft,
         decoded_on=handoffs.decoded_on if handoffs is not None else {},
         prefill_cached_tokens=handoffs.prefill_cached if handoffs is not None else {})
 
