@@ -180,13 +180,16 @@ def decision_time(args, num_replicas: int = 16, page_size: int = 16) -> list[dic
     from medha_jax.cluster.router import (PREDICTED_TIME, ROUTING_POLICIES, ReplicaStatus,
                                           RouteRequest, Router, RoutingConfig)
     from medha_jax.kv_cache.allocator import prefix_page_hashes
+    from medha_jax.scheduler.policies import QueuedPrefill
 
     rng = random.Random(0)
     num_probes = 500 if args.quick else 2000
     statuses = [ReplicaStatus(prefill_s=lambda n, cached: 0.01 + 2e-5 * (n - cached),
                               page_size=page_size, num_waiting=rng.randrange(8),
                               num_running=rng.randrange(32),
-                              queued_prefills_s=tuple(rng.random() for _ in range(8)),
+                              queued_prefills=tuple(
+                                  QueuedPrefill(w, rng.uniform(-1, 5), w + rng.random())
+                                  for w in (rng.random() for _ in range(8))),
                               decode_token_s=1e-3) for _ in range(num_replicas)]
     system_prompt = [rng.randrange(32_000) for _ in range(512)]
     sessions = []

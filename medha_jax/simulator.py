@@ -38,7 +38,7 @@ import time
 from collections.abc import Sequence
 
 from medha_jax.cluster.prefill_pool_sim import PoolResult, simulate_prefill_pool  # noqa: F401
-from medha_jax.cluster.router import ReplicaStatus, RouteRequest, Router, RoutingConfig
+from medha_jax.cluster.router import Decision, ReplicaStatus, RouteRequest, Router, RoutingConfig
 from medha_jax.config import ModelConfig, ParallelConfig
 from medha_jax.kv_cache.allocator import BlockAllocator, prefix_page_hashes
 from medha_jax.request import (Batch, FinishReason, Request, RequestState, StepResult,
@@ -232,19 +232,27 @@ def _fresh_copy(r: Request, keep_token_ids: bool) -> Request:
         sampling=dataclasses.replace(r.sampling, stop_token_ids=(), ignore_eos=True))
 
 
-def _replica_status(controller: ReplicaController, page_size: int,
+def _replica_status(controller: ReplicaController, config: SchedulerConfig, page_size: int,
                     decode_token_s: float, inbound_decodes: int = 0) -> ReplicaStatus:
-    """What the router reads of a simulated replica: its queue, its queued prefills'
-    predicted seconds, its Algorithm-3 prefill times and the sequences it decodes (with
-    inbound_decodes, those handed to it and not yet landed)."""
+    """What the router reads of a simulated replica: its queue, its queued prefills as
+    LARS sees them, its Algorithm-3 prefill times, its prefill steps' seconds and the
+    sequences it decodes (with inbound_decodes, those handed to it and not yet landed)."""
     prefill_time = controller.prefill_time_cache.prefill_time
     waiting, running = controller.num_waiting, controller.num_running
-    queued = controller.queued_prefills_s()
+    queued = controller.queued_prefills()
     return ReplicaStatus(
         prefill_s=lambda n, cached: prefill_time(n) - prefill_time(cached), page_size=page_size,
-        num_waiting=waiting, num_running=running, queued_prefills_s=queued,
+        num_waiting=waiting, num_running=running, queued_prefills=queued,
         decode_token_s=decode_token_s,
-        decodes=waiting + running - len(queued) + inbound_decodes)
+        decodes=waiting + running - len(queued) + inbound_decodes,
+        chunk_step_s=_chunk_step_s(controller), **ReplicaStatus.scheduler_fields(config))
+
+
+def _chunk_step_s(controller: ReplicaController) -> float:
+    """Seconds of a simulated step that carries prefill chunks: the packer's budget, or a
+    512-token chunk's where it has none."""
+    target = getattr(controller.packer, "target_batch_time_s", None)
+    return target if target is not None else controller.prefill_time_cache.prefill_time(512)
 
 
 def _advance_replica(runner: InFlightRunner, policy: str, index: int) -> float | None:
@@ -352,7 +360,7 @@ def simulate(requests: list[Request], *, scheduler: str | SchedulerConfig, model
 
     def statuses() -> list[ReplicaStatus]:
         inbound = handoffs is not None and routing.decode_delay_weight > 0   # priced only then
-        return [_replica_status(c, page_size, decode_token_s,
+        return [_replica_status(c, config, page_size, decode_token_s,
                                 len(handoffs.inbound_contexts(j)) if inbound else 0)
                 for j, c in enumerate(controllers)]
 
@@ -402,8 +410,7 @@ def simulate(requests: list[Request], *, scheduler: str | SchedulerConfig, model
             if decision is not None:
                 predicted_ttft[request.request_id] = decision.predicted_ttft_s
             if handoffs is not None and decision is not None:
-                request = handoffs.on_route(request, i, decision.cached_tokens,
-                                            route_request.page_hashes)
+                request = handoffs.on_route(request, decision, route_request.page_hashes)
             controller = controllers[i]
             was_idle = not controller.has_unfinished()
             controller.clock.advance_to(request.arrival_time)
@@ -510,30 +517,29 @@ class SimulatedHandoffs:
         return ([entry[0].prompt_len for entry in self._waiting.values() if entry[3] == j]
                 + [entry[0].prompt_len for entry in self._ready.values() if entry[2] == j])
 
-    def _chunk_step_s(self, controller) -> float:
-        target = getattr(controller.packer, "target_batch_time_s", None)
-        return target if target is not None else controller.prefill_time_cache.prefill_time(512)
 
-    def on_route(self, request: Request, p: int, cached_tokens: int, hashes) -> Request:
-        """At arrival: decides; on offload reserves the decode side's pages (the handshake)
-        and returns the prefill-only copy to add at p."""
+    def on_route(self, request: Request, routed: Decision, hashes) -> Request:
+        """At arrival, once routed: decides; on offload reserves the decode side's pages
+        (the handshake) and returns the prefill-only copy to add where it was routed."""
         from medha_jax.cluster.offload import OffloadReplica, OffloadRequest, choose_decode
 
+        p, cached_tokens = routed.replica, routed.cached_tokens
         page_size = self.controllers[p].allocator.page_size
         full = request.prompt_len // page_size
         pages = -(-request.prompt_len // page_size)       # the partial last one moves too
         cached_pages = self.router.index.cached_pages(tuple(hashes))
         pt = self.controllers[p].prefill_time_cache.prefill_time
-        views = [OffloadReplica(True, queued_prefills_s=tuple(c.queued_prefills_s()),
-                                chunk_step_s=self._chunk_step_s(c),
+        views = [OffloadReplica(True,
+                                queued_prefills_s=tuple(q.work_s for q in c.queued_prefills()),
+                                chunk_step_s=_chunk_step_s(c),
                                 decode_token_s=self.decode_token_s, cached_pages=cached_pages[j],
                                 prefill_share=self._prefill_share(j, request.arrival_time),
                                 **self._decode_steps(j, request.prompt_len))
                  for j, c in enumerate(self.controllers)]
         decision = choose_decode(OffloadRequest(
             request.prompt_len, cached_tokens, request.max_new_tokens,
-            pt(request.prompt_len) - pt(cached_tokens), pages, self.page_bytes), p, views,
-            self.config)
+            pt(request.prompt_len) - pt(cached_tokens), routed.predicted_ttft_s, pages,
+            self.page_bytes), p, views, self.config)
         d = decision.decode
         if d is None:
             return request
@@ -560,7 +566,7 @@ class SimulatedHandoffs:
             self.prefill_cached[rid] = copy.num_cached_tokens
             transfer = pages * self.page_bytes / self.config.link_bytes_per_s
             prefill_s = copy.first_token_time - (copy.first_scheduled_time or copy.arrival_time)
-            hidden = (max(0.0, prefill_s - self._chunk_step_s(controller))
+            hidden = (max(0.0, prefill_s - _chunk_step_s(controller))
                       if self.stream_chunks else 0.0)
             ready = copy.first_token_time + self.config.handshake_s + max(0.0, transfer - hidden)
             self._ready[rid] = (request, copy, d, res)
@@ -588,4 +594,5 @@ class SimulatedHandoffs:
 def _route_request(request: Request, page_size: int) -> RouteRequest:
     hashes = (tuple(prefix_page_hashes(request.prompt_token_ids, page_size))
               if request.prompt_token_ids is not None else ())
-    return RouteRequest(request.prompt_len, hashes, request.session_id, request.max_new_tokens)
+    return RouteRequest(request.prompt_len, hashes, request.session_id, request.max_new_tokens,
+                        request.slo.ttft_s)

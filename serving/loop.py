@@ -45,6 +45,7 @@ from collections.abc import Sequence
 from medha_jax.request import Batch, FinishReason, StepResult, TokenLogprobs
 from medha_jax.scheduler.controller import ReplicaController
 from medha_jax.scheduler.in_flight import BatchFailed, InFlightRunner
+from medha_jax.scheduler.policies import QueuedPrefill
 from serving.metrics import ServerMetrics
 from serving.outputs import RequestStream
 from serving.multihost import ReplicaUnavailable
@@ -98,15 +99,19 @@ class ServingLoop:
         self.load: tuple[int, int, float] = (0, 0, 0.0)
         # Free KV pages after the last iteration (reservations count as used), likewise.
         self.free_pages: int = engine.allocator.num_free_pages
-        # Each request here with prefill left, its predicted seconds of it (what a new
-        # prefill shares steps with: the router's predicted TTFT; their sum is what slows
-        # decodes here: the offload decision, medha_jax.cluster.offload). Requests added
-        # and not yet taken from the inbox count with the seconds their add() gave: the
-        # loop takes them in only between steps, and a request routed here during a long
-        # prefill step was invisible to the next decisions until it ended.
-        self.queued_prefills_s: tuple[float, ...] = ()
-        self._taken_prefills_s: tuple[float, ...] = ()   # the controller's, last published
-        self._inbox_prefills_s: dict[str, float] = {}    # under _lock
+        # Each request here with prefill left as LARS sees it (QueuedPrefill: its
+        # predicted seconds of it, its slack, its whole prefill's seconds, as of the
+        # publication): where a new prefill would fall in this queue (the router's
+        # predicted TTFT); the sum of their seconds is what slows decodes here (the
+        # offload decision, medha_jax.cluster.offload). Requests added and not yet taken
+        # from the inbox count with the seconds their add() gave: the loop takes them in
+        # only between steps, and a request routed here during a long prefill step was
+        # invisible to the next decisions until it ended.
+        self.queued_prefills: tuple[QueuedPrefill, ...] = ()
+        self._taken_prefills: tuple[QueuedPrefill, ...] = ()   # the controller's, last published
+        # request id -> (its prefill seconds, its TTFT deadline, its prompt's tokens), under
+        # _lock
+        self._inbox_prefills: dict[str, tuple[float, float, int]] = {}
         self._taken_ids: list[str] = []     # loop thread: added since the last publication
         # The requests here that decode (prefill done, not finished): a prefill's chunks
         # slow each of them (the router prices that).
@@ -149,7 +154,7 @@ class ServingLoop:
         added once it has its first token (see the module's docstring); kv_from: pages of
         this engine that hold its first tokens' K/V (`ReplicaController.add_request`);
         prefill_s: its predicted prefill seconds here (the router's), published in
-        `queued_prefills_s` until the loop takes it in.
+        `queued_prefills` until the loop takes it in.
         Raises when an id is in flight or the loop stopped."""
         ids = [stream.request_id, *(h.request_id for h in held)]
         with self._lock:
@@ -163,9 +168,10 @@ class ServingLoop:
             self._in_flight.update(ids)
             self._inbox.append(("add", (stream, tuple(held), kv_from)))
             if prefill_s is not None and self._decode_token_s is not None:
-                self._inbox_prefills_s[stream.request_id] = prefill_s
-                self.queued_prefills_s = (self._taken_prefills_s
-                                          + tuple(self._inbox_prefills_s.values()))
+                request = stream.request
+                self._inbox_prefills[stream.request_id] = (prefill_s, request.deadline,
+                                                           request.prompt_len)
+                self.queued_prefills = self._taken_prefills + self._inbox_queued()
             self._lock.notify()
 
     def cancel(self, request_id: str) -> bool:
@@ -494,20 +500,29 @@ class ServingLoop:
         work = 0.0
         if self._decode_token_s is not None:
             # Predicted seconds of work queued here: prefills, then every decode token.
-            taken = controller.queued_prefills_s()
+            taken = controller.queued_prefills()
             with self._lock:
                 for request_id in self._taken_ids:
-                    self._inbox_prefills_s.pop(request_id, None)
+                    self._inbox_prefills.pop(request_id, None)
                 self._taken_ids.clear()
-                self._taken_prefills_s = taken
-                self.queued_prefills_s = taken + tuple(self._inbox_prefills_s.values())
+                self._taken_prefills = taken
+                self.queued_prefills = taken + self._inbox_queued()
             self.num_decoding = waiting + running - len(taken)
-            work = sum(self.queued_prefills_s) + \
+            work = sum(q.work_s for q in self.queued_prefills) + \
                 controller.decode_tokens_left * self._decode_token_s
         self.load = (waiting, running, work)
         self.free_pages = allocator.num_free_pages
         if self.publishes_decode_contexts:
             self.decode_contexts = controller.decode_contexts()
+
+
+    def _inbox_queued(self) -> tuple[QueuedPrefill, ...]:
+        """The inbox's requests as queued prefills now (under _lock), with the seconds
+        add() gave and their whole prompt's (LARS's w_total)."""
+        now = self.controller.clock.now()
+        prefill_time = self.controller.prefill_time_cache.prefill_time
+        return tuple([QueuedPrefill(x, deadline - now - x, max(x, prefill_time(n)), n)
+                      for x, deadline, n in self._inbox_prefills.values()])
 
 
 def _request_ids(batch: Batch) -> list[str]:

@@ -53,6 +53,7 @@ from medha_jax.cluster.prefix_index import CacheEvent
 from medha_jax.cluster.router import (PREDICTED_TIME, NoHealthyReplica, ReplicaStatus,
                                       RouteRequest, Router, RoutingConfig)
 from medha_jax.request import SLO
+from medha_jax.scheduler.policies import QueuedPrefill
 from medha_jax.scheduler.predictor import decode_step_seconds
 from medha_jax.sampling_params import SamplingParams
 from serving import validation
@@ -123,7 +124,7 @@ class ReplicaState:
     incarnation: str
     num_waiting: int
     num_running: int
-    queued_prefills_s: tuple[float, ...]
+    queued_prefills: tuple[QueuedPrefill, ...]
     decode_token_s: float
     prefill_table: tuple[tuple[int, float], ...]
     events: tuple[CacheEvent, ...]
@@ -131,13 +132,12 @@ class ReplicaState:
     pages_total: int = 0
     num_preemptions: int = 0
     num_decoding: int = 0          # requests whose prefill is done (ServingLoop.num_decoding)
+    chunk_step_s: float = 0.0      # seconds of a step that carries prefill chunks
     # With hand-offs, what the front's offload decision reads (serving.replicas'
-    # offload_decision reads the same of its replicas): seconds of a chunked prefill step,
-    # the share of recent time spent on prefill steps, [(context, seconds)] of a decode
-    # step of its decodes plus one request of that context and the seconds of a step of
-    # its decodes alone (what one more adds: the table's less this), how many decodes it
-    # runs; hand-offs still kept here.
-    chunk_step_s: float = 0.0
+    # offload_decision reads the same of its replicas): the share of recent time spent on
+    # prefill steps, [(context, seconds)] of a decode step of its decodes plus one request
+    # of that context and the seconds of a step of its decodes alone (what one more adds:
+    # the table's less this), how many decodes it runs; hand-offs still kept here.
     prefill_share: float = 0.0
     decode_step_table: tuple[tuple[int, float], ...] = ()
     decode_base_s: float = 0.0
@@ -194,6 +194,7 @@ class ReplicaActor:
                     self.replica.engine.allocator.page_size,
                 "num_pages": server.num_total_pages, "default_slo": server.default_slo,
                 "policy": server.policy, "startup": server.startup,
+                "scheduler_fields": ReplicaStatus.scheduler_fields(server.scheduler_config),
                 "incarnation": self.incarnation, "pid": os.getpid(),
                 "cpus": tuple(sorted(os.sched_getaffinity(0))),
                 "page_bytes": page_bytes(self.replica.engine)}
@@ -324,7 +325,7 @@ class ReplicaActor:
                 self._events = [e for e in self._events if e.seq >= after_seq]
             events = tuple(self._events)
         waiting, running, _ = self.replica.loop.load
-        prefills = self.replica.loop.queued_prefills_s
+        prefills = self.replica.loop.queued_prefills
         now = time.monotonic()
         if now - self._table_at > 1.0:        # refits change it rarely; computing is cheap
             self._table, self._table_at = self._prefill_table(), now
@@ -335,7 +336,7 @@ class ReplicaActor:
             replica = self.replica
             contexts = replica.loop.decode_contexts
             handoffs = dict(
-                chunk_step_s=replica.chunk_step_s, prefill_share=replica.prefill_share,
+                prefill_share=replica.prefill_share,
                 decode_step_table=tuple(
                     (n, decode_step_seconds(replica.predictor, contexts + (n,)))
                     for n, _ in self._table[::8] + self._table[-1:]),
@@ -346,7 +347,8 @@ class ReplicaActor:
                             self.replica.decode_token_s, self._table, events,
                             allocator.num_pages - allocator.num_free_pages, allocator.num_pages,
                             self.replica.controller.num_preemptions,
-                            self.replica.loop.num_decoding, **handoffs)
+                            self.replica.loop.num_decoding,
+                            chunk_step_s=self.replica.chunk_step_s, **handoffs)
 
     def _prefill_table(self) -> tuple[tuple[int, float], ...]:
         max_len = self.server.max_model_len
@@ -483,6 +485,7 @@ class _InFlight:
     first_token_at: float | None = None   # when its first token reached this process
     paced: bool = True                    # Server.submit's _paced (generate(): False)
     prefill_s: float | None = None        # predicted where it was routed (its first run's)
+    predicted_ttft_s: float = 0.0         # there, the router's Decision
 
 
 class RayServer(Server):
@@ -573,6 +576,7 @@ class RayServer(Server):
         self.page_size = first["page_size"]
         self._page_bytes = first["page_bytes"]
         self.default_slo, self.policy = first["default_slo"], first["policy"]
+        self._scheduler_fields = first["scheduler_fields"]
         self.startup = first["startup"]
         self.replica_pids = [info["pid"] for info in infos]
         self.replica_cpus = [info["cpus"] for info in infos]   # as each actor reports them
@@ -602,12 +606,12 @@ class RayServer(Server):
         # (front id -> context): without them, offloads decided within a poll (or during
         # one long prefill) all see the same idle replica and pile onto it.
         self._pending_decodes: list[dict[str, int]] = [{} for _ in range(replicas)]
-        # Likewise the prefills routed to it (front id -> (predicted seconds, when routed)),
-        # until a poll sent a poll interval after the routing answers: the actor counts a
-        # request in its queued prefills from its add (ServingLoop.add), and a decision
-        # before then saw none of it (a decode moved to the replica a long prefill had
-        # just been routed to).
-        self._pending_prefills: list[dict[str, tuple[float, float]]] = [
+        # Likewise the prefills routed to it (front id -> (predicted seconds, when routed,
+        # TTFT SLO, prompt tokens)), until a poll sent a poll interval after the routing answers: the
+        # actor counts a request in its queued prefills from its add (ServingLoop.add), and
+        # a decision before then saw none of it (a decode moved to the replica a long
+        # prefill had just been routed to).
+        self._pending_prefills: list[dict[str, tuple[float, float, float, int]]] = [
             {} for _ in range(replicas)]
         self._router = Router(replicas, self._routable, routing)
         self._closing = False
@@ -642,11 +646,14 @@ class RayServer(Server):
         """The statuses with the prefills routed to each replica since its last poll (not
         `exclude`'s: a request's own)."""
         out = []
+        now = time.monotonic()
         for status, pending in zip(statuses, self._pending_prefills):
-            seconds = tuple(s for rid, (s, _) in tuple(pending.items()) if rid != exclude)
+            sent = tuple(QueuedPrefill(x, ttft_s - (now - at) - x,
+                                       max(x, status.prefill_s(n, 0)), n)
+                         for rid, (x, at, ttft_s, n) in tuple(pending.items()) if rid != exclude)
             out.append(dataclasses.replace(
-                status, queued_prefills_s=tuple(status.queued_prefills_s) + seconds)
-                if seconds else status)
+                status, queued_prefills=tuple(status.queued_prefills) + sent)
+                if sent else status)
         return out
 
     @staticmethod
@@ -718,14 +725,16 @@ class RayServer(Server):
             raise TypeError(f"session_id must be a str, got {type(session_id).__name__}")
         server_id = f"{self._id_prefix}-{next(self._ids)}"
         hashes = tuple(prefix_page_hashes(prompt_ids, self.page_size))
-        route = RouteRequest(len(prompt_ids), hashes, session_id, params.max_tokens)
+        ttft_s = (slo or self.default_slo).ttft_s       # the actor's default where None
+        route = RouteRequest(len(prompt_ids), hashes, session_id, params.max_tokens, ttft_s)
         with self._lock:
             decision = self._router.route(route)
             decision_s = self._router.decision_seconds[-1]
             replica = decision.replica
             prefill_s = self._statuses[replica].prefill_s(len(prompt_ids),
                                                           decision.cached_tokens)
-            self._pending_prefills[replica][server_id] = (prefill_s, time.monotonic())
+            self._pending_prefills[replica][server_id] = (prefill_s, time.monotonic(), ttft_s,
+                                                          len(prompt_ids))
             self.routing_decisions.append((server_id, decision))
         self.metrics.observe_routed(replica, decision_s)
         handle = RequestHandle(request_id or server_id, prompt_ids, self.cancel, loop=_loop,
@@ -733,7 +742,7 @@ class RayServer(Server):
         request = _InFlight(handle, list(prompt_ids), params, slo, priority, session_id,
                             replica, detokenizer, hashes=hashes,
                             cached_tokens=decision.cached_tokens, paced=_paced,
-                            prefill_s=prefill_s)
+                            prefill_s=prefill_s, predicted_ttft_s=decision.predicted_ttft_s)
         with self._lock:
             self._in_flight[server_id] = request
         asyncio.run_coroutine_threadsafe(self._serve(server_id, request), self._aloop)
@@ -822,13 +831,14 @@ class RayServer(Server):
                 self._statuses = [*self._statuses[:i], ReplicaStatus(
                     prefill_s=_prefill_s(state.prefill_table), page_size=self.page_size,
                     num_waiting=state.num_waiting, num_running=state.num_running,
-                    queued_prefills_s=state.queued_prefills_s,
+                    queued_prefills=state.queued_prefills,
                     decode_token_s=state.decode_token_s, decodes=state.num_decoding,
-                    healthy=True), *self._statuses[i + 1:]]
+                    healthy=True, chunk_step_s=state.chunk_step_s, **self._scheduler_fields),
+                    *self._statuses[i + 1:]]
                 self._pages[i] = (state.pages_in_use, state.pages_total)
                 self._states[i] = state
                 pending = self._pending_prefills[i]
-                for rid in [rid for rid, (_, at) in pending.items() if at <= sent - POLL_S]:
+                for rid in [rid for rid, (_, at, *_) in pending.items() if at <= sent - POLL_S]:
                     del pending[rid]
             self.metrics.observe_state(
                 pages_in_use=state.pages_in_use, pages_total=state.pages_total,
@@ -922,7 +932,8 @@ class RayServer(Server):
         with self._lock:
             return self._router.route(RouteRequest(
                 len(request.prompt_ids) + len(request.tokens), request.hashes,
-                request.session_id, request.params.max_tokens - len(request.tokens))).replica
+                request.session_id, request.params.max_tokens - len(request.tokens),
+                (request.slo or self.default_slo).ttft_s)).replica
 
     # ------------------------------------------------------------------ KV hand-offs
 
@@ -944,11 +955,11 @@ class RayServer(Server):
         offload_request = OffloadRequest(
             prompt_len, request.cached_tokens, params.max_tokens,
             statuses[prefill].prefill_s(prompt_len, request.cached_tokens),
-            -(-prompt_len // self.page_size), self._page_bytes)
+            request.predicted_ttft_s, -(-prompt_len // self.page_size), self._page_bytes)
         views = [OffloadReplica(
             can_decode=status.healthy and state is not None,
             prefill_only=i in self._prefill_only,
-            queued_prefills_s=tuple(status.queued_prefills_s),
+            queued_prefills_s=tuple(q.work_s for q in status.queued_prefills),
             chunk_step_s=state.chunk_step_s if state else 0.0,
             decode_token_s=status.decode_token_s, cached_pages=cached_pages[i],
             prefill_share=state.prefill_share if state else 0.0,

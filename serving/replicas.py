@@ -11,7 +11,7 @@ prefix index the replicas' allocators feed with their cache events.
     engines = [Engine(m, config) for m in replica_models("smollm2-135m", 2)]
     replicas = [LocalReplica(i, e, scheduler_config, ...) for i, e in enumerate(engines)]
     placement = ReplicaSet(replicas, RoutingConfig("predicted-time"))
-    index, decision_seconds = placement.place(prompt_ids, session_id, max_new_tokens)
+    index, decision_seconds = placement.place(prompt_ids, session_id, max_new_tokens, ttft_s)
 
 Faults: a replica whose steps keep failing or whose loop thread dies goes down (see
 serving.loop): the router stops placing there and forgets its cache and sessions, and
@@ -355,13 +355,16 @@ class ReplicaSet:
                 metrics.observe_health(replica.index, True)
 
     def place(self, prompt_ids: Sequence[int], session_id: str | None,
-              max_new_tokens: int, *, exclude: int | None = None) -> tuple[int, float]:
+              max_new_tokens: int, ttft_s: float, *, exclude: int | None = None
+              ) -> tuple[int, float]:
         """Chooses the replica of a request: (its index, seconds the decision took).
-        exclude: a replica not to choose (the one a request is moving off)."""
-        decision, seconds, _ = self._route(prompt_ids, session_id, max_new_tokens, exclude)
+        ttft_s: its TTFT SLO; exclude: a replica not to choose (the one a request is
+        moving off)."""
+        decision, seconds, _ = self._route(prompt_ids, session_id, max_new_tokens, ttft_s,
+                                           exclude)
         return decision.replica, seconds
 
-    def _route(self, prompt_ids, session_id, max_new_tokens, exclude=None):
+    def _route(self, prompt_ids, session_id, max_new_tokens, ttft_s, exclude=None):
         """(router Decision, its seconds, the prompt's page hashes). Decode-only replicas
         prefill only when no other replica is healthy."""
         hashes = tuple(prefix_page_hashes(prompt_ids, self.page_size))
@@ -374,20 +377,22 @@ class ReplicaSet:
         with self._lock:
             self._exclude = frozenset(excluded)
             try:
-                decision = self.router.route(RouteRequest(len(prompt_ids), hashes,
-                                                          session_id, max_new_tokens))
+                decision = self.router.route(RouteRequest(len(prompt_ids), hashes, session_id,
+                                                          max_new_tokens, ttft_s))
             finally:
                 self._exclude = frozenset()
             return decision, self.router.decision_seconds[-1], hashes
 
     def offload_decision(self, prefill: int, prompt_len: int, cached_tokens: int,
-                         max_new_tokens: int, hashes: Sequence[bytes]):
-        """medha_jax.cluster.offload.choose_decode on the replicas as they are now."""
+                         ttft_s: float, max_new_tokens: int, hashes: Sequence[bytes]):
+        """medha_jax.cluster.offload.choose_decode on the replicas as they are now (ttft_s:
+        the router's predicted TTFT on `prefill`)."""
         cached_pages = self.router.index.cached_pages(tuple(hashes))
         from serving.kv_transfer import page_bytes
 
         request = OffloadRequest(prompt_len, cached_tokens, max_new_tokens,
                                  self.replicas[prefill].prefill_s(prompt_len, cached_tokens),
+                                 ttft_s,
                                  -(-prompt_len // self.page_size),
                                  page_bytes(self.replicas[prefill].engine))
         views = []
@@ -395,7 +400,8 @@ class ReplicaSet:
             decodes = r.loop.decode_contexts + self.transfers.incoming_contexts(i)
             views.append(OffloadReplica(
                 can_decode=r.loop.healthy, prefill_only=i in self._prefill_only,
-                queued_prefills_s=tuple(r.loop.queued_prefills_s), chunk_step_s=r.chunk_step_s,
+                queued_prefills_s=tuple(q.work_s for q in r.loop.queued_prefills),
+                chunk_step_s=r.chunk_step_s,
                 decode_token_s=r.decode_token_s, cached_pages=cached_pages[i],
                 prefill_share=r.prefill_share,
                 decode_step_s=decode_step_seconds(r.predictor, decodes + (prompt_len,)),
@@ -417,12 +423,14 @@ class ReplicaSet:
         transfers.after_decode_step(replica)
 
     def submit(self, stream_for, prompt_ids: Sequence[int], session_id: str | None,
-               max_new_tokens: int):
-        """Places a new request and adds it to its replica's loop: `stream_for(replica)`
-        gives its (stream, held streams). A replica that went down in between is skipped;
-        raises NoHealthyReplica when none is left. Returns (replica, streams)."""
+               max_new_tokens: int, ttft_s: float):
+        """Places a new request (its TTFT SLO ttft_s) and adds it to its replica's loop:
+        `stream_for(replica)` gives its (stream, held streams). A replica that went down in
+        between is skipped; raises NoHealthyReplica when none is left. Returns (replica,
+        streams)."""
         for _ in range(len(self.replicas)):
-            decision, decision_s, hashes = self._route(prompt_ids, session_id, max_new_tokens)
+            decision, decision_s, hashes = self._route(prompt_ids, session_id, max_new_tokens,
+                                                       ttft_s)
             replica = decision.replica
             if self.metrics is not None:
                 self.metrics.observe_routed(replica, decision_s)
@@ -432,7 +440,8 @@ class ReplicaSet:
             decode = None
             if self.transfers is not None and not held:
                 offload = self.offload_decision(replica, len(prompt_ids),
-                                                decision.cached_tokens, max_new_tokens, hashes)
+                                                decision.cached_tokens,
+                                                decision.predicted_ttft_s, max_new_tokens, hashes)
                 self.offload_decisions.append((stream.request_id, offload))
                 decode = offload.decode
             try:
@@ -497,7 +506,7 @@ class ReplicaSet:
             try:
                 replica, decision_s = self.place(tokens, request.session_id,
                                                  request.max_new_tokens - len(generated),
-                                                 exclude=source)
+                                                 request.slo.ttft_s, exclude=source)
             except NoHealthyReplica as e:
                 self._end(stream, FinishReason.ERROR, f"unavailable: {reason}; {e}", True)
                 return
@@ -542,9 +551,11 @@ class ReplicaSet:
                 decodes += len(self.transfers.incoming_contexts(replica.index))
             statuses.append(ReplicaStatus(
                 prefill_s=replica.prefill_s, page_size=self.page_size, num_waiting=waiting,
-                num_running=running, queued_prefills_s=replica.loop.queued_prefills_s,
+                num_running=running, queued_prefills=replica.loop.queued_prefills,
                 decode_token_s=replica.decode_token_s, decodes=decodes,
-                healthy=replica.loop.healthy and replica.index not in self._exclude))
+                healthy=replica.loop.healthy and replica.index not in self._exclude,
+                chunk_step_s=replica.chunk_step_s,
+                **ReplicaStatus.scheduler_fields(replica.scheduler_config)))
         return statuses
 
     def _listener(self, replica: int):

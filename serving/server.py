@@ -419,7 +419,8 @@ class Server:
             raise ValueError("_kv_from is for a one-replica server")
         else:
             try:
-                self._replica_set.submit(streams_on, prompt_ids, session_id, params.max_tokens)
+                self._replica_set.submit(streams_on, prompt_ids, session_id, params.max_tokens,
+                                         slo.ttft_s)
             except BaseException:
                 with self._groups_lock:
                     self._groups.pop(handle.id, None)

@@ -420,7 +420,7 @@ def test_a_decode_short_of_a_page_never_evicts_a_decode_of_its_own_batch():
 
 @pytest.mark.parametrize("policy", ["lars", "lars-mp"])
 def test_the_load_a_server_reads_each_step_equals_a_pass_over_the_requests(policy):
-    """queued_prefills_s (read from the index's SRPT keys under lars-mp) and
+    """queued_prefills (w(t) read from the index's SRPT keys under lars-mp) and
     decode_tokens_left (kept as requests come, generate and go) equal a fresh pass over
     the requests, through preemption, prefix reuse, EOS, cancels and requests that resume
     with output."""
@@ -445,13 +445,17 @@ def test_the_load_a_server_reads_each_step_equals_a_pass_over_the_requests(polic
         if controller.has_unfinished():
             run_one_step(controller, engine)
         queued = [r for r in controller.unfinished() if r in controller._prefills]
-        assert sorted(controller.queued_prefills_s()) == pytest.approx(
-            sorted(map(remaining_work, queued)), rel=1e-12)
+        now = controller.clock.now()
+        expected = sorted((remaining_work(r), r.deadline - now - remaining_work(r), r.w_total,
+                           r.prompt_len) for r in queued)
+        published = sorted(controller.queued_prefills())
+        assert [q.prompt_len for q in published] == [e[3] for e in expected]
+        assert [q[:3] for q in published] == [pytest.approx(e[:3], rel=1e-12) for e in expected]
         assert controller.decode_tokens_left == sum(
             r.max_new_tokens - len(r.output_token_ids) for r in controller.unfinished())
     assert controller.num_preemptions > 0
     _run(controller, engine)
-    assert controller.decode_tokens_left == 0 and controller.queued_prefills_s() == ()
+    assert controller.decode_tokens_left == 0 and controller.queued_prefills() == ()
     assert allocator.num_free_pages == allocator.num_pages
 
 

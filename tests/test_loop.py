@@ -8,7 +8,7 @@ import pytest
 
 from medha_jax.config import ParallelConfig, model_preset
 from medha_jax.kv_cache.allocator import BlockAllocator
-from medha_jax.request import Request, StepResult, WallClock
+from medha_jax.request import SLO, Request, StepResult, WallClock
 from medha_jax.sampling_params import SamplingParams
 from medha_jax.scheduler import AnalyticalPredictor, SchedulerConfig, make_controller
 from serving.loop import ServingLoop
@@ -175,21 +175,29 @@ def test_a_request_added_during_a_step_counts_in_the_queued_prefills_at_once():
         engine.hold = threading.Event()
         first = submit(loop, "decoding", max_tokens=50)
         assert engine.entered.wait(30)            # its prefill step runs, held
-        before = loop.queued_prefills_s           # its own, in flight
-        request = Request("routed", 40, 3, time.monotonic(), prompt_token_ids=list(range(40)),
-                          sampling=SamplingParams(temperature=0.0, max_tokens=3))
+        before = loop.queued_prefills             # its own, in flight
+        arrival = time.monotonic()
+        request = Request("routed", 40, 3, arrival, prompt_token_ids=list(range(40)),
+                          sampling=SamplingParams(temperature=0.0, max_tokens=3),
+                          slo=SLO(ttft_s=5.0))
         handle = RequestHandle("routed", request.prompt_token_ids, loop.cancel)
         loop.add(RequestStream(request, handle, IncrementalDetokenizer(None)), prefill_s=0.7)
-        assert loop.queued_prefills_s == before + (0.7,)
+        published = time.monotonic()
+        (routed,) = loop.queued_prefills[len(before):]
+        assert loop.queued_prefills[:len(before)] == before
+        whole = loop.controller.prefill_time_cache.prefill_time(40)
+        assert (routed.work_s, routed.total_s, routed.prompt_len) == (0.7, max(0.7, whole), 40)
+        # Its slack as of the add: 5 s from its arrival less its 0.7 s.
+        assert 5.0 - 0.7 - (published - arrival) <= routed.slack_s <= 5.0 - 0.7
         engine.entered.clear()
         engine.hold.set()                         # the held step ends; the loop takes it in
         deadline = time.monotonic() + 30
-        while 0.7 in loop.queued_prefills_s and time.monotonic() < deadline:
+        while 0.7 in [q.work_s for q in loop.queued_prefills] and time.monotonic() < deadline:
             time.sleep(0.001)
-        assert 0.7 not in loop.queued_prefills_s
+        assert 0.7 not in [q.work_s for q in loop.queued_prefills]
         assert list(handle.result(timeout=30).outputs[0].token_ids) == [TOKEN] * 3
         # Both prefilled; "decoding" goes on decoding (or has just finished).
-        assert loop.queued_prefills_s == () and loop.num_decoding in (0, 1)
+        assert loop.queued_prefills == () and loop.num_decoding in (0, 1)
         first.result(timeout=30)
         assert loop.num_decoding == 0
     finally:

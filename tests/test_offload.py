@@ -15,7 +15,7 @@ BUSY_P = OffloadReplica(True, queued_prefills_s=(3.0,), chunk_step_s=0.1, decode
 IDLE = OffloadReplica(True, chunk_step_s=0.1, decode_token_s=0.02)
 # 1 GB of pages (1000 pages of 1 MB) behind a 1.0 s prefill.
 REQ = OffloadRequest(prompt_len=16_000, cached_tokens=0, max_new_tokens=100, prefill_s=1.0,
-                     prompt_pages=1000, page_bytes=1_000_000)
+                     ttft_s=2.0, prompt_pages=1000, page_bytes=1_000_000)
 CFG = OffloadConfig(link_bytes_per_s=10e9, handshake_s=0.005)
 
 
@@ -41,6 +41,16 @@ def test_prefill_arriving_during_the_decode_counts_through_its_recent_share():
     assert choose_decode(REQ, 1, [busy, IDLE], CFG).decode is None
 
 
+def test_prefill_run_before_the_first_token_does_not_slow_the_decode():
+    """A short prefill behind a late 3 s one that lars-mp runs to its end first (the
+    router's TTFT_P = 3.1 s): nothing is left queued on P when its decode starts, so it
+    stays (processor sharing left 2.9 s there and moved the decode: 4.32 s against 2.1)."""
+    short = dataclasses.replace(REQ, prefill_s=0.1, ttft_s=3.1)
+    assert first_token_s(short, BUSY_P) == pytest.approx((3.1, 0.0))
+    d = choose_decode(short, 0, [BUSY_P, IDLE], CFG)
+    assert d.decode is None and d.colocated_s == pytest.approx(100 * 0.02)
+
+
 def test_a_cold_turn_on_an_idle_replica_stays():
     d = choose_decode(REQ, 0, [IDLE, IDLE], CFG)
     assert d.decode is None and d.offloaded_s > d.colocated_s
@@ -49,7 +59,7 @@ def test_a_cold_turn_on_an_idle_replica_stays():
 def test_transfer_not_hidden_behind_a_short_prefill_keeps_the_decode_home():
     """A 10 GB/s link moves 100 GB in 10 s; a 0.2 s prefill hides 0.1 s of it: 9.9 s
     exposed beats 2.24 s of interference saved (2.8 s of prefill left on P) -> stays."""
-    big = OffloadRequest(16_000, 15_000, 100, 0.2, 100_000, 1_000_000)
+    big = OffloadRequest(16_000, 15_000, 100, 0.2, 0.4, 100_000, 1_000_000)
     d = choose_decode(big, 0, [BUSY_P, IDLE], CFG)
     assert d.decode is None
     assert exposed_transfer_s(big, BUSY_P, IDLE, CFG) == pytest.approx(0.005 + 10.0 - 0.1)
@@ -92,7 +102,7 @@ def test_a_prefill_only_replica_always_hands_off_when_someone_can_decode():
     ("dynamo", 2_000, 500, 1),                # 1500 new < 2048 but 75% of the prompt
 ])
 def test_fixed_gates(gate, prompt, cached, expect):
-    req = OffloadRequest(prompt, cached, 100, 1.0, prompt // 16, 1000)
+    req = OffloadRequest(prompt, cached, 100, 1.0, 1.0, prompt // 16, 1000)
     assert choose_decode(req, 0, [IDLE, IDLE], OffloadConfig(gate)).decode == expect
 
 

@@ -301,21 +301,30 @@ def test_the_front_counts_what_it_sent_each_replica_since_its_last_poll():
     from types import SimpleNamespace
 
     from medha_jax.cluster.router import ReplicaStatus
+    from medha_jax.scheduler.policies import QueuedPrefill
     from serving.ray_cluster import RayServer
 
-    polled = [ReplicaStatus(prefill_s=lambda n, c: 0.0, page_size=16, queued_prefills_s=(1.0,),
+    polled_queue = (QueuedPrefill(1.0, 2.0, 1.5, 100),)
+    polled = [ReplicaStatus(prefill_s=lambda n, c: 0.0, page_size=16, queued_prefills=polled_queue,
                             decodes=2),
               ReplicaStatus(prefill_s=lambda n, c: 0.0, page_size=16)]
+    routed_at = time.monotonic()
+    # front id -> (predicted seconds, when routed, TTFT SLO, prompt tokens)
     front = SimpleNamespace(_statuses=polled, _decode_only=frozenset(),
-                            _pending_prefills=[{}, {"long": (3.0, 0.0), "own": (0.5, 0.0)}],
+                            _pending_prefills=[{}, {"long": (3.0, routed_at, 10.0, 4000),
+                                                    "own": (0.5, routed_at, 2.0, 100)}],
                             _pending_decodes=[{"moved": 100}, {}])
     front._with_pending_prefills = lambda statuses, exclude=None: \
         RayServer._with_pending_prefills(front, statuses, exclude)
     routable = RayServer._routable(front)
-    assert [s.queued_prefills_s for s in routable] == [(1.0,), (3.0, 0.5)]
+    works = [[(q.work_s, q.total_s, q.prompt_len) for q in s.queued_prefills] for s in routable]
+    assert works == [[(1.0, 1.5, 100)], [(3.0, 3.0, 4000), (0.5, 0.5, 100)]]
+    # Their slack: the SLO less the seconds since the routing, less their prefill.
+    long_slack = routable[1].queued_prefills[0].slack_s
+    assert 10.0 - 3.0 - (time.monotonic() - routed_at) <= long_slack <= 10.0 - 3.0
     assert [s.decodes for s in routable] == [3, 0]
     views = RayServer._with_pending_prefills(front, polled, exclude="own")
-    assert [s.queued_prefills_s for s in views] == [(1.0,), (3.0,)]
+    assert [[q.work_s for q in s.queued_prefills] for s in views] == [[1.0], [3.0]]
 
 
 @pytest.mark.parametrize("dies", ["decode", "prefill"])

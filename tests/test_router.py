@@ -4,9 +4,10 @@ import pytest
 
 from medha_jax.cluster.router import (LEAST_LOAD, PREDICTED_TIME, ROUND_ROBIN, SGLANG_CACHE_AWARE,
                                       NoHealthyReplica, ReplicaStatus, RouteRequest, Router,
-                                      RouterSnapshot, RoutingConfig, decide)
+                                      RouterSnapshot, RoutingConfig, decide, lars_ttft_s)
 from medha_jax.kv_cache.allocator import prefix_page_hashes
 from medha_jax.request import VirtualClock
+from medha_jax.scheduler.policies import QueuedPrefill
 
 
 def linear_prefill(seconds_per_token=1e-3, fixed=0.01):
@@ -18,6 +19,12 @@ def status(**kw):
     kw.setdefault("prefill_s", linear_prefill())
     kw.setdefault("page_size", 16)
     return ReplicaStatus(**kw)
+
+
+def late(*seconds):
+    """Queued prefills with these seconds left and no slack: LARS runs them before any new
+    one that is not due before they end (each is its own whole prefill, 100 tokens)."""
+    return tuple(QueuedPrefill(w, 0.0, w, 100) for w in seconds)
 
 
 def snapshot(statuses, cached, recent=None, session=None, rr=0):
@@ -50,31 +57,95 @@ def test_sglang_cache_aware_follows_the_cache_above_its_threshold_unless_imbalan
 
 def test_predicted_time_prices_new_tokens_not_prompt_length():
     """Replica 0 has more queued prefill but caches 90% of the prompt: fewer seconds there."""
-    statuses = [status(queued_prefills_s=(2.0,)), status(queued_prefills_s=(0.5,))]
-    request = RouteRequest(8000)
+    statuses = [status(queued_prefills=late(2.0)), status(queued_prefills=late(0.5))]
+    request = RouteRequest(8000, ttft_s=20.0)
     decision = decide(request, snapshot(statuses, [7200, 0]))
     assert decision.replica == 0 and decision.policy == PREDICTED_TIME
     assert decision.cached_tokens == 7200
-    # Its 0.81 s prefill shares the steps with the 2 s one queued there: 0.81 + 0.81.
-    assert decision.predicted_ttft_s == pytest.approx(2 * (0.01 + 0.8))
+    # Charged 0.81 + 0.81 (its 0.81 s prefill and the 2 s one sharing steps), but
+    # predicted to wait for the late 2 s one, which lars-mp runs first.
+    assert decision.predicted_ttft_s == pytest.approx(2.0 + 0.01 + 0.8)
     # Without that cache the queue decides: 8.01 + 2 there, 8.01 + 0.5 here.
     assert decide(request, snapshot(statuses, [0, 0])).replica == 1
 
 
-def test_a_short_prefill_is_not_priced_as_waiting_behind_a_long_one():
-    """Prefills share steps (processor sharing): each queued prefill delays a new one by
-    min(its remaining seconds, the new one's), not by all of its remaining seconds."""
-    statuses = [status(queued_prefills_s=(10.0,)), status(queued_prefills_s=(0.5, 0.5, 0.5))]
+def test_a_new_prefill_passes_a_queued_one_whose_slack_covers_it():
+    """lars-mp lets a short prefill ride ahead of a more urgent one that can afford it
+    (AdaptivePacker.riders): the 0.11 s prefill passes the 10 s one with 20 s of slack,
+    but not the 0.5 s ones that are late."""
+    roomy = (QueuedPrefill(10.0, 20.0, 10.0, 100),)      # key 2 < the new one's 89.9
+    statuses = [status(queued_prefills=roomy), status(queued_prefills=late(0.5, 0.5, 0.5))]
     short = decide(RouteRequest(100), snapshot(statuses, [0, 0]))
-    assert short.replica == 0 and short.predicted_ttft_s == pytest.approx(0.11 + 0.11)
-    long = decide(RouteRequest(5000), snapshot(statuses, [0, 0]))
-    assert long.replica == 1 and long.predicted_ttft_s == pytest.approx(5.01 + 1.5)
+    assert short.replica == 0 and short.predicted_ttft_s == pytest.approx(0.11)
+
+
+def test_a_short_prefill_waits_for_a_late_long_one_that_ends_before_its_deadline():
+    """The case processor sharing mispriced (benchmarks/disagg.py (g): 0.11x): a late
+    prefill with 3 s left runs first to its end, and a 0.11 s one due in 5 s waits for
+    it; due in 2 s (before the late one could end) it rides beside it at once."""
+    queue = (QueuedPrefill(3.0, -1.0, 4.0, 2000),)
+    busy = status(queued_prefills=queue)
+    assert lars_ttft_s(busy, 0.11, RouteRequest(100, ttft_s=5.0)) == pytest.approx(3.11)
+    assert lars_ttft_s(busy, 0.11, RouteRequest(100, ttft_s=2.0)) == pytest.approx(0.11)
+
+
+def test_a_long_prefill_never_rides():
+    """IsLong (Algorithm 2): a prompt over long_prefill_tokens waits for the queued prefill
+    whose slack would cover a short one of the same seconds."""
+    queue = (QueuedPrefill(1.0, 5.0, 1.0, 100),)          # key 5
+    here = status(queued_prefills=queue, long_prefill_tokens=1000)
+    short, long = RouteRequest(900, ttft_s=50.0), RouteRequest(2000, ttft_s=50.0)
+    assert lars_ttft_s(here, 0.5, short) == pytest.approx(0.5)
+    assert lars_ttft_s(here, 0.5, long) == pytest.approx(1.5)
+    # Beside a long queued prefill a due short one gets rho_max of each step: the long one
+    # runs (1 - 0.4) / 0.4 x 0.5 s meanwhile.
+    long_queue = (QueuedPrefill(4.0, -1.0, 4.0, 5000),)
+    due = RouteRequest(900, ttft_s=2.0)
+    assert lars_ttft_s(status(queued_prefills=long_queue, long_prefill_tokens=1000), 0.5,
+                       due) == pytest.approx(0.5 + 0.75)
+
+
+def test_a_cached_prompt_ranks_by_its_whole_prompt():
+    """LARS keys a request by its whole prompt's prefill seconds (w_total; w(t) too, until
+    its cached prefix is found as it first runs): a long turn with 8,900 of 9,000 tokens
+    cached and 20 s to go ranks (20 - 9.01) / 9.01 = 1.22, above a queued long prefill
+    keyed 2, and does not wait for it (by its 0.11 s left it would rank 180, below)."""
+    queue = (QueuedPrefill(1.0, 2.0, 1.0, 9000),)
+    here = status(queued_prefills=queue)
+    x = here.prefill_s(9000, 8900)
+    assert lars_ttft_s(here, x, RouteRequest(9000, ttft_s=20.0)) == pytest.approx(0.11)
+
+
+def test_queued_prefills_ranked_below_ride_ahead_in_the_new_ones_slack():
+    """A new 1 s prefill due in 2 s ranks above 0.6 s ones due in 10 s: the first rides
+    ahead in its 1 s of slack, the second does not fit the 0.4 s left of it."""
+    below = (QueuedPrefill(0.6, 9.4, 0.6, 100), QueuedPrefill(0.6, 9.5, 0.6, 100))
+    request = RouteRequest(100, ttft_s=2.0)
+    assert lars_ttft_s(status(queued_prefills=below), 1.0, request) == pytest.approx(1.6)
+    # In key order: a partly done one (key 1.175) takes 0.6 s of the slack; then one due
+    # at 1.1 s, before the new one would end, rides although the 0.4 s left do not cover
+    # its 0.5 s; the last one waits.
+    mixed = (QueuedPrefill(0.6, 9.4, 8.0, 100), QueuedPrefill(0.5, 0.6, 0.5, 100), below[1])
+    assert lars_ttft_s(status(queued_prefills=mixed), 1.0, request) == pytest.approx(2.1)
+
+
+def test_the_first_token_comes_at_the_end_of_a_step():
+    """With steps of T = 0.2 s: a busy replica is T/2 into its current step on average, and
+    the new prefill's last step is filled to T by the queued work (it rides beside it)."""
+    roomy = (QueuedPrefill(5.0, 20.0, 5.0, 100),)
+    busy = status(queued_prefills=roomy, chunk_step_s=0.2, num_running=1)
+    assert lars_ttft_s(busy, 0.05, RouteRequest(100)) == pytest.approx(0.1 + 0.2)
+    idle = status(chunk_step_s=0.2)
+    assert lars_ttft_s(idle, 0.05, RouteRequest(100)) == pytest.approx(0.05)
+    # No riders (a scheduler other than lars-mp): the processor-sharing bound.
+    shared = status(queued_prefills=roomy, long_prefill_tokens=None)
+    assert lars_ttft_s(shared, 0.5, RouteRequest(100)) == pytest.approx(1.0)
 
 
 def test_prefill_repeating_work_cached_elsewhere_is_charged():
     """Replica 1 would give this request its first token 10 ms sooner by recomputing half
     of the prompt that replica 0 has cached; the recomputed seconds are charged to it."""
-    statuses = [status(queued_prefills_s=(1.0,)), status()]     # 0.51 + 0.51 vs 1.01
+    statuses = [status(queued_prefills=late(0.51)), status()]    # 0.51 + 0.51 vs 1.01
     no_margin = dict(affinity_margin=0.0, affinity_margin_s=0.0)
     snap = snapshot(statuses, [500, 0])
     assert decide(RouteRequest(1000), snap, RoutingConfig(**no_margin)).replica == 0
@@ -84,7 +155,7 @@ def test_prefill_repeating_work_cached_elsewhere_is_charged():
 
 def test_each_replica_is_priced_by_its_own_predictor():
     slow, fast = linear_prefill(4e-3), linear_prefill(1e-3)
-    statuses = [status(prefill_s=slow), status(prefill_s=fast, queued_prefills_s=(0.1,) * 10)]
+    statuses = [status(prefill_s=slow), status(prefill_s=fast, queued_prefills=late(0.1) * 10)]
     assert decide(RouteRequest(1000), snapshot(statuses, [0, 0])).replica == 1   # 2.01 < 4.01
     assert decide(RouteRequest(100), snapshot(statuses, [0, 0])).replica == 0    # 0.41 < 1.11
 
@@ -92,9 +163,9 @@ def test_each_replica_is_priced_by_its_own_predictor():
 def test_session_affinity_holds_within_the_margin_and_yields_beyond_it():
     config = RoutingConfig(affinity_margin=0.2, affinity_margin_s=0.0)
     request = RouteRequest(1000, session_id="s")
-    near = [status(queued_prefills_s=(0.1,)), status()]                 # 1.11 vs 1.01
+    near = [status(queued_prefills=late(0.1)), status()]                # 1.11 vs 1.01
     assert decide(request, snapshot(near, [0, 0], session=0), config).replica == 0
-    far = [status(queued_prefills_s=(1.0,)), status()]                  # 2.01 vs 1.01
+    far = [status(queued_prefills=late(1.0)), status()]                 # 2.01 vs 1.01
     assert decide(request, snapshot(far, [0, 0], session=0), config).replica == 1
 
 
@@ -170,7 +241,8 @@ def test_a_prefill_is_charged_for_the_decodes_its_chunks_would_slow():
     run there and each waits about the prefill's seconds for its chunks: 1.01 + 8 x 1.01
     against 1.01 + 1.0 on replica 0, whose decodes moved away (the router did send the
     next long prefill to where they went, and undid the move)."""
-    statuses = [status(queued_prefills_s=(1.0,)), status(decodes=8)]
+    queue = (QueuedPrefill(1.0, 0.5, 1.0, 100),)     # a short prefill passes it, this one not
+    statuses = [status(queued_prefills=queue), status(decodes=8)]
     request = RouteRequest(1000)
     priced = RoutingConfig(decode_delay_weight=1.0)
     assert decide(request, snapshot(statuses, [0, 0]), priced).replica == 0

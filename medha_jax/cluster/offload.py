@@ -16,13 +16,15 @@ replica (0 when unknown: `decode_token_s`). While r has prefill work queued, its
 carry a prefill chunk too (`chunk_step_s`), so the request's first
 k = min(n, ceil(Q_r / chunk_step_s)) tokens pay chunk_step_s (n: the tokens to decode;
 Q_r: the prefill seconds still queued there when the decode starts). Q_r is what is left
-then of the prefill queued there now, served as the router's TTFT prediction serves it
-(processor sharing, `medha_jax.cluster.router`): P's own prefill of x seconds ends once
-each prefill w queued there has had min(w, x) of the steps, so the decode starts at
-TTFT_P = x + sum(min(w, x)) with Q_P = sum(max(0, w - x)) left on P, and D has worked
-through its queue meanwhile: Q_D = max(0, sum(w_D) - TTFT_P). (The whole queue as it is
-now put the first tokens on P behind prefill that shared the steps with the request's
-own prefill, and overpriced staying.) Prefill keeps arriving meanwhile: rho_r, the share
+then of the prefill queued there now: the decode starts at TTFT_P, the router's
+prediction (`medha_jax.cluster.router.lars_ttft_s`, lars-mp's order), by when P ran
+TTFT_P - x of its queued prefill w_P beside the request's own x seconds, so
+Q_P = max(0, sum(w_P) - (TTFT_P - x)); D has worked through its queue meanwhile:
+Q_D = max(0, sum(w_D) - TTFT_P). (The whole queue as it is now put the first tokens on P
+behind prefill that shared the steps with the request's own prefill, and overpriced
+staying; processor sharing, Q_P = sum(max(0, w - x)), left a late long prefill that
+lars-mp runs to its end before a short one on P after the short one's first token, and
+overpriced staying too.) Prefill keeps arriving meanwhile: rho_r, the share
 of r's recent time its steps carried prefill chunks, is the share of the decode's time
 they carry one too. Every step, either kind, gives the request a token, so a second gives
 it (1 - rho_r) / decode_step_s(r) + rho_r / chunk_step_s(r) of them:
@@ -59,7 +61,7 @@ Offload when (b) < (a) * (1 - margin). A cold turn on an idle P has
 (a) = n * decode_token_s, which (b) cannot beat: it stays.
 
 Worked numbers (test_offload.py): n = 100, a request of 1.0 s of prefill on P with a
-3 s prefill queued there (TTFT_P = 1 + 1 = 2 s, Q_P = 2 s left) at 0.1 s a chunk step
+3 s prefill queued there (TTFT_P = 2 s: 1 s of it run first, Q_P = 2 s left) at 0.1 s a chunk step
 and 0.02 s a decode token, rho 0: k = 20, (a) = 20 * 0.1 + 80 * 0.02 = 3.6 s (with
 rho = 0.5 and nothing queued: 100 / (0.5 / 0.02 + 0.5 / 0.1) = 100 / 30 = 3.33 s). An idle
 D at 0.02 s a token, 1 GB to move at 10 GB/s behind a 1.0 s prefill (hidden 0.9 s),
@@ -144,13 +146,14 @@ class OffloadReplica:
 @dataclasses.dataclass(frozen=True)
 class OffloadRequest:
     """prompt_len, cached_tokens on P, tokens to decode, P's predicted prefill seconds
-    of the new tokens, and its prompt's pages (the partial last one too: all of them move)
-    with their bytes."""
+    of the new tokens and predicted TTFT there (the router's Decision), and its prompt's
+    pages (the partial last one too: all of them move) with their bytes."""
 
     prompt_len: int
     cached_tokens: int
     max_new_tokens: int
     prefill_s: float
+    ttft_s: float
     prompt_pages: int
     page_bytes: int
 
@@ -196,11 +199,10 @@ def others_delay_s(replica: OffloadReplica, num_tokens: int) -> float:
 
 
 def first_token_s(request: OffloadRequest, prefill: OffloadReplica) -> tuple[float, float]:
-    """(TTFT_P, Q_P): when the request's prefill on P ends, sharing P's steps with the
-    prefills queued there, and the prefill seconds left queued on P then."""
-    x = request.prefill_s
-    queued = prefill.queued_prefills_s
-    return (x + sum(min(w, x) for w in queued), sum(max(0.0, w - x) for w in queued))
+    """(TTFT_P, Q_P): when the request's prefill on P ends (the router's prediction), and
+    the prefill seconds left queued on P then."""
+    ran = max(0.0, request.ttft_s - request.prefill_s)
+    return request.ttft_s, max(0.0, sum(prefill.queued_prefills_s) - ran)
 
 
 def colocated_seconds(request: OffloadRequest, prefill: OffloadReplica) -> float:

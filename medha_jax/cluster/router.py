@@ -19,25 +19,34 @@ Policies (`ROUTING_POLICIES`):
   text; here it reads the same exact index as `predicted-time`, so the comparison is of
   the rules, not of the indexes.
 - `predicted-time` (default; seed 003: the size that matters is the new tokens to
-  compute): for each replica, the predicted TTFT there = the queued prefill work this
-  prefill waits for + the predicted prefill of the prompt minus the prefix it has cached,
-  from that replica's own runtime predictor (its PrefillTimeCache, Medha Algorithm 3).
-  The queued work it waits for is not the replica's whole queue: LARS packs several
-  prefills into each step and decodes ride along in the same steps, so a new prefill of x
-  seconds shares the steps with the prefills queued there the way a processor-sharing
-  server shares its time: each one queued delays it by min(its remaining seconds, x), and
-  queued decodes by nothing the predictor can tell apart (seed 001's mixed batches; a
-  short request does not wait behind a long one, which is Medha's point). Pricing the
-  decodes' remaining tokens as a serial queue instead made the router move a session away
-  from its cache whenever its replica had many long decodes left, and hit half of what
-  the cache could give.
-  Each replica is then charged, on top of that TTFT, `recompute_weight` x the prefill
-  seconds it would spend on prompt tokens another replica has cached: repeated work takes
-  steps from every request queued behind it there, which this request's own TTFT does not
-  see (seed 003 H2: a cold prefill cannot beat the cached one), and leaves the prefix
-  cached twice. The lowest charge wins. The weight 2 is measured, not derived: in the
-  simulated 16-replica Mooncake run (`benchmarks/cluster.py`) it held 0.1-0.3 points more
-  of the prefix cache than 1, at the same TTFT p90; 0 held 1-2 points less.
+  compute): each replica is charged the prefill x of the prompt minus the prefix it has
+  cached there, from that replica's own runtime predictor (its PrefillTimeCache, Medha
+  Algorithm 3), + min(w, x) for each prefill queued there with w seconds left
+  (`mutual_delay_s`): what the new prefill and those queued there would delay one
+  another by if they shared the steps evenly - its own wait and the wait it adds to the
+  others at once. Queued decodes add nothing the predictor can tell apart (seed 001's
+  mixed batches); pricing their remaining tokens as a serial queue made the router move
+  a session away from its cache whenever its replica had many long decodes left, and hit
+  half of what the cache could give.
+  The charge is not the request's predicted TTFT. That is `Decision.predicted_ttft_s`
+  (`lars_ttft_s`), in the order lars-mp serves its queue: a short prefill rides ahead of a
+  more urgent one whose slack covers it or that cannot finish before the short one is
+  due (`AdaptivePacker.riders`), and waits for a late one to its end. It is within 2x of
+  the simulated TTFT for 92% of the requests of the 16-replica Mooncake run
+  (`benchmarks/cluster.py`, H200 and H100 presets; processor sharing: 72% and 69%), and
+  it is what the offload decision reads (`medha_jax.cluster.offload`). Charged by it instead, the router
+  chases each request's own TTFT: there TTFT p90 fell from 1.31 to 1.10 s, but in
+  benchmarks/disagg.py (e), where half the sessions carry 20K-token prompts, a cached
+  turn whose replica had long prefills queued ahead of it moved to a replica that had
+  to recompute it, whose queue then grew for the next turns: prefix hit rate 73% -> 53%,
+  TTFT p90 1.73 -> 5.8 s. The even-sharing charge counts the delay a cold prefill adds
+  to the queue it joins as well as the one it suffers.
+  Each replica is then charged `recompute_weight` x the prefill seconds it would spend
+  on prompt tokens another replica has cached: repeated work takes steps from every
+  request queued behind it there (seed 003 H2: a cold prefill cannot beat the cached
+  one), and leaves the prefix cached twice. The lowest charge wins. The weight 2 is
+  measured, not derived: in the simulated 16-replica Mooncake run it held 0.1-0.3 points
+  more of the prefix cache than 1, at the same TTFT p90; 0 held 1-2 points less.
   Optionally (`decode_delay_weight`, default 0) each replica is also charged that weight
   x the decodes running there (and those handed to it, not yet landed) x the prompt's
   prefill seconds there: the prefill's chunks ride in those decodes' steps, each step
@@ -52,10 +61,10 @@ Policies (`ROUTING_POLICIES`):
   2.29 s and TPOT p90 from 26.3 to 28.9 ms (0.25: 1.79 s and 22.7 ms); in (g) it made
   the time gate's TPOT p90 better than co-located in one run of three, and in another
   sent every prefill to one replica and every decode to the other, where short prefills
-  waited up to 10 s behind long ones (the TTFT above assumes they share steps; lars-mp
-  lets a short prefill ride beside a more urgent long one only when the long one's slack
+  waited up to 10 s behind long ones (the charge assumes they share steps; lars-mp lets
+  a short prefill ride beside a more urgent long one only when the long one's slack
   covers it or the short one is due first, so it waits for a late long one that ends
-  before its deadline).
+  before its deadline, as `lars_ttft_s` predicts).
   The session's previous replica is kept unless another's charge is lower by more than
   `affinity_margin` (relative) + `affinity_margin_s`; a session's first turn goes, among
   the replicas within that margin of the lowest, to the one with the least load placed on
@@ -71,6 +80,9 @@ import time
 from collections.abc import Callable, Sequence
 
 from medha_jax.cluster.prefix_index import PrefixIndex
+from medha_jax.request import SLO
+from medha_jax.scheduler.config import SchedulerConfig
+from medha_jax.scheduler.policies import QueuedPrefill
 
 ROUND_ROBIN = "round-robin"
 LEAST_LOAD = "least-load"
@@ -83,12 +95,14 @@ ROUTING_POLICIES = (PREDICTED_TIME, ROUND_ROBIN, LEAST_LOAD, SGLANG_CACHE_AWARE)
 class RouteRequest:
     """What the router reads of a request: its prompt's length and page hashes
     (`medha_jax.kv_cache.allocator.prefix_page_hashes`, at the replicas' page size), its
-    session (OpenAI `user`, `X-Session-Id`) and its output budget."""
+    session (OpenAI `user`, `X-Session-Id`), its output budget and its TTFT SLO (where
+    LARS places it in a replica's queue)."""
 
     prompt_len: int
     page_hashes: tuple[bytes, ...] = ()
     session_id: str | None = None
     max_new_tokens: int = 0
+    ttft_s: float = SLO.ttft_s
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,10 +111,15 @@ class ReplicaStatus:
 
     prefill_s(num_tokens, cached_tokens): predicted seconds to prefill a prompt of
       num_tokens whose first cached_tokens are cached there (its own predictor).
-    queued_prefills_s: each request there with prefill work left, its predicted seconds
-      of it (`ReplicaController.queued_prefills_s`), in any order.
+    queued_prefills: each request there with prefill work left, its predicted seconds of
+      it, slack and whole prefill's seconds (`ReplicaController.queued_prefills`), in
+      any order.
     decode_token_s: predicted seconds one decode token adds to its work (the load placed
       on it lately counts its decodes at this price).
+    chunk_step_s: seconds of a step that carries prefill chunks there (0: not known).
+    long_prefill_tokens, rho_max: its lars-mp packer's IsLong and long share
+      (`SchedulerConfig`); long_prefill_tokens None: its scheduler lets no prefill pass
+      another (not lars-mp).
     decodes: sequences decoding there, with those handed to it and not yet landed (a
       prefill's chunks slow each of them).
     """
@@ -109,10 +128,20 @@ class ReplicaStatus:
     page_size: int
     num_waiting: int = 0
     num_running: int = 0
-    queued_prefills_s: tuple[float, ...] = ()
+    queued_prefills: tuple[QueuedPrefill, ...] = ()
     decode_token_s: float = 0.0
     decodes: int = 0
     healthy: bool = True
+    chunk_step_s: float = 0.0
+    long_prefill_tokens: int | None = SchedulerConfig.long_prefill_tokens
+    rho_max: float = SchedulerConfig.rho_max
+
+    @classmethod
+    def scheduler_fields(cls, config: SchedulerConfig) -> dict:
+        """The fields of a replica scheduled by `config` that say how its queue passes a
+        new prefill."""
+        return dict(long_prefill_tokens=config.long_prefill_tokens if config.policy == "lars-mp"
+                    else None, rho_max=config.rho_max)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,8 +160,7 @@ class RouterSnapshot:
 @dataclasses.dataclass(frozen=True)
 class Decision:
     """The replica chosen, the prompt's tokens cached there, and the predicted TTFT there
-    (the queued prefill work it shares steps with + the prefill of its new tokens) by that
-    replica's predictor."""
+    (`lars_ttft_s`, by that replica's predictor; not what the router charged)."""
 
     replica: int
     cached_tokens: int
@@ -196,16 +224,91 @@ def decide(request: RouteRequest, snapshot: RouterSnapshot,
 
 
 def predicted_ttft_s(request: RouteRequest, snapshot: RouterSnapshot, replica: int) -> float:
-    """The replica's predicted prefill x of the new tokens + min(w, x) for each prefill
-    queued there with w seconds left (processor sharing; the module docstring says why)."""
+    """The request's predicted TTFT on that replica (`lars_ttft_s`)."""
     status = snapshot.replicas[replica]
-    return _shared_steps_ttft_s(status, status.prefill_s(request.prompt_len,
-                                                         snapshot.cached_tokens[replica]))
+    return lars_ttft_s(status, status.prefill_s(request.prompt_len,
+                                                snapshot.cached_tokens[replica]), request)
 
 
-def _shared_steps_ttft_s(status: ReplicaStatus, prefill_s: float) -> float:
-    """A prefill of prefill_s seconds, sharing steps with the prefills queued there."""
-    return prefill_s + sum(w if w < prefill_s else prefill_s for w in status.queued_prefills_s)
+def lars_ttft_s(status: ReplicaStatus, prefill_s: float, request: RouteRequest) -> float:
+    """Predicted TTFT of a new prefill of prefill_s seconds (x) with TTFT SLO d on a
+    replica whose lars-mp queue is `status.queued_prefills`: the queued work lars-mp runs
+    before it, + x, in steps of status.chunk_step_s (T).
+
+    Order (`AdaptivePacker.pack` and `riders`). LARS divides a slack by w_total, the whole
+    prompt's prefill seconds, cached prefix included (`ReplicaController.add_request`), and
+    its w(t) is w_total too until the request first runs and finds its cached prefix: the
+    new one's key is (d - w_total) / w_total. Each queued prefill q, by LARS key now:
+      ranked above it: passed at once when the new one may ride (it is not long, IsLong)
+        and q's slack covers x or the new one is due before q could finish (d <= w_q;
+        beside a long q a due rider gets rho_max of each step, so q runs (1 - rho_max) /
+        rho_max x meanwhile); else q runs first until the new one's key, falling at
+        1 / w_total a second while q's holds (a running prefill's slack does not change),
+        reaches q's: min(w_q, w_total (key - key_q));
+      ranked below it: rides ahead of it (in key order) if q may ride and the new one's
+        slack covers it, or q is due before the new one would finish; else it waits.
+    Steps: the first token comes at the end of a step; a busy replica is T/2 into its
+    current one, on average; and the step of the new one's last chunk is filled to T by
+    the queued work, where there is that much (a rider shares the step of the prefill it
+    rides beside).
+    An approximation of the order, not of every step: each q ranked above is taken as the
+    batch's head in turn, and prefills that arrive later are not foreseen (under load they
+    ride in the new one's slack: its TTFT then nears d)."""
+    x = max(prefill_s, 1e-9)
+    d = request.ttft_s
+    long_tokens = status.long_prefill_tokens
+    if long_tokens is None:               # no riders: the processor-sharing bound
+        wait = sum(q.work_s if q.work_s < x else x for q in status.queued_prefills)
+    else:
+        total = max(status.prefill_s(request.prompt_len, 0), x)
+        wait = _lars_wait_s(status.queued_prefills, x, total, d,
+                            request.prompt_len <= long_tokens, long_tokens, status.rho_max)
+    step = status.chunk_step_s
+    if step <= 0:
+        return wait + x
+    busy = status.num_waiting + status.num_running > 0
+    queued = sum(q.work_s for q in status.queued_prefills)
+    return (step / 2 if busy else 0.0) + max(wait + x, min(step, x + queued))
+
+
+def mutual_delay_s(status: ReplicaStatus, prefill_s: float) -> float:
+    """prefill_s + min(w, prefill_s) for each prefill queued there with w seconds left:
+    what a prefill of prefill_s seconds and those queued there would delay one another by
+    if they shared the steps evenly (the router's charge; see the module's docstring)."""
+    return prefill_s + sum(w.work_s if w.work_s < prefill_s else prefill_s
+                           for w in status.queued_prefills)
+
+
+def _lars_wait_s(queued: Sequence[QueuedPrefill], x: float, total: float, d: float,
+                 rides: bool, long_tokens: int, rho_max: float) -> float:
+    """The queued prefill seconds lars-mp runs before a new one of x seconds (its whole
+    prompt's: total; see lars_ttft_s)."""
+    key = (d - total) / total
+    wait = 0.0
+    below = []
+    due_share = (1 - rho_max) / rho_max if rho_max > 0 else math.inf
+    for q in queued:
+        q_key = q.slack_s / q.total_s if q.total_s > 0 else q.slack_s
+        if q_key < key:
+            if rides and x <= q.slack_s:
+                continue
+            if rides and d <= q.work_s:
+                if q.prompt_len > long_tokens:
+                    wait += min(q.work_s, x * due_share)
+                continue
+            wait += min(q.work_s, total * (key - q_key))
+        elif q.prompt_len <= long_tokens:
+            below.append((q_key, q))
+    if below:
+        below.sort(key=lambda kq: kq[0])
+        spare = d - x - wait
+        for _, q in below:
+            if q.work_s <= spare:
+                spare -= q.work_s
+                wait += q.work_s
+            elif q.slack_s + q.work_s <= wait + x:
+                wait += q.work_s
+    return wait
 
 
 def _vllm_load(status: ReplicaStatus) -> int:
@@ -233,7 +336,8 @@ def _predicted_time(request: RouteRequest, snapshot: RouterSnapshot, healthy: li
         status = snapshot.replicas[i]
         prefill = status.prefill_s(request.prompt_len, snapshot.cached_tokens[i])
         recompute = prefill - status.prefill_s(request.prompt_len, most_cached)
-        charge[i] = (_shared_steps_ttft_s(status, prefill) + config.recompute_weight * recompute
+        charge[i] = (mutual_delay_s(status, prefill)
+                     + config.recompute_weight * recompute
                      + config.decode_delay_weight * status.decodes * prefill)
     lowest = min(charge.values())
     within = lowest * (1 + config.affinity_margin) + config.affinity_margin_s

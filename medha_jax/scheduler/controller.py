@@ -32,7 +32,7 @@ from medha_jax.request import (Batch, Clock, Executor, FinishReason, Request, Re
                                RequestUpdate, ScheduledChunk, StepResult)
 from medha_jax.scheduler.kv_reservations import KVAllocator, KVReservations
 from medha_jax.scheduler.packer import BatchPacker
-from medha_jax.scheduler.policies import SRPT, Policy, PriorityIndex
+from medha_jax.scheduler.policies import SRPT, Policy, PriorityIndex, QueuedPrefill
 from medha_jax.scheduler.prefill_time_cache import PrefillTimeCache
 
 _new_tuple = tuple.__new__      # a NamedTuple's own __new__ is Python: per chunk, this is not
@@ -145,16 +145,21 @@ class ReplicaController:
         less what they generated (kept as requests come, generate and go: no pass)."""
         return self._decode_tokens_left
 
-    def queued_prefills_s(self) -> tuple[float, ...]:
-        """Each request here with prefill work left: its predicted seconds of it (w(t)),
-        in no particular order (what a new prefill would share steps with).
+    def queued_prefills(self) -> tuple[QueuedPrefill, ...]:
+        """Each request here with prefill work left, as LARS sees it now (its w(t), slack
+        and w_total), in no particular order: where a new prefill would fall in this queue
+        (the router's predicted TTFT).
 
         A server reads this every step: where the index keeps every queued prefill's w(t)
-        as its SRPT key (lars-mp) it is read from there, one C-level pass (1,000 queued:
-        about 900 us computed, 10 us read)."""
+        as its SRPT key (lars-mp) it is read from there, not computed (1,000 queued: about
+        900 us computed)."""
+        now = self.clock.now()
+        of = QueuedPrefill.of
         if self.max_rider_candidates:
-            return tuple(self._prefills.secondary_offsets.values())
-        return tuple(self.prefill_time_cache.remaining_work(r) for r in self._prefills)
+            work = self._prefills.secondary_offsets
+            return tuple([of(r, work[r.request_id], now) for r in self._prefills])
+        remaining = self.prefill_time_cache.remaining_work
+        return tuple([of(r, remaining(r), now) for r in self._prefills])
 
     def decode_contexts(self) -> tuple[int, ...]:
         """The context length of each unfinished request that decodes (max_tokens > 1),

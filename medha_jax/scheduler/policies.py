@@ -24,6 +24,7 @@ from __future__ import annotations
 import itertools
 import operator
 from collections.abc import Callable, Iterator, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -134,6 +135,21 @@ class SRPT(_WorkPolicy):
 
     def key_with_work(self, request: Request, work: float) -> tuple[float, float]:
         return work, 0.0
+
+
+class QueuedPrefill(NamedTuple):
+    """A request queued with prefill work left, as LARS sees it at one time t (seconds):
+    what a router needs to predict where a new prefill would fall in that queue
+    (`medha_jax.cluster.router.lars_ttft_s`)."""
+
+    work_s: float       # w(t): predicted prefill seconds left
+    slack_s: float      # a + d - t - w(t): below 0 when it can no longer meet its deadline
+    total_s: float      # w_total: LARS's key is slack_s / total_s
+    prompt_len: int     # its prompt's tokens (IsLong of Medha's Algorithm 2)
+
+    @classmethod
+    def of(cls, request: Request, work_s: float, now: float) -> QueuedPrefill:
+        return cls(work_s, request.deadline - now - work_s, request.w_total, request.prompt_len)
 
 
 class PriorityIndex:
