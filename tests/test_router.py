@@ -89,6 +89,21 @@ def test_a_short_prefill_waits_for_a_late_long_one_that_ends_before_its_deadline
     assert lars_ttft_s(busy, 0.11, RouteRequest(100, ttft_s=2.0)) == pytest.approx(0.11)
 
 
+def test_the_riders_ranked_ahead_share_the_slack_first():
+    """A running prefill with 4 s left and 1 s of slack: two short turns ranked ahead of a
+    new 0.4 s one ride in it first (0.8 s), and the 0.2 s left does not cover the new one,
+    which waits for the running one to end: 0.8 + 4 + 0.4 s. With one of them queued, it
+    rides too: 0.4 + 0.4 s."""
+    head = QueuedPrefill(4.0, 1.0, 6.0, 2000)
+    rider = QueuedPrefill(0.4, 9.5, 0.4, 100)              # key 23.75 < the new one's 24
+    request = RouteRequest(400, ttft_s=10.0)
+    exact = linear_prefill(1e-3, 0.0)
+    both = status(prefill_s=exact, queued_prefills=(head, rider, rider))
+    assert lars_ttft_s(both, 0.4, request) == pytest.approx(0.8 + 4.0 + 0.4)
+    one = status(prefill_s=exact, queued_prefills=(head, rider))
+    assert lars_ttft_s(one, 0.4, request) == pytest.approx(0.4 + 0.4)
+
+
 def test_a_long_prefill_never_rides():
     """IsLong (Algorithm 2): a prompt over long_prefill_tokens waits for the queued prefill
     whose slack would cover a short one of the same seconds."""

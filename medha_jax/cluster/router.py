@@ -238,15 +238,19 @@ def lars_ttft_s(status: ReplicaStatus, prefill_s: float, request: RouteRequest) 
     Order (`AdaptivePacker.pack` and `riders`). LARS divides a slack by w_total, the whole
     prompt's prefill seconds, cached prefix included (`ReplicaController.add_request`), and
     its w(t) is w_total too until the request first runs and finds its cached prefix: the
-    new one's key is (d - w_total) / w_total. Each queued prefill q, by LARS key now:
-      ranked above it: passed at once when the new one may ride (it is not long, IsLong)
-        and q's slack covers x or the new one is due before q could finish (d <= w_q;
-        beside a long q a due rider gets rho_max of each step, so q runs (1 - rho_max) /
-        rho_max x meanwhile); else q runs first until the new one's key, falling at
-        1 / w_total a second while q's holds (a running prefill's slack does not change),
-        reaches q's: min(w_q, w_total (key - key_q));
-      ranked below it: rides ahead of it (in key order) if q may ride and the new one's
-        slack covers it, or q is due before the new one would finish; else it waits.
+    new one's key is (d - w_total) / w_total. The queued prefills q, by LARS key now:
+      ranked above it: each takes the head in turn, once the wait before it has passed
+        (its slack less that wait: a queued prefill's slack falls as time passes). The
+        short ones ranked between it and the new one ride beside it first, in key order,
+        as far as its slack covers them. The new one then passes it when the new one may
+        ride (it is not long, IsLong) and what is left of q's slack covers x, or the new
+        one is due before q could finish (beside a long q a due rider gets rho_max of
+        each step, so q runs (1 - rho_max) / rho_max x meanwhile); else q runs first
+        until the new one's key, falling at 1 / w_total a second while q's holds (a
+        running prefill's slack does not change), reaches q's: min(w_q, w_total (key -
+        key_q));
+      ranked below it, once it is the head: they ride ahead of it (in key order) if short
+        and the new one's slack covers them, or if due before the new one would finish.
     Steps: the first token comes at the end of a step; a busy replica is T/2 into its
     current one, on average; and the step of the new one's last chunk is filled to T by
     the queued work, where there is that much (a rider shares the step of the prefill it
@@ -258,7 +262,7 @@ def lars_ttft_s(status: ReplicaStatus, prefill_s: float, request: RouteRequest) 
     d = request.ttft_s
     long_tokens = status.long_prefill_tokens
     if long_tokens is None:               # no riders: the processor-sharing bound
-        wait = sum(q.work_s if q.work_s < x else x for q in status.queued_prefills)
+        wait = mutual_delay_s(status, x) - x
     else:
         total = max(status.prefill_s(request.prompt_len, 0), x)
         wait = _lars_wait_s(status.queued_prefills, x, total, d,
@@ -282,32 +286,47 @@ def mutual_delay_s(status: ReplicaStatus, prefill_s: float) -> float:
 def _lars_wait_s(queued: Sequence[QueuedPrefill], x: float, total: float, d: float,
                  rides: bool, long_tokens: int, rho_max: float) -> float:
     """The queued prefill seconds lars-mp runs before a new one of x seconds (its whole
-    prompt's: total; see lars_ttft_s)."""
+    prompt's: total; see lars_ttft_s). The prefills ranked above it take the head in key
+    order, `wait` seconds from now; the short ones ranked between a head and the new one
+    ride beside that head first, in its slack."""
     key = (d - total) / total
-    wait = 0.0
-    below = []
-    due_share = (1 - rho_max) / rho_max if rho_max > 0 else math.inf
+    ahead, below = [], []
     for q in queued:
         q_key = q.slack_s / q.total_s if q.total_s > 0 else q.slack_s
-        if q_key < key:
-            if rides and x <= q.slack_s:
-                continue
-            if rides and d <= q.work_s:
-                if q.prompt_len > long_tokens:
-                    wait += min(q.work_s, x * due_share)
-                continue
-            wait += min(q.work_s, total * (key - q_key))
-        elif q.prompt_len <= long_tokens:
-            below.append((q_key, q))
-    if below:
-        below.sort(key=lambda kq: kq[0])
-        spare = d - x - wait
-        for _, q in below:
-            if q.work_s <= spare:
-                spare -= q.work_s
-                wait += q.work_s
-            elif q.slack_s + q.work_s <= wait + x:
-                wait += q.work_s
+        (ahead if q_key < key else below).append((q_key, q))
+    ahead.sort(key=lambda kq: kq[0])
+    due_share = (1 - rho_max) / rho_max if rho_max > 0 else math.inf
+    served = [False] * len(ahead)
+    wait = 0.0
+    for i, (_, q) in enumerate(ahead):
+        if served[i]:
+            continue
+        slack = q.slack_s - wait           # it waited too (a running prefill's would hold)
+        spare, riders = max(0.0, slack), 0.0
+        for j in range(i + 1, len(ahead)):
+            r = ahead[j][1]
+            if not served[j] and r.prompt_len <= long_tokens and r.work_s <= spare:
+                spare -= r.work_s
+                riders += r.work_s
+                served[j] = True
+        if rides and (x <= spare or d - wait <= q.work_s):
+            share = (min(q.work_s, x * due_share)
+                     if x > spare and q.prompt_len > long_tokens else 0.0)
+            return wait + riders + share
+        wait += riders
+        q_key = (slack - riders) / q.total_s if q.total_s > 0 else slack - riders
+        new_key = key - wait / total
+        if q_key < new_key:                # q runs until the new one's key reaches q's
+            wait += min(q.work_s, total * (new_key - q_key))
+    below = [kq for kq in below if kq[1].prompt_len <= long_tokens]
+    below.sort(key=lambda kq: kq[0])
+    spare = d - x - wait
+    for _, q in below:
+        if q.work_s <= spare:
+            spare -= q.work_s
+            wait += q.work_s
+        elif q.slack_s + q.work_s <= wait + x:
+            wait += q.work_s
     return wait
 
 
