@@ -127,8 +127,8 @@ def measure(policy: str, queued: int, *, decodes: int, max_seqs: int, warmup_ste
             controller.update(batch, executor.execute(batch))     # run_one_step's other half
         if timed and not callgrind:
             state_start = time.perf_counter()
-            queued = controller.queued_prefills()
-            sum(q.work_s for q in queued) + controller.decode_tokens_left * decode_token_s
+            prefills = controller.queued_prefills()
+            sum(q.work_s for q in prefills) + controller.decode_tokens_left * decode_token_s
             state_s.append(time.perf_counter() - state_start)
         if timed:
             # The controller times its own batch formation (wall); execution is simulated.
