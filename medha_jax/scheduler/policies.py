@@ -147,10 +147,6 @@ class QueuedPrefill(NamedTuple):
     total_s: float      # w_total: LARS's key is slack_s / total_s
     prompt_len: int     # its prompt's tokens (IsLong of Medha's Algorithm 2)
 
-    @classmethod
-    def of(cls, request: Request, work_s: float, now: float) -> QueuedPrefill:
-        return cls(work_s, request.deadline - now - work_s, request.w_total, request.prompt_len)
-
 
 class PriorityIndex:
     """The prefill queue: requests with prompt (or recompute) work left, ordered by a policy
