@@ -15,11 +15,12 @@ TP-8 on H100, analytical predictor), so the queue evolves as in service. Reports
 p50 and p99 over the timed steps, of the wall time and of the thread's CPU time
 (`time.thread_time`: on a shared machine the wall time also counts the other processes'
 turns). state_us: the host time of what the serving loop of a routed replica reads of
-the controller after every step for the router (`ServingLoop._observe_state`: each queued
-prefill's w(t), and the work queued; from the index's SRPT keys under lars-mp, a pass
-over the queue otherwise). --instructions counts the instructions of one schedule() under callgrind (the mean
-over the timed steps; valgrind must be installed): deterministic, what to compare on a noisy
-machine. --baseline DIR measures the same rows with DIR's medha_jax (e.g. a checkout of
+the controller after every step for the router (`ServingLoop._observe_state`: the queued
+prefills and the work queued; under lars-mp one copy of the index's SRPT keys, w(t), and
+of its list of requests, the QueuedPrefill tuples built by the reader; a pass over the
+queue otherwise). --instructions counts the instructions of one schedule() under
+callgrind (the mean over the timed steps; valgrind must be installed): deterministic,
+what to compare on a noisy machine. --baseline DIR measures the same rows with DIR's medha_jax (e.g. a checkout of
 main) in child processes, alternating with this checkout's, and prints the ratios.
 Cost is O(decodes in the batch) + O(N) numpy work to rank the queue + a few chunk searches.
 Target: p50 <= 100 us at 1,000 queued (issue 25; Tetris schedules in 23-87 us) and < 1 ms at
@@ -128,7 +129,7 @@ def measure(policy: str, queued: int, *, decodes: int, max_seqs: int, warmup_ste
         if timed and not callgrind:
             state_start = time.perf_counter()
             prefills = controller.queued_prefills()
-            sum(q.work_s for q in prefills) + controller.decode_tokens_left * decode_token_s
+            prefills.work_s + controller.decode_tokens_left * decode_token_s
             state_s.append(time.perf_counter() - state_start)
         if timed:
             # The controller times its own batch formation (wall); execution is simulated.

@@ -530,7 +530,7 @@ class SimulatedHandoffs:
         cached_pages = self.router.index.cached_pages(tuple(hashes))
         pt = self.controllers[p].prefill_time_cache.prefill_time
         views = [OffloadReplica(True,
-                                queued_prefills_s=tuple(q.work_s for q in c.queued_prefills()),
+                                queued_prefill_s=c.queued_prefills().work_s,
                                 chunk_step_s=_chunk_step_s(c),
                                 decode_token_s=self.decode_token_s, cached_pages=cached_pages[j],
                                 prefill_share=self._prefill_share(j, request.arrival_time),

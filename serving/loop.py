@@ -45,7 +45,7 @@ from collections.abc import Sequence
 from medha_jax.request import Batch, FinishReason, StepResult, TokenLogprobs
 from medha_jax.scheduler.controller import ReplicaController
 from medha_jax.scheduler.in_flight import BatchFailed, InFlightRunner
-from medha_jax.scheduler.policies import QueuedPrefill
+from medha_jax.scheduler.policies import QueuedPrefill, QueuedPrefills
 from serving.metrics import ServerMetrics
 from serving.outputs import RequestStream
 from serving.multihost import ReplicaUnavailable
@@ -107,8 +107,8 @@ class ServingLoop:
         # from the inbox count with the seconds their add() gave: the loop takes them in
         # only between steps, and a request routed here during a long prefill step was
         # invisible to the next decisions until it ended.
-        self.queued_prefills: tuple[QueuedPrefill, ...] = ()
-        self._taken_prefills: tuple[QueuedPrefill, ...] = ()   # the controller's, last published
+        self.queued_prefills = QueuedPrefills()
+        self._taken_prefills = QueuedPrefills()     # the controller's, last published
         # request id -> (its prefill seconds, its TTFT deadline, its prompt's tokens), under
         # _lock
         self._inbox_prefills: dict[str, tuple[float, float, int]] = {}
@@ -171,7 +171,7 @@ class ServingLoop:
                 request = stream.request
                 self._inbox_prefills[stream.request_id] = (prefill_s, request.deadline,
                                                            request.prompt_len)
-                self.queued_prefills = self._taken_prefills + self._inbox_queued()
+                self.queued_prefills = self._taken_prefills.plus(self._inbox_queued())
             self._lock.notify()
 
     def cancel(self, request_id: str) -> bool:
@@ -506,9 +506,9 @@ class ServingLoop:
                     self._inbox_prefills.pop(request_id, None)
                 self._taken_ids.clear()
                 self._taken_prefills = taken
-                self.queued_prefills = taken + self._inbox_queued()
+                self.queued_prefills = taken.plus(self._inbox_queued())
             self.num_decoding = waiting + running - len(taken)
-            work = sum(q.work_s for q in self.queued_prefills) + \
+            work = self.queued_prefills.work_s + \
                 controller.decode_tokens_left * self._decode_token_s
         self.load = (waiting, running, work)
         self.free_pages = allocator.num_free_pages

@@ -53,7 +53,7 @@ from medha_jax.cluster.prefix_index import CacheEvent
 from medha_jax.cluster.router import (PREDICTED_TIME, NoHealthyReplica, ReplicaStatus,
                                       RouteRequest, Router, RoutingConfig)
 from medha_jax.request import SLO
-from medha_jax.scheduler.policies import QueuedPrefill
+from medha_jax.scheduler.policies import QueuedPrefill, QueuedPrefills
 from medha_jax.scheduler.predictor import decode_step_seconds
 from medha_jax.sampling_params import SamplingParams
 from serving import validation
@@ -124,7 +124,7 @@ class ReplicaState:
     incarnation: str
     num_waiting: int
     num_running: int
-    queued_prefills: tuple[QueuedPrefill, ...]
+    queued_prefills: QueuedPrefills
     decode_token_s: float
     prefill_table: tuple[tuple[int, float], ...]
     events: tuple[CacheEvent, ...]
@@ -652,7 +652,7 @@ class RayServer(Server):
                                        max(x, status.prefill_s(n, 0)), n)
                          for rid, (x, at, ttft_s, n) in tuple(pending.items()) if rid != exclude)
             out.append(dataclasses.replace(
-                status, queued_prefills=tuple(status.queued_prefills) + sent)
+                status, queued_prefills=status.queued_prefills.plus(sent))
                 if sent else status)
         return out
 
@@ -959,7 +959,7 @@ class RayServer(Server):
         views = [OffloadReplica(
             can_decode=status.healthy and state is not None,
             prefill_only=i in self._prefill_only,
-            queued_prefills_s=tuple(q.work_s for q in status.queued_prefills),
+            queued_prefill_s=status.queued_prefills.work_s,
             chunk_step_s=state.chunk_step_s if state else 0.0,
             decode_token_s=status.decode_token_s, cached_pages=cached_pages[i],
             prefill_share=state.prefill_share if state else 0.0,

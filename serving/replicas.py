@@ -400,7 +400,7 @@ class ReplicaSet:
             decodes = r.loop.decode_contexts + self.transfers.incoming_contexts(i)
             views.append(OffloadReplica(
                 can_decode=r.loop.healthy, prefill_only=i in self._prefill_only,
-                queued_prefills_s=tuple(q.work_s for q in r.loop.queued_prefills),
+                queued_prefill_s=r.loop.queued_prefills.work_s,
                 chunk_step_s=r.chunk_step_s,
                 decode_token_s=r.decode_token_s, cached_pages=cached_pages[i],
                 prefill_share=r.prefill_share,

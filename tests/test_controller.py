@@ -429,6 +429,7 @@ def test_the_load_a_server_reads_each_step_equals_a_pass_over_the_requests(polic
     remaining_work = controller.prefill_time_cache.remaining_work
     rng = random.Random(policy)
     shared = [7] * 48                     # a prefix the cache can reuse
+    later = []
     for step in range(300):
         if step % 4 == 0 and step < 200:
             r = _request(f"r{step}", prompt_len=rng.randint(30, 150), max_new=rng.randint(1, 60))
@@ -448,9 +449,16 @@ def test_the_load_a_server_reads_each_step_equals_a_pass_over_the_requests(polic
         now = controller.clock.now()
         expected = sorted((remaining_work(r), r.deadline - now - remaining_work(r), r.w_total,
                            r.prompt_len) for r in queued)
-        published = sorted(controller.queued_prefills())
-        assert [q.prompt_len for q in published] == [e[3] for e in expected]
-        assert [q[:3] for q in published] == [pytest.approx(e[:3], rel=1e-12) for e in expected]
+        snapshot = controller.queued_prefills()
+        assert snapshot.work_s == pytest.approx(sum(e[0] for e in expected), rel=1e-12)
+        later.append((snapshot, expected))
+        if step % 3:          # a snapshot read a step later holds what it was published with
+            for snapshot, expected in later:
+                published = sorted(snapshot)
+                assert [q.prompt_len for q in published] == [e[3] for e in expected]
+                assert [q[:3] for q in published] == [pytest.approx(e[:3], rel=1e-12)
+                                                      for e in expected]
+            later.clear()
         assert controller.decode_tokens_left == sum(
             r.max_new_tokens - len(r.output_token_ids) for r in controller.unfinished())
     assert controller.num_preemptions > 0

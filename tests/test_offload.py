@@ -11,7 +11,7 @@ from medha_jax.cluster.offload import (OffloadConfig, OffloadReplica, OffloadReq
                                        others_delay_s)
 
 # A 3 s prefill queued: the 1.0 s one of REQ ends after 2 s, with 2 s of it left.
-BUSY_P = OffloadReplica(True, queued_prefills_s=(3.0,), chunk_step_s=0.1, decode_token_s=0.02)
+BUSY_P = OffloadReplica(True, queued_prefill_s=3.0, chunk_step_s=0.1, decode_token_s=0.02)
 IDLE = OffloadReplica(True, chunk_step_s=0.1, decode_token_s=0.02)
 # 1 GB of pages (1000 pages of 1 MB) behind a 1.0 s prefill.
 REQ = OffloadRequest(prompt_len=16_000, cached_tokens=0, max_new_tokens=100, prefill_s=1.0,
@@ -71,14 +71,14 @@ def test_transfer_not_hidden_behind_a_short_prefill_keeps_the_decode_home():
 
 def test_the_decode_replica_with_the_least_predicted_time_wins():
     # 3 s queued on D, 2 s of it served by the time P's first token comes: 10 chunk steps.
-    loaded = OffloadReplica(True, queued_prefills_s=(3.0,), chunk_step_s=0.1,
+    loaded = OffloadReplica(True, queued_prefill_s=3.0, chunk_step_s=0.1,
                             decode_token_s=0.02)
     assert offloaded_seconds(REQ, BUSY_P, loaded, CFG) == pytest.approx(
         10 * 0.1 + 90 * 0.02 + 0.005 + 0.02)
     d = choose_decode(REQ, 0, [BUSY_P, loaded, IDLE], CFG)
     assert d.decode == 2
     # A queue D works through before P's first token does not count.
-    cleared = dataclasses.replace(loaded, queued_prefills_s=(1.5,))
+    cleared = dataclasses.replace(loaded, queued_prefill_s=1.5)
     assert offloaded_seconds(REQ, BUSY_P, cleared, CFG) == pytest.approx(2.025)
     down = OffloadReplica(False, chunk_step_s=0.1, decode_token_s=0.02)
     assert choose_decode(REQ, 0, [BUSY_P, loaded, down], CFG).decode == 1

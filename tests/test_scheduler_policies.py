@@ -1,8 +1,10 @@
 """Priority policies, the priority index, and the scenarios of seed 000 section 4.1."""
 
+import pickle
 import random
 from unittest import mock
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -14,7 +16,8 @@ from medha_jax.scheduler import (ReplicaController, SchedulerConfig, make_contro
                                  run_one_step)
 from medha_jax.scheduler import controller as controller_module
 from medha_jax.scheduler.packer import reserve_each_decode
-from medha_jax.scheduler.policies import EDF, FCFS, LARS, LRS, SRPT, PriorityIndex
+from medha_jax.scheduler.policies import (EDF, FCFS, LARS, LRS, SRPT, PriorityIndex,
+                                         QueuedPrefill, QueuedPrefills)
 from medha_jax.scheduler.in_flight import InFlightRunner
 from medha_jax.scheduler.predictor import AnalyticalPredictor, batch_features
 from medha_jax.simulator import SimulatedExecutor, simulate
@@ -458,3 +461,26 @@ def test_controller_batches_equal_those_of_a_plain_sort_of_the_queue(
 
 def _plain_chunk_time(predictor, base, n, start, remaining, token_buckets):
     return predictor.predict_features(base.plus_chunk(n, start, n == remaining, token_buckets))
+
+
+def test_queued_prefills_snapshot_reads_like_its_tuples():
+    """QueuedPrefills: the tuples built on first read, the sums without them, `plus`
+    after them, pickled as tuples, equal to a tuple of the same QueuedPrefill."""
+    requests = [Request(f"r{i}", 100 * (i + 1), 1, arrival_time=float(i), slo=SLO(ttft_s=3.0))
+                for i in range(3)]
+    for i, r in enumerate(requests):
+        r.w_total = 0.5 * (i + 1)
+    snapshot = QueuedPrefills(2.0, np.array([0.5, 0.25, 1.5]), requests)
+    expected = tuple(QueuedPrefill(w, r.deadline - 2.0 - w, r.w_total, r.prompt_len)
+                     for r, w in zip(requests, (0.5, 0.25, 1.5)))
+    inbox = (QueuedPrefill(0.75, 1.0, 0.75, 40),)
+    both = snapshot.plus(inbox)
+    assert len(snapshot) == 3 and len(both) == 4 and snapshot.plus(()) is snapshot
+    assert snapshot.work_s == 2.25 and both.work_s == 3.0
+    assert both.capped_work_s(0.6) == 0.5 + 0.25 + 0.6 + 0.6
+    assert snapshot == expected and both == expected + inbox and both[-1] == inbox[0]
+    assert list(both) == list(expected + inbox)
+    assert pickle.loads(pickle.dumps(both)) == expected + inbox
+    assert QueuedPrefills.of(inbox) == inbox and QueuedPrefills() == ()
+    with pytest.raises(ValueError, match="w\\(t\\)"):
+        QueuedPrefills(0.0, np.zeros(2), requests)

@@ -124,7 +124,7 @@ class OffloadReplica:
 
     can_decode: bool
     prefill_only: bool = False
-    queued_prefills_s: tuple[float, ...] = ()   # each queued prefill's predicted seconds
+    queued_prefill_s: float = 0.0   # the predicted seconds of the prefills queued there
     chunk_step_s: float = 0.0
     decode_token_s: float = 0.0
     cached_pages: int = 0
@@ -202,7 +202,7 @@ def first_token_s(request: OffloadRequest, prefill: OffloadReplica) -> tuple[flo
     """(TTFT_P, Q_P): when the request's prefill on P ends (the router's prediction), and
     the prefill seconds left queued on P then."""
     ran = max(0.0, request.ttft_s - request.prefill_s)
-    return request.ttft_s, max(0.0, sum(prefill.queued_prefills_s) - ran)
+    return request.ttft_s, max(0.0, prefill.queued_prefill_s - ran)
 
 
 def colocated_seconds(request: OffloadRequest, prefill: OffloadReplica) -> float:
@@ -226,7 +226,7 @@ def offloaded_seconds(request: OffloadRequest, prefill: OffloadReplica,
     """Plan (b)'s seconds with this decode replica: the decode there, the exposed
     transfer, and what it adds to that replica's other decodes."""
     ttft, _ = first_token_s(request, prefill)
-    left = max(0.0, sum(decode.queued_prefills_s) - ttft)
+    left = max(0.0, decode.queued_prefill_s - ttft)
     return (decode_seconds(decode, request.max_new_tokens, left)
             + exposed_transfer_s(request, prefill, decode, config) + decode.step_s
             + others_delay_s(decode, request.max_new_tokens))

@@ -82,7 +82,7 @@ from collections.abc import Callable, Sequence
 from medha_jax.cluster.prefix_index import PrefixIndex
 from medha_jax.request import SLO
 from medha_jax.scheduler.config import SchedulerConfig
-from medha_jax.scheduler.policies import QueuedPrefill
+from medha_jax.scheduler.policies import QueuedPrefill, QueuedPrefills
 
 ROUND_ROBIN = "round-robin"
 LEAST_LOAD = "least-load"
@@ -113,7 +113,7 @@ class ReplicaStatus:
       num_tokens whose first cached_tokens are cached there (its own predictor).
     queued_prefills: each request there with prefill work left, its predicted seconds of
       it, slack and whole prefill's seconds (`ReplicaController.queued_prefills`), in
-      any order.
+      any order (a tuple of QueuedPrefill given here becomes a QueuedPrefills).
     decode_token_s: predicted seconds one decode token adds to its work (the load placed
       on it lately counts its decodes at this price).
     chunk_step_s: seconds of a step that carries prefill chunks there (0: not known).
@@ -128,13 +128,17 @@ class ReplicaStatus:
     page_size: int
     num_waiting: int = 0
     num_running: int = 0
-    queued_prefills: tuple[QueuedPrefill, ...] = ()
+    queued_prefills: QueuedPrefills = dataclasses.field(default_factory=QueuedPrefills)
     decode_token_s: float = 0.0
     decodes: int = 0
     healthy: bool = True
     chunk_step_s: float = 0.0
     long_prefill_tokens: int | None = SchedulerConfig.long_prefill_tokens
     rho_max: float = SchedulerConfig.rho_max
+
+    def __post_init__(self):
+        if not isinstance(self.queued_prefills, QueuedPrefills):    # tuples given
+            object.__setattr__(self, "queued_prefills", QueuedPrefills.of(self.queued_prefills))
 
     @classmethod
     def scheduler_fields(cls, config: SchedulerConfig) -> dict:
@@ -271,7 +275,7 @@ def lars_ttft_s(status: ReplicaStatus, prefill_s: float, request: RouteRequest) 
     if step <= 0:
         return wait + x
     busy = status.num_waiting + status.num_running > 0
-    queued = sum(q.work_s for q in status.queued_prefills)
+    queued = status.queued_prefills.work_s
     return (step / 2 if busy else 0.0) + max(wait + x, min(step, x + queued))
 
 
@@ -279,8 +283,7 @@ def mutual_delay_s(status: ReplicaStatus, prefill_s: float) -> float:
     """prefill_s + min(w, prefill_s) for each prefill queued there with w seconds left:
     what a prefill of prefill_s seconds and those queued there would delay one another by
     if they shared the steps evenly (the router's charge; see the module's docstring)."""
-    return prefill_s + sum(w.work_s if w.work_s < prefill_s else prefill_s
-                           for w in status.queued_prefills)
+    return prefill_s + status.queued_prefills.capped_work_s(prefill_s)
 
 
 def _lars_wait_s(queued: Sequence[QueuedPrefill], x: float, total: float, d: float,

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 import operator
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -148,6 +148,85 @@ class QueuedPrefill(NamedTuple):
     prompt_len: int     # its prompt's tokens (IsLong of Medha's Algorithm 2)
 
 
+class QueuedPrefills(Sequence[QueuedPrefill]):
+    """A replica's prefill queue at one time `now`, a QueuedPrefill per request, in no
+    particular order: what a serving loop publishes after every step for the router.
+
+    Publishing is one copy of the queue's w(t) (`PriorityIndex.requests_and_offsets`)
+    and of its list of requests, whatever its length; the tuples are built only when a
+    reader iterates, once per publication, from the copied w(t) and the requests' arrival,
+    SLO, w_total and prompt length, which do not change once a request is admitted (a
+    tuple per request on every step cost the loop ~1 ms at 1,000 queued). `work_s` is
+    their sum, and `capped_work_s` the router's sum of min(w, cap), without the tuples.
+    Prefills published as tuples (`of`, `plus`: a loop's inbox, a polled replica's)
+    follow the requests."""
+
+    __slots__ = ("now", "work_s", "_work", "_requests", "_more", "_tuples")
+
+    def __init__(self, now: float = 0.0, work: np.ndarray | None = None,
+                 requests: Sequence[Request] = (), more: Sequence[QueuedPrefill] = ()):
+        """work: [len(requests) + len(more)] each one's w(t) (None: `more`'s, with no
+        requests); requests: those of the first len(requests) entries, w(t) at `now`."""
+        more = tuple(more)
+        if work is None:
+            if requests:
+                raise ValueError("QueuedPrefills: requests need their w(t) in `work`")
+            work = np.fromiter((q.work_s for q in more), float, len(more))
+        if len(work) != len(requests) + len(more):
+            raise ValueError(f"QueuedPrefills: {len(work)} w(t) for {len(requests)} "
+                             f"requests and {len(more)} more")
+        self.now, self._work, self._requests, self._more = now, work, requests, more
+        self.work_s = float(work.sum())     # the queue's prefill seconds
+        self._tuples: tuple[QueuedPrefill, ...] | None = None if requests else more
+
+    @classmethod
+    def of(cls, prefills: Iterable[QueuedPrefill]) -> QueuedPrefills:
+        return cls(more=tuple(prefills))
+
+    def plus(self, more: Sequence[QueuedPrefill]) -> QueuedPrefills:
+        """This queue and `more` after it."""
+        if not more:
+            return self
+        work = np.concatenate([self._work, np.fromiter((q.work_s for q in more), float,
+                                                        len(more))])
+        return QueuedPrefills(self.now, work, self._requests, self._more + tuple(more))
+
+    def capped_work_s(self, cap: float) -> float:
+        """The sum over the queue of min(w(t), cap)."""
+        return float(np.minimum(self._work, cap).sum())
+
+    def _all(self) -> tuple[QueuedPrefill, ...]:
+        if self._tuples is None:       # two readers at once build equal tuples: harmless
+            now, new = self.now, tuple.__new__    # (a namedtuple's __new__ is Python)
+            self._tuples = tuple([
+                new(QueuedPrefill, (w, r.arrival_time + r.slo.ttft_s - now - w, r.w_total,
+                                    r.prompt_len))
+                for r, w in zip(self._requests, self._work.tolist())]) + self._more
+        return self._tuples
+
+    def __len__(self) -> int:
+        return len(self._work)
+
+    def __getitem__(self, i):
+        return self._all()[i]
+
+    def __iter__(self) -> Iterator[QueuedPrefill]:
+        return iter(self._all())
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, Sequence) and not isinstance(other, str):
+            return self._all() == tuple(other)
+        return NotImplemented
+
+    __hash__ = None
+
+    def __reduce__(self):      # sent to another process as its tuples, not its requests
+        return QueuedPrefills.of, (self._all(),)
+
+    def __repr__(self) -> str:
+        return f"QueuedPrefills({list(self)!r})"
+
+
 class PriorityIndex:
     """The prefill queue: requests with prompt (or recompute) work left, ordered by a policy
     and, optionally, by a secondary policy too.
@@ -230,6 +309,12 @@ class PriorityIndex:
             for array in (self._offset, self._slope, self._klass, self._order):
                 array[..., row] = array[..., last]
         self._requests.pop()
+
+    def requests_and_offsets(self, *, secondary: bool = False
+                             ) -> tuple[list[Request], np.ndarray]:
+        """The queued requests and each one's offset by the policy, or by the secondary
+        one (SRPT's is the request's w(t)): copies, [rows] in the same order."""
+        return list(self._requests), self._offset[int(secondary), :len(self._requests)].copy()
 
     def sort_key(self, request: Request, now: float) -> tuple[int, float]:
         """The policy's sort_key of a queued request, from the stored key (no w(t))."""
