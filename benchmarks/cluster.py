@@ -188,7 +188,8 @@ def decision_time(args, num_replicas: int = 16, page_size: int = 16) -> list[dic
                               page_size=page_size, num_waiting=rng.randrange(8),
                               num_running=rng.randrange(32),
                               queued_prefills=tuple(
-                                  QueuedPrefill(w, rng.uniform(-1, 5), w + rng.random(), rng.randrange(16, 4096))
+                                  QueuedPrefill(w, rng.uniform(-1, 5), w + rng.random(),
+                                                rng.randrange(16, 4096))
                                   for w in (rng.random() for _ in range(8))),
                               decode_token_s=1e-3) for _ in range(num_replicas)]
     system_prompt = [rng.randrange(32_000) for _ in range(512)]

@@ -32,3 +32,15 @@ def test_multi_turn_slice_keeps_whole_sessions_of_enough_turns():
     # Sessions are taken whole: "b" (3 turns) does not fit in 4 after "a" (2).
     assert [r.session_id for r in multi_turn_slice(trace, num_requests=4)] == \
         ["a", "a", "c", "c"]
+
+
+def test_decision_time_routes_every_policy_on_a_few_sessions():
+    """Part (b) end to end, small: every policy and both index lookups give a row."""
+    from benchmarks.cluster import decision_time, parse_args
+    from medha_jax.cluster.router import ROUTING_POLICIES
+
+    rows = decision_time(parse_args(["--quick", "--sessions", "40"]), num_replicas=4)
+    assert [(r["policy"], r["lookup"]) for r in rows][:len(ROUTING_POLICIES)] == \
+        [(p, "bisect") for p in ROUTING_POLICIES]
+    assert len(rows) == len(ROUTING_POLICIES) + 1 and rows[-1]["lookup"] == "walk"
+    assert all(r["route_p50_us"] > 0 and r["sessions"] == 40 for r in rows)
