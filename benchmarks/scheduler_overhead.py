@@ -18,7 +18,7 @@ turns). state_us: the host time of what the serving loop of a routed replica rea
 the controller after every step for the router (`ServingLoop._observe_state`: the queued
 prefills and the work queued; under lars-mp one copy of the index's SRPT keys, w(t), and
 of its list of requests, the QueuedPrefill tuples built by the reader; a pass over the
-queue otherwise). --instructions counts the instructions of one schedule() under
+queue otherwise; and the requests that decode, which a replica set that moves KV reads). --instructions counts the instructions of one schedule() under
 callgrind (the mean over the timed steps; valgrind must be installed): deterministic,
 what to compare on a noisy machine. --baseline DIR measures the same rows with DIR's medha_jax (e.g. a checkout of
 main) in child processes, alternating with this checkout's, and prints the ratios.
@@ -130,6 +130,7 @@ def measure(policy: str, queued: int, *, decodes: int, max_seqs: int, warmup_ste
             state_start = time.perf_counter()
             prefills = controller.queued_prefills()
             prefills.work_s + controller.decode_tokens_left * decode_token_s
+            controller.decoding_requests()          # where the replica set moves KV
             state_s.append(time.perf_counter() - state_start)
         if timed:
             # The controller times its own batch formation (wall); execution is simulated.

@@ -420,10 +420,10 @@ def test_a_decode_short_of_a_page_never_evicts_a_decode_of_its_own_batch():
 
 @pytest.mark.parametrize("policy", ["lars", "lars-mp"])
 def test_the_load_a_server_reads_each_step_equals_a_pass_over_the_requests(policy):
-    """queued_prefills (w(t) read from the index's SRPT keys under lars-mp) and
-    decode_tokens_left (kept as requests come, generate and go) equal a fresh pass over
-    the requests, through preemption, prefix reuse, EOS, cancels and requests that resume
-    with output."""
+    """queued_prefills (w(t) read from the index's SRPT keys under lars-mp),
+    decode_tokens_left and decoding_requests (kept as requests come, generate and go)
+    equal a fresh pass over the requests, through preemption, prefix reuse, EOS, cancels
+    and requests that resume with output."""
     controller, allocator, engine = _setup(policy, num_pages=24, page_size=16,
                                            max_seqs_per_batch=16, eos=(EOS,))
     remaining_work = controller.prefill_time_cache.remaining_work
@@ -461,9 +461,12 @@ def test_the_load_a_server_reads_each_step_equals_a_pass_over_the_requests(polic
             later.clear()
         assert controller.decode_tokens_left == sum(
             r.max_new_tokens - len(r.output_token_ids) for r in controller.unfinished())
+        assert sorted(map(id, controller.decoding_requests())) == sorted(
+            id(r) for r in controller.unfinished() if r.max_new_tokens > 1)
     assert controller.num_preemptions > 0
     _run(controller, engine)
     assert controller.decode_tokens_left == 0 and controller.queued_prefills() == ()
+    assert controller.decoding_requests() == []
     assert allocator.num_free_pages == allocator.num_pages
 
 

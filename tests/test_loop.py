@@ -204,3 +204,34 @@ def test_a_request_added_during_a_step_counts_in_the_queued_prefills_at_once():
         engine.hold.set()
         loop.close(timeout=30)
         loop.metrics.close()
+
+
+def _wait_until(condition, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return condition()
+
+
+def test_a_disaggregating_loop_publishes_the_requests_that_decode_and_their_contexts_now():
+    """With publishes_decode_contexts, decode_contexts has each request here that decodes
+    (max_tokens > 1: not the one-token one), its context as it grows, and none once done."""
+    loop = scripted_loop(decode_token_s=1e-3)
+    loop.publishes_decode_contexts = True
+    engine = loop.engine
+    try:
+        engine.hold = threading.Event()
+        long = submit(loop, "long", prompt_len=5, max_tokens=40)
+        one = submit(loop, "one", prompt_len=9, max_tokens=1)
+        assert engine.entered.wait(30)
+        engine.hold.set()
+        assert _wait_until(lambda: len(loop.decode_contexts) == 1)
+        first = loop.decode_contexts[0]
+        assert first >= 5
+        assert _wait_until(lambda: not loop.decode_contexts or loop.decode_contexts[0] > first)
+        one.result(timeout=30)
+        long.result(timeout=30)
+        assert _wait_until(lambda: loop.decode_contexts == ())
+    finally:
+        engine.hold.set()
+        loop.close(timeout=30)

@@ -90,6 +90,7 @@ class ReplicaController:
         self.max_rider_candidates = max_rider_candidates
 
         self._requests: dict[str, Request] = {}     # unfinished
+        self._decoders: dict[str, Request] = {}     # of those, the ones with max_tokens > 1
         self._running: dict[str, Request] = {}      # hold KV pages
         self._decodes: dict[str, Request] = {}      # running, one token to compute
         # slo.tpot_s -> how many of _decodes ask for it: the tightest without a pass.
@@ -163,11 +164,11 @@ class ReplicaController:
                                len(requests))
         return QueuedPrefills(self.clock.now(), work, requests)
 
-    def decode_contexts(self) -> tuple[int, ...]:
-        """The context length of each unfinished request that decodes (max_tokens > 1),
-        in no particular order: the decode batch a request joining here would share."""
-        return tuple(r.prompt_len + len(r.output_token_ids) for r in self._requests.values()
-                     if r.max_new_tokens > 1)
+    def decoding_requests(self) -> list[Request]:
+        """Each unfinished request that decodes (max_tokens > 1), in no particular order:
+        the decode batch a request joining here would share (a copy of a list kept as
+        requests come and go: no pass over them)."""
+        return list(self._decoders.values())
 
     # ------------------------------------------------------------ admission / exit
 
@@ -207,6 +208,8 @@ class ReplicaController:
             request.num_computed_tokens = request.num_cached_tokens = kv_tokens
         request.w_total = self.prefill_time_cache.prefill_time(request.prompt_len)
         self._requests[rid] = request
+        if request.max_new_tokens > 1:
+            self._decoders[rid] = request
         self._admission[rid] = self._num_admitted
         self._num_admitted += 1
         self._decode_tokens_left += request.max_new_tokens - len(request.output_token_ids)
@@ -252,6 +255,7 @@ class ReplicaController:
         self._drop_decode(request)
         self._running.pop(rid, None)
         del self._requests[rid]
+        self._decoders.pop(rid, None)
         del self._admission[rid]
         self._decode_tokens_left -= request.max_new_tokens - len(request.output_token_ids)
         self._num_paced -= math.isfinite(request.slo.tpot_s)
