@@ -77,6 +77,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--policies", default=None,
                    help="comma-separated routing policies (default: all)")
     p.add_argument("--sessions", type=int, default=10_000, help="live sessions in part (b)")
+    p.add_argument("--queued", type=int, default=8,
+                   help="part (b): prefills queued at each replica (the router's lars-mp "
+                        "TTFT walks them)")
     p.add_argument("--live-model", default=None,
                    help="model of part (c) (default smollm2-135m; --quick: tiny)")
     p.add_argument("--live-requests", type=int, default=None,
@@ -190,7 +193,7 @@ def decision_time(args, num_replicas: int = 16, page_size: int = 16) -> list[dic
                               queued_prefills=tuple(
                                   QueuedPrefill(w, rng.uniform(-1, 5), w + rng.random(),
                                                 rng.randrange(16, 4096))
-                                  for w in (rng.random() for _ in range(8))),
+                                  for w in (rng.random() for _ in range(args.queued))),
                               decode_token_s=1e-3) for _ in range(num_replicas)]
     system_prompt = [rng.randrange(32_000) for _ in range(512)]
     sessions = []
@@ -218,7 +221,7 @@ def decision_time(args, num_replicas: int = 16, page_size: int = 16) -> list[dic
             route_s.append(time.perf_counter() - hashed)
             hash_s.append(hashed - start)
         rows.append({"policy": policy, "lookup": lookup, "replicas": num_replicas,
-                     "sessions": args.sessions,
+                     "sessions": args.sessions, "queued": args.queued,
                      "mean_prompt_pages": round(statistics.mean(
                          len(t) for t, _ in sessions) / page_size),
                      "route_p50_us": 1e6 * percentile(route_s, 50),

@@ -1,5 +1,7 @@
 """Routing decisions on stated snapshots, and the Router's state between decisions."""
 
+import random
+
 import pytest
 
 from medha_jax.cluster.router import (LEAST_LOAD, PREDICTED_TIME, ROUND_ROBIN, SGLANG_CACHE_AWARE,
@@ -129,6 +131,63 @@ def test_a_cached_prompt_ranks_by_its_whole_prompt():
     here = status(queued_prefills=queue)
     x = here.prefill_s(9000, 8900)
     assert lars_ttft_s(here, x, RouteRequest(9000, ttft_s=20.0)) == pytest.approx(0.11)
+
+
+def _lars_wait_by_plain_scan(queued, x, total, d, rides, long_tokens, rho_max):
+    """`router._lars_wait_s`'s rule as its docstring states it, with the riders of each
+    head found by a scan of every later prefill (quadratic; the router bounds the scan)."""
+    key = (d - total) / total
+    ranked = sorted(queued, key=lambda q: q.slack_s / q.total_s)
+    ahead = [q for q in ranked if q.slack_s / q.total_s < key]
+    below = [q for q in ranked if q.slack_s / q.total_s >= key and q.prompt_len <= long_tokens]
+    due_share = (1 - rho_max) / rho_max
+    served, wait = [False] * len(ahead), 0.0
+    for i, q in enumerate(ahead):
+        if served[i]:
+            continue
+        slack = q.slack_s - wait
+        spare, riders = max(0.0, slack), 0.0
+        for j in range(i + 1, len(ahead)):
+            r = ahead[j]
+            if not served[j] and r.prompt_len <= long_tokens and r.work_s <= spare:
+                spare, riders, served[j] = spare - r.work_s, riders + r.work_s, True
+        if rides and (x <= spare or d - wait <= q.work_s):
+            share = min(q.work_s, x * due_share) if x > spare and q.prompt_len > long_tokens else 0
+            return wait + riders + share
+        wait += riders
+        new_key = key - wait / total
+        if (slack - riders) / q.total_s < new_key:
+            wait += min(q.work_s, total * (new_key - (slack - riders) / q.total_s))
+    spare = d - x - wait
+    for q in below:
+        if q.work_s <= spare:
+            spare, wait = spare - q.work_s, wait + q.work_s
+        elif q.slack_s + q.work_s <= wait + x:
+            wait += q.work_s
+    return wait
+
+
+def test_the_wait_is_that_of_a_plain_scan_for_riders():
+    """On random queues (zero-work prefills, long ones, slack of either sign, new prefills
+    that ride and that do not), lars_ttft_s's wait equals that of a scan of every later
+    prefill from every head for its riders."""
+    rng = random.Random(7)
+    for _ in range(500):
+        long_tokens = rng.choice([64, 512, 4096])
+        queue = []
+        for _ in range(rng.randrange(60)):
+            prompt = rng.randrange(16, 8192)
+            work = 0.0 if rng.random() < 0.2 else rng.uniform(0.0, 1.0)
+            queue.append(QueuedPrefill(work, rng.uniform(-2.0, 15.0), max(work, 1.0), prompt))
+        rho_max = rng.choice([0.5, 0.9])
+        here = status(prefill_s=linear_prefill(0.0, 1.0), queued_prefills=tuple(queue),
+                      long_prefill_tokens=long_tokens, rho_max=rho_max)
+        x, d = rng.uniform(0.01, 1.0), rng.uniform(0.5, 60.0)
+        request = RouteRequest(rng.choice([long_tokens, long_tokens + 1]), ttft_s=d)
+        total = max(1.0, x)           # the whole prompt's seconds: the fixed 1 s
+        wait = _lars_wait_by_plain_scan(queue, x, total, d, request.prompt_len <= long_tokens,
+                                        long_tokens, rho_max)
+        assert lars_ttft_s(here, x, request) == pytest.approx(wait + x)
 
 
 def test_queued_prefills_ranked_below_ride_ahead_in_the_new_ones_slack():
