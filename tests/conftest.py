@@ -25,11 +25,36 @@ if "MEDHA_CACHE_DIR" not in os.environ:
     os.environ["MEDHA_CACHE_DIR"] = tempfile.mkdtemp(prefix="medha-test-cache-")
 
 
+# The suite is two thirds XLA:CPU compiles, and its modules compile many of the same
+# programs (the tiny models' steps on the same meshes; a module's are dropped when it ends,
+# compiled_code_released_after_each_module). One persistent compilation cache for the whole
+# run, fresh each run, shared by the xdist workers (they inherit it from the process that
+# starts them, which imports this first) and the processes they start (multi-process and Ray
+# tests): a program compiled once is read back by every later test that needs it. Every
+# compile is kept (min time 0): most of the suite's are under JAX's default of 1 s. What a
+# test checks does not change: a read from the cache fires the backend-compile event that
+# the no-compile-after-warm-up guards count, and a Server with a cache of its own points
+# JAX there while it lives (restored after each test, below).
+RUN_COMPILATION_CACHE_DIR = None        # made by this process: removed when the run ends
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    RUN_COMPILATION_CACHE_DIR = tempfile.mkdtemp(prefix="medha-test-xla-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = RUN_COMPILATION_CACHE_DIR
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
 import jax  # noqa: E402  (after XLA_FLAGS: the devices are fixed when JAX starts)
 
-# JAX's persistent cache as the suite started (no Server had pointed it anywhere yet).
+# JAX's persistent cache as the suite started: the run's own (above), or the one given.
 SESSION_COMPILATION_CACHE_DIR = jax.config.jax_compilation_cache_dir
+
+
+def pytest_unconfigure(config):
+    if RUN_COMPILATION_CACHE_DIR is not None:          # after the workers have ended
+        import shutil
+
+        shutil.rmtree(RUN_COMPILATION_CACHE_DIR, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
@@ -38,11 +63,11 @@ def jax_persistent_cache_only_where_a_server_set_it():
 
     A Server points JAX's cache at its cache directory for the whole process
     (`cache_dirs.enable_compilation_cache`). Left that way, every later test of the worker
-    would serialize and write its long compiles there: time spent on nothing the test
-    checks, and a test whose result would depend on which module ran before it on the
-    worker. Restored to the session's value, not to the test's: a module-scoped Server is
-    made before its module's first test starts, so "as the test found it" was already on.
-    Servers and their steps still use the cache while the test that made them runs."""
+    would write its compiles into that Server's cache, and a test that counts a cold
+    Server's cache hits would depend on which module ran before it on the worker.
+    Restored to the session's value, not to the test's: a module-scoped Server is made
+    before its module's first test starts, so "as the test found it" was already on.
+    Servers and their steps still use their cache while the test that made them runs."""
     yield
     if jax.config.jax_compilation_cache_dir != SESSION_COMPILATION_CACHE_DIR:
         from jax.experimental.compilation_cache import compilation_cache
