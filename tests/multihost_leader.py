@@ -61,10 +61,27 @@ def run_scored(server) -> dict:
             "logprobs": [[e.logprob, *[lp for _, lp in e.top]] for e in entries]}
 
 
+def one_process_workload(model: str, parallel: str, *, scored_only: bool = False,
+                         decode_tokens: int | None = None) -> dict:
+    """The workload (run_scored's request alone with scored_only) on one process with the
+    mesh's devices: what the processes' replica must give."""
+    from medha_jax.engine import EngineConfig
+    from meshes import ParallelConfig
+    from serving.server import Server
+
+    # No warm-up: the reference compiles only the shapes its workload meets.
+    with Server(model, parallel=ParallelConfig.parse(parallel), warmup=False,
+                engine_config=EngineConfig(**ENGINE_CONFIG), cache_dir=False) as server:
+        return run_scored(server) if scored_only else run_workload(server, decode_tokens)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--coordinator", required=True)
-    parser.add_argument("--channel-port", type=int, required=True)
+    parser.add_argument("--reference", action="store_true",
+                        help="serve the workload in this one process on its own devices "
+                             "(the mesh's one-process tokens) instead of as process 0")
+    parser.add_argument("--coordinator")
+    parser.add_argument("--channel-port", type=int)
     parser.add_argument("--parallel", action="append", required=True)
     parser.add_argument("--kill-phase", action="store_true")
     parser.add_argument("--step-timeout-s", type=float, default=20.0)
@@ -76,6 +93,14 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=None,
                         help="run_workload's decode_tokens")
     args = parser.parse_args()
+    if args.reference:
+        parallel, = args.parallel
+        result = one_process_workload(args.model, parallel, scored_only=args.scored_only,
+                                      decode_tokens=args.decode_tokens)
+        print("RESULT " + json.dumps(result), flush=True)
+        return
+    if args.coordinator is None or args.channel_port is None:
+        parser.error("--coordinator and --channel-port are needed, except with --reference")
 
     import jax
 

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from serving.multihost import free_port
-from tests.multihost_leader import ENGINE_CONFIG, MODEL, run_scored, run_workload
+from tests.multihost_leader import ENGINE_CONFIG, MODEL, one_process_workload
 
 # Each crosses the process boundary (devices 0-3 on process 0, 4-7 on process 1): tp over
 # all 8; kvp (outer to tp) and cp (outer to tp) split between the processes; kvp groups of
@@ -34,16 +34,27 @@ MESHES = ("tp=8", "kvp=2,tp=4", "kvp=2,cp=2,tp=2", "cp=2,tp=4", "spp=2,tp=4")
 STEP_TIMEOUT_S = 20.0
 LAUNCH_TIMEOUT_S = 900
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _child_env(devices: int, model: str) -> dict:
+    """The environment of a process this module starts: `devices` virtual CPU devices, and
+    XLA's code generation at level 0 (as the suite's, conftest.py) for the tiny model,
+    whose runs are compile-bound. SmolLM2's are run-bound: at level 0 its matmuls run
+    about half as fast, and the spp=2,kvp=4 launch and its one-process reference took
+    66 s and 61 s against 53 s and 44 s at XLA's default level."""
+    level = " --xla_backend_optimization_level=0" if model == MODEL else ""
+    return dict(os.environ, JAX_PLATFORMS="cpu",
+                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}{level}")
+
+
 def _launch(model: str, meshes: tuple[str, ...], *, kill_phase: bool,
             scored_only: bool = False, processes: int = 2, decode_tokens: int | None = None):
     """Runs the processes once (8 virtual devices over them): process 0
     (tests/multihost_leader.py) serves the workload on each mesh, then with kill_phase a
     request during which process 1 is killed. Returns process 0's RESULT lines and the
     followers' reports."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // processes} "
-                         "--xla_backend_optimization_level=0")
+    env = _child_env(8 // processes, model)
     coordinator = f"127.0.0.1:{free_port()}"
     channel_port = free_port()
     mesh_args = [a for m in meshes for a in ("--parallel", m)]
@@ -52,7 +63,7 @@ def _launch(model: str, meshes: tuple[str, ...], *, kill_phase: bool,
          str(processes), "--coordinator", coordinator, "--channel",
          f"127.0.0.1:{channel_port}", "--model", model, "--engine-config",
          json.dumps(ENGINE_CONFIG), *mesh_args],
-        cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for i in range(1, processes)]
     follower = followers[0]                    # process 1, the one killed
     leader = subprocess.Popen(
@@ -63,7 +74,7 @@ def _launch(model: str, meshes: tuple[str, ...], *, kill_phase: bool,
          *(["--scored-only"] if scored_only else []),
          *(["--decode-tokens", str(decode_tokens)] if decode_tokens else []),
          "--step-timeout-s", str(STEP_TIMEOUT_S), *mesh_args],
-        cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     wanted = len(meshes) + kill_phase
     follower_out = []
     readers = [threading.Thread(target=lambda p=p: follower_out.extend(p.stdout), daemon=True)
@@ -106,15 +117,24 @@ def launch():
     return _launch(MODEL, MESHES, kill_phase=True)
 
 
-def _one_process_workload(model: str, parallel: str, run=run_workload, **workload) -> dict:
-    from medha_jax.engine import EngineConfig
-    from meshes import ParallelConfig
-    from serving.server import Server
-
-    # No warm-up: the reference compiles only the shapes its workload meets.
-    with Server(model, parallel=ParallelConfig.parse(parallel), warmup=False,
-                engine_config=EngineConfig(**ENGINE_CONFIG), cache_dir=False) as server:
-        return run(server, **workload)
+def _one_process_workload(model: str, parallel: str, *, scored_only: bool = False,
+                          decode_tokens: int | None = None) -> dict:
+    """The mesh's one-process result: in this process for the tiny model; in a process of
+    8 devices of its own for SmolLM2, at the level of code generation its launch had
+    (`_child_env`)."""
+    if model == MODEL:
+        return one_process_workload(model, parallel, scored_only=scored_only,
+                                    decode_tokens=decode_tokens)
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.multihost_leader", "--reference", "--model", model,
+         "--parallel", parallel, *(["--scored-only"] if scored_only else []),
+         *(["--decode-tokens", str(decode_tokens)] if decode_tokens else [])],
+        cwd=ROOT, env=_child_env(8, model), capture_output=True, text=True,
+        timeout=LAUNCH_TIMEOUT_S, check=False)
+    results = [json.loads(line[len("RESULT "):]) for line in done.stdout.splitlines()
+               if line.startswith("RESULT ")]
+    assert done.returncode == 0 and len(results) == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    return results[0]
 
 
 @pytest.mark.slow
@@ -181,7 +201,7 @@ def test_smollm2_over_two_processes_gives_one_process_tokens():
     results, reports = _launch("smollm2-135m", (SMOLLM2_MESH,), kill_phase=False,
                                scored_only=True)
     got, = results
-    want = _one_process_workload("smollm2-135m", SMOLLM2_MESH, run=run_scored)
+    want = _one_process_workload("smollm2-135m", SMOLLM2_MESH, scored_only=True)
     assert got["tokens"] == want["tokens"]
     assert got["top_ids"] == want["top_ids"]
     np.testing.assert_allclose(got["logprobs"], want["logprobs"], atol=1e-4, rtol=0)
@@ -256,7 +276,6 @@ def serve_hosts_and_restart(tmp_path, launcher_args=()) -> None:
     from serving.proto import medha_pb2, medha_pb2_grpc
     from serving.server import Server
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items()
            if k not in ("MEDHA_COORDINATOR", "MEDHA_NUM_PROCESSES", "MEDHA_PROCESS_ID",
                         "SLURM_JOB_ID", "TPU_WORKER_HOSTNAMES", "OMPI_COMM_WORLD_SIZE")}
@@ -264,7 +283,7 @@ def serve_hosts_and_restart(tmp_path, launcher_args=()) -> None:
         [sys.executable, "-m", "serving.cli", "serve", "--hosts", "2", "--model", MODEL,
          "--parallel", "tp=8", "--port", "0", "--no-cache", "--step-timeout-s", "20",
          "--lost-exit-s", "1", "--max-restarts", "1", *SERVE_ENGINE, *launcher_args],
-        cwd=root, env=env, stdout=subprocess.PIPE, stderr=(tmp_path / "stderr").open("w"),
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=(tmp_path / "stderr").open("w"),
         text=True, start_new_session=True)   # its own group: a failure kills both children
     prompt = [5, 17, 99, 3, 42, 7, 250, 1, 8]
     lines = []
