@@ -1,7 +1,8 @@
 """Process 0 of the 2-process replica in tests/test_multihost.py (run as
 `python -m tests.multihost_leader`): serves WORKLOAD on each mesh it is given, then,
-when asked, a request during which the test kills process 1. Prints one JSON line per
-result, prefixed with RESULT."""
+when asked, a request during which the test kills process 1. With --reference it serves
+the workload alone on one process instead (a mesh's one-process result). Prints one JSON
+line per result, prefixed with RESULT."""
 
 from __future__ import annotations
 

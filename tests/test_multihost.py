@@ -3,7 +3,8 @@ global mesh of 8, process 0 scheduling and sending each step's inputs to process
 
 One launch of the two processes serves the module (tests/multihost_leader.py is process
 0): each mesh's greedy tokens, with preemption and prefix reuse, and its logprobs (within
-1e-4) must equal this (one) process's on the same mesh shape; no process compiles after
+1e-4) must equal one process's on the same mesh shape (this one's; SmolLM2's in a process
+of its own, `_one_process_workload`); no process compiles after
 warm-up; and killing process 1 mid-request fails the request with UNAVAILABLE within the
 step timeout."""
 
