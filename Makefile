@@ -46,4 +46,5 @@ gpu-check: $(VENV)/.installed
 	$(PY) -m benchmarks.gpu_check --json results/gpu_check.json $(GPU_CHECK_FLAGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info medha_jax/scheduler/_cdsp_search_compiled*.so
+	rm -rf $(VENV) build *.egg-info medha_jax/scheduler/_cdsp_search_compiled*.so \
+		pallas_kernels/_cpu_kernels-*.so

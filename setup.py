@@ -127,7 +127,7 @@ setup(
     python_requires=">=3.11",
     packages=find_packages(include=["medha_jax*", "pallas_kernels*", "meshes*", "serving*",
                                     "benchmarks*"]),
-    package_data={"serving": ["proto/*.proto"]},
+    package_data={"serving": ["proto/*.proto"], "pallas_kernels": ["*.cc"]},
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS_REQUIRE,
     # The legacy PEP 517 backend reports setup_requires as build requirements, so pip puts

@@ -23,6 +23,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import cpu_native
 from pallas_kernels.block_sizes import BlockSizes
 from pallas_kernels.merge import (attention_scores, online_softmax_finish, online_softmax_init,
                                   online_softmax_update)
@@ -76,6 +77,15 @@ def _gather_kv_tile(
 # ----------------------------------------------------------------------------------------
 
 
+def use_cpu_kernel(k_pages: jax.Array, v_pages: jax.Array) -> bool:
+    """Whether `decode_attention_xla` runs as the native CPU kernel (`cpu_native`): on a
+    CPU back-end, f32 pages, the kernels built. (The program is traced for the default
+    back-end: a step lowered for another device from a CPU host takes that device's
+    kernel, never this path.)"""
+    return (jax.default_backend() == "cpu" and k_pages.dtype == jnp.float32
+            and v_pages.dtype == jnp.float32 and cpu_native.available())
+
+
 def decode_group_size(seqs: int) -> int:
     """Sequences `decode_attention_xla` streams together: 2, or more past 64 sequences so
     a batch is at most 32 groups.
@@ -107,21 +117,25 @@ def decode_attention_xla(
     `decode_group_size`, each group up to its own longest context: the work is about the
     sum of the contexts plus a group's worth of the longest, not every sequence slot
     (padding included) times the longest, which one long request decoding among chats
-    would otherwise cost every step."""
+    would otherwise cost every step. On a CPU with the native kernels built, one custom
+    call does the same instead (`use_cpu_kernel`, `cpu_native.decode_attention`)."""
     seqs, q_heads, head_dim = q.shape
-    group = min(seqs, decode_group_size(seqs))
-    num_groups = cdiv(seqs, group)
     kv_lens = kv_lens.astype(jnp.int32)
-    order = jnp.argsort(-kv_lens, stable=True)
     if window_starts is None:
         window_starts = key_starts(kv_lens, sliding_window)
+    kv_heads = k_pages.shape[2]
+    k_pages, v_pages = _fold_heads(k_pages), _fold_heads(v_pages)
+    if use_cpu_kernel(k_pages, v_pages):
+        out, lse = cpu_native.decode_attention(q, k_pages, v_pages, page_table, kv_lens,
+                                               window_starts, sm_scale=sm_scale)
+        return out.astype(q.dtype), lse
+    group = min(seqs, decode_group_size(seqs))
+    num_groups = cdiv(seqs, group)
+    order = jnp.argsort(-kv_lens, stable=True)
 
     def grouped(x):                                            # [seqs, ...] -> [groups, group, ...]
         x = jnp.pad(x[order], [(0, num_groups * group - seqs)] + [(0, 0)] * (x.ndim - 1))
         return x.reshape(num_groups, group, *x.shape[1:])
-
-    kv_heads = k_pages.shape[2]
-    k_pages, v_pages = _fold_heads(k_pages), _fold_heads(v_pages)
 
     def attend_group(args):
         return _decode_group(*args, k_pages, v_pages, kv_heads=kv_heads, sm_scale=sm_scale,

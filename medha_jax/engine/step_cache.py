@@ -66,8 +66,19 @@ def step_key(name: str, static: object, args: Sequence, devices: Sequence) -> st
              ",".join(f"{d.platform}:{d.device_kind}:{d.id}" for d in devices),
              jax.__version__, jaxlib.__version__, os.environ.get("XLA_FLAGS", ""),
              str(jax.config.jax_enable_x64), str(jax.config.jax_default_matmul_precision),
-             _source_digest()]
+             _source_digest(), _native_kernels(devices)]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+
+
+def _native_kernels(devices: Sequence) -> str:
+    """Which attention a CPU step calls: the native kernels (their library, by the digest
+    of its source and build; registered with XLA here, before a step that calls them is
+    loaded) or the XLA path. Other devices never call them."""
+    if not any(d.platform == "cpu" for d in devices):
+        return ""
+    from pallas_kernels import cpu_native
+
+    return cpu_native.status()
 
 
 def load_or_compile(key: str, compile_: Callable[[], jax.stages.Compiled],

@@ -7,6 +7,7 @@ axes; sharding comes from the parameters' and caches' NamedShardings.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -14,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from medha_jax.config import LinearScaling, ModelConfig, YarnScaling
+from pallas_kernels import cpu_native
 
 
 def rms_norm(x, weight, eps: float, offset: float = 0.0):
@@ -115,9 +117,39 @@ def apply_rope(x, positions, inv_freq, scale: float = 1.0):
 
 
 def gated_mlp(x, w_gate, w_up, w_down, activation: str = "silu"):
-    """x: [T, D]; w_gate, w_up: [D, F]; w_down: [F, D]. activation: "silu" (SwiGLU) or
-    "gelu_tanh" (GeGLU, transformers' gelu_pytorch_tanh)."""
-    gate = jnp.einsum("td,df->tf", x, w_gate)
-    up = jnp.einsum("td,df->tf", x, w_up)
+    """x: [T, D]; w_gate, w_up: [D, F]; w_down: [F, D] (each an array or a `LayerOfStack`).
+    activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, transformers' gelu_pytorch_tanh)."""
+    gate = dense("td,df->tf", x, w_gate)
+    up = dense("td,df->tf", x, w_up)
     act = jax.nn.silu(gate) if activation == "silu" else jax.nn.gelu(gate, approximate=True)
-    return jnp.einsum("tf,fd->td", act * up, w_down)
+    return dense("tf,fd->td", act * up, w_down)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerOfStack:
+    """One layer's matrix left inside the weights stacked over layers, for `dense` to read
+    in place with the native CPU kernel (`cpu_native.layer_matmul`) instead of a slice.
+
+    stacked: [layers, *matrix]; layer: int32 [] (the scan's layer index)."""
+
+    stacked: jax.Array
+    layer: jax.Array
+
+
+def dense(spec: str, x, w):
+    """A projection `jnp.einsum(spec, x, w)` whose spec contracts x's trailing axes with w's
+    leading ones, x [T, *c] and w [*c, *out] -> [T, *out] ("td,dhk->thk", "thk,hkd->td").
+    w: an array, or a `LayerOfStack`: then x and w are flattened to [T, C] and [layers, C,
+    OUT] (free reshapes) and one native call reads the layer's matrix where it lies."""
+    if not isinstance(w, LayerOfStack):
+        return jnp.einsum(spec, x, w)
+    inputs, out = spec.split("->")
+    x_axes, w_axes = inputs.split(",")
+    contracted = len(x_axes) - 1
+    if x_axes[1:] != w_axes[:contracted] or out != x_axes[0] + w_axes[contracted:]:
+        raise ValueError(f"dense: {spec!r} is not a projection of x's trailing axes")
+    stacked = w.stacked
+    size = math.prod(stacked.shape[1:1 + contracted])
+    y = cpu_native.layer_matmul(x.reshape(x.shape[0], size),
+                                stacked.reshape(stacked.shape[0], size, -1), w.layer)
+    return y.reshape(x.shape[0], *stacked.shape[1 + contracted:]).astype(x.dtype)

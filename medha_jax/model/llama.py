@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,7 @@ from medha_jax.config import ModelConfig
 from medha_jax.model import layers
 from medha_jax.model.attention import AttentionMetadata, attention
 from medha_jax.model.params import MeshLayout, ParamSpec, param_specs
+from pallas_kernels import cpu_native
 
 
 @jax.tree_util.register_dataclass
@@ -134,9 +136,13 @@ def decoder_layers(x, stacked: dict[str, jax.Array], kv_cache: KVCache, position
     before its attention: K/V the step moves between devices (the CDSP pool's balancing,
     medha_jax.engine.cdsp_pool), one layer at a time so the transfer can overlap the
     layer's projections."""
+    in_place = {}
+    if move_layer is None and _matrices_in_place(x, stacked, layout):
+        in_place = {name: w for name, w in stacked.items() if name in MATRICES}
+        stacked = {name: w for name, w in stacked.items() if name not in MATRICES}
     layer_body = functools.partial(_decoder_layer, config=config, layout=layout,
                                    positions=positions, meta=meta, inv_freq=inv_freq,
-                                   move_layer=move_layer)
+                                   move_layer=move_layer, in_place=in_place)
     num_layers = kv_cache.k.shape[0]
     layer_ids = jnp.arange(num_layers, dtype=jnp.int32)
     # Sliding or full, per layer: scanned data, so one layer body serves both kinds.
@@ -146,12 +152,42 @@ def decoder_layers(x, stacked: dict[str, jax.Array], kv_cache: KVCache, position
     return x, KVCache(k=k, v=v)
 
 
+# A layer's projection matrices, what `_matrices_in_place` leaves stacked, and how many of
+# each one's leading axes its projection contracts (`layers.dense`).
+MATRICES = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1}
+# Up to this many tokens a step reads each matrix in place (`cpu_native.layer_matmul`
+# reads it once per four rows); past it the dense layers are compute-bound and XLA's own
+# matmul on the scan's slice is the faster (and the slice's copy a small share).
+IN_PLACE_MAX_TOKENS = 8
+
+
+def _matrices_in_place(x, stacked: dict[str, jax.Array], layout: MeshLayout) -> bool:
+    """Whether the layer scan leaves the projection matrices stacked, each read in place by
+    the native CPU kernel (`layers.LayerOfStack`), rather than slicing them out layer by
+    layer: small f32 steps on one CPU device. XLA:CPU copies each layer's slice of the
+    stack before its matmul (or, at one token, folds the matrix-vector product into a
+    slice loop on one thread): a lone SmolLM2 decode spent ~45 of ~50 ms there (issue 26).
+    On a mesh the matmuls are partitioned by XLA, which a custom call is not."""
+    if x.shape[0] > IN_PLACE_MAX_TOKENS or layout.mesh.size != 1 or \
+            jax.default_backend() != "cpu":
+        return False
+    if not all(name in stacked and stacked[name].dtype == jnp.float32 and
+               math.prod(stacked[name].shape[1 + contracted:]) % 32 == 0
+               for name, contracted in MATRICES.items()):
+        return False      # the kernel's columns come in blocks of 32
+    return cpu_native.available()
+
+
 def _decoder_layer(carry, layer, *, config: ModelConfig, layout: MeshLayout, positions,
-                   meta: AttentionMetadata, inv_freq, move_layer=None):
+                   meta: AttentionMetadata, inv_freq, move_layer=None, in_place=None):
     """One decoder layer inside the scan. The whole cache rides in the carry so the K/V
-    write is an in-place scatter at [layer, slot] rather than a copy of a layer's pages."""
+    write is an in-place scatter at [layer, slot] rather than a copy of a layer's pages.
+    in_place: name -> stacked [layers, ...] matrices not scanned, read in place for this
+    layer (`_matrices_in_place`)."""
     x, k_cache, v_cache = carry
     p, layer_id, sliding = layer
+    if in_place:
+        p = {**p, **{name: layers.LayerOfStack(w, layer_id) for name, w in in_place.items()}}
     if move_layer is not None:
         # Needs only the carried cache, and nothing below needs it before the attention.
         k_cache, v_cache = move_layer(k_cache, v_cache, layer_id)
@@ -159,9 +195,9 @@ def _decoder_layer(carry, layer, *, config: ModelConfig, layout: MeshLayout, pos
     norm = functools.partial(layers.rms_norm, eps=config.rms_norm_eps,
                              offset=family.norm_offset)
     h = norm(x, p["attn_norm"])
-    q = jnp.einsum("td,dhk->thk", h, p["wq"])
-    k = jnp.einsum("td,dhk->thk", h, p["wk"])
-    v = jnp.einsum("td,dhk->thk", h, p["wv"])
+    q = layers.dense("td,dhk->thk", h, p["wq"])
+    k = layers.dense("td,dhk->thk", h, p["wk"])
+    v = layers.dense("td,dhk->thk", h, p["wv"])
     if family.qkv_bias:                                      # Qwen2
         q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
     if family.qk_norm:                                       # Qwen3, Gemma-3: before RoPE
@@ -180,7 +216,7 @@ def _decoder_layer(carry, layer, *, config: ModelConfig, layout: MeshLayout, pos
         sm_scale=config.attention_scale, positions=positions,
         sliding_window=config.sliding_window if config.mixed_layers else config.uniform_window,
         windowed=sliding if config.mixed_layers else None)
-    out = jnp.einsum("thk,hkd->td", attn.astype(x.dtype), p["wo"])
+    out = layers.dense("thk,hkd->td", attn.astype(x.dtype), p["wo"])
     if family.post_norms:
         out = norm(out, p["post_attn_norm"])
     x = x + out
