@@ -27,6 +27,14 @@ whose token ladder starts at 16 (the default until 2026-12) and at 1 (the defaul
 `vs_bucket_16`, in the ratio column: the device time over the 16-token step's). A one-token step copied the whole KV cache three
 times per layer until the cache write kept a second, dropped row (21 s for one SmolLM2
 decode on 2 cores).
+
+The rows "decode xN, xla path / cpu kernels" run the same decodes on the XLA path and with
+the native CPU kernels (`pallas_kernels.cpu_native`; `vs_xla_path` in the ratio column), on
+a CPU where they build. This module runs 8 virtual CPU devices (for the tp = K rows) unless
+XLA_FLAGS names a count, and there the kernels of a one-device engine run slower than in a
+process of one device (a lone SmolLM2 decode on 2 cores: 52 against 31 ms; the XLA path's
+~50 ms either way); for the figures a one-device server has:
+    XLA_FLAGS=--xla_force_host_platform_device_count=1 python -m benchmarks.engine --quick
 """
 
 from __future__ import annotations
@@ -70,7 +78,7 @@ BREAKDOWN_CATEGORIES = (
     ("KV cache writes", ("scatter",)),
     ("layer weights sliced", ("dynamic_index_in_dim",)),
     ("LM head", ("sd,dv->sv",)),
-    ("dense layers", ("dot_general",)),
+    ("dense layers", ("dot_general", "layer_matmul")),      # (the native CPU kernel's)
     ("sampling", ("sampl", "top_k", "argmax", "categorical", "log_softmax")),
 )
 OTHER = "other"
@@ -228,6 +236,40 @@ def run_small_token_buckets(model_name: str, repeats: int) -> list[dict]:
     return rows
 
 
+def run_cpu_kernels(model_name: str, repeats: int) -> list[dict]:
+    """Decodes of 1, 2, 4 and 8 sequences on the XLA path and with the native CPU kernels
+    (`pallas_kernels.cpu_native`: the decode attention, the layer matrices read in place),
+    side by side (`vs_xla_path`: device time over the XLA path's). [] off a CPU or where
+    the kernels did not build (said)."""
+    from unittest import mock
+
+    from medha_jax import load_model
+    from medha_jax.engine import Engine, EngineConfig
+    from pallas_kernels import cpu_native
+
+    if jax.default_backend() != "cpu" or not cpu_native.available():
+        print(f"cpu kernels: not compared ({jax.default_backend()}; {cpu_native.status()})")
+        return []
+    model = load_model(model_name, verbose=False)
+    rows, xla = [], {}
+    for native in (False, True):
+        # The choice is made when a step is traced: this engine's steps are traced here,
+        # not taken from jit's caches (the rows above compiled the same shapes).
+        jax.clear_caches()
+        with mock.patch.object(cpu_native, "available", lambda: native):
+            engine = Engine(model, EngineConfig(max_kv_tokens=16_384, max_tokens_per_step=512,
+                                                max_seqs=32, max_model_len=2048))
+            for n in (1, 2, 4, 8):
+                chunks = [(int(c), 1) for c in np.random.default_rng(n).integers(200, 600, n)]
+                row = measure(engine, f"decode x{n}, {'cpu kernels' if native else 'xla path'}",
+                              chunks, np.random.default_rng(1), repeats)
+                xla.setdefault(n, row["device_ms"])
+                row["vs_xla_path"] = row["device_ms"] / xla[n]
+                rows.append(row)
+        del engine
+    return rows
+
+
 # Whole KV caches (K and V, all layers, all devices) the decode batch runs against.
 CACHE_SIZES_MIB = (2, 128)
 
@@ -297,6 +339,7 @@ def main(argv=None):
     repeats = args.repeats or (5 if args.quick else 15)
     model, rows = run(args.model, args.quick, repeats, args.breakdown)
     rows += run_small_token_buckets(args.model, repeats)
+    rows += run_cpu_kernels(args.model, repeats)
     rows += run_cache_sizes(args.cache_model, repeats)
 
     width = max(len(r["model"]) for r in rows)
@@ -308,7 +351,8 @@ def main(argv=None):
           f"(median)")
     print(header)
     for r in rows:
-        ratio = next((f"{r[k]:.2f}" for k in ("vs_small_cache", "vs_bucket_16") if k in r),
+        ratio = next((f"{r[k]:.2f}" for k in ("vs_small_cache", "vs_bucket_16", "vs_xla_path")
+                      if k in r),
                      "-")
         print(f"{r['scenario']:<32} {r['model']:<{width}} {r['mesh']:<5} {r['kv_cache_mib']:>12.1f} "
               f"{r['tokens']:>6} {str(tuple(r['padded_shape'])):>14} "

@@ -129,6 +129,7 @@ def layer_matmul(x, stacked, layer):
     f32, the layer's matrix read in place (CPU only; needs `available()`).
 
     For a few rows (a decode step's tokens): it reads the matrix once per four rows."""
-    return jax.ffi.ffi_call(LAYER_MATMUL_TARGET, jax.ShapeDtypeStruct(
-        (x.shape[0], stacked.shape[2]), jnp.float32))(
-        x.astype(jnp.float32), stacked, jnp.asarray(layer, jnp.int32))
+    call = jax.ffi.ffi_call(LAYER_MATMUL_TARGET, jax.ShapeDtypeStruct(
+        (x.shape[0], stacked.shape[2]), jnp.float32))
+    with jax.named_scope("layer_matmul"):      # in the op names a step breakdown reads
+        return call(x.astype(jnp.float32), stacked, jnp.asarray(layer, jnp.int32))

@@ -51,3 +51,16 @@ def test_measure_splits_a_tiny_models_step():
     assert parts["dense layers"] > 0 and parts["attention"] > 0
     assert set(parts) <= {name for name, _ in bench.BREAKDOWN_CATEGORIES} | {bench.OTHER}
     bench.print_breakdown([row])
+
+
+def test_cpu_kernels_rows_compare_the_two_paths_side_by_side():
+    from pallas_kernels import cpu_native
+
+    rows = bench.run_cpu_kernels("tiny", repeats=1)
+    if not cpu_native.available():
+        assert rows == []
+        return
+    assert [r["scenario"] for r in rows] == [
+        f"decode x{n}, {path}" for path in ("xla path", "cpu kernels") for n in (1, 2, 4, 8)]
+    assert all(r["vs_xla_path"] > 0 for r in rows)
+    assert [r["vs_xla_path"] for r in rows[:4]] == [1.0] * 4

@@ -173,7 +173,15 @@ def predictor_key(engine) -> dict:
                 if first.platform == "cpu" else None,
         "jax": jax.__version__,
         "code": code.hexdigest()[:16],
+        # On a CPU: whether the small steps run the native kernels (and which build).
+        "kernels": _cpu_kernels() if first.platform == "cpu" else None,
     }
+
+
+def _cpu_kernels() -> str:
+    from pallas_kernels import cpu_native
+
+    return cpu_native.status()
 
 
 def predictor_path(root: pathlib.Path, engine) -> pathlib.Path:
