@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 SOURCE = pathlib.Path(__file__).with_name("cpu_kernels.cc")
 DECODE_ATTENTION_TARGET = "medha_cpu_decode_attention"
 LAYER_MATMUL_TARGET = "medha_cpu_layer_matmul"
+MATMUL_T_TARGET = "medha_cpu_matmul_t"
 ENV_VAR = "MEDHA_CPU_KERNELS"       # "off" (or 0, false): the XLA path only
 # -march=native: built on the machine that runs it, for its vector units.
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
@@ -91,7 +92,8 @@ def status() -> str:
         path = _build(compiler, _library_path(compiler))
         library = ctypes.cdll.LoadLibrary(str(path))
         for target, symbol in ((DECODE_ATTENTION_TARGET, library.MedhaCpuDecodeAttention),
-                               (LAYER_MATMUL_TARGET, library.MedhaCpuLayerMatmul)):
+                               (LAYER_MATMUL_TARGET, library.MedhaCpuLayerMatmul),
+                               (MATMUL_T_TARGET, library.MedhaCpuMatmulT)):
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
     except (OSError, subprocess.SubprocessError, AttributeError) as error:
         detail = getattr(error, "stderr", "") or error
@@ -133,3 +135,12 @@ def layer_matmul(x, stacked, layer):
         (x.shape[0], stacked.shape[2]), jnp.float32))
     with jax.named_scope("layer_matmul"):      # in the op names a step breakdown reads
         return call(x.astype(jnp.float32), stacked, jnp.asarray(layer, jnp.int32))
+
+
+def matmul_t(x, w):
+    """x [rows, k] @ w.T, w [n, k] (f32) -> [rows, n] f32: a tied LM head read row by row
+    where it lies (CPU only; needs `available()`). For a few rows."""
+    call = jax.ffi.ffi_call(MATMUL_T_TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[0]),
+                                                                  jnp.float32))
+    with jax.named_scope("sd,dv->sv"):        # the LM head, in a step breakdown's op names
+        return call(x.astype(jnp.float32), w)

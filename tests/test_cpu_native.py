@@ -196,3 +196,27 @@ def test_small_steps_read_the_matrices_in_place_and_give_the_one_shot_logits():
                                         np.arange(16, dtype=np.int32), meta).as_text()
         assert cpu_native.LAYER_MATMUL_TARGET not in hlo
     np.testing.assert_allclose(np.concatenate(got), want, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_matmul_t_equals_numpy(rows):
+    """The tied LM head's product, a vocabulary that is no multiple of the kernel's blocks."""
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((rows, 96)).astype(np.float32)
+    w = rng.standard_normal((1000, 96)).astype(np.float32)
+    got = np.asarray(jax.jit(cpu_native.matmul_t)(x, w))
+    want = x.astype(np.float64) @ w.T.astype(np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_a_small_steps_tied_head_is_the_native_call_with_the_einsums_logits():
+    from medha_jax.model.llama import lm_logits
+
+    rng = np.random.default_rng(9)
+    hidden = rng.standard_normal((4, 64)).astype(np.float32)
+    embed = rng.standard_normal((264, 64)).astype(np.float32)       # 256 + padding
+    native = jax.jit(lambda h, e: lm_logits(h, e, None, 256, one_device=True))
+    assert cpu_native.MATMUL_T_TARGET in native.lower(hidden, embed).as_text()
+    xla = jax.jit(lambda h, e: lm_logits(h, e, None, 256))
+    assert cpu_native.MATMUL_T_TARGET not in xla.lower(hidden, embed).as_text()
+    np.testing.assert_allclose(native(hidden, embed), xla(hidden, embed), rtol=1e-5, atol=1e-5)

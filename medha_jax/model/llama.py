@@ -108,15 +108,23 @@ class Llama(nnx.Module):
         """hidden: [S, D] (already final-normed) -> float32 logits [S, vocab_size]."""
         return lm_logits(hidden, self.embed[...] if self.lm_head is None else None,
                          None if self.lm_head is None else self.lm_head[...],
-                         self.config.vocab_size, self.config.final_logit_softcapping)
+                         self.config.vocab_size, self.config.final_logit_softcapping,
+                         one_device=self.layout.mesh.size == 1)
 
 
-def lm_logits(hidden, embed, lm_head, vocab_size: int, softcap: float | None = None):
+def lm_logits(hidden, embed, lm_head, vocab_size: int, softcap: float | None = None, *,
+              one_device: bool = False):
     """hidden [S, D] -> float32 logits [S, vocab_size] through lm_head [D, V_padded], or the
     tied embedding [V_padded, D] when lm_head is None. The padded vocabulary columns are cut
-    here, so they never reach sampling or a user. softcap: c * tanh(logits / c) (Gemma)."""
-    head = embed.T if lm_head is None else lm_head
-    logits = jnp.einsum("sd,dv->sv", hidden, head, preferred_element_type=jnp.float32)
+    here, so they never reach sampling or a user. softcap: c * tanh(logits / c) (Gemma).
+    one_device: the weights are on one device, so a small step on a CPU may read the tied
+    embedding with the native kernel (`cpu_native.matmul_t`): XLA's dot over its transpose
+    reads it at a third of the memory's speed at 2-8 rows."""
+    if lm_head is None and one_device and _small_f32_cpu_step(hidden, embed):
+        logits = cpu_native.matmul_t(hidden, embed)
+    else:
+        head = embed.T if lm_head is None else lm_head
+        logits = jnp.einsum("sd,dv->sv", hidden, head, preferred_element_type=jnp.float32)
     logits = logits[:, :vocab_size]
     if softcap is not None:
         logits = softcap * jnp.tanh(logits / softcap)
@@ -168,14 +176,18 @@ def _matrices_in_place(x, stacked: dict[str, jax.Array], layout: MeshLayout) -> 
     stack before its matmul (or, at one token, folds the matrix-vector product into a
     slice loop on one thread): a lone SmolLM2 decode spent ~45 of ~50 ms there (issue 26).
     On a mesh the matmuls are partitioned by XLA, which a custom call is not."""
-    if x.shape[0] > IN_PLACE_MAX_TOKENS or layout.mesh.size != 1 or \
-            jax.default_backend() != "cpu":
-        return False
-    if not all(name in stacked and stacked[name].dtype == jnp.float32 and
-               math.prod(stacked[name].shape[1 + contracted:]) % 32 == 0
-               for name, contracted in MATRICES.items()):
-        return False      # the kernel's columns come in blocks of 32
-    return cpu_native.available()
+    if layout.mesh.size != 1 or not all(
+            name in stacked and math.prod(stacked[name].shape[1 + contracted:]) % 32 == 0
+            for name, contracted in MATRICES.items()):
+        return False      # (the kernel's columns come in blocks of 32)
+    return _small_f32_cpu_step(x, *(stacked[name] for name in MATRICES))
+
+
+def _small_f32_cpu_step(x, *weights) -> bool:
+    """Whether a step of x's rows (at most IN_PLACE_MAX_TOKENS) over f32 `weights` runs the
+    native CPU kernels: on a CPU back-end where they built."""
+    return (x.shape[0] <= IN_PLACE_MAX_TOKENS and jax.default_backend() == "cpu"
+            and all(w.dtype == jnp.float32 for w in weights) and cpu_native.available())
 
 
 def _decoder_layer(carry, layer, *, config: ModelConfig, layout: MeshLayout, positions,
