@@ -108,6 +108,14 @@ def available() -> bool:
     return status().startswith("native")
 
 
+def runs_on(*arrays) -> bool:
+    """Whether a program traced now may call the native kernels on `arrays`: the default
+    back-end is a CPU, they are f32, and the kernels built. (A step lowered for another
+    device from a CPU host takes that device's kernels, never these.)"""
+    return (jax.default_backend() == "cpu" and all(a.dtype == jnp.float32 for a in arrays)
+            and available())
+
+
 def decode_attention(q, k_pages, v_pages, page_table, kv_lens, starts, *, sm_scale: float):
     """`xla_attention.decode_attention_xla` as one custom call (f32; CPU only; needs
     `available()`).

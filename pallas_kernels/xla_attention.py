@@ -77,15 +77,6 @@ def _gather_kv_tile(
 # ----------------------------------------------------------------------------------------
 
 
-def use_cpu_kernel(k_pages: jax.Array, v_pages: jax.Array) -> bool:
-    """Whether `decode_attention_xla` runs as the native CPU kernel (`cpu_native`): on a
-    CPU back-end, f32 pages, the kernels built. (The program is traced for the default
-    back-end: a step lowered for another device from a CPU host takes that device's
-    kernel, never this path.)"""
-    return (jax.default_backend() == "cpu" and k_pages.dtype == jnp.float32
-            and v_pages.dtype == jnp.float32 and cpu_native.available())
-
-
 def decode_group_size(seqs: int) -> int:
     """Sequences `decode_attention_xla` streams together: 2, or more past 64 sequences so
     a batch is at most 32 groups.
@@ -118,14 +109,14 @@ def decode_attention_xla(
     sum of the contexts plus a group's worth of the longest, not every sequence slot
     (padding included) times the longest, which one long request decoding among chats
     would otherwise cost every step. On a CPU with the native kernels built, one custom
-    call does the same instead (`use_cpu_kernel`, `cpu_native.decode_attention`)."""
+    call does the same instead (`cpu_native.runs_on`, `cpu_native.decode_attention`)."""
     seqs, q_heads, head_dim = q.shape
     kv_lens = kv_lens.astype(jnp.int32)
     if window_starts is None:
         window_starts = key_starts(kv_lens, sliding_window)
     kv_heads = k_pages.shape[2]
     k_pages, v_pages = _fold_heads(k_pages), _fold_heads(v_pages)
-    if use_cpu_kernel(k_pages, v_pages):
+    if cpu_native.runs_on(k_pages, v_pages):
         out, lse = cpu_native.decode_attention(q, k_pages, v_pages, page_table, kv_lens,
                                                window_starts, sm_scale=sm_scale)
         return out.astype(q.dtype), lse

@@ -184,10 +184,9 @@ def _matrices_in_place(x, stacked: dict[str, jax.Array], layout: MeshLayout) -> 
 
 
 def _small_f32_cpu_step(x, *weights) -> bool:
-    """Whether a step of x's rows (at most IN_PLACE_MAX_TOKENS) over f32 `weights` runs the
-    native CPU kernels: on a CPU back-end where they built."""
-    return (x.shape[0] <= IN_PLACE_MAX_TOKENS and jax.default_backend() == "cpu"
-            and all(w.dtype == jnp.float32 for w in weights) and cpu_native.available())
+    """Whether a step of x's rows (at most IN_PLACE_MAX_TOKENS) over `weights` runs the
+    native CPU kernels (`cpu_native.runs_on`)."""
+    return x.shape[0] <= IN_PLACE_MAX_TOKENS and cpu_native.runs_on(*weights)
 
 
 def _decoder_layer(carry, layer, *, config: ModelConfig, layout: MeshLayout, positions,
