@@ -28,9 +28,9 @@ whose token ladder starts at 16 (the default until 2026-12) and at 1 (the defaul
 times per layer until the cache write kept a second, dropped row (21 s for one SmolLM2
 decode on 2 cores).
 
-The rows "decode xN, xla path / cpu kernels" run the same decodes on the XLA path and with
-the native CPU kernels (`pallas_kernels.cpu_native`; `vs_xla_path` in the ratio column), on
-a CPU where they build. This module runs 8 virtual CPU devices (for the tp = K rows) unless
+The rows "<scenario>, xla path / cpu kernels" run the same decodes (1, 2, 4 and 8), prefill
+chunks and mixed batch on the XLA path and with the native CPU kernels
+(`pallas_kernels.cpu_native`; `vs_xla_path` in the ratio column), on a CPU where they build. This module runs 8 virtual CPU devices (for the tp = K rows) unless
 XLA_FLAGS names a count, and there the kernels of a one-device engine run slower than in a
 process of one device (a lone SmolLM2 decode on 2 cores: 52 against 31 ms; the XLA path's
 ~50 ms either way); for the figures a one-device server has:
@@ -236,11 +236,12 @@ def run_small_token_buckets(model_name: str, repeats: int) -> list[dict]:
     return rows
 
 
-def run_cpu_kernels(model_name: str, repeats: int) -> list[dict]:
-    """Decodes of 1, 2, 4 and 8 sequences on the XLA path and with the native CPU kernels
-    (`pallas_kernels.cpu_native`: the decode attention, the layer matrices read in place),
-    side by side (`vs_xla_path`: device time over the XLA path's). [] off a CPU or where
-    the kernels did not build (said)."""
+def run_cpu_kernels(model_name: str, quick: bool, repeats: int) -> list[dict]:
+    """Decodes of 1, 2, 4 and 8 sequences, and the prefill and mixed scenarios, on the XLA
+    path and with the native CPU kernels (`pallas_kernels.cpu_native`: the decode and the
+    chunk attention, the layer matrices read in place, the tied LM head), side by side
+    (`vs_xla_path`: device time over the XLA path's). [] off a CPU or where the kernels did
+    not build (said)."""
     from unittest import mock
 
     from medha_jax import load_model
@@ -259,12 +260,16 @@ def run_cpu_kernels(model_name: str, repeats: int) -> list[dict]:
         with mock.patch.object(cpu_native, "available", lambda: native):
             engine = Engine(model, EngineConfig(max_kv_tokens=16_384, max_tokens_per_step=512,
                                                 max_seqs=32, max_model_len=2048))
-            for n in (1, 2, 4, 8):
-                chunks = [(int(c), 1) for c in np.random.default_rng(n).integers(200, 600, n)]
-                row = measure(engine, f"decode x{n}, {'cpu kernels' if native else 'xla path'}",
+            cases = {f"decode x{n}": [(int(c), 1) for c in
+                                      np.random.default_rng(n).integers(200, 600, n)]
+                     for n in (1, 2, 4, 8)}
+            cases.update((name, chunks) for name, chunks in scenarios(quick).items()
+                         if not name.startswith("decode"))
+            for name, chunks in cases.items():
+                row = measure(engine, f"{name}, {'cpu kernels' if native else 'xla path'}",
                               chunks, np.random.default_rng(1), repeats)
-                xla.setdefault(n, row["device_ms"])
-                row["vs_xla_path"] = row["device_ms"] / xla[n]
+                xla.setdefault(name, row["device_ms"])
+                row["vs_xla_path"] = row["device_ms"] / xla[name]
                 rows.append(row)
         del engine
     return rows
@@ -339,11 +344,11 @@ def main(argv=None):
     repeats = args.repeats or (5 if args.quick else 15)
     model, rows = run(args.model, args.quick, repeats, args.breakdown)
     rows += run_small_token_buckets(args.model, repeats)
-    rows += run_cpu_kernels(args.model, repeats)
+    rows += run_cpu_kernels(args.model, args.quick, repeats)
     rows += run_cache_sizes(args.cache_model, repeats)
 
     width = max(len(r["model"]) for r in rows)
-    header = f"{'scenario':<32} {'model':<{width}} {'mesh':<5} {'kv_cache_mib':>12} {'tokens':>6} " \
+    header = f"{'scenario':<42} {'model':<{width}} {'mesh':<5} {'kv_cache_mib':>12} {'tokens':>6} " \
              f"{'T,S,W':>14} {'step_ms':>9} {'device_ms':>9} {'host_overhead_ms':>16} " \
              f"{'build_inputs_ms':>15} {'tok_per_s':>10} {'ratio':>6}"
     print(f"engine benchmark: model={args.model}, cache sizes: {args.cache_model}; "
@@ -354,7 +359,7 @@ def main(argv=None):
         ratio = next((f"{r[k]:.2f}" for k in ("vs_small_cache", "vs_bucket_16", "vs_xla_path")
                       if k in r),
                      "-")
-        print(f"{r['scenario']:<32} {r['model']:<{width}} {r['mesh']:<5} {r['kv_cache_mib']:>12.1f} "
+        print(f"{r['scenario']:<42} {r['model']:<{width}} {r['mesh']:<5} {r['kv_cache_mib']:>12.1f} "
               f"{r['tokens']:>6} {str(tuple(r['padded_shape'])):>14} "
               f"{r['step_ms']:>9.2f} {r['device_ms']:>9.2f} {r['host_overhead_ms']:>16.3f} "
               f"{r['build_inputs_ms']:>15.3f} {r['tok_per_s']:>10.1f} {ratio:>6}")

@@ -35,9 +35,11 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <thread>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -206,6 +208,290 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   return ffi::Error::Success();
 }
 
+// ------------------------------------------------------------------ chunk attention
+
+// Eight floats: GCC/Clang vector extensions, so the loops below say what they compute and
+// compile to AVX (or SSE pairs) on whatever -march=native finds.
+typedef float F8 __attribute__((vector_size(32), aligned(4)));
+typedef int32_t I8 __attribute__((vector_size(32), aligned(4)));
+
+inline F8 Splat(float x) { return F8{x, x, x, x, x, x, x, x}; }
+inline F8 Load(const float* p) { return *reinterpret_cast<const F8*>(p); }
+inline void Store(float* p, F8 x) { *reinterpret_cast<F8*>(p) = x; }
+
+// e^x, eight at a time (Cephes' expf: range reduction by ln 2, a degree-6 polynomial; within
+// 2 ulp of std::exp on [-87, 88]), 0 below -87 (x = -inf included): the softmax's weights.
+inline F8 Exp(F8 x) {
+  const I8 underflow = x < Splat(-87.0f);
+  x = x > Splat(88.0f) ? Splat(88.0f) : x;
+  x = x < Splat(-87.0f) ? Splat(-87.0f) : x;
+  const F8 magic = Splat(12582912.0f);                 // 1.5 * 2^23: round to nearest
+  const F8 n = (x * Splat(1.44269504088896341f) + magic) - magic;
+  F8 g = x - n * Splat(0.693359375f);
+  g = g - n * Splat(-2.12194440e-4f);
+  F8 y = Splat(1.9875691500e-4f);
+  y = y * g + Splat(1.3981999507e-3f);
+  y = y * g + Splat(8.3334519073e-3f);
+  y = y * g + Splat(4.1665795894e-2f);
+  y = y * g + Splat(1.6666665459e-1f);
+  y = y * g + Splat(5.0000001201e-1f);
+  y = y * g * g + g + Splat(1.0f);
+  const I8 bits = (__builtin_convertvector(n, I8) + 127) << 23;   // 2^n
+  F8 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  y *= scale;
+  I8 y_bits;
+  std::memcpy(&y_bits, &y, sizeof y_bits);
+  y_bits &= ~underflow;
+  std::memcpy(&y, &y_bits, sizeof y);
+  return y;
+}
+
+inline float MaxOf(F8 x) {
+  float m = x[0];
+  for (int i = 1; i < 8; ++i) m = std::max(m, x[i]);
+  return m;
+}
+
+inline float SumOf(F8 x) {
+  return ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]));
+}
+
+struct Chunks {
+  const float* q;          // [tokens, q_heads, head_dim]
+  const float* k;          // [num_pages, page_size, kv_heads * head_dim]
+  const float* v;
+  const int32_t* page_table;
+  const int32_t* starts;   // [tokens]: the first key each query sees
+  const int32_t* ends;     // [tokens]: keys < end
+  const int64_t* items;    // per item: sequence, K/V head, first token, tokens (4 each)
+  float* out;
+  float* lse;
+  int64_t q_heads, kv_heads, head_dim, page_size, pages_per_seq;
+  float sm_scale;
+};
+
+constexpr int64_t kChunkRows = 64;     // query rows (tokens x heads of a group) per item
+constexpr int64_t kTileKeys = 64;      // keys per online-softmax step (whole pages or fewer)
+constexpr int64_t kMaxHeadDim = 256;
+
+struct ChunkScratch {
+  alignas(32) float qs[kChunkRows + 3][kMaxHeadDim];     // the rows' queries, scaled
+  alignas(32) float acc[kChunkRows + 1][kMaxHeadDim];    // their weighted values
+  alignas(32) float keys_t[kMaxHeadDim][kTileKeys];      // a tile's keys, transposed
+  alignas(32) float p[kChunkRows + 3][kTileKeys];        // scores, then weights
+  const float* values[kTileKeys];                        // a tile's value rows
+};
+
+// Scores of rows r..r+3 against the tile's keys j..j+15: 8 vectors of accumulators.
+inline void Scores4x16(ChunkScratch& w, int64_t d, int64_t r, int64_t j) {
+  F8 s00 = Splat(0), s01 = Splat(0), s10 = Splat(0), s11 = Splat(0);
+  F8 s20 = Splat(0), s21 = Splat(0), s30 = Splat(0), s31 = Splat(0);
+  for (int64_t i = 0; i < d; ++i) {
+    const F8 k0 = Load(&w.keys_t[i][j]), k1 = Load(&w.keys_t[i][j + 8]);
+    const F8 q0 = Splat(w.qs[r][i]), q1 = Splat(w.qs[r + 1][i]);
+    const F8 q2 = Splat(w.qs[r + 2][i]), q3 = Splat(w.qs[r + 3][i]);
+    s00 += q0 * k0, s01 += q0 * k1, s10 += q1 * k0, s11 += q1 * k1;
+    s20 += q2 * k0, s21 += q2 * k1, s30 += q3 * k0, s31 += q3 * k1;
+  }
+  Store(&w.p[r][j], s00), Store(&w.p[r][j + 8], s01);
+  Store(&w.p[r + 1][j], s10), Store(&w.p[r + 1][j + 8], s11);
+  Store(&w.p[r + 2][j], s20), Store(&w.p[r + 2][j + 8], s21);
+  Store(&w.p[r + 3][j], s30), Store(&w.p[r + 3][j + 8], s31);
+}
+
+// acc[r], acc[r1] (dims i .. i + 8 * kLanes) += their weights times the tile's values.
+template <int kLanes>
+inline void AddValues(ChunkScratch& w, int64_t r, int64_t r1, int64_t i, int64_t run) {
+  F8 a0[kLanes], a1[kLanes];
+  for (int u = 0; u < kLanes; ++u)
+    a0[u] = Load(&w.acc[r][i + 8 * u]), a1[u] = Load(&w.acc[r1][i + 8 * u]);
+  for (int64_t j = 0; j < run; ++j) {
+    const float* vj = w.values[j] + i;
+    const F8 w0 = Splat(w.p[r][j]), w1 = Splat(w.p[r1][j]);
+    for (int u = 0; u < kLanes; ++u) {
+      const F8 x = Load(vj + 8 * u);
+      a0[u] += w0 * x, a1[u] += w1 * x;
+    }
+  }
+  for (int u = 0; u < kLanes; ++u)
+    Store(&w.acc[r][i + 8 * u], a0[u]), Store(&w.acc[r1][i + 8 * u], a1[u]);
+}
+
+// One item: a block of a chunk's queries, every query head of one K/V head (the rows), over
+// the sequence's keys, an online softmax a tile of up to 64 keys at a time. Each tile's keys
+// are transposed once into [head_dim, keys] so the rows' scores come from broadcast
+// multiply-adds across keys, 4 rows x 16 keys at a time; the values are added 2 rows x 32
+// dims at a time.
+void ChunkItem(const Chunks& c, int64_t item) {
+  const int64_t* it = c.items + 4 * item;
+  const int64_t s = it[0], g = it[1], t0 = it[2], nt = it[3];
+  const int64_t q_per_kv = c.q_heads / c.kv_heads, d = c.head_dim;
+  const int64_t rows = nt * q_per_kv, padded_rows = (rows + 3) / 4 * 4;
+  const int64_t row_stride = c.kv_heads * d;
+  thread_local std::unique_ptr<ChunkScratch> scratch;  // ~200 KB: not on a pool thread's stack
+  if (!scratch) scratch = std::make_unique<ChunkScratch>();
+  ChunkScratch& w = *scratch;
+  float m[kChunkRows], l[kChunkRows];
+  int64_t row_start[kChunkRows], row_end[kChunkRows];
+  // Row r: token t0 + r / q_per_kv, query head g * q_per_kv + r % q_per_kv.
+  int64_t first_key = std::numeric_limits<int64_t>::max(), last_key = 0;
+  for (int64_t r = 0; r < padded_rows; ++r) {
+    if (r >= rows) {
+      std::fill(w.qs[r], w.qs[r] + d, 0.0f);
+      continue;
+    }
+    const int64_t t = t0 + r / q_per_kv, h = g * q_per_kv + r % q_per_kv;
+    const float* qr = c.q + (t * c.q_heads + h) * d;
+    for (int64_t i = 0; i < d; ++i) w.qs[r][i] = qr[i] * c.sm_scale;
+    std::fill(w.acc[r], w.acc[r] + d, 0.0f);
+    m[r] = kNegInf, l[r] = 0.0f;
+    row_start[r] = std::max<int32_t>(c.starts[t], 0), row_end[r] = c.ends[t];
+    if (row_start[r] < row_end[r]) {
+      first_key = std::min(first_key, row_start[r]);
+      last_key = std::max(last_key, row_end[r]);
+    }
+  }
+  const int32_t* pages = c.page_table + s * c.pages_per_seq;
+  for (int64_t key = first_key; key < last_key; key += kTileKeys) {
+    const int64_t run = std::min(kTileKeys, last_key - key);
+    const int64_t width = (run + 15) / 16 * 16;       // keys, in whole 16s
+    for (int64_t j = 0; j < run; ++j) {
+      const int64_t pos = key + j;
+      const int64_t at = (int64_t(pages[pos / c.page_size]) * c.page_size + pos % c.page_size) *
+                         row_stride + g * d;
+      w.values[j] = c.v + at;
+      const float* kj = c.k + at;
+      for (int64_t i = 0; i < d; ++i) w.keys_t[i][j] = kj[i];
+    }
+    // Keys run .. width - 1 hold stale values: their scores are set to -inf below.
+    for (int64_t r = 0; r < padded_rows; r += 4)
+      for (int64_t j = 0; j < width; j += 16) Scores4x16(w, d, r, j);
+    // Online softmax, row by row; keys a row does not see weigh 0.
+    for (int64_t r = 0; r < rows; ++r) {
+      float* pr = w.p[r];
+      const int64_t lo = std::max<int64_t>(row_start[r] - key, 0);
+      const int64_t hi = std::min<int64_t>(row_end[r] - key, run);
+      if (hi <= lo) {
+        std::fill(pr, pr + width, 0.0f);
+        continue;
+      }
+      for (int64_t j = 0; j < lo; ++j) pr[j] = kNegInf;
+      for (int64_t j = hi; j < width; ++j) pr[j] = kNegInf;
+      F8 tile_max = Load(pr);
+      for (int64_t j = 8; j < width; j += 8) {
+        const F8 x = Load(pr + j);
+        tile_max = x > tile_max ? x : tile_max;
+      }
+      const float new_m = std::max(m[r], MaxOf(tile_max));
+      const float rescale = std::exp(m[r] - new_m);    // 0 on the first tile (m = -inf)
+      F8 sum = Splat(0);
+      for (int64_t j = 0; j < width; j += 8) {
+        const F8 x = Exp(Load(pr + j) - Splat(new_m));
+        Store(pr + j, x);
+        sum += x;
+      }
+      l[r] = l[r] * rescale + SumOf(sum);
+      m[r] = new_m;
+      if (rescale != 1.0f)
+        for (int64_t i = 0; i < d; i += 8) Store(&w.acc[r][i], Load(&w.acc[r][i]) * Splat(rescale));
+    }
+    for (int64_t r = 0; r < rows; r += 2) {
+      // An odd last row pairs with a spare accumulator row whose weights are 0.
+      int64_t r1 = r + 1;
+      if (r1 == rows) {
+        r1 = kChunkRows;
+        std::fill(w.p[r1], w.p[r1] + run, 0.0f);
+      }
+      int64_t i = 0;
+      for (; i + 32 <= d; i += 32) AddValues<4>(w, r, r1, i, run);
+      for (; i < d; i += 8) AddValues<1>(w, r, r1, i, run);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t t = t0 + r / q_per_kv, h = g * q_per_kv + r % q_per_kv;
+    float* o = c.out + (t * c.q_heads + h) * d;
+    if (l[r] == 0.0f) {                                 // no key seen: 0 and -inf
+      std::fill(o, o + d, 0.0f);
+      c.lse[t * c.q_heads + h] = kNegInf;
+      continue;
+    }
+    const float inv = 1.0f / l[r];
+    for (int64_t i = 0; i < d; ++i) o[i] = w.acc[r][i] * inv;
+    c.lse[t * c.q_heads + h] = m[r] + std::log(l[r]);
+  }
+}
+
+ffi::Error ChunkAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                              ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                              ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> cu_q_lens,
+                              ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> starts,
+                              ffi::Buffer<ffi::S32> ends, ffi::ResultBuffer<ffi::F32> out,
+                              ffi::ResultBuffer<ffi::F32> lse, float sm_scale) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  const auto td = page_table.dimensions();
+  if (qd.size() != 3 || kd.size() != 3 || td.size() != 2 || vd.size() != 3 ||
+      vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2])
+    return ffi::Error::InvalidArgument(
+        "want q [tokens, q_heads, head_dim], k and v [pages, page_size, kv_heads * "
+        "head_dim], page_table [max_seqs, pages_per_seq]");
+  Chunks c;
+  const int64_t tokens = qd[0], max_seqs = td[0], num_pages = kd[0];
+  c.q_heads = qd[1], c.head_dim = qd[2], c.page_size = kd[1], c.pages_per_seq = td[1];
+  if (c.head_dim < 8 || c.head_dim > kMaxHeadDim || c.head_dim % 8 || kd[2] % c.head_dim)
+    return ffi::Error::InvalidArgument("head_dim must be a multiple of 8, at most 256");
+  c.kv_heads = kd[2] / c.head_dim;
+  const int64_t q_per_kv = c.kv_heads ? c.q_heads / c.kv_heads : 0;
+  if (c.kv_heads < 1 || c.q_heads % c.kv_heads || q_per_kv > kChunkRows ||
+      c.page_size < 1 || cu_q_lens.element_count() != max_seqs + 1 ||
+      num_seqs.element_count() != 1 || starts.element_count() != tokens ||
+      ends.element_count() != tokens)
+    return ffi::Error::InvalidArgument(
+        "q_heads must be a multiple of kv_heads (at most 64 per K/V head), cu_q_lens "
+        "[max_seqs + 1], num_seqs [1], starts and ends [tokens]");
+  const int32_t* cu = cu_q_lens.typed_data();
+  const int64_t n = *num_seqs.typed_data();
+  if (n < 0 || n > max_seqs) return ffi::Error::InvalidArgument("num_seqs outside 0..max_seqs");
+  c.q = q.typed_data(), c.k = k.typed_data(), c.v = v.typed_data();
+  c.page_table = page_table.typed_data(), c.starts = starts.typed_data();
+  c.ends = ends.typed_data(), c.out = out->typed_data(), c.lse = lse->typed_data();
+  c.sm_scale = sm_scale;
+  // Rows no chunk covers (decodes, padding): 0 and -inf.
+  std::fill(c.out, c.out + tokens * c.q_heads * c.head_dim, 0.0f);
+  std::fill(c.lse, c.lse + tokens * c.q_heads, kNegInf);
+  const int64_t block = std::max<int64_t>(1, kChunkRows / q_per_kv);   // tokens per item
+  std::vector<int64_t> items;
+  int64_t work = 0;
+  for (int64_t s = 0; s < n; ++s) {
+    const int64_t t0 = cu[s], t1 = cu[s + 1];
+    if (t0 < 0 || t1 < t0 || t1 > tokens)
+      return ffi::Error::InvalidArgument("cu_q_lens must rise within 0..tokens");
+    if (t1 - t0 < 2) continue;                          // a decode: not this kernel's
+    // Every page a query will read must exist: a bad page id is an error, never a stray read.
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t begin = std::max<int32_t>(c.starts[t], 0), end = c.ends[t];
+      if (end > c.pages_per_seq * c.page_size)
+        return ffi::Error::InvalidArgument("a key past the page table's width");
+      if (end <= begin) continue;
+      for (int64_t slot = begin / c.page_size; slot <= (end - 1) / c.page_size; ++slot) {
+        const int32_t page = c.page_table[s * c.pages_per_seq + slot];
+        if (page < 0 || page >= num_pages)
+          return ffi::Error::InvalidArgument("page id outside the cache");
+      }
+      work += end - begin;
+    }
+    for (int64_t g = 0; g < c.kv_heads; ++g)
+      for (int64_t t = t0; t < t1; t += block)
+        items.insert(items.end(), {s, g, t, std::min(block, t1 - t)});
+  }
+  c.items = items.data();
+  const int64_t num_items = int64_t(items.size()) / 4;
+  if (num_items == 0) return ffi::Error::Success();
+  const int64_t helpers = work * c.q_heads >= 16384 ? num_items : 0;
+  RunOnPool<Chunks, ChunkItem>(pool, c, num_items, helpers);
+  return ffi::Error::Success();
+}
+
 // ------------------------------------------------------------------------ layer matmul
 
 struct Matmul {
@@ -329,3 +615,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MedhaCpuMatmulT, MatmulTImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x
                                   .Arg<ffi::Buffer<ffi::F32>>()   // w [n, k]
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MedhaCpuChunkAttention, ChunkAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // k
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // v
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // page_table
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // cu_q_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // num_seqs
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // starts
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // ends
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // out
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // lse
+                                  .Attr<float>("sm_scale"));

@@ -42,6 +42,7 @@ SOURCE = pathlib.Path(__file__).with_name("cpu_kernels.cc")
 DECODE_ATTENTION_TARGET = "medha_cpu_decode_attention"
 LAYER_MATMUL_TARGET = "medha_cpu_layer_matmul"
 MATMUL_T_TARGET = "medha_cpu_matmul_t"
+CHUNK_ATTENTION_TARGET = "medha_cpu_chunk_attention"
 ENV_VAR = "MEDHA_CPU_KERNELS"       # "off" (or 0, false): the XLA path only
 # -march=native: built on the machine that runs it, for its vector units.
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
@@ -93,7 +94,8 @@ def status() -> str:
         library = ctypes.cdll.LoadLibrary(str(path))
         for target, symbol in ((DECODE_ATTENTION_TARGET, library.MedhaCpuDecodeAttention),
                                (LAYER_MATMUL_TARGET, library.MedhaCpuLayerMatmul),
-                               (MATMUL_T_TARGET, library.MedhaCpuMatmulT)):
+                               (MATMUL_T_TARGET, library.MedhaCpuMatmulT),
+                               (CHUNK_ATTENTION_TARGET, library.MedhaCpuChunkAttention)):
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
     except (OSError, subprocess.SubprocessError, AttributeError) as error:
         detail = getattr(error, "stderr", "") or error
@@ -132,6 +134,28 @@ def decode_attention(q, k_pages, v_pages, page_table, kv_lens, starts, *, sm_sca
     return call(q.astype(jnp.float32), k_pages, v_pages, page_table.astype(jnp.int32),
                 kv_lens.astype(jnp.int32), starts.astype(jnp.int32),
                 sm_scale=np.float32(sm_scale))
+
+
+def chunk_attention(q, k_pages, v_pages, page_table, cu_q_lens, num_seqs, starts, ends, *,
+                    sm_scale: float):
+    """The prefill chunks' attention of a ragged batch as one custom call (f32; CPU only;
+    needs `available()`; head_dim a multiple of 8, at most 256).
+
+    q [tokens, q_heads, head_dim]; k_pages, v_pages [num_pages, page_size, kv_heads *
+    head_dim] (heads folded); page_table int32 [max_seqs, pages_per_seq]; cu_q_lens int32
+    [max_seqs + 1]; num_seqs int32 [1]; starts, ends int32 [tokens]: query t sees keys
+    starts[t] .. ends[t] - 1 of its sequence. Only sequences of 2 or more queries (chunks)
+    are computed: the rows of decodes and padding are 0 / -inf.
+    Returns out [tokens, q_heads, head_dim] f32 and lse [tokens, q_heads] f32."""
+    tokens, q_heads, head_dim = q.shape
+    call = jax.ffi.ffi_call(CHUNK_ATTENTION_TARGET, (
+        jax.ShapeDtypeStruct((tokens, q_heads, head_dim), jnp.float32),
+        jax.ShapeDtypeStruct((tokens, q_heads), jnp.float32)))
+    with jax.named_scope("chunk_attention"):   # "attention", in a step breakdown's op names
+        return call(q.astype(jnp.float32), k_pages, v_pages, page_table.astype(jnp.int32),
+                    cu_q_lens.astype(jnp.int32), num_seqs.astype(jnp.int32),
+                    starts.astype(jnp.int32), ends.astype(jnp.int32),
+                    sm_scale=np.float32(sm_scale))
 
 
 def layer_matmul(x, stacked, layer):

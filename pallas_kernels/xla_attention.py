@@ -273,6 +273,27 @@ def _query_blocks_xla(q, k_pages, v_pages, page_table, plan: QueryBlockPlan, *,
     return out[:num_tokens], lse[:num_tokens]
 
 
+def _chunks_native(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, num_seqs, *,
+                   sm_scale: float, causal: bool, sliding_window: int | None,
+                   window_starts: jax.Array | None):
+    """`_query_blocks_xla` as the native CPU kernel (`cpu_native.chunk_attention`): on a
+    CPU, XLA runs the block and tile loops above at ~20-50 GFLOP/s (SmolLM2, a 256-token
+    chunk: ~100 ms of a ~500 ms step). The keys each query sees are worked out here, per
+    token, as `row_key_ends` and `key_starts` give them to the loops."""
+    num_tokens = q.shape[0]
+    token = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq = segment_of(token, cu_q_lens[1:])
+    q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
+    if causal:       # query i of a chunk of q_len sees its own position and those before
+        ends = kv_lens[seq] - q_len + 1 + (token - cu_q_lens[seq])
+    else:
+        ends = kv_lens[seq]
+    starts = key_starts(ends, sliding_window) if window_starts is None else window_starts
+    return cpu_native.chunk_attention(q, _fold_heads(k_pages), _fold_heads(v_pages),
+                                      page_table, cu_q_lens, num_seqs, starts, ends,
+                                      sm_scale=sm_scale)
+
+
 def ragged_paged_attention_xla(
     q: jax.Array,           # [tokens, q_heads, head_dim]
     k_pages: jax.Array,     # [num_pages, page_size, kv_heads, head_dim]
@@ -300,11 +321,17 @@ def ragged_paged_attention_xla(
     is_decode = in_use & (q_lens == 1)
 
     # Chunks (q_len >= 2): query blocks streaming over their own context.
-    plan = plan_query_blocks(cu_q_lens, kv_lens, num_seqs, num_tokens=num_tokens,
-                             block_q=block_sizes.block_q, min_q_len=2)
-    out, lse = _query_blocks_xla(q, k_pages, v_pages, page_table, plan, sm_scale=sm_scale,
-                                 block_sizes=block_sizes, causal=causal,
-                                 sliding_window=sliding_window, window_starts=window_starts)
+    if cpu_native.runs_on(q, k_pages, v_pages) and q.shape[2] % 8 == 0:
+        out, lse = _chunks_native(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens,
+                                  num_seqs, sm_scale=sm_scale, causal=causal,
+                                  sliding_window=sliding_window, window_starts=window_starts)
+    else:
+        plan = plan_query_blocks(cu_q_lens, kv_lens, num_seqs, num_tokens=num_tokens,
+                                 block_q=block_sizes.block_q, min_q_len=2)
+        out, lse = _query_blocks_xla(q, k_pages, v_pages, page_table, plan,
+                                     sm_scale=sm_scale, block_sizes=block_sizes,
+                                     causal=causal, sliding_window=sliding_window,
+                                     window_starts=window_starts)
 
     # Decodes: every decoding sequence's single query at once. A lone query sees keys
     # 0..kv_len-1 whether causal (it is the last key) or not (the prefix), so one path.

@@ -1,6 +1,7 @@
-"""The native CPU decode attention (pallas_kernels.cpu_native): built where a C++ compiler
-is, equal to the XLA path and the dense oracle on fresh random batches, in the compiled step
-of the XLA path on the CPU, and a clear error (no stray read) for a page outside the cache."""
+"""The native CPU kernels (pallas_kernels.cpu_native): built where a C++ compiler is; the
+decode and the chunk attention equal to the XLA path and the dense oracle on fresh random
+batches, in the compiled step of the XLA path on the CPU, and a clear error (no stray read)
+for a page outside the cache; the matmuls equal to NumPy and the model's einsums."""
 
 import os
 import subprocess
@@ -17,7 +18,8 @@ from pallas_kernels import cpu_native, xla_attention
 from pallas_kernels.dense_reference import dense_attention_oracle
 from pallas_kernels.dispatch import block_sizes_for
 from pallas_kernels.query_blocks import key_starts
-from tests.attention_checks import assert_attention_close, make_batch, Shapes
+from tests.attention_checks import (assert_attention_close, assert_matches_oracle, make_batch,
+                                    ragged_batches, Shapes)
 
 if cpu_native._compiler() is None:
     pytest.skip("no C++ compiler: the native CPU kernels cannot build here",
@@ -101,6 +103,74 @@ def test_the_cpu_step_calls_the_kernel():
     hlo = jax.jit(lambda b: xla_attention.ragged_paged_attention_xla(
         **b, sm_scale=0.125, block_sizes=tiling)).lower(batch).as_text()
     assert cpu_native.DECODE_ATTENTION_TARGET in hlo
+
+
+def _ragged_both_paths(batch, **kw):
+    """(native, xla) results of ragged_paged_attention_xla on the same batch."""
+    shapes_q = batch["q"]
+    tiling = block_sizes_for("xla", "cpu", shapes_q.shape[2], batch["k_pages"].shape[1])
+    args = {name: jnp.asarray(x) for name, x in batch.items()}
+
+    def run():
+        return jax.jit(lambda a: xla_attention.ragged_paged_attention_xla(
+            **a, block_sizes=tiling, **kw))(args)
+    native = run()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cpu_native, "available", lambda: False)
+        xla = run()
+    return native, xla
+
+
+@settings(max_examples=12, deadline=None)
+@given(case=ragged_batches(SHAPES), window=st.sampled_from([None, 1, 5, 40]),
+       causal=st.booleans())
+def test_chunks_equal_the_xla_path_and_the_oracle(case, window, causal):
+    """Ragged batches of chunks (with and without context, 1 to 24 queries) and decodes:
+    the chunk kernel's out and lse equal the XLA path's query blocks and the dense oracle
+    (fresh random K/V, queries and page tables each example), causal or not, windowed."""
+    shapes, seed, q_lens, contexts = case
+    if not causal:
+        window = None          # a window is the causal path's (the oracle's contract)
+    batch = make_batch(seed, shapes, q_lens, contexts, causal=causal)
+    sm_scale = shapes.head_dim ** -0.5
+    (out, lse), (want_out, want_lse) = _ragged_both_paths(
+        batch, sm_scale=sm_scale, causal=causal, sliding_window=window)
+    assert_attention_close(out, lse, want_out, want_lse, atol=1e-5)
+    assert_matches_oracle(out, lse, batch, sm_scale, causal=causal, sliding_window=window)
+
+
+def test_chunks_with_window_starts_per_token():
+    """Starts the caller maps per query (a KV shard's part of a window), some past every key."""
+    shapes = SHAPES[1]
+    batch = make_batch(5, shapes, [7, 1, 12], [30, 9, 0], causal=False)
+    starts = np.random.default_rng(5).integers(0, 40, shapes.num_tokens).astype(np.int32)
+    (out, lse), (want_out, want_lse) = _ragged_both_paths(
+        batch, sm_scale=0.2, causal=False, window_starts=jnp.asarray(starts))
+    assert_attention_close(out, lse, want_out, want_lse, atol=1e-5)
+    assert_matches_oracle(out, lse, batch, 0.2, causal=False, window_starts=starts)
+
+
+def test_a_chunks_step_calls_the_chunk_kernel():
+    shapes = SHAPES[0]
+    batch = make_batch(1, shapes, [1, 1, 5], [30, 2, 9])
+    tiling = block_sizes_for("xla", "cpu", shapes.head_dim, shapes.page_size)
+    hlo = jax.jit(lambda b: xla_attention.ragged_paged_attention_xla(
+        **b, sm_scale=0.125, block_sizes=tiling)).lower(batch).as_text()
+    assert cpu_native.CHUNK_ATTENTION_TARGET in hlo
+
+
+def test_a_chunks_page_outside_the_cache_is_an_error():
+    shapes = SHAPES[2]
+    batch = make_batch(2, shapes, [4, 1], [10, 3])
+    table = np.array(batch["page_table"])
+    table[0, 1] = -1
+    tokens = shapes.num_tokens
+    with pytest.raises(Exception, match="page id outside the cache"):
+        jax.block_until_ready(cpu_native.chunk_attention(
+            jnp.asarray(batch["q"]), xla_attention._fold_heads(jnp.asarray(batch["k_pages"])),
+            xla_attention._fold_heads(jnp.asarray(batch["v_pages"])), jnp.asarray(table),
+            jnp.asarray(batch["cu_q_lens"]), jnp.asarray(batch["num_seqs"]),
+            jnp.zeros(tokens, jnp.int32), jnp.full(tokens, 14, jnp.int32), sm_scale=0.125))
 
 
 def test_a_page_outside_the_cache_is_an_error():

@@ -56,11 +56,13 @@ def test_measure_splits_a_tiny_models_step():
 def test_cpu_kernels_rows_compare_the_two_paths_side_by_side():
     from pallas_kernels import cpu_native
 
-    rows = bench.run_cpu_kernels("tiny", repeats=1)
+    rows = bench.run_cpu_kernels("tiny", quick=True, repeats=1)
     if not cpu_native.available():
         assert rows == []
         return
+    cases = [f"decode x{n}" for n in (1, 2, 4, 8)] + [
+        "prefill 256", "prefill 256 @ctx 1024", "mixed 8 decodes + 128 chunk"]
     assert [r["scenario"] for r in rows] == [
-        f"decode x{n}, {path}" for path in ("xla path", "cpu kernels") for n in (1, 2, 4, 8)]
+        f"{case}, {path}" for path in ("xla path", "cpu kernels") for case in cases]
     assert all(r["vs_xla_path"] > 0 for r in rows)
-    assert [r["vs_xla_path"] for r in rows[:4]] == [1.0] * 4
+    assert [r["vs_xla_path"] for r in rows[:len(cases)]] == [1.0] * len(cases)
