@@ -52,6 +52,7 @@ import dataclasses
 import http.client
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -569,6 +570,7 @@ def endpoints(args, files: dict, pythons: dict) -> list[Endpoint]:
              "--http-port", "{port}", "--no-grpc", "--served-model-name", SERVED_NAME,
              "--max-model-len", str(args.max_model_len), "--cache-dir", args.cache_dir]
     medha += ["--max-seqs", str(args.max_seqs)] if args.max_seqs else []
+    medha += shlex.split(args.medha_args)
     return [Endpoint(MEDHA, medha)] + [
         dataclasses.replace(PEERS[name].endpoint,
                             command=PEERS[name].server(python, files, args))
@@ -636,6 +638,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "to compile)")
     p.add_argument("--cache-dir", default=None,
                    help="medha-jax's compile cache (default: a fresh one, removed after)")
+    p.add_argument("--medha-args", default="",
+                   help="more arguments of medha-jax's server, e.g. '--target-batch-time 0.3'")
     p.add_argument("--hf-mode", choices=("batched", "single"), default="batched",
                    help="transformers: one left-padded batch, or one request at a time")
     p.add_argument("--transformers-python", default=None, help="its Python (default: this)")

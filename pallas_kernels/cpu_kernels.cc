@@ -15,6 +15,14 @@
 //   starts     int32 [seqs]     the first key each query sees (a sliding window; else 0)
 // Results: out [seqs, q_heads, head_dim], lse [seqs, q_heads].
 //
+// MedhaCpuChunkAttention: the same for the prefill chunks of a ragged batch (sequences of
+// 2 or more queries; decodes and padding rows are 0 / -inf), query t seeing keys
+// starts[t] .. ends[t] - 1 of its sequence:
+//   q [tokens, q_heads, head_dim], k, v as above, page_table int32 [max_seqs, pages_per_seq],
+//   cu_q_lens int32 [max_seqs + 1], num_seqs int32 [1], starts, ends int32 [tokens]
+// exactly what xla_attention._query_blocks_xla computes: on a CPU, XLA runs its block and
+// tile loops at ~20-50 GFLOP/s (SmolLM2, a 256-token chunk at 1K context: ~15 ms a layer).
+//
 // MedhaCpuLayerMatmul: y = x @ w[layer] for a few rows (a decode step's tokens), reading
 // one layer's matrix in place out of the weights stacked over layers:
 //   x [rows, k], w [layers, k, n], layer int32 [] -> y [rows, n]
@@ -27,7 +35,8 @@
 // [vocab, hidden], whose transpose XLA's dot reads at a third of the memory's speed at 2-8
 // rows (SmolLM2: 10-15 ms for 113 MB).
 //
-// Work is split into items (a (sequence, K/V head), or a block of columns) over XLA's
+// Work is split into items (a (sequence, K/V head), a block of a chunk's queries of one K/V
+// head, or a block of columns) over XLA's
 // intra-op thread pool; the calling thread takes items too and never waits for a helper
 // that has not started one, so a pool busy with other ops cannot stall it.
 
@@ -533,6 +542,68 @@ void MatmulItem(const Matmul& m, int64_t item) {
   }
 }
 
+// A GEMM for the rows of a prefill chunk, w read where it lies: XLA:CPU's dot is fast
+// (YNNPACK's kernels) but first copies each layer's slice out of the stack, and that copy
+// (the whole model's weights, every step) costs as much as the multiplies for a chunk of
+// ~100 tokens.
+//
+// BLIS's layout: an item (32 columns) takes its two 16-column panels of w one block of
+// kGemmDepth rows at a time, packs the block contiguously (16 KB, so it stays in L1: read
+// in place, rows of w lie n floats apart and, for n a multiple of 1024, all in one L1
+// set), then runs the 6-row tiles of x over it.
+constexpr int64_t kGemmDepth = 256;
+constexpr int64_t kGemmMinRows = 9;     // from here on GemmItem, below MatmulItem
+
+// y[r0 : r0 + R, 16 columns] (+)= x[r0 : r0 + R, d0 : d0 + depth] @ panel: 12 vectors of
+// accumulators (R <= 6), the register tile of 16 vector registers; each step loads 16 of the
+// panel's columns (two vectors) and broadcasts one x value per row: 12 multiply-adds for 8
+// loads, so the FMA units, not the loads, set the pace.
+template <int R>
+void GemmTile(const float* __restrict__ panel, const float* x, int64_t x_stride, float* y,
+              int64_t y_stride, int64_t depth, bool accumulate) {
+  F8 acc[R][2];
+  for (int r = 0; r < R; ++r) {
+    acc[r][0] = accumulate ? Load(y + r * y_stride) : Splat(0);
+    acc[r][1] = accumulate ? Load(y + r * y_stride + 8) : Splat(0);
+  }
+  for (int64_t d = 0; d < depth; ++d) {
+    const F8 b0 = Load(panel + 16 * d), b1 = Load(panel + 16 * d + 8);
+    for (int r = 0; r < R; ++r) {
+      const F8 a = Splat(x[r * x_stride + d]);
+      acc[r][0] += a * b0, acc[r][1] += a * b1;
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    Store(y + r * y_stride, acc[r][0]);
+    Store(y + r * y_stride + 8, acc[r][1]);
+  }
+}
+
+// Item: one block of 32 columns, every row.
+void GemmItem(const Matmul& m, int64_t item) {
+  alignas(64) float panel[kGemmDepth * 16];
+  for (int64_t c0 = item * kBlockColumns; c0 < (item + 1) * kBlockColumns; c0 += 16) {
+    for (int64_t d0 = 0; d0 < m.k; d0 += kGemmDepth) {
+      const int64_t depth = std::min(kGemmDepth, m.k - d0);
+      for (int64_t d = 0; d < depth; ++d)
+        std::memcpy(panel + 16 * d, m.w + (d0 + d) * m.n + c0, 16 * sizeof(float));
+      for (int64_t r0 = 0; r0 < m.rows; r0 += 6) {
+        const float* x = m.x + r0 * m.k + d0;
+        float* y = m.y + r0 * m.n + c0;
+        const bool more = d0 > 0;
+        switch (std::min<int64_t>(6, m.rows - r0)) {
+          case 1: GemmTile<1>(panel, x, m.k, y, m.n, depth, more); break;
+          case 2: GemmTile<2>(panel, x, m.k, y, m.n, depth, more); break;
+          case 3: GemmTile<3>(panel, x, m.k, y, m.n, depth, more); break;
+          case 4: GemmTile<4>(panel, x, m.k, y, m.n, depth, more); break;
+          case 5: GemmTile<5>(panel, x, m.k, y, m.n, depth, more); break;
+          default: GemmTile<6>(panel, x, m.k, y, m.n, depth, more); break;
+        }
+      }
+    }
+  }
+}
+
 // ------------------------------------------------------------------- transposed matmul
 
 // y = x @ w.T for a few rows, w [n, k] row-major (an LM head tied to the embedding).
@@ -582,7 +653,10 @@ ffi::Error LayerMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   m.rows = xd[0], m.k = xd[1], m.n = wd[2];
   m.x = x.typed_data(), m.w = w.typed_data() + int64_t(l) * m.k * m.n, m.y = y->typed_data();
   const int64_t blocks = m.n / kBlockColumns;
-  RunOnPool<Matmul, MatmulItem>(pool, m, blocks, blocks);
+  if (m.rows >= kGemmMinRows)
+    RunOnPool<Matmul, GemmItem>(pool, m, blocks, blocks);
+  else
+    RunOnPool<Matmul, MatmulItem>(pool, m, blocks, blocks);
   return ffi::Error::Success();
 }
 

@@ -9,7 +9,9 @@ decode step spends most of its attention time in per-op costs of its loops: a lo
 decode took ~23 ms of attention for ~18 MB of K/V, and 8 decodes ~50 of a ~125 ms step
 (issue 26; `benchmarks/engine.py --breakdown`). Every jnp form of that loop was tried and
 none was faster (README, "CPU decode"), so the decode attention is one custom call here,
-`cpu_decode_attention.cc`, the issue's "custom call only if nothing else does".
+`cpu_kernels.cc`, the issue's "custom call only if nothing else does"; so are a prefill
+chunk's attention (XLA's query-block loops ran at ~20-50 GFLOP/s), the small steps' layer
+matmuls (XLA copies each layer's slice of the stacked weights first) and their tied LM head.
 
 The library is compiled on first use (about 3 s) against the running jaxlib's FFI headers
 (`jax.ffi.include_dir()`) and kept beside its source, named by the digest of the source,

@@ -37,6 +37,11 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", default="lars-mp",
                         help="scheduling policy: lars-mp (default: the full Medha scheduler), "
                              "lars, lrs, edf, fcfs, fcfs-np, sarathi-512, sarathi-2048")
+    parser.add_argument("--target-batch-time", type=float, default=None, metavar="SECONDS",
+                        help="the batch-time budget a step's prefill chunks are sized to while "
+                             "a request has a TPOT objective (default: 50 ms, or 8x the "
+                             "predicted one-token step where that is longer; capped by the "
+                             "default SLO's TPOT)")
     parser.add_argument("--cache-dir", default=None,
                         help="where compiled executables and fitted predictors are kept "
                              "between runs (default: $MEDHA_CACHE_DIR, else "
@@ -86,7 +91,9 @@ def _make_server(args, *, warmup: bool, calibrate: bool, engine=None):
     from serving.server import Server
     from serving.validation import RequestLimits
 
-    scheduler = SchedulerConfig(args.policy)     # a bad name fails before the model loads
+    # A bad policy name or budget fails before the model loads.
+    scheduler = SchedulerConfig(args.policy,
+                                target_batch_time_s=getattr(args, "target_batch_time", None))
     replicas = getattr(args, "replicas", 1)
     router = RoutingConfig(getattr(args, "router", PREDICTED_TIME))
     if replicas < 1:

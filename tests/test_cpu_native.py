@@ -196,10 +196,12 @@ def test_turned_off_by_the_environment():
 
 
 @settings(max_examples=8, deadline=None)
-@given(rows=st.sampled_from([1, 2, 3, 4, 5, 8, 11]), k=st.sampled_from([16, 64, 96]),
-       n=st.sampled_from([32, 96, 192]), layers=st.integers(1, 3), seed=st.integers(0, 2**31 - 1))
+@given(rows=st.sampled_from([1, 2, 3, 4, 5, 8, 9, 11, 13, 64, 131]),
+       k=st.sampled_from([16, 64, 96, 300]), n=st.sampled_from([32, 96, 192]),
+       layers=st.integers(1, 3), seed=st.integers(0, 2**31 - 1))
 def test_layer_matmul_equals_numpy(rows, k, n, layers, seed):
-    """Every row count (groups of four and the rest), each layer of the stack read in place."""
+    """Every row count (groups of four and the rest up to 8; the GEMM's 6-row tiles and the
+    rest past it, over one or two packed depth blocks), each layer of the stack in place."""
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((rows, k)).astype(np.float32)
     stacked = rng.standard_normal((layers, k, n)).astype(np.float32)
@@ -233,37 +235,39 @@ def test_dense_in_place_equals_the_einsum(spec, x_shape, w_shape):
     np.testing.assert_allclose(got, np.einsum(spec, x, stacked[1]), rtol=1e-5, atol=1e-5)
 
 
-def test_small_steps_read_the_matrices_in_place_and_give_the_one_shot_logits():
-    """The tiny model on one device, a prompt run in steps of 1 to 8 tokens (decode-sized,
-    as the engine's smallest buckets): each step's program reads the layer matrices in place
-    (the layer matmul is in it) and the logits equal the one-shot forward's (a 16-token step
-    slices them as before)."""
+def test_steps_read_the_matrices_in_place_and_give_the_one_shot_logits():
+    """The tiny model on one device, a prompt run in steps of 1 to 24 tokens (decodes and
+    chunks): each step's program reads the layer matrices in place (the layer matmul is in
+    it) and the logits equal the one-shot forward's (a step past IN_PLACE_MAX_TOKENS slices
+    them as before)."""
     from medha_jax import load_model
-    from medha_jax.model.llama import one_sequence_metadata
+    from medha_jax.model.llama import IN_PLACE_MAX_TOKENS, one_sequence_metadata
 
     model = load_model("tiny", verbose=False)
     rng = np.random.default_rng(6)
-    ids = rng.integers(0, 256, size=40).astype(np.int32)
+    ids = rng.integers(0, 256, size=80).astype(np.int32)
     want = model.logits(ids.tolist())
-    page_size, per_shard = 16, 48
+    big = IN_PLACE_MAX_TOKENS + 1
+    page_size, per_shard = 16, -(-big // 16) * 16
     cache = model.new_kv_cache(per_shard // page_size, page_size)
     got, start = [], 0
     with jax.set_mesh(model.mesh):
-        for n in (1, 8, 3, 4, 2, 8, 6, 5, 1, 2):
+        for n in (1, 8, 3, 4, 2, 8, 6, 5, 1, 2, 9, 24, 7):
             meta = one_sequence_metadata(start, start + n, n, page_size=page_size,
                                          num_kv_shards=1, tokens_per_shard=per_shard)
             positions = np.arange(start, start + n, dtype=np.int32)
             args = (model.state, cache, ids[start:start + n], positions, meta)
-            if n in (1, 8):
+            if n in (1, 8, 24):
                 hlo = model._chunk_logits.lower(*args).as_text()
                 assert cpu_native.LAYER_MATMUL_TARGET in hlo
             logits, cache = model._chunk_logits(*args)
             got.append(np.asarray(logits))
             start += n
-        meta = one_sequence_metadata(0, 16, 16, page_size=page_size, num_kv_shards=1,
+        meta = one_sequence_metadata(0, big, big, page_size=page_size, num_kv_shards=1,
                                      tokens_per_shard=per_shard)
-        hlo = model._chunk_logits.lower(model.state, cache, ids[:16],
-                                        np.arange(16, dtype=np.int32), meta).as_text()
+        tokens = np.resize(ids, big)
+        hlo = model._chunk_logits.lower(model.state, cache, tokens,
+                                        np.arange(big, dtype=np.int32), meta).as_text()
         assert cpu_native.LAYER_MATMUL_TARGET not in hlo
     np.testing.assert_allclose(np.concatenate(got), want, atol=2e-5, rtol=0)
 

@@ -103,9 +103,19 @@ def test_two_replicas_give_one_replicas_greedy_tokens_and_return_every_page(
 
 def test_a_sessions_next_turn_goes_where_its_prefix_is_cached():
     """Turn 2 extends turn 1's prompt: the router sends it to turn 1's replica, whose prefix
-    cache serves the shared pages; another session's turn 1 meanwhile goes to the other."""
-    with Server(tiny_model(), engine_config=TINY_ENGINE, warmup=False, replicas=2,
-                router=RoutingConfig("predicted-time")) as server:
+    cache serves the shared pages; another session's turn 1 meanwhile goes to the other.
+    Both replicas price prefills with one fixed predictor, the CPU roofline a server starts
+    from: refined online, replica 0's learns from steps timed on this (shared, busy) CPU
+    and replica 1's does not, and the two then disagree by more than the cached prefix
+    saves (seen in a loaded suite run)."""
+    from medha_jax.engine.online_fit import CPU_EFFICIENCY, measure_cpu_peaks
+    from medha_jax.scheduler.predictor import AnalyticalPredictor
+
+    model = tiny_model()
+    predictor = AnalyticalPredictor(model.config, hardware=measure_cpu_peaks(model.config),
+                                    efficiency=CPU_EFFICIENCY)
+    with Server(model, engine_config=TINY_ENGINE, warmup=False, replicas=2,
+                router=RoutingConfig("predicted-time"), predictor=predictor) as server:
         turn1 = list(np.random.default_rng(0).integers(1, 256, size=70))
         first = server.generate(TokensPrompt(turn1), GREEDY)
         turn2 = turn1 + list(first.token_ids) + [5, 6, 7]

@@ -120,7 +120,8 @@ def lm_logits(hidden, embed, lm_head, vocab_size: int, softcap: float | None = N
     one_device: the weights are on one device, so a small step on a CPU may read the tied
     embedding with the native kernel (`cpu_native.matmul_t`): XLA's dot over its transpose
     reads it at a third of the memory's speed at 2-8 rows."""
-    if lm_head is None and one_device and _small_f32_cpu_step(hidden, embed):
+    if (lm_head is None and one_device and hidden.shape[0] <= MATMUL_T_MAX_ROWS
+            and cpu_native.runs_on(embed)):
         logits = cpu_native.matmul_t(hidden, embed)
     else:
         head = embed.T if lm_head is None else lm_head
@@ -163,30 +164,30 @@ def decoder_layers(x, stacked: dict[str, jax.Array], kv_cache: KVCache, position
 # A layer's projection matrices, what `_matrices_in_place` leaves stacked, and how many of
 # each one's leading axes its projection contracts (`layers.dense`).
 MATRICES = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1}
-# Up to this many tokens a step reads each matrix in place (`cpu_native.layer_matmul`
-# reads it once per four rows); past it the dense layers are compute-bound and XLA's own
-# matmul on the scan's slice is the faster (and the slice's copy a small share).
-IN_PLACE_MAX_TOKENS = 8
+# Up to this many tokens a step reads each matrix in place (`cpu_native.layer_matmul`:
+# once per four rows up to 8 rows, else a packed GEMM); past it the slice's copy is a small
+# share of the multiplies and XLA's own matmul is as fast. 30 layers of SmolLM2's
+# projections alone on 2 cores, a scan over slices vs in place, ms: 8 tokens 50 vs 31,
+# 32: 94 vs 72, 128: 215 vs 187, 256: 404 vs 334, 512: 698 vs 714, 1024: 1361 vs 1431.
+IN_PLACE_MAX_TOKENS = 256
+# Up to this many rows the tied LM head is the native row-by-row product (`matmul_t`).
+MATMUL_T_MAX_ROWS = 8
 
 
 def _matrices_in_place(x, stacked: dict[str, jax.Array], layout: MeshLayout) -> bool:
     """Whether the layer scan leaves the projection matrices stacked, each read in place by
     the native CPU kernel (`layers.LayerOfStack`), rather than slicing them out layer by
-    layer: small f32 steps on one CPU device. XLA:CPU copies each layer's slice of the
-    stack before its matmul (or, at one token, folds the matrix-vector product into a
-    slice loop on one thread): a lone SmolLM2 decode spent ~45 of ~50 ms there (issue 26).
+    layer: f32 steps of up to IN_PLACE_MAX_TOKENS tokens on one CPU device. XLA:CPU copies
+    each layer's slice of the stack before its matmul (or, at one token, folds the
+    matrix-vector product into a slice loop on one thread): a lone SmolLM2 decode spent ~45
+    of ~50 ms there, a 256-token chunk ~70 of ~500 ms (issue 26).
     On a mesh the matmuls are partitioned by XLA, which a custom call is not."""
     if layout.mesh.size != 1 or not all(
             name in stacked and math.prod(stacked[name].shape[1 + contracted:]) % 32 == 0
             for name, contracted in MATRICES.items()):
         return False      # (the kernel's columns come in blocks of 32)
-    return _small_f32_cpu_step(x, *(stacked[name] for name in MATRICES))
-
-
-def _small_f32_cpu_step(x, *weights) -> bool:
-    """Whether a step of x's rows (at most IN_PLACE_MAX_TOKENS) over `weights` runs the
-    native CPU kernels (`cpu_native.runs_on`)."""
-    return x.shape[0] <= IN_PLACE_MAX_TOKENS and cpu_native.runs_on(*weights)
+    return x.shape[0] <= IN_PLACE_MAX_TOKENS and cpu_native.runs_on(
+        *(stacked[name] for name in MATRICES))
 
 
 def _decoder_layer(carry, layer, *, config: ModelConfig, layout: MeshLayout, positions,
