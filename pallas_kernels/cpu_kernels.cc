@@ -476,18 +476,23 @@ ffi::Error ChunkAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     if (t0 < 0 || t1 < t0 || t1 > tokens)
       return ffi::Error::InvalidArgument("cu_q_lens must rise within 0..tokens");
     if (t1 - t0 < 2) continue;                          // a decode: not this kernel's
-    // Every page a query will read must exist: a bad page id is an error, never a stray read.
+    // Every page an item will read must exist: a bad page id is an error, never a stray
+    // read. An item reads its rows' keys from the first any of them sees to the last, so
+    // the check covers the same span of the sequence's keys.
+    int64_t first = std::numeric_limits<int64_t>::max(), last = 0;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t begin = std::max<int32_t>(c.starts[t], 0), end = c.ends[t];
-      if (end > c.pages_per_seq * c.page_size)
-        return ffi::Error::InvalidArgument("a key past the page table's width");
       if (end <= begin) continue;
-      for (int64_t slot = begin / c.page_size; slot <= (end - 1) / c.page_size; ++slot) {
-        const int32_t page = c.page_table[s * c.pages_per_seq + slot];
-        if (page < 0 || page >= num_pages)
-          return ffi::Error::InvalidArgument("page id outside the cache");
-      }
+      first = std::min(first, begin), last = std::max(last, end);
       work += end - begin;
+    }
+    if (last > c.pages_per_seq * c.page_size)
+      return ffi::Error::InvalidArgument("a key past the page table's width");
+    for (int64_t slot = first / c.page_size; first < last && slot <= (last - 1) / c.page_size;
+         ++slot) {
+      const int32_t page = c.page_table[s * c.pages_per_seq + slot];
+      if (page < 0 || page >= num_pages)
+        return ffi::Error::InvalidArgument("page id outside the cache");
     }
     for (int64_t g = 0; g < c.kv_heads; ++g)
       for (int64_t t = t0; t < t1; t += block)

@@ -39,7 +39,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                              "lars, lrs, edf, fcfs, fcfs-np, sarathi-512, sarathi-2048")
     parser.add_argument("--target-batch-time", type=float, default=None, metavar="SECONDS",
                         help="the batch-time budget a step's prefill chunks are sized to while "
-                             "a request has a TPOT objective (default: 50 ms, or 8x the "
+                             "a request has a TPOT objective (default: 50 ms, or 16x the "
                              "predicted one-token step where that is longer; capped by the "
                              "default SLO's TPOT)")
     parser.add_argument("--cache-dir", default=None,

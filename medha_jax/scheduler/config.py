@@ -35,7 +35,7 @@ class SchedulerConfig:
     policy:                 one of POLICY_NAMES.
     target_batch_time_s:    t_target when no SLO asks for less. None: 50 ms (Medha's example
                             is 20 ms for tight TPOTs; 50 ms trades a little decode latency
-                            for larger prefill chunks), or 8x the predicted one-token step
+                            for larger prefill chunks), or 16x the predicted one-token step
                             where that is longer (a CPU).
     rho_max:                space sharing: the most of the budget a long prefill yields.
     min_chunk_tokens:       progress guarantee: the chunk the most urgent prefill gets when
