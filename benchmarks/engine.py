@@ -30,8 +30,9 @@ decode on 2 cores).
 
 The rows "<scenario>, xla path / cpu kernels" run the same decodes (1, 2, 4 and 8), prefill
 chunks and mixed batch on the XLA path and with the native CPU kernels
-(`pallas_kernels.cpu_native`; `vs_xla_path` in the ratio column), on a CPU where they build. This module runs 8 virtual CPU devices (for the tp = K rows) unless
-XLA_FLAGS names a count, and there the kernels of a one-device engine run slower than in a
+(`pallas_kernels.cpu_native`; `vs_xla_path` in the ratio column), on a CPU where they build.
+This module runs 8 virtual CPU devices (for the tp = K rows) unless XLA_FLAGS names a
+count, and there the kernels of a one-device engine run slower than in a
 process of one device (a lone SmolLM2 decode on 2 cores: 52 against 31 ms; the XLA path's
 ~50 ms either way); for the figures a one-device server has:
     XLA_FLAGS=--xla_force_host_platform_device_count=1 python -m benchmarks.engine --quick
@@ -348,7 +349,8 @@ def main(argv=None):
     rows += run_cache_sizes(args.cache_model, repeats)
 
     width = max(len(r["model"]) for r in rows)
-    header = f"{'scenario':<42} {'model':<{width}} {'mesh':<5} {'kv_cache_mib':>12} {'tokens':>6} " \
+    header = f"{'scenario':<42} {'model':<{width}} {'mesh':<5} {'kv_cache_mib':>12} " \
+             f"{'tokens':>6} " \
              f"{'T,S,W':>14} {'step_ms':>9} {'device_ms':>9} {'host_overhead_ms':>16} " \
              f"{'build_inputs_ms':>15} {'tok_per_s':>10} {'ratio':>6}"
     print(f"engine benchmark: model={args.model}, cache sizes: {args.cache_model}; "
@@ -359,7 +361,8 @@ def main(argv=None):
         ratio = next((f"{r[k]:.2f}" for k in ("vs_small_cache", "vs_bucket_16", "vs_xla_path")
                       if k in r),
                      "-")
-        print(f"{r['scenario']:<42} {r['model']:<{width}} {r['mesh']:<5} {r['kv_cache_mib']:>12.1f} "
+        print(f"{r['scenario']:<42} {r['model']:<{width}} {r['mesh']:<5} "
+              f"{r['kv_cache_mib']:>12.1f} "
               f"{r['tokens']:>6} {str(tuple(r['padded_shape'])):>14} "
               f"{r['step_ms']:>9.2f} {r['device_ms']:>9.2f} {r['host_overhead_ms']:>16.3f} "
               f"{r['build_inputs_ms']:>15.3f} {r['tok_per_s']:>10.1f} {ratio:>6}")

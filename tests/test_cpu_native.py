@@ -46,15 +46,18 @@ def _decode_args(batch):
                 kv_lens=jnp.asarray(batch["kv_lens"]))
 
 
-def _both_paths(args, **kw):
-    """(native, xla) results of decode_attention_xla on the same arguments."""
+def _both_paths(attention, args, **kw):
+    """(native, xla) results of `attention` (an xla_attention function) on the same
+    arguments: traced with the native kernels, and again with them unavailable."""
     tiling = block_sizes_for("xla", "cpu", args["q"].shape[2], args["k_pages"].shape[1])
-    run = jax.jit(lambda a: xla_attention.decode_attention_xla(**a, block_sizes=tiling, **kw))
-    native = run(args)
+    args = {name: jnp.asarray(x) for name, x in args.items()}
+
+    def run():
+        return jax.jit(lambda a: attention(**a, block_sizes=tiling, **kw))(args)
+    native = run()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(cpu_native, "available", lambda: False)
-        xla = jax.jit(lambda a: xla_attention.decode_attention_xla(
-            **a, block_sizes=tiling, **kw))(args)
+        xla = run()
     return native, xla
 
 
@@ -72,8 +75,8 @@ def test_native_equals_the_xla_path_and_the_oracle(shapes, seed, data, window):
     batch = make_batch(seed, shapes, [1] * num_seqs, contexts)
     args = _decode_args(batch)
     sm_scale = shapes.head_dim ** -0.5
-    (out, lse), (want_out, want_lse) = _both_paths(args, sm_scale=sm_scale,
-                                                   sliding_window=window)
+    (out, lse), (want_out, want_lse) = _both_paths(
+        xla_attention.decode_attention_xla, args, sm_scale=sm_scale, sliding_window=window)
     assert_attention_close(out, lse, want_out, want_lse, atol=1e-5)
     seqs = shapes.max_seqs
     oracle_out, oracle_lse = dense_attention_oracle(
@@ -89,36 +92,22 @@ def test_window_starts_per_sequence():
     batch = make_batch(3, shapes, [1] * 6, [150, 20, 0, 64, 191, 7])
     args = _decode_args(batch)
     starts = jnp.asarray([17, 25, 1, 65, 100, 3], jnp.int32)     # kv_lens: context + 1
-    (out, lse), (want_out, want_lse) = _both_paths(args, sm_scale=0.125,
-                                                   window_starts=starts)
+    (out, lse), (want_out, want_lse) = _both_paths(
+        xla_attention.decode_attention_xla, args, sm_scale=0.125, window_starts=starts)
     assert_attention_close(out, lse, want_out, want_lse, atol=1e-5)
     assert np.isneginf(np.asarray(lse)[[1, 2, 3]]).all()       # no key at or past its start
 
 
-def test_the_cpu_step_calls_the_kernel():
-    """What the engine compiles on the CPU: the ragged XLA path's decodes are the custom call."""
+def test_the_cpu_step_calls_the_kernels():
+    """What the engine compiles on the CPU: the ragged XLA path's decodes and chunks are the
+    custom calls."""
     shapes = SHAPES[0]
     batch = make_batch(1, shapes, [1, 1, 5], [30, 2, 9])
     tiling = block_sizes_for("xla", "cpu", shapes.head_dim, shapes.page_size)
     hlo = jax.jit(lambda b: xla_attention.ragged_paged_attention_xla(
         **b, sm_scale=0.125, block_sizes=tiling)).lower(batch).as_text()
     assert cpu_native.DECODE_ATTENTION_TARGET in hlo
-
-
-def _ragged_both_paths(batch, **kw):
-    """(native, xla) results of ragged_paged_attention_xla on the same batch."""
-    shapes_q = batch["q"]
-    tiling = block_sizes_for("xla", "cpu", shapes_q.shape[2], batch["k_pages"].shape[1])
-    args = {name: jnp.asarray(x) for name, x in batch.items()}
-
-    def run():
-        return jax.jit(lambda a: xla_attention.ragged_paged_attention_xla(
-            **a, block_sizes=tiling, **kw))(args)
-    native = run()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(cpu_native, "available", lambda: False)
-        xla = run()
-    return native, xla
+    assert cpu_native.CHUNK_ATTENTION_TARGET in hlo
 
 
 @settings(max_examples=12, deadline=None)
@@ -133,8 +122,9 @@ def test_chunks_equal_the_xla_path_and_the_oracle(case, window, causal):
         window = None          # a window is the causal path's (the oracle's contract)
     batch = make_batch(seed, shapes, q_lens, contexts, causal=causal)
     sm_scale = shapes.head_dim ** -0.5
-    (out, lse), (want_out, want_lse) = _ragged_both_paths(
-        batch, sm_scale=sm_scale, causal=causal, sliding_window=window)
+    (out, lse), (want_out, want_lse) = _both_paths(
+        xla_attention.ragged_paged_attention_xla, batch, sm_scale=sm_scale, causal=causal,
+        sliding_window=window)
     assert_attention_close(out, lse, want_out, want_lse, atol=1e-5)
     assert_matches_oracle(out, lse, batch, sm_scale, causal=causal, sliding_window=window)
 
@@ -144,19 +134,11 @@ def test_chunks_with_window_starts_per_token():
     shapes = SHAPES[1]
     batch = make_batch(5, shapes, [7, 1, 12], [30, 9, 0], causal=False)
     starts = np.random.default_rng(5).integers(0, 40, shapes.num_tokens).astype(np.int32)
-    (out, lse), (want_out, want_lse) = _ragged_both_paths(
-        batch, sm_scale=0.2, causal=False, window_starts=jnp.asarray(starts))
+    (out, lse), (want_out, want_lse) = _both_paths(
+        xla_attention.ragged_paged_attention_xla, batch, sm_scale=0.2, causal=False,
+        window_starts=jnp.asarray(starts))
     assert_attention_close(out, lse, want_out, want_lse, atol=1e-5)
     assert_matches_oracle(out, lse, batch, 0.2, causal=False, window_starts=starts)
-
-
-def test_a_chunks_step_calls_the_chunk_kernel():
-    shapes = SHAPES[0]
-    batch = make_batch(1, shapes, [1, 1, 5], [30, 2, 9])
-    tiling = block_sizes_for("xla", "cpu", shapes.head_dim, shapes.page_size)
-    hlo = jax.jit(lambda b: xla_attention.ragged_paged_attention_xla(
-        **b, sm_scale=0.125, block_sizes=tiling)).lower(batch).as_text()
-    assert cpu_native.CHUNK_ATTENTION_TARGET in hlo
 
 
 def test_a_chunks_page_outside_the_cache_is_an_error():
