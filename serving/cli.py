@@ -40,8 +40,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target-batch-time", type=float, default=None, metavar="SECONDS",
                         help="the batch-time budget a step's prefill chunks are sized to while "
                              "a request has a TPOT objective (default: 50 ms, or 16x the "
-                             "predicted one-token step where that is longer; capped by the "
-                             "default SLO's TPOT)")
+                             "predicted one-token step on a CPU, 8x elsewhere, where that is "
+                             "longer; capped by the default SLO's TPOT)")
     parser.add_argument("--cache-dir", default=None,
                         help="where compiled executables and fitted predictors are kept "
                              "between runs (default: $MEDHA_CACHE_DIR, else "

@@ -35,8 +35,10 @@ class SchedulerConfig:
     policy:                 one of POLICY_NAMES.
     target_batch_time_s:    t_target when no SLO asks for less. None: 50 ms (Medha's example
                             is 20 ms for tight TPOTs; 50 ms trades a little decode latency
-                            for larger prefill chunks), or 16x the predicted one-token step
-                            where that is longer (a CPU).
+                            for larger prefill chunks), or budget_over_fixed_cost times
+                            the predicted one-token step where that is longer (a CPU).
+    budget_over_fixed_cost: that multiple. None: 8, or 16 for an engine on a CPU (set by the
+                            server, `scheduler_config_for_engine`; factory.py says why).
     rho_max:                space sharing: the most of the budget a long prefill yields.
     min_chunk_tokens:       progress guarantee: the chunk the most urgent prefill gets when
                             nothing fits the budget.
@@ -62,6 +64,7 @@ class SchedulerConfig:
     policy: str = "lars-mp"
     _: dataclasses.KW_ONLY
     target_batch_time_s: float | None = None
+    budget_over_fixed_cost: float | None = None
     rho_max: float = 0.4
     min_chunk_tokens: int = 16
     long_prefill_tokens: int = 8192
@@ -77,6 +80,9 @@ class SchedulerConfig:
     def __post_init__(self):
         if self.policy not in POLICY_NAMES:
             raise ValueError(f"unknown policy {self.policy!r}; known: {', '.join(POLICY_NAMES)}")
+        if self.budget_over_fixed_cost is not None and not self.budget_over_fixed_cost > 0:
+            raise ValueError(f"budget_over_fixed_cost must be > 0 or None, "
+                             f"got {self.budget_over_fixed_cost!r}")
         if self.target_batch_time_s is not None and not self.target_batch_time_s > 0:
             raise ValueError(f"target_batch_time_s must be > 0 or None, "
                              f"got {self.target_batch_time_s!r}")

@@ -26,15 +26,18 @@ DEFAULT_TARGET_BATCH_TIME_S = 0.05
 # With one-token steps, 4 halved the prefill chunks (128 -> 64 tokens): in the online
 # workload of benchmarks/peers.py (an in-process replay, alternating) 8 against 4 gave
 # TTFT p99 1.80 / 2.08 s against 2.82 / 2.81 s, and TPOT p99 99 / 107 ms against 115 / 122.
-# 16, not 8, once the native CPU kernels made chunks cheaper (2026-12): the same workload,
-# `benchmarks.peers --skip offline` with the server's budget at its default (8x a ~30 ms
-# one-token step, ~240 ms) and at 0.5 s (~16x), two alternating pairs: TTFT p50 / p99 1.06
-# / 2.57 and 1.09 / 2.97 s against 0.84 / 1.99 and 0.84 / 1.79 s, TPOT p50 / p99 31.6 / 97
-# and 32.7 / 95 ms against 30.7 / 83 and 29.5 / 81 ms (a 0.1 s budget: 1.05 / 2.84 s,
-# 35.4 / 139 ms). A request's TPOT averages its intervals, and each step's fixed cost
-# (reading every weight once) is paid per step: fewer, larger steps cost its decodes less
-# in all. On an accelerator whose one-token step is under ~3 ms the 50 ms floor rules.
-MIN_BUDGET_OVER_FIXED_COST = 16.0
+MIN_BUDGET_OVER_FIXED_COST = 8.0
+# On a CPU, 16 (the server's default for an engine on one, `scheduler_config_for_engine`),
+# since the native CPU kernels made chunks cheaper (2026-12): the same workload,
+# `benchmarks.peers --skip offline` with the server's budget at 8x a ~30 ms one-token step
+# (~240 ms) and at 0.5 s (~16x), two alternating pairs: TTFT p50 / p99 1.06 / 2.57 and
+# 1.09 / 2.97 s against 0.84 / 1.99 and 0.84 / 1.79 s, TPOT p50 / p99 31.6 / 97 and
+# 32.7 / 95 ms against 30.7 / 83 and 29.5 / 81 ms (a 0.1 s budget: 1.05 / 2.84 s, 35.4 /
+# 139 ms). A request's TPOT averages its intervals, and each step's fixed cost (reading
+# every weight once) is paid per step: fewer, larger steps cost its decodes less in all.
+# Not elsewhere: unmeasured on an accelerator, where it would also make short prompts one
+# chunk and so leave a streamed KV hand-off nothing to hide behind (tests/test_simulator).
+CPU_BUDGET_OVER_FIXED_COST = 16.0
 
 
 def default_target_batch_time(predictor: RuntimePredictor, limits: EngineLimits,
@@ -51,7 +54,9 @@ def target_batch_time(config: SchedulerConfig, predictor: RuntimePredictor) -> f
     SLO's TPOT."""
     t_target = config.target_batch_time_s
     if t_target is None:
-        t_target = default_target_batch_time(predictor, config.limits)
+        t_target = default_target_batch_time(
+            predictor, config.limits,
+            config.budget_over_fixed_cost or MIN_BUDGET_OVER_FIXED_COST)
     if config.default_slo is not None:
         t_target = min(t_target, config.default_slo.tpot_s)
     return t_target
