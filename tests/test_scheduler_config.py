@@ -15,6 +15,7 @@ from medha_jax.simulator import CountingAllocator
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(policy="sjf"), ValueError, "unknown policy 'sjf'; known: fcfs-np"),
     (dict(target_batch_time_s=0.0), ValueError, "target_batch_time_s must be > 0"),
+    (dict(budget_over_fixed_cost=-1.0), ValueError, "budget_over_fixed_cost must be > 0"),
     (dict(rho_max=1.0), ValueError, r"rho_max must be in \[0, 1\)"),
     (dict(min_chunk_tokens=0), ValueError, "min_chunk_tokens must be an int >= 1, got 0"),
     (dict(max_prefill_candidates=2.5), ValueError, "max_prefill_candidates must be an int"),

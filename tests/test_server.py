@@ -255,6 +255,23 @@ def test_the_scheduler_chunks_in_the_engines_query_blocks(server):
     assert server.scheduler_config.limits.query_block_tokens == TILE_TABLE["cpu"].block_q
 
 
+def test_a_cpu_servers_budget_is_16_one_token_steps(server):
+    """On a CPU the default batch budget is CPU_BUDGET_OVER_FIXED_COST (16) one-token steps
+    (8 elsewhere and in simulations), past the 50 ms floor and capped by the default SLO's
+    TPOT, and the packer runs on it (`scheduler/factory.py` has the measurements)."""
+    from medha_jax.scheduler.factory import CPU_BUDGET_OVER_FIXED_COST
+    from medha_jax.scheduler.predictor import BatchFeatures
+
+    config = server.scheduler_config
+    assert config.budget_over_fixed_cost == CPU_BUDGET_OVER_FIXED_COST == 16
+    replica = server.replicas[0]
+    predictor = replica.refit.predictor if replica.refit is not None else replica.predictor
+    one_token = predictor.predict_features(
+        BatchFeatures().plus_chunk(1, 0, True, config.limits.token_buckets))
+    want = min(max(0.05, 16 * one_token), config.default_slo.tpot_s)
+    assert replica.controller.packer.target_batch_time_s == pytest.approx(want)
+
+
 def test_metrics_count_requests_and_are_served_over_http(server):
     server.generate(TokensPrompt([1, 2]), SamplingParams(temperature=0.0, max_tokens=3))
     text = server.metrics_text()
