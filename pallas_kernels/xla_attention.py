@@ -280,14 +280,11 @@ def _chunks_native(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, num_seqs
     CPU, XLA runs the block and tile loops above at ~20-50 GFLOP/s (SmolLM2, a 256-token
     chunk: ~100 ms of a ~500 ms step). The keys each query sees are worked out here, per
     token, as `row_key_ends` and `key_starts` give them to the loops."""
-    num_tokens = q.shape[0]
-    token = jnp.arange(num_tokens, dtype=jnp.int32)
+    token = jnp.arange(q.shape[0], dtype=jnp.int32)
     seq = segment_of(token, cu_q_lens[1:])
-    q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
-    if causal:       # query i of a chunk of q_len sees its own position and those before
-        ends = kv_lens[seq] - q_len + 1 + (token - cu_q_lens[seq])
-    else:
-        ends = kv_lens[seq]
+    # Each chunk as one block: its last query sees all kv_len keys.
+    ends = row_key_ends(kv_lens[seq], cu_q_lens[seq + 1] - cu_q_lens[seq],
+                        token - cu_q_lens[seq], causal=causal)
     starts = key_starts(ends, sliding_window) if window_starts is None else window_starts
     return cpu_native.chunk_attention(q, _fold_heads(k_pages), _fold_heads(v_pages),
                                       page_table, cu_q_lens, num_seqs, starts, ends,
