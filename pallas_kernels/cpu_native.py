@@ -13,7 +13,7 @@ none was faster (README, "CPU decode"), so the decode attention is one custom ca
 chunk's attention (XLA's query-block loops ran at ~20-50 GFLOP/s), the small steps' layer
 matmuls (XLA copies each layer's slice of the stacked weights first) and their tied LM head.
 
-The library is compiled on first use (about 3 s) against the running jaxlib's FFI headers
+The library is compiled on first use (about 7 s on 2 cores) against the running jaxlib's FFI headers
 (`jax.ffi.include_dir()`) and kept beside its source, named by the digest of the source,
 the jaxlib version and the compiler flags, so an edited source or another jaxlib builds
 anew and never loads a stale one. Without a C++ compiler, where the build fails, or with
