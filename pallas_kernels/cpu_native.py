@@ -164,7 +164,9 @@ def layer_matmul(x, stacked, layer):
     """x [rows, k] @ stacked[layer] ([layers, k, n], n a multiple of 32; f32) -> [rows, n]
     f32, the layer's matrix read in place (CPU only; needs `available()`).
 
-    For a few rows (a decode step's tokens): it reads the matrix once per four rows."""
+    For a few rows (a decode step's tokens) it streams the matrix front to back (k split
+    over the pool's threads, the partial products summed in a fixed order); past 8 rows a
+    packed GEMM."""
     call = jax.ffi.ffi_call(LAYER_MATMUL_TARGET, jax.ShapeDtypeStruct(
         (x.shape[0], stacked.shape[2]), jnp.float32))
     with jax.named_scope("layer_matmul"):      # in the op names a step breakdown reads

@@ -34,6 +34,13 @@ SHAPES = [Shapes(q_heads=9, kv_heads=3, head_dim=64, page_size=16, max_seqs=6,
                  pages_per_seq=6)]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _kernels_registered():
+    """The calls below need the kernels registered with XLA, which `available()` does the
+    first time: so that any test also runs alone."""
+    cpu_native.available()
+
+
 def test_the_kernels_build_where_a_compiler_is():
     assert cpu_native.available(), cpu_native.status()
 
@@ -179,11 +186,13 @@ def test_turned_off_by_the_environment():
 
 @settings(max_examples=8, deadline=None)
 @given(rows=st.sampled_from([1, 2, 3, 4, 5, 8, 9, 11, 13, 64, 131]),
-       k=st.sampled_from([16, 64, 96, 300]), n=st.sampled_from([32, 96, 192]),
+       k=st.sampled_from([16, 64, 96, 300, 577]), n=st.sampled_from([32, 96, 192]),
        layers=st.integers(1, 3), seed=st.integers(0, 2**31 - 1))
 def test_layer_matmul_equals_numpy(rows, k, n, layers, seed):
-    """Every row count (groups of four and the rest up to 8; the GEMM's 6-row tiles and the
-    rest past it, over one or two packed depth blocks), each layer of the stack in place."""
+    """Every row count (up to 8 the streamed product: groups of four rows and the rest, k
+    split into items whose rows of w are not a multiple of the 4 or 8 taken at a time; the
+    GEMM's 6-row tiles and the rest past it, over one or two packed depth blocks), each
+    layer of the stack in place."""
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((rows, k)).astype(np.float32)
     stacked = rng.standard_normal((layers, k, n)).astype(np.float32)
@@ -192,6 +201,20 @@ def test_layer_matmul_equals_numpy(rows, k, n, layers, seed):
         got = np.asarray(run(x, stacked, np.int32(layer)))
         want = x.astype(np.float64) @ stacked[layer].astype(np.float64)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_layer_matmul_sums_in_the_same_order_every_call(rows):
+    """The streamed product splits k over the pool's threads and sums the partials in
+    item order, so the same inputs give the same bits whichever thread ran which item (a
+    greedy token must not flip between two runs of one step)."""
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((rows, 576)).astype(np.float32)
+    stacked = rng.standard_normal((2, 576, 1536)).astype(np.float32)
+    run = jax.jit(cpu_native.layer_matmul)
+    first = np.asarray(run(x, stacked, np.int32(1)))
+    for _ in range(5):
+        np.testing.assert_array_equal(np.asarray(run(x, stacked, np.int32(1))), first)
 
 
 def test_a_layer_outside_the_stack_is_an_error():
@@ -254,12 +277,15 @@ def test_steps_read_the_matrices_in_place_and_give_the_one_shot_logits():
     np.testing.assert_allclose(np.concatenate(got), want, atol=2e-5, rtol=0)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8])
-def test_matmul_t_equals_numpy(rows):
-    """The tied LM head's product, a vocabulary that is no multiple of the kernel's blocks."""
+@pytest.mark.parametrize("rows, k, vocab", [(1, 96, 1000), (3, 96, 1001), (8, 96, 1003),
+                                             (2, 100, 1000)])
+def test_matmul_t_equals_numpy(rows, k, vocab):
+    """The tied LM head's product: blocks of four vocabulary rows by two x rows and the odd
+    x row, a vocabulary that is no multiple of the kernel's blocks (items of 64, blocks of
+    4), and a hidden size that is no multiple of the vectors (one dot product at a time)."""
     rng = np.random.default_rng(rows)
-    x = rng.standard_normal((rows, 96)).astype(np.float32)
-    w = rng.standard_normal((1000, 96)).astype(np.float32)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    w = rng.standard_normal((vocab, k)).astype(np.float32)
     got = np.asarray(jax.jit(cpu_native.matmul_t)(x, w))
     want = x.astype(np.float64) @ w.T.astype(np.float64)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())

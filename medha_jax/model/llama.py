@@ -165,7 +165,7 @@ def decoder_layers(x, stacked: dict[str, jax.Array], kv_cache: KVCache, position
 # each one's leading axes its projection contracts (`layers.dense`).
 MATRICES = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1}
 # Up to this many tokens a step reads each matrix in place (`cpu_native.layer_matmul`:
-# once per four rows up to 8 rows, else a packed GEMM); past it the slice's copy is a small
+# streamed up to 8 rows, else a packed GEMM); past it the slice's copy is a small
 # share of the multiplies and XLA's own matmul is as fast. 30 layers of SmolLM2's
 # projections alone on 2 cores, a scan over slices vs in place, ms: 8 tokens 50 vs 31,
 # 32: 94 vs 72, 128: 215 vs 187, 256: 404 vs 334, 512: 698 vs 714, 1024: 1361 vs 1431.
