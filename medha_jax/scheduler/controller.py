@@ -297,8 +297,8 @@ class ReplicaController:
         candidates = self._candidates(now)
         # The gate marks each chunk in flight as it grants its pages (every granted chunk
         # joins the batch), in the same loop that books them.
-        gate = _KVGate(self.kv, now, in_flight=self._in_flight, pick_victim=self._pick_victim,
-                       preempt=self._preempt, start_running=self._start_running,
+        gate = _KVGate(self.kv, now, in_flight=self._in_flight, running=self._running,
+                       pick_victim=self._pick_victim, preempt=self._preempt,
                        requeue=self._prefills.update)
         decodes = self._decode_order()
         batch = self.packer.pack(
@@ -407,14 +407,6 @@ class ReplicaController:
 
     # ----------------------------------------------------- the KV gate's callbacks
 
-    def _start_running(self, request: Request, now: float) -> None:
-        """A chunk of the request got its pages: it holds KV from now on."""
-        if request.state is _WAITING:
-            request.state = _RUNNING
-            self._running[request.request_id] = request
-        if request.first_scheduled_time is None:
-            request.first_scheduled_time = now
-
     def _preempt(self, request: Request) -> None:
         """Frees the request's pages; it keeps its output and is recomputed later."""
         rid = request.request_id
@@ -485,18 +477,20 @@ class _KVGate:
 
     Books pages through the KVReservations and marks each granted chunk in flight (the
     controller's `in_flight` counts and the request's num_in_flight_tokens: every chunk
-    the gate grants joins the batch); everything else it may do to a request (evict one,
-    mark one running, requeue one whose position moved) it does through the controller's
-    callbacks, so the controller's queues stay the controller's own."""
+    the gate grants joins the batch) and its request running (in the controller's
+    `running`: it holds KV from then on); everything else it may do to a request (evict
+    one, requeue one whose position moved) it does through the controller's callbacks,
+    so the controller's queues stay the controller's own. (The two dicts are written
+    in place, not through callbacks, because every chunk of every step passes here.)"""
 
     def __init__(self, kv: KVReservations, now: float, *, in_flight: dict[str, int],
+                 running: dict[str, Request],
                  pick_victim: Callable[[Request, float, frozenset[int]], Request | None],
                  preempt: Callable[[Request], None],
-                 start_running: Callable[[Request, float], None],
                  requeue: Callable[[Request], None]):
-        self.kv, self.now, self.in_flight = kv, now, in_flight
+        self.kv, self.now, self.in_flight, self.running = kv, now, in_flight, running
         self._pick_victim, self._preempt = pick_victim, preempt
-        self._start_running, self._requeue = start_running, requeue
+        self._requeue = requeue
         self.preempted: set[str] = set()
         self.registered: list[Request] = []   # waiting requests given pages during packing
 
@@ -550,7 +544,11 @@ class _KVGate:
                 return False
             self._preempt(victim)
             self.preempted.add(victim.request_id)
-        self._start_running(request, self.now)
+        if request.state is _WAITING:          # its first pages: it runs from now on
+            request.state = _RUNNING
+            self.running[rid] = request
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = self.now
         in_flight = self.in_flight
         in_flight[rid] = in_flight.get(rid, 0) + 1
         request.num_in_flight_tokens += num_tokens
@@ -591,7 +589,8 @@ class _KVGate:
     def release_unscheduled(self) -> None:
         """Waiting requests registered for a chunk that missed the batch give their pages back."""
         for request in self.registered:
-            self._give_back(request)
+            if request.state is _WAITING:       # (most got their chunk: running now)
+                self._give_back(request)
 
     def _give_back(self, request: Request) -> None:
         """Releases the pages of a waiting request registered during packing (no-op for a

@@ -437,14 +437,16 @@ class AdaptivePacker(BatchPacker):
         heads = iter(prefills)
         i = 0
         while t_pred < t_target and num_prefills < max_prefills:
+            # Before reading on: once riders filled the step, the heads left to read are
+            # mostly those riders, each skipped at the price of a read.
+            if self._room(features) < 1:
+                break
             request = next(heads, None)
             if request is None:
                 break
             i += 1
             if request.request_id in packed:
                 continue
-            if self._room(features) < 1:
-                break
             is_long = self.is_long(request)
             if is_long and has_long:        # Algorithm 2, line 3
                 continue
