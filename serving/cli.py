@@ -42,6 +42,11 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                              "a request has a TPOT objective (default: 50 ms, or 16x the "
                              "predicted one-token step on a CPU, 8x elsewhere, where that is "
                              "longer; capped by the default SLO's TPOT)")
+    parser.add_argument("--prefill-hold", type=float, default=None, metavar="SECONDS",
+                        help="keep a newly arrived prompt's prefill out of steps that carry "
+                             "decodes for up to this long (they stream at their own rate "
+                             "meanwhile; with no decode running it starts at once); default 0: "
+                             "co-scheduled at once")
     parser.add_argument("--cache-dir", default=None,
                         help="where compiled executables and fitted predictors are kept "
                              "between runs (default: $MEDHA_CACHE_DIR, else "
@@ -93,7 +98,8 @@ def _make_server(args, *, warmup: bool, calibrate: bool, engine=None):
 
     # A bad policy name or budget fails before the model loads.
     scheduler = SchedulerConfig(args.policy,
-                                target_batch_time_s=getattr(args, "target_batch_time", None))
+                                target_batch_time_s=getattr(args, "target_batch_time", None),
+                                prefill_hold_s=getattr(args, "prefill_hold", None) or 0.0)
     replicas = getattr(args, "replicas", 1)
     router = RoutingConfig(getattr(args, "router", PREDICTED_TIME))
     if replicas < 1:

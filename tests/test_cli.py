@@ -51,6 +51,7 @@ def test_generate_prints_the_greedy_text(model_dir, capsys):
     (["generate", "hi", "--temperature", "-1"], "temperature must be >= 0"),
     (["generate", "hi", "--policy", "fifo"], "unknown policy 'fifo'"),
     (["generate", "hi", "--target-batch-time", "0"], "target_batch_time_s must be > 0"),
+    (["generate", "hi", "--prefill-hold", "-1"], "prefill_hold_s must be a finite number"),
     (["serve", "--router", "random"], "unknown routing policy 'random'"),
     (["serve", "--replicas", "0"], "--replicas must be >= 1, got 0"),
     (["serve", "--replicas", "2", "--roles", "x:2"], "unknown role 'x'"),

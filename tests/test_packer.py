@@ -291,7 +291,9 @@ def test_packer_properties(decode_contexts, prefills, buckets, max_seqs, t_targe
         assert c.start == c.request.num_computed_tokens
         assert 1 <= c.num_tokens <= c.request.num_pending_tokens
     assert len(batch_prefills) <= (max_seqs if multi else 1)
-    assert sum(c.request.num_tokens >= 8192 for c in batch_prefills) <= 1
+    # At most one long prefill (IsLong: a prompt strictly longer than 8192 tokens; one of
+    # exactly 8192 is short, `AdaptivePacker.is_long`).
+    assert sum(packer.is_long(c.request) for c in batch_prefills) <= 1
     # Never over t_target by more than one minimum chunk: a batch over budget is either
     # decodes alone, or decodes plus the single minimum chunk of the progress guarantee.
     predicted = _predict(batch.chunks, buckets)
@@ -328,3 +330,30 @@ def test_a_decodes_tpot_is_spread_over_the_pipeline_stages():
         pytest.approx(0.03)
     assert _adaptive(target_batch_time_s=0.02, pipeline_stages=4).t_target(decodes) == \
         pytest.approx(0.02)
+
+
+@pytest.mark.parametrize("multi", [False, True])
+def test_a_held_prefill_stays_out_of_decode_steps_until_its_hold_expires(multi):
+    """prefill_hold_s: beside decodes, a prefill that arrived less than the hold ago gets no
+    chunk (neither as the head, nor as a rider, nor by the progress guarantee) while an
+    older one does; with no decode running it starts at once; at the hold it joins."""
+    decodes = [_decode("d0", 500), _decode("d1", 800)]
+    old, new = _prefill("old", 300, arrival=0.0), _prefill("new", 200, arrival=9.5)
+    packer = _adaptive(multi=multi, target_batch_time_s=0.05, prefill_hold_s=1.0,
+                       remaining_work=lambda r: 0.01)
+
+    def prefill_ids(batch):
+        return [c.request.request_id for c in batch.chunks if not c.is_decode]
+
+    assert prefill_ids(packer.pack(decodes, [new], now=10.0)) == []
+    assert prefill_ids(packer.pack(decodes, [new, old], now=10.0)) == ["old"]
+    assert prefill_ids(packer.pack([], [new], now=10.0)) == ["new"]
+    assert prefill_ids(packer.pack(decodes, [new], now=10.5)) == ["new"]
+    # A decode-only step is the decodes' own: no hold at all co-schedules the newcomer.
+    unheld = _adaptive(multi=multi, target_batch_time_s=0.05, remaining_work=lambda r: 0.01)
+    assert prefill_ids(unheld.pack(decodes, [new], now=10.0)) == ["new"]
+
+
+def test_a_negative_prefill_hold_is_refused():
+    with pytest.raises(ValueError, match="prefill_hold_s"):
+        _adaptive(prefill_hold_s=-1.0)

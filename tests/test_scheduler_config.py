@@ -25,6 +25,8 @@ from medha_jax.simulator import CountingAllocator
      "max_tokens_per_batch=64 exceeds the largest token bucket 32"),
     (dict(max_seqs_per_batch=0), ValueError, "max_seqs_per_batch must be an int >= 1"),
     (dict(default_slo=0.1), TypeError, "default_slo must be an SLO"),
+    (dict(prefill_hold_s=-0.5), ValueError, "prefill_hold_s must be a finite number >= 0"),
+    (dict(prefill_hold_s=float("inf")), ValueError, "prefill_hold_s must be a finite number"),
 ])
 def test_bad_fields_are_named(kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -74,6 +76,8 @@ def test_make_controller_follows_the_config():
     assert controller.packer.target_batch_time_s == 0.1      # the default SLO's TPOT caps it
     assert controller.packer.limits.max_seqs_per_batch == 4
     assert controller.prefill_time_cache.t_target == 0.1
+    assert controller.packer.prefill_hold_s == 0.0
+    assert make(SchedulerConfig("lars", prefill_hold_s=0.75)).packer.prefill_hold_s == 0.75
     # Riders beyond the LARS candidates only where there is space sharing.
     assert controller.max_rider_candidates == SchedulerConfig().max_rider_candidates > 0
     assert make(SchedulerConfig("lars")).max_rider_candidates == 0

@@ -59,6 +59,9 @@ class SchedulerConfig:
     default_slo:            the SLO of requests that name none; its TPOT also caps the batch
                             time budget while no decode is running, so a request that starts
                             decoding next iteration is not held up by a longer batch.
+    prefill_hold_s:         the adaptive policies: how long a newly arrived request's prefill
+                            stays out of steps that carry decodes (`AdaptivePacker.held_back`);
+                            0: never.
     """
 
     policy: str = "lars-mp"
@@ -76,6 +79,7 @@ class SchedulerConfig:
     max_seqs_per_batch: int = 256
     query_block_tokens: int = 1
     default_slo: SLO | None = None
+    prefill_hold_s: float = 0.0
 
     def __post_init__(self):
         if self.policy not in POLICY_NAMES:
@@ -86,6 +90,10 @@ class SchedulerConfig:
         if self.target_batch_time_s is not None and not self.target_batch_time_s > 0:
             raise ValueError(f"target_batch_time_s must be > 0 or None, "
                              f"got {self.target_batch_time_s!r}")
+        if not (isinstance(self.prefill_hold_s, (int, float)) and 0 <= self.prefill_hold_s
+                < float("inf")):
+            raise ValueError(f"prefill_hold_s must be a finite number >= 0, "
+                             f"got {self.prefill_hold_s!r}")
         if not 0 <= self.rho_max < 1:
             raise ValueError(f"rho_max must be in [0, 1), got {self.rho_max!r}")
         for name, least in (("min_chunk_tokens", 1), ("long_prefill_tokens", 1),

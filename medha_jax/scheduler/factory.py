@@ -118,7 +118,8 @@ def make_controller(config: SchedulerConfig, *, allocator: KVAllocator, clock: C
                                 long_prefill_tokens=config.long_prefill_tokens,
                                 min_chunk_tokens=config.min_chunk_tokens,
                                 chunk_hint=prefill_time_cache.lone_chunk,
-                                pipeline_stages=pipeline_stages)
+                                pipeline_stages=pipeline_stages,
+                                prefill_hold_s=config.prefill_hold_s)
     return ReplicaController(
         policy=order, packer=packer, allocator=allocator, clock=clock,
         prefill_time_cache=prefill_time_cache, max_model_len=max_model_len,

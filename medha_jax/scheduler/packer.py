@@ -360,6 +360,10 @@ class AdaptivePacker(BatchPacker):
                          one stage's work, but a decode's next token comes only after its
                          batch crossed every stage: a decode's TPOT buys tpot_s / stages of
                          one batch.
+    prefill_hold_s:      a prefill whose request arrived less than this long ago stays out of
+                         steps that carry decodes (they run alone); with no decode running
+                         it starts at once. 0: never held (Medha's co-scheduling). See
+                         `held_back`.
     """
 
     def __init__(self, predictor: RuntimePredictor, limits: EngineLimits, *,
@@ -367,8 +371,11 @@ class AdaptivePacker(BatchPacker):
                  target_batch_time_s: float = 0.05, multi_prefill: bool = False,
                  space_sharing: bool = False, rho_max: float = 0.4,
                  long_prefill_tokens: int = 8192, min_chunk_tokens: int = 16,
-                 chunk_hint: Callable[[int], int] | None = None, pipeline_stages: int = 1):
+                 chunk_hint: Callable[[int], int] | None = None, pipeline_stages: int = 1,
+                 prefill_hold_s: float = 0.0):
         super().__init__(predictor, limits)
+        if not prefill_hold_s >= 0:
+            raise ValueError(f"prefill_hold_s must be >= 0, got {prefill_hold_s!r}")
         if pipeline_stages < 1:
             raise ValueError(f"pipeline_stages must be >= 1, got {pipeline_stages!r}")
         if not target_batch_time_s > 0:
@@ -386,6 +393,7 @@ class AdaptivePacker(BatchPacker):
         self.min_chunk_tokens = min_chunk_tokens
         self.chunk_hint = chunk_hint
         self.pipeline_stages = pipeline_stages
+        self.prefill_hold_s = prefill_hold_s
 
     def t_target(self, decodes: Sequence[ScheduledChunk], *,
                  tightest_tpot: float | None = None, every_decode: bool = False,
@@ -425,6 +433,8 @@ class AdaptivePacker(BatchPacker):
         keeps it (the controller's SRPT keys: a lookup instead of w(t) per rider read)."""
         chunks: list[ScheduledChunk] = []
         features = self._add_decodes(decodes, gate, chunks)
+        if chunks and self.prefill_hold_s:
+            prefills = self.held_back(prefills, now)
         t_target = self.t_target(chunks, tightest_tpot=tightest_tpot,
                                  every_decode=len(chunks) == len(decodes), paced=paced)
         t_pred = self.predictor.predict_features(features)
@@ -529,6 +539,24 @@ class AdaptivePacker(BatchPacker):
             if progress is not features:
                 features, t_pred = progress, self.predictor.predict_features(progress)
         return Batch(chunks, t_pred)
+
+    def held_back(self, prefills: Sequence[Request], now: float) -> Iterable[Request]:
+        """The prefills that may share a step with decodes: those whose request arrived at
+        least prefill_hold_s before `now`, in order (read lazily, as often as the packer
+        reads them).
+
+        Deviation from Algorithm 1 (off by default), for a device with one pool of compute
+        (a CPU): there a prefill chunk delays the decodes beside it by its whole work,
+        whatever its size, so a decode that shares a few steps with newcomers' prefills
+        streams its tokens at a fraction of its own rate (SmolLM2 on 2 cores: 52-57 ms
+        per output token for those requests against ~25 ms alone); smaller budgets only
+        add steps. Holding a newcomer until the decodes end or the hold expires bounds
+        what it costs its TTFT (at most the hold) and keeps the decodes at their own
+        rate meanwhile, as a server that runs one request at a time does (llama.cpp's),
+        while a request that waited out its hold co-schedules as before. TGI's
+        max_waiting_tokens is the same trade, counted in steps."""
+        latest = now - self.prefill_hold_s
+        return _Arrived(prefills, latest)
 
     def is_long(self, request: Request) -> bool:
         """IsLong of Algorithm 2: a prompt longer than long_prefill_tokens.
@@ -667,6 +695,18 @@ class AdaptivePacker(BatchPacker):
                 chunks.append(chunk)
                 return features.plus_chunk(n, start, chunk.samples, self.limits.token_buckets)
         return features
+
+
+class _Arrived:
+    """`AdaptivePacker.held_back`: the requests of `prefills` that arrived by `latest`, in
+    their order; every iteration reads `prefills` afresh (the packer reads it twice)."""
+
+    def __init__(self, prefills: Iterable[Request], latest: float):
+        self._prefills, self._latest = prefills, latest
+
+    def __iter__(self) -> Iterator[Request]:
+        latest = self._latest
+        return (r for r in self._prefills if r.arrival_time <= latest)
 
 
 class TokenBudgetPacker(BatchPacker):
