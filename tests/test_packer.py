@@ -334,9 +334,10 @@ def test_a_decodes_tpot_is_spread_over_the_pipeline_stages():
 
 @pytest.mark.parametrize("multi", [False, True])
 def test_a_held_prefill_stays_out_of_decode_steps_until_its_hold_expires(multi):
-    """prefill_hold_s: beside decodes, a prefill that arrived less than the hold ago gets no
-    chunk (neither as the head, nor as a rider, nor by the progress guarantee) while an
-    older one does; with no decode running it starts at once; at the hold it joins."""
+    """prefill_hold_s: beside decodes, a prefill that arrived less than the hold ago and has
+    not started gets no chunk (neither as the head, nor as a rider, nor by the progress
+    guarantee) while an older one does; with no decode running it starts at once; at the
+    hold it joins."""
     decodes = [_decode("d0", 500), _decode("d1", 800)]
     old, new = _prefill("old", 300, arrival=0.0), _prefill("new", 200, arrival=9.5)
     packer = _adaptive(multi=multi, target_batch_time_s=0.05, prefill_hold_s=1.0,
@@ -349,6 +350,10 @@ def test_a_held_prefill_stays_out_of_decode_steps_until_its_hold_expires(multi):
     assert prefill_ids(packer.pack(decodes, [new, old], now=10.0)) == ["old"]
     assert prefill_ids(packer.pack([], [new], now=10.0)) == ["new"]
     assert prefill_ids(packer.pack(decodes, [new], now=10.5)) == ["new"]
+    # A prompt whose prefill started (a chunk of it ran) is not held: it finishes.
+    started = _prefill("started", 400, computed=128, arrival=9.9)
+    started.first_scheduled_time = 9.9
+    assert prefill_ids(packer.pack(decodes, [started], now=10.0)) == ["started"]
     # A decode-only step is the decodes' own: no hold at all co-schedules the newcomer.
     unheld = _adaptive(multi=multi, target_batch_time_s=0.05, remaining_work=lambda r: 0.01)
     assert prefill_ids(unheld.pack(decodes, [new], now=10.0)) == ["new"]

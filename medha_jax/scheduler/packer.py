@@ -542,8 +542,10 @@ class AdaptivePacker(BatchPacker):
 
     def held_back(self, prefills: Sequence[Request], now: float) -> Iterable[Request]:
         """The prefills that may share a step with decodes: those whose request arrived at
-        least prefill_hold_s before `now`, in order (read lazily, as often as the packer
-        reads them).
+        least prefill_hold_s before `now`, and those whose prefill has started (a chunk of
+        it ran: holding the rest of a burst's prompt would only delay it and still land
+        beside the decodes when the hold expires), in order (read lazily, as often as the
+        packer reads them).
 
         Deviation from Algorithm 1 (off by default), for a device with one pool of compute
         (a CPU): there a prefill chunk delays the decodes beside it by its whole work,
@@ -698,15 +700,17 @@ class AdaptivePacker(BatchPacker):
 
 
 class _Arrived:
-    """`AdaptivePacker.held_back`: the requests of `prefills` that arrived by `latest`, in
-    their order; every iteration reads `prefills` afresh (the packer reads it twice)."""
+    """`AdaptivePacker.held_back`: the requests of `prefills` that arrived by `latest` or
+    whose prefill has started, in their order; every iteration reads `prefills` afresh
+    (the packer reads it twice)."""
 
     def __init__(self, prefills: Iterable[Request], latest: float):
         self._prefills, self._latest = prefills, latest
 
     def __iter__(self) -> Iterator[Request]:
         latest = self._latest
-        return (r for r in self._prefills if r.arrival_time <= latest)
+        return (r for r in self._prefills
+                if r.arrival_time <= latest or r.first_scheduled_time is not None)
 
 
 class TokenBudgetPacker(BatchPacker):
