@@ -360,10 +360,10 @@ class AdaptivePacker(BatchPacker):
                          one stage's work, but a decode's next token comes only after its
                          batch crossed every stage: a decode's TPOT buys tpot_s / stages of
                          one batch.
-    prefill_hold_s:      a prefill whose request arrived less than this long ago stays out of
-                         steps that carry decodes (they run alone); with no decode running
-                         it starts at once. 0: never held (Medha's co-scheduling). See
-                         `held_back`.
+    prefill_hold_s:      a prefill not yet started whose request arrived less than this long
+                         ago stays out of steps that carry decodes (they run alone); with no
+                         decode running it starts at once. 0: never held (Medha's
+                         co-scheduling). See `held_back`.
     """
 
     def __init__(self, predictor: RuntimePredictor, limits: EngineLimits, *,
@@ -558,7 +558,7 @@ class AdaptivePacker(BatchPacker):
         while a request that waited out its hold co-schedules as before. TGI's
         max_waiting_tokens is the same trade, counted in steps."""
         latest = now - self.prefill_hold_s
-        return _Arrived(prefills, latest)
+        return _NotHeld(prefills, latest)
 
     def is_long(self, request: Request) -> bool:
         """IsLong of Algorithm 2: a prompt longer than long_prefill_tokens.
@@ -699,7 +699,7 @@ class AdaptivePacker(BatchPacker):
         return features
 
 
-class _Arrived:
+class _NotHeld:
     """`AdaptivePacker.held_back`: the requests of `prefills` that arrived by `latest` or
     whose prefill has started, in their order; every iteration reads `prefills` afresh
     (the packer reads it twice)."""
