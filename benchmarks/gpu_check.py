@@ -35,7 +35,10 @@ import dataclasses
 import json
 import os
 import secrets
+import statistics
 import sys
+import time
+import traceback
 from typing import Sequence
 
 import jax
@@ -83,7 +86,7 @@ def plan_for(backend: str, quick: bool, memory_bytes: float) -> Plan:
     if backend in GPU_BACKENDS:
         llama8b = kernels.Heads(32, 8, 128)
         return Plan(impl="pallas", heads=kernels.Heads(8, 2, 128), table_heads=llama8b,
-                    table_dtype="bfloat16", grid=kernels.default_grid(backend, True, memory_bytes),
+                    table_dtype="bfloat16", grid=kernels.default_grid(backend, quick, memory_bytes),
                     max_new_tokens=8 if quick else 24,
                     breakdown_model="tiny" if quick else "llama3-8b",
                     breakdown_decodes=32, repeats=3 if quick else 10)
@@ -143,6 +146,25 @@ def run_kernel_case(case: dict, impl: str, dtype, num_decodes, sm_scale: float):
     return np.asarray(out, np.float64), np.asarray(lse, np.float64)
 
 
+def compare_with_oracle(plan: Plan, rng, q_lens, contexts, num_decodes, dtype: str,
+                        sm_scale: float, tolerance: float) -> dict:
+    """The largest errors of one kernel case's out and lse against the float64 oracle."""
+    case = kernel_case(rng, plan.heads, q_lens, contexts, jnp.dtype(dtype))
+    want_out, want_lse = dense_attention_oracle(**case, sm_scale=sm_scale)
+    out, lse = run_kernel_case(case, plan.impl, jnp.dtype(dtype), num_decodes, sm_scale)
+    real = int(np.asarray(case["cu_q_lens"])[len(q_lens)])
+    if num_decodes is None:
+        want_out, want_lse = want_out[:len(q_lens)], want_lse[:len(q_lens)]
+        real = len(q_lens)
+    finite = np.isfinite(want_lse[:real])
+    out_error = float(np.abs(out[:real] - want_out[:real]).max())
+    lse_error = float(np.abs(lse[:real][finite] - want_lse[:real][finite]).max())
+    same_empty = bool((np.isneginf(lse[:real]) == ~finite).all())
+    ok = bool(same_empty and not np.isnan(out[:real]).any()
+              and max(out_error, lse_error) <= tolerance)
+    return {"max_out_error": out_error, "max_lse_error": lse_error, "ok": ok}
+
+
 def check_kernels(plan: Plan, seed: int, kind: str, log) -> list[dict]:
     """One row per (case, dtype): the largest error of out and lse against the oracle."""
     rows = []
@@ -150,25 +172,22 @@ def check_kernels(plan: Plan, seed: int, kind: str, log) -> list[dict]:
     for dtype in ("float32", "bfloat16"):
         for i, (name, q_lens, contexts, num_decodes) in enumerate(KERNEL_CASES):
             rng = np.random.default_rng([seed, i])
-            case = kernel_case(rng, plan.heads, q_lens, contexts, jnp.dtype(dtype))
-            want_out, want_lse = dense_attention_oracle(**case, sm_scale=sm_scale)
-            out, lse = run_kernel_case(case, plan.impl, jnp.dtype(dtype), num_decodes, sm_scale)
-            real = int(np.asarray(case["cu_q_lens"])[len(q_lens)])
-            if num_decodes is None:
-                want_out, want_lse = want_out[:len(q_lens)], want_lse[:len(q_lens)]
-                real = len(q_lens)
-            finite = np.isfinite(want_lse[:real])
-            out_error = float(np.abs(out[:real] - want_out[:real]).max())
-            lse_error = float(np.abs(lse[:real][finite] - want_lse[:real][finite]).max())
-            same_empty = bool((np.isneginf(lse[:real]) == ~finite).all())
             tolerance = TOLERANCE[(kind, dtype)]
-            ok = bool(same_empty and not np.isnan(out[:real]).any()
-                      and max(out_error, lse_error) <= tolerance)
-            rows.append({"case": name, "dtype": dtype, "q_lens": list(q_lens),
-                         "contexts": list(contexts), "max_out_error": out_error,
-                         "max_lse_error": lse_error, "tolerance": tolerance, "ok": ok})
-            log(f"kernel {name} {dtype}: out error {out_error:.2e}, lse error "
-                f"{lse_error:.2e} (tolerance {tolerance:g}): {'ok' if ok else 'FAILED'}")
+            row = {"case": name, "dtype": dtype, "q_lens": list(q_lens),
+                   "contexts": list(contexts), "tolerance": tolerance}
+            try:
+                row.update(compare_with_oracle(plan, rng, q_lens, contexts, num_decodes, dtype,
+                                               sm_scale, tolerance))
+            except Exception as error:   # noqa: BLE001: one case's failure (a kernel that
+                # does not compile on this device, say) is this row's, not the other cases'
+                row.update(error=f"{type(error).__name__}: {error}", ok=False)
+                log(f"kernel {name} {dtype} raised:\n{traceback.format_exc()}")
+                rows.append(row)
+                continue
+            rows.append(row)
+            log(f"kernel {name} {dtype}: out error {row['max_out_error']:.2e}, lse error "
+                f"{row['max_lse_error']:.2e} (tolerance {tolerance:g}): "
+                f"{'ok' if row['ok'] else 'FAILED'}")
     return rows
 
 
@@ -260,6 +279,20 @@ def kernel_table(plan: Plan, hardware, seed: int, log) -> tuple[dict, dict]:
     return kernels.summarize(rows, plan.impl, hardware, None), overhead
 
 
+def dispatch_seconds(engine, batch, repeats: int) -> float:
+    """Median seconds until `Engine.dispatch` returns, the device idle before each. Near the
+    whole step where the step's program makes the host wait for the device: on a GPU, XLA
+    reads a `lax.cond`'s predicate back to the host before it launches the branch, so the
+    launching call returns only once everything before the conditional has run."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        pending = engine.dispatch(batch)
+        times.append(time.perf_counter() - start)
+        engine.collect(pending)
+    return statistics.median(times)
+
+
 def decode_breakdown(plan: Plan, seed: int, log) -> dict:
     """A decode-only step of plan.breakdown_decodes sequences on an engine over the
     breakdown model, and the decode kernel alone at that step's shapes."""
@@ -271,11 +304,13 @@ def decode_breakdown(plan: Plan, seed: int, log) -> dict:
 
     model = load_model(plan.breakdown_model, attention_impl=plan.impl, seed=seed % 2**31,
                        verbose=False)
-    engine = Engine(model, EngineConfig(page_size=PAGE_SIZE, max_kv_tokens=16_384,
-                                        max_tokens_per_step=64, max_seqs=plan.breakdown_decodes,
-                                        max_model_len=2048))
+    max_context = 1024
+    # Room for every decode's context (calibration borrows their pages) and a spare page each.
+    engine = Engine(model, EngineConfig(
+        page_size=PAGE_SIZE, max_kv_tokens=plan.breakdown_decodes * (max_context + PAGE_SIZE),
+        max_tokens_per_step=64, max_seqs=plan.breakdown_decodes, max_model_len=2048))
     rng = np.random.default_rng(seed)
-    contexts = rng.integers(64, 1024, plan.breakdown_decodes).tolist()
+    contexts = rng.integers(64, max_context, plan.breakdown_decodes).tolist()
     chunks = [(int(c), 1) for c in contexts]
     row = engine_bench.measure(engine, f"decode x{len(chunks)}", chunks, rng, plan.repeats)
     # The attention of that step: the same page tables and context lengths, one layer's
@@ -284,6 +319,7 @@ def decode_breakdown(plan: Plan, seed: int, log) -> dict:
     try:
         inputs = build_step_inputs(batch, engine.allocator, engine.ladder,
                                    pad_slot=engine.pad_slot)
+        dispatch_ms = 1e3 * dispatch_seconds(engine, batch, plan.repeats)
     finally:
         release_batch(engine, batch)
     c = model.config
@@ -298,12 +334,18 @@ def decode_breakdown(plan: Plan, seed: int, log) -> dict:
         q, k_pages, k_pages, jnp.asarray(inputs.page_table[0]), jnp.asarray(inputs.kv_lens[0])))
     attention_ms = kernels.time_call(fn, args, plan.repeats)["time_s"] * 1e3 * c.num_layers
     row.update(model=plan.breakdown_model, layers=c.num_layers, attention_ms=attention_ms,
-               other_device_ms=row["device_ms"] - attention_ms)
+               other_device_ms=row["device_ms"] - attention_ms, dispatch_ms=dispatch_ms)
     log(f"decode step of {len(chunks)} on {plan.breakdown_model}: {row['step_ms']:.2f} ms")
     return row
 
 
 # ----------------------------------------------------------------------------------------
+
+
+def write_json(path: str, report: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -333,44 +375,66 @@ def main(argv: Sequence[str] | None = None) -> dict:
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     log(f"gpu-check on {backend} ({device.device_kind}), attention {plan.impl}, seed {seed}")
 
-    checks = check_kernels(plan, seed, kind, log)
-    tokens = check_tokens(plan, seed, log)
-    table, overhead = kernel_table(plan, hardware, seed, log)
-    breakdown = decode_breakdown(plan, seed, log)
-    ok = all(row["ok"] for row in checks) and tokens["ok"]
     report = {"context": {**environment(), "impl": plan.impl, "seed": seed, "quick": args.quick,
                           "hardware_preset": hardware.name if hardware else None,
                           "kernel_heads": dataclasses.asdict(plan.heads),
                           "table_heads": dataclasses.asdict(plan.table_heads),
                           "table_dtype": plan.table_dtype},
-              "ok": ok, "kernel_checks": checks, "tokens": tokens, "kernel_table": table,
-              "chunking_overhead": overhead, "decode_breakdown": breakdown}
+              "ok": False, "errors": {}}
+
+    def part(name: str, fn):
+        """Runs one part; an exception fails the run but not the parts after it (on a first
+        device run each part's own result is what counts), and the JSON is rewritten after
+        each part, so a run stopped at its time limit keeps what it measured."""
+        try:
+            return fn()
+        except Exception as error:   # noqa: BLE001: recorded, printed and failing the run
+            report["errors"][name] = f"{type(error).__name__}: {error}"
+            log(f"{name} raised:\n{traceback.format_exc()}")
+            return None
+        finally:
+            if args.json:
+                write_json(args.json, report)
+
+    checks = report["kernel_checks"] = part("kernel_checks",
+                                            lambda: check_kernels(plan, seed, kind, log)) or []
+    tokens = report["tokens"] = part("tokens", lambda: check_tokens(plan, seed, log))
+    table, overhead = part("kernel_table", lambda: kernel_table(plan, hardware, seed, log)) \
+        or ({}, None)
+    report.update(kernel_table=table, chunking_overhead=overhead)
+    breakdown = report["decode_breakdown"] = part("decode_breakdown",
+                                                  lambda: decode_breakdown(plan, seed, log))
+    ok = report["ok"] = bool(checks and all(row["ok"] for row in checks) and tokens
+                             and tokens["ok"] and not report["errors"])
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+        write_json(args.json, report)
 
     if kind == "cpu":
         print("\nCPU run: the kernel in Pallas interpret mode; its times are an "
               "interpreter's, not a device's. Run on a GPU for the figures.")
+    for name, error in report["errors"].items():
+        print(f"{name} raised {error}")
     print("\nkernels vs the float64 oracle (fresh inputs, seed %d)" % seed)
     print(format_table({f"{r['case']} {r['dtype']}": r for r in checks}, label="case",
                        columns=[("max_out_error", "max_out_error"),
                                 ("max_lse_error", "max_lse_error"), ("tolerance", "tolerance"),
                                 ("ok", "ok")]))
-    print(f"\ngreedy tokens, {plan.impl} on {backend} vs xla on the CPU "
-          f"(tiny, prompts of {tokens['prompt_lengths']} tokens): "
-          f"{'equal' if tokens['ok'] else 'DIFFERENT'}")
+    if tokens:
+        print(f"\ngreedy tokens, {plan.impl} on {backend} vs xla on the CPU "
+              f"(tiny, prompts of {tokens['prompt_lengths']} tokens): "
+              f"{'equal' if tokens['ok'] else 'DIFFERENT'}")
     if overhead:
         small, large = plan.grid.overhead_chunks
         print(f"chunking overhead at context {overhead['context']}: {small}-token chunks take "
               f"{overhead['ratio']:.3f}x the time of {large}-token chunks")
-    b = breakdown
-    print(f"decode step, {b['scenario']} on {b['model']} ({b['layers']} layers), padded "
-          f"{tuple(b['padded_shape'])}: step {b['step_ms']:.3f} ms = device "
-          f"{b['device_ms']:.3f} ms (attention {b['attention_ms']:.3f} ms, the rest "
-          f"{b['other_device_ms']:.3f} ms) + host on the critical path "
-          f"{b['host_overhead_ms']:.3f} ms (building inputs {b['build_inputs_ms']:.3f} ms)")
+    if breakdown:
+        b = breakdown
+        print(f"decode step, {b['scenario']} on {b['model']} ({b['layers']} layers), padded "
+              f"{tuple(b['padded_shape'])}: step {b['step_ms']:.3f} ms = device "
+              f"{b['device_ms']:.3f} ms (attention {b['attention_ms']:.3f} ms, the rest "
+              f"{b['other_device_ms']:.3f} ms) + host on the critical path "
+              f"{b['host_overhead_ms']:.3f} ms (building inputs {b['build_inputs_ms']:.3f} ms); "
+              f"dispatch returns after {b['dispatch_ms']:.3f} ms")
     print(f"\ngpu-check: {'PASSED' if ok else 'FAILED'}\n")
     print(format_table(table, label=f"{plan.impl} ({backend})",
                        columns=[(c, c) for c in ("time_ms", "tflop_per_s", "gb_per_s",

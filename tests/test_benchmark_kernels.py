@@ -4,6 +4,7 @@ prints, the JSON it writes, and that it times the entry point the model uses."""
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import kernels
@@ -75,3 +76,26 @@ def test_quick_run_prints_its_table_and_writes_json(monkeypatch, tmp_path, capsy
     # not decode_attention with the table's raw KV splits).
     assert set(steps) == {(2, 2), (32, 0), (64, 0)}
     assert all(np.isfinite(row["xla"]["time_s"]) for row in report["rows"])
+
+
+def test_chained_timing_runs_every_call_and_returns_one_calls_output():
+    # Off the CPU a sample runs the call `calls` times in one program: none may be hoisted out
+    # of the loop or dropped (counted on the host through a callback), and the dependency
+    # through the first argument changes nothing (its output is one call's).
+    counted = []
+
+    def fn(x, w):
+        jax.debug.callback(lambda: counted.append(1))
+        return jnp.tanh(x @ w), x.sum()
+
+    x, w = jax.random.normal(jax.random.key(0), (2, 8, 8))
+    run = kernels.chained_calls(fn, 5)
+    out = jax.block_until_ready(run(jnp.zeros(()), x, w))
+    assert len(counted) == 5
+    np.testing.assert_allclose(out[0], np.tanh(np.asarray(x) @ np.asarray(w)), rtol=1e-5)
+    counted.clear()
+    timing = kernels.time_call(fn, (x, w), repeats=3, chained=True)
+    calls = timing["calls_per_sample"]
+    assert 2 <= calls <= kernels.MAX_CHAINED_CALLS
+    assert len(counted) == 2 + calls * 4      # two single calls, the compile run, 3 samples
+    assert 0 < timing["time_min_s"] <= timing["time_s"] <= timing["time_max_s"]

@@ -87,8 +87,17 @@ def test_unknown_devices_fall_back_with_a_warning(caplog):
     assert device_kind_of() == "cpu"      # this host
 
 
+# The device the Triton lowering targets from this CPU host. jax >= 0.11 reads the GPU's
+# compute capability while lowering and, with no GPU present, needs it named (jax 0.10 took
+# a default); an H100's kind names sm_90.
+ABSTRACT_GPU = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None,
+                                           platform="gpu")
+
+
 def lower_for_cuda(fn, *args) -> str:
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=ABSTRACT_GPU)
+    with jax.sharding.use_abstract_mesh(mesh):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.mark.parametrize("kind", GPU_KINDS)

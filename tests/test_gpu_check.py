@@ -42,3 +42,37 @@ def test_a_kernel_that_disagrees_with_the_oracle_fails_the_check(monkeypatch):
     plan = gpu_check.plan_for("cpu", True, 0)
     rows = gpu_check.check_kernels(plan, 0, "cpu", lambda msg: None)
     assert [(r["dtype"], r["ok"]) for r in rows] == [("float32", False), ("bfloat16", True)]
+
+
+def test_a_part_that_raises_fails_the_run_but_not_the_parts_after_it(monkeypatch, tmp_path):
+    # On a first device run each part's own result counts: the greedy-token check raising
+    # must still leave the kernel table and the breakdown run, and the run FAILED.
+    def broken(*args):
+        raise RuntimeError("no such device")
+
+    monkeypatch.setattr(gpu_check, "check_kernels", lambda *a: [{"case": "x", "dtype": "f",
+                                                                 "ok": True}])
+    monkeypatch.setattr(gpu_check, "check_tokens", broken)
+    monkeypatch.setattr(gpu_check, "kernel_table", lambda *a: ({"row": {}}, None))
+    monkeypatch.setattr(gpu_check, "decode_breakdown", lambda *a: None)
+    path = tmp_path / "report.json"
+    report = gpu_check.main(["--quick", "--seed", "1", "--json", str(path)])
+    assert not report["ok"]
+    assert report["errors"] == {"tokens": "RuntimeError: no such device"}
+    assert report["kernel_table"] == {"row": {}}
+    assert json.loads(path.read_text())["errors"] == report["errors"]
+
+
+def test_a_kernel_case_that_raises_is_its_own_failed_row(monkeypatch):
+    def run(case, impl, dtype, num_decodes, sm_scale):
+        if num_decodes is None:
+            raise ValueError("does not lower here")
+        return run_case(case, impl, dtype, num_decodes, sm_scale)
+
+    run_case = gpu_check.run_kernel_case
+    monkeypatch.setattr(gpu_check, "run_kernel_case", run)
+    monkeypatch.setattr(gpu_check, "KERNEL_CASES", gpu_check.KERNEL_CASES[1:])
+    rows = gpu_check.check_kernels(gpu_check.plan_for("cpu", True, 0), 0, "cpu", lambda m: None)
+    assert [(r["case"], r["ok"]) for r in rows] == [
+        ("decode", True), ("mixed", True), ("decode_attention", False)] * 2
+    assert rows[2]["error"] == "ValueError: does not lower here"
