@@ -36,6 +36,7 @@ import json
 import os
 import secrets
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -65,6 +66,17 @@ KERNEL_CASES = (
 TOLERANCE = {("gpu", "float32"): 1e-2, ("cpu", "float32"): 1e-4,
              ("gpu", "bfloat16"): 3e-2, ("cpu", "bfloat16"): 3e-2}
 PAGE_SIZE = kernels.PAGE_SIZE
+
+# XLA flags the decode-step breakdown is run again under, each in a child process (XLA reads
+# XLA_FLAGS once, at start), to see what moves the step's device time and its dispatch.
+# docs/gpu/README.md: on the H200 the matmuls took 3x their weights' read time, and a dynamic
+# slice of the stacked layer weights that feeds a GEMM is copied unless XLA fuses it. On a
+# CPU the variant is the default spelled out, so the machinery runs where the tests run.
+STEP_VARIANTS = {
+    "gpu": {"as served": "",
+            "dynamic-slice fusion": "--xla_gpu_enable_dynamic_slice_fusion=true"},
+    "cpu": {"as served": "", "fast math off (the default)": "--xla_cpu_enable_fast_math=false"},
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -342,6 +354,24 @@ def decode_breakdown(plan: Plan, seed: int, log) -> dict:
 # ----------------------------------------------------------------------------------------
 
 
+def step_variants(plan: Plan, kind: str, seed: int, quick: bool, log) -> dict:
+    """The decode-step breakdown under each of STEP_VARIANTS[kind]'s XLA flags, each run by
+    this script in a child process (`--breakdown-only`): name -> its breakdown row."""
+    rows = {}
+    for name, flags in STEP_VARIANTS[kind].items():
+        env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip())
+        command = [sys.executable, "-m", "benchmarks.gpu_check", "--breakdown-only",
+                   "--seed", str(seed), *(["--quick"] if quick else [])]
+        done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+        if done.returncode:
+            raise RuntimeError(f"the breakdown under XLA_FLAGS={flags!r} failed:\n"
+                               f"{done.stderr[-2000:]}")
+        rows[name] = {"xla_flags": flags, **json.loads(done.stdout.strip().splitlines()[-1])}
+        log(f"decode step under {name!r}: step {rows[name]['step_ms']:.3f} ms, device "
+            f"{rows[name]['device_ms']:.3f} ms, dispatch {rows[name]['dispatch_ms']:.3f} ms")
+    return rows
+
+
 def write_json(path: str, report: dict) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
@@ -355,6 +385,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="fewer tokens and repeats; the tiny model for the breakdown")
     p.add_argument("--json", default=None, help="write every figure and the context here")
     p.add_argument("--seed", type=int, default=None, help="default: a fresh one, printed")
+    p.add_argument("--step-variants", action=argparse.BooleanOptionalAction, default=None,
+                   help="also run the decode-step breakdown under each of STEP_VARIANTS' XLA "
+                        "flags, in child processes (default: on a GPU)")
+    p.add_argument("--breakdown-only", action="store_true",
+                   help="run only the decode-step breakdown and print its row as JSON (what "
+                        "--step-variants runs in each child)")
     p.add_argument("--hardware", default=None,
                    help="medha_jax.scheduler.hardware preset for the peaks (default: from the "
                         "device kind; none on a CPU)")
@@ -373,6 +409,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
         if kind == "gpu" or args.hardware else None
     plan = plan_for(backend, args.quick, getattr(hardware, "memory_bytes", 16e9))
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    if args.breakdown_only:
+        with contextlib.redirect_stdout(sys.stderr):
+            row = decode_breakdown(plan, seed, log)
+        print(json.dumps(row))
+        return {"ok": True, "decode_breakdown": row}
     log(f"gpu-check on {backend} ({device.device_kind}), attention {plan.impl}, seed {seed}")
 
     report = {"context": {**environment(), "impl": plan.impl, "seed": seed, "quick": args.quick,
@@ -404,6 +445,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     report.update(kernel_table=table, chunking_overhead=overhead)
     breakdown = report["decode_breakdown"] = part("decode_breakdown",
                                                   lambda: decode_breakdown(plan, seed, log))
+    variants = report["step_variants"] = part(
+        "step_variants", lambda: step_variants(plan, kind, seed, args.quick, log)) \
+        if (kind == "gpu" if args.step_variants is None else args.step_variants) else None
     ok = report["ok"] = bool(checks and all(row["ok"] for row in checks) and tokens
                              and tokens["ok"] and not report["errors"])
     if args.json:
@@ -435,6 +479,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
               f"{b['other_device_ms']:.3f} ms) + host on the critical path "
               f"{b['host_overhead_ms']:.3f} ms (building inputs {b['build_inputs_ms']:.3f} ms); "
               f"dispatch returns after {b['dispatch_ms']:.3f} ms")
+    if variants:
+        print("\nthe decode step under other XLA flags (each in its own process)")
+        print(format_table(variants, label="variant", columns=[
+            (c, c) for c in ("step_ms", "device_ms", "attention_ms", "other_device_ms",
+                             "dispatch_ms")]))
     print(f"\ngpu-check: {'PASSED' if ok else 'FAILED'}\n")
     print(format_table(table, label=f"{plan.impl} ({backend})",
                        columns=[(c, c) for c in ("time_ms", "tflop_per_s", "gb_per_s",

@@ -76,3 +76,13 @@ def test_a_kernel_case_that_raises_is_its_own_failed_row(monkeypatch):
     assert [(r["case"], r["ok"]) for r in rows] == [
         ("decode", True), ("mixed", True), ("decode_attention", False)] * 2
     assert rows[2]["error"] == "ValueError: does not lower here"
+
+
+@pytest.mark.slow
+def test_step_variants_run_the_breakdown_under_each_xla_flag_in_its_own_process():
+    rows = gpu_check.step_variants(gpu_check.plan_for("cpu", True, 0), "cpu", 3, True,
+                                   lambda msg: None)
+    assert list(rows) == list(gpu_check.STEP_VARIANTS["cpu"])
+    for name, row in rows.items():
+        assert row["xla_flags"] == gpu_check.STEP_VARIANTS["cpu"][name]
+        assert row["model"] == "tiny" and row["device_ms"] > 0 and row["dispatch_ms"] > 0
