@@ -5,7 +5,7 @@ greedy tokens against the CPU's, the kernel table and a decode-step breakdown.
     python -m benchmarks.gpu_check --json FILE  # the same
     python -m benchmarks.gpu_check --quick      # on a CPU: the kernel in Pallas interpret mode
 
-Four parts, each on the default back-end's first device with the attention implementation
+Five parts, each on the default back-end's first device with the attention implementation
 the engine serves with there ("pallas" on a GPU; on a CPU "interpret", the same kernel in
 Pallas interpret mode, so the script runs anywhere and cannot rot):
 
@@ -17,11 +17,15 @@ Pallas interpret mode, so the script runs anywhere and cannot rot):
    on the CPU back-end (the XLA path, float32) with the same weights and prompts: long
    prompts are chunked, so prefill chunks over a cache and decodes both run.
 3. the kernel table of `benchmarks.kernels` (MFU for prefill, MBU for decodes, the chunking
-   overhead) on its quick grid.
+   overhead): its full grid, or with --quick its quick one.
 4. a decode step of an engine broken down: the whole step, the device alone, the host on
    the critical path (building inputs, dispatch, reading tokens back), and attention (the
    decode kernel timed alone at the step's shapes, times the layers) against the rest of
-   the device time (matmuls, norms, sampling).
+   the device time (matmuls, norms, sampling); and when `Engine.dispatch` returned (near
+   the whole step where the program makes the host wait for the device). Each part runs on
+   its own: one that raises fails the run, not the parts after it.
+5. on a GPU (or with --step-variants), that breakdown again under each of STEP_VARIANTS'
+   XLA flags, one child process each, to see what moves the device time and the dispatch.
 
 On a CPU the times are an interpreter's and mean nothing; the checks are what count there.
 The exit status is 1 when a check fails.
