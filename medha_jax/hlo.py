@@ -14,6 +14,7 @@ cache gives the same tokens too, and costs a trip through all of it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
 COLLECTIVE_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
@@ -30,6 +31,13 @@ _CALLEE = re.compile(r"\b(?:calls|to_apply|body|condition)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+# replica_groups, as XLA prints them: listed ({{0,1},{2,3}}), as an iota ([2,2]<=[4], with a
+# transpose [2,2]<=[2,2]T(1,0)), or (XLA of jax >= 0.11) as a mesh and the axes the
+# collective spans (mesh['member'=2,'local'=2] {'local'}).
+_LISTED_GROUPS = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
+_IOTA_GROUPS = re.compile(
+    r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +112,61 @@ def _runs_per_call(computations: dict[str, list[str]], entry: str) -> dict[str, 
                     runs[callee] = runs[caller] * factor
                     pending.append(callee)
     return runs
+
+
+def replica_groups(line: str) -> list[tuple[int, ...]] | None:
+    """The device groups of one collective instruction's line, in whichever of XLA's
+    spellings it has; None where the line names no replica_groups. Mesh spelling: devices
+    are the mesh's positions in row-major order, and a group is the devices that differ
+    only along the axes the collective spans."""
+    if match := _LISTED_GROUPS.search(line):
+        return [tuple(int(d) for d in group.split(",") if d)
+                for group in re.findall(r"\{([\d,]*)\}", match.group(1))]
+    if match := _IOTA_GROUPS.search(line):
+        groups, dims, perm = ([int(d) for d in text.split(",")] if text else None
+                              for text in match.groups())
+        devices = list(range(math.prod(dims)))
+        if perm is not None:
+            devices = _transposed(devices, dims, perm)
+        size = groups[-1]
+        return [tuple(devices[i:i + size]) for i in range(0, len(devices), size)]
+    if match := _MESH_GROUPS.search(line):
+        axes = [(name.strip().strip("'"), int(size))
+                for name, size in (item.split("=") for item in match.group(1).split(","))]
+        spanned = {name.strip().strip("'") for name in match.group(2).split(",")}
+        sizes = [size for _, size in axes]
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for device in range(math.prod(sizes)):
+            coords = _coordinates(device, sizes)
+            key = tuple(c for (name, _), c in zip(axes, coords) if name not in spanned)
+            groups.setdefault(key, []).append(device)
+        return [tuple(group) for group in groups.values()]
+    return None
+
+
+def _coordinates(index: int, sizes: list[int]) -> list[int]:
+    """Row-major coordinates of `index` in an array of shape `sizes`."""
+    coords = []
+    for size in reversed(sizes):
+        index, coord = divmod(index, size)
+        coords.append(coord)
+    return coords[::-1]
+
+
+def _transposed(values: list[int], dims: list[int], perm: list[int]) -> list[int]:
+    """`values` (row-major, shape `dims`) transposed by `perm`, flattened row-major."""
+    out_dims = [dims[p] for p in perm]
+    out = []
+    for index in range(len(values)):
+        coords = _coordinates(index, out_dims)
+        source = [0] * len(dims)
+        for axis, p in enumerate(perm):
+            source[p] = coords[axis]
+        flat = 0
+        for coord, size in zip(source, dims):
+            flat = flat * size + coord
+        out.append(values[flat])
+    return out
 
 
 def collectives(hlo_text: str) -> list[Collective]:

@@ -51,3 +51,34 @@ def test_copies_lists_transposes_and_copies_with_their_loop_counts():
     assert {c.op for c in found} <= set(hlo.COPY_OPS)
     assert any(c.count == 3 for c in found), found             # inside the loop
     assert any(c.bytes == 4 * 4 * 4 for c in hlo.copies(text))  # the small one, unfiltered
+
+
+def test_replica_groups_in_each_of_xlas_spellings():
+    # Listed; as an iota (with and without a transpose); as a mesh and its spanned axes, the
+    # spelling of jax >= 0.11's XLA. Groups over axis "b" of a (2, 2) mesh are {0,1},{2,3};
+    # over "a", {0,2},{1,3}.
+    assert hlo.replica_groups("x = f32[4] all-reduce(y), replica_groups={{0,1},{2,3}}, "
+                              "to_apply=%r") == [(0, 1), (2, 3)]
+    assert hlo.replica_groups("replica_groups=[2,2]<=[4], x") == [(0, 1), (2, 3)]
+    assert hlo.replica_groups("replica_groups=[2,2]<=[2,2]T(1,0), x") == [(0, 2), (1, 3)]
+    assert hlo.replica_groups("replica_groups=[1,8]<=[8]") == [tuple(range(8))]
+    mesh = "replica_groups=mesh['a'=2,'b'=2] {%s}, use_global_device_ids=true"
+    assert hlo.replica_groups(mesh % "'b'") == [(0, 1), (2, 3)]
+    assert hlo.replica_groups(mesh % "'a'") == [(0, 2), (1, 3)]
+    assert hlo.replica_groups(mesh % "'a','b'") == [(0, 1, 2, 3)]
+    assert hlo.replica_groups("x = f32[4] add(y, z)") is None
+
+
+def test_replica_groups_of_a_compiled_program():
+    # Whatever spelling this jaxlib prints, the groups read back are the axes' device groups.
+    mesh = jax.make_mesh((2, 2), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2,
+                         devices=jax.devices()[:4])
+
+    def body(x):
+        return jax.lax.psum(x, "b"), jax.lax.psum(x, ("a", "b"))
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=P("a", "b"), out_specs=(P("a"), P()),
+                       check_vma=False)
+    lines = [line for line in compiled_text(fn, jnp.ones((8, 16), jnp.float32)).splitlines()
+             if " all-reduce(" in line or " all-reduce-start(" in line]
+    assert sorted(map(hlo.replica_groups, lines)) == [[(0, 1), (2, 3)], [(0, 1, 2, 3)]]

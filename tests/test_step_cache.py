@@ -21,11 +21,18 @@ def without_jax_cache():
     from either is not kept (step_cache says why), and earlier tests of a suite may have
     put these very programs in both (CI: an earlier test of the same worker process had
     compiled one of the two steps, so only the other was kept)."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    # jax 0.11 decides once per process whether its persistent cache is in use (the first
+    # compile asks): turning the flag off after that still hit the cache (3 hits in a
+    # script, 0 on jax 0.10.2); a reset makes it ask again.
     before = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
     jax.clear_caches()
     yield
     jax.config.update("jax_enable_compilation_cache", before)
+    compilation_cache.reset_cache()
 
 
 def tokens(engine, seed):
