@@ -5,7 +5,7 @@ greedy tokens against the CPU's, the kernel table and a decode-step breakdown.
     python -m benchmarks.gpu_check --json FILE  # the same
     python -m benchmarks.gpu_check --quick      # on a CPU: the kernel in Pallas interpret mode
 
-Five parts, each on the default back-end's first device with the attention implementation
+Six parts, each on the default back-end's first device with the attention implementation
 the engine serves with there ("pallas" on a GPU; on a CPU "interpret", the same kernel in
 Pallas interpret mode, so the script runs anywhere and cannot rot):
 
@@ -26,6 +26,8 @@ Pallas interpret mode, so the script runs anywhere and cannot rot):
    its own: one that raises fails the run, not the parts after it.
 5. on a GPU (or with --step-variants), that breakdown again under each of STEP_VARIANTS'
    XLA flags, one child process each, to see what moves the device time and the dispatch.
+6. on a GPU (or with --split-sweep), the decode path at each KV-split count, at a few
+   contexts and batches: its time, and its output against one split's.
 
 On a CPU the times are an interpreter's and mean nothing; the checks are what count there.
 The exit status is 1 when a check fails.
@@ -36,6 +38,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import secrets
@@ -55,7 +58,8 @@ from benchmarks import kernels
 from benchmarks.report import environment
 from pallas_kernels import decode_attention, ragged_paged_attention
 from pallas_kernels.dense_reference import dense_attention_oracle, random_page_table
-from pallas_kernels.dispatch import GPU_BACKENDS
+from pallas_kernels.block_sizes import device_kind_of
+from pallas_kernels.dispatch import GPU_BACKENDS, block_sizes_for
 
 # Each case: (name, q_lens, contexts before the queries, num_decodes or None for the
 # `decode_attention` entry point). Decodes come first, as the engine orders them.
@@ -96,6 +100,10 @@ class Plan:
     breakdown_model: str              # preset of the decode-step breakdown
     breakdown_decodes: int
     repeats: int
+    # The decode KV-split sweep (`split_sweep`): contexts x batches, each at every count.
+    sweep_contexts: tuple[int, ...] = ()
+    sweep_batches: tuple[int, ...] = ()
+    sweep_splits: tuple[int, ...] = ()
 
 
 def plan_for(backend: str, quick: bool, memory_bytes: float) -> Plan:
@@ -105,7 +113,9 @@ def plan_for(backend: str, quick: bool, memory_bytes: float) -> Plan:
                     table_dtype="bfloat16", grid=kernels.default_grid(backend, quick, memory_bytes),
                     max_new_tokens=8 if quick else 24,
                     breakdown_model="tiny" if quick else "llama3-8b",
-                    breakdown_decodes=32, repeats=3 if quick else 10)
+                    breakdown_decodes=32, repeats=3 if quick else 10,
+                    sweep_contexts=(32 * 1024,) if quick else (4 * 1024, 32 * 1024, 128 * 1024),
+                    sweep_batches=(1, 8), sweep_splits=(1, 4, 8, 16, 32, 64))
     # The interpreter runs the kernel's program instance by instance in Python: small shapes.
     return Plan(impl="interpret", heads=kernels.Heads(4, 2, 32), table_heads=kernels.Heads(4, 2, 32),
                 table_dtype="float32",
@@ -113,7 +123,8 @@ def plan_for(backend: str, quick: bool, memory_bytes: float) -> Plan:
                                   decode_batches=(2,), overhead_context=256,
                                   overhead_positions=2, max_kv_bytes=1e9,
                                   overhead_chunks=(32, 64)),
-                max_new_tokens=4, breakdown_model="tiny", breakdown_decodes=4, repeats=1)
+                max_new_tokens=4, breakdown_model="tiny", breakdown_decodes=4, repeats=1,
+                sweep_contexts=(128,), sweep_batches=(1,), sweep_splits=(1, 4))
 
 
 # ----------------------------------------------------------------------------------------
@@ -376,6 +387,56 @@ def step_variants(plan: Plan, kind: str, seed: int, quick: bool, log) -> dict:
     return rows
 
 
+def split_sweep(plan: Plan, seed: int, log) -> list[dict]:
+    """The decode path's time at each KV-split count (the model's entry point, the ragged
+    kernel with every sequence a decode), per context and batch: one row each, with the
+    table's own count beside, and each count's output against one split's (ok: within the
+    kernel checks' tolerance). On the H200 the table's 16 splits gave a lone 32K-token
+    decode 1.2 TB/s, a quarter of the HBM's; this is what the next table is chosen from."""
+    if plan.sweep_splits[:1] != (1,):
+        raise ValueError(f"the sweep compares every count with 1 split, its first: "
+                         f"{plan.sweep_splits}")
+    heads, dtype = plan.table_heads, jnp.dtype(plan.table_dtype)
+    tolerance = TOLERANCE[("gpu" if plan.impl == "pallas" else "cpu", plan.table_dtype)]
+    key, rng = jax.random.key(seed), np.random.default_rng(seed)
+    tiles = block_sizes_for(plan.impl, device_kind_of(jax.devices()[0]), heads.head_dim,
+                            PAGE_SIZE)
+    rows = []
+    for context in plan.sweep_contexts:
+        for batch in plan.sweep_batches:
+            k_pages, v_pages = kernels.paged_cache(key, heads, batch * context, dtype)
+            q = jax.random.normal(jax.random.fold_in(key, 2),
+                                  (batch, heads.q_heads, heads.head_dim), dtype)
+            args = (q, k_pages, v_pages, kernels.shuffled_page_table(rng, batch, context),
+                    jnp.arange(batch + 1, dtype=jnp.int32),
+                    jnp.full((batch,), context, jnp.int32), jnp.array([batch], jnp.int32))
+            moved = (kernels.kv_bytes(heads, batch * context, dtype.itemsize)
+                     + 2 * batch * heads.q_heads * heads.head_dim * dtype.itemsize)
+            row = {"context": context, "batch": batch, "table_splits": tiles.num_kv_splits,
+                   "bytes": moved, "time_ms": {}, "gb_per_s": {}, "max_diff_vs_1": {}}
+            unsplit = None
+            for splits in plan.sweep_splits:
+                fn = jax.jit(functools.partial(
+                    ragged_paged_attention, sm_scale=heads.head_dim ** -0.5, impl=plan.impl,
+                    block_sizes=dataclasses.replace(tiles, num_kv_splits=splits)))
+                # Every sequence a decode: num_decodes is num_seqs, the last argument.
+                call = lambda *a, fn=fn: fn(*a, num_decodes=a[-1])   # noqa: E731
+                out = np.asarray(call(*args)[0], np.float32)
+                unsplit = out if unsplit is None else unsplit      # the first count is 1
+                row["max_diff_vs_1"][splits] = float(np.abs(out - unsplit).max())
+                seconds = kernels.time_call(call, args, plan.repeats)["time_s"]
+                row["time_ms"][splits] = seconds * 1e3
+                row["gb_per_s"][splits] = moved / seconds / 1e9
+            row["ok"] = max(row["max_diff_vs_1"].values()) <= tolerance
+            best = min(row["time_ms"], key=row["time_ms"].get)
+            row["best_splits"] = best
+            rows.append(row)
+            log(f"decode splits, context {context} batch {batch}: best {best} "
+                f"({row['time_ms'][best]:.3f} ms), table's {tiles.num_kv_splits}")
+            del k_pages, v_pages, args
+    return rows
+
+
 def write_json(path: str, report: dict) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
@@ -392,6 +453,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--step-variants", action=argparse.BooleanOptionalAction, default=None,
                    help="also run the decode-step breakdown under each of STEP_VARIANTS' XLA "
                         "flags, in child processes (default: on a GPU)")
+    p.add_argument("--split-sweep", action=argparse.BooleanOptionalAction, default=None,
+                   help="also time the decode path at each KV-split count (default: on a GPU)")
     p.add_argument("--breakdown-only", action="store_true",
                    help="run only the decode-step breakdown and print its row as JSON (what "
                         "--step-variants runs in each child)")
@@ -452,8 +515,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     variants = report["step_variants"] = part(
         "step_variants", lambda: step_variants(plan, kind, seed, args.quick, log)) \
         if (kind == "gpu" if args.step_variants is None else args.step_variants) else None
+    sweep = report["split_sweep"] = part("split_sweep", lambda: split_sweep(plan, seed, log)) \
+        if (kind == "gpu" if args.split_sweep is None else args.split_sweep) else None
     ok = report["ok"] = bool(checks and all(row["ok"] for row in checks) and tokens
-                             and tokens["ok"] and not report["errors"])
+                             and tokens["ok"] and all(row["ok"] for row in sweep or ())
+                             and not report["errors"])
     if args.json:
         write_json(args.json, report)
 
@@ -488,6 +554,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
         print(format_table(variants, label="variant", columns=[
             (c, c) for c in ("step_ms", "device_ms", "attention_ms", "other_device_ms",
                              "dispatch_ms")]))
+    if sweep:
+        print("\ndecode path, ms by KV splits (the table's own count in brackets)")
+        print(format_table(
+            {f"context {r['context']} batch {r['batch']} ({r['table_splits']})":
+             {str(n): t for n, t in r["time_ms"].items()} for r in sweep},
+            label="decode", columns=[(str(n), str(n)) for n in plan.sweep_splits]))
     print(f"\ngpu-check: {'PASSED' if ok else 'FAILED'}\n")
     print(format_table(table, label=f"{plan.impl} ({backend})",
                        columns=[(c, c) for c in ("time_ms", "tflop_per_s", "gb_per_s",

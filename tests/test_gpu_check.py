@@ -86,3 +86,22 @@ def test_step_variants_run_the_breakdown_under_each_xla_flag_in_its_own_process(
     for name, row in rows.items():
         assert row["xla_flags"] == gpu_check.STEP_VARIANTS["cpu"][name]
         assert row["model"] == "tiny" and row["device_ms"] > 0 and row["dispatch_ms"] > 0
+
+
+def test_the_split_sweep_times_each_count_and_compares_it_with_one_split(monkeypatch):
+    plan = gpu_check.plan_for("cpu", True, 0)
+    rows = gpu_check.split_sweep(plan, 5, lambda msg: None)
+    assert [(r["context"], r["batch"]) for r in rows] == [
+        (c, b) for c in plan.sweep_contexts for b in plan.sweep_batches]
+    for row in rows:
+        assert row["ok"] and set(row["time_ms"]) == set(plan.sweep_splits)
+        assert row["max_diff_vs_1"][1] == 0 and row["best_splits"] in plan.sweep_splits
+    # A kernel whose split path is off is caught: the sweep compares, not only times.
+    real = gpu_check.ragged_paged_attention
+
+    def off_when_split(*args, block_sizes, **kw):
+        out, lse = real(*args, block_sizes=block_sizes, **kw)
+        return (out + 0.01 if block_sizes.num_kv_splits > 1 else out), lse
+
+    monkeypatch.setattr(gpu_check, "ragged_paged_attention", off_when_split)
+    assert not any(row["ok"] for row in gpu_check.split_sweep(plan, 5, lambda msg: None))
