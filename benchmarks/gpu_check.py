@@ -490,33 +490,36 @@ def main(argv: Sequence[str] | None = None) -> dict:
                           "table_dtype": plan.table_dtype},
               "ok": False, "errors": {}}
 
-    def part(name: str, fn):
-        """Runs one part; an exception fails the run but not the parts after it (on a first
-        device run each part's own result is what counts), and the JSON is rewritten after
-        each part, so a run stopped at its time limit keeps what it measured."""
+    def part(name: str, fn) -> None:
+        """Runs one part, whose report entries `fn` returns as a dict; an exception fails
+        the run but not the parts after it (on a first device run each part's own result
+        is what counts), and the JSON is rewritten after each part, so a run stopped at its
+        time limit keeps what it measured."""
         try:
-            return fn()
+            report.update(fn())
         except Exception as error:   # noqa: BLE001: recorded, printed and failing the run
             report["errors"][name] = f"{type(error).__name__}: {error}"
             log(f"{name} raised:\n{traceback.format_exc()}")
-            return None
-        finally:
-            if args.json:
-                write_json(args.json, report)
+        if args.json:
+            write_json(args.json, report)
 
-    checks = report["kernel_checks"] = part("kernel_checks",
-                                            lambda: check_kernels(plan, seed, kind, log)) or []
-    tokens = report["tokens"] = part("tokens", lambda: check_tokens(plan, seed, log))
-    table, overhead = part("kernel_table", lambda: kernel_table(plan, hardware, seed, log)) \
-        or ({}, None)
-    report.update(kernel_table=table, chunking_overhead=overhead)
-    breakdown = report["decode_breakdown"] = part("decode_breakdown",
-                                                  lambda: decode_breakdown(plan, seed, log))
-    variants = report["step_variants"] = part(
-        "step_variants", lambda: step_variants(plan, kind, seed, args.quick, log)) \
-        if (kind == "gpu" if args.step_variants is None else args.step_variants) else None
-    sweep = report["split_sweep"] = part("split_sweep", lambda: split_sweep(plan, seed, log)) \
-        if (kind == "gpu" if args.split_sweep is None else args.split_sweep) else None
+    def wanted(flag: bool | None) -> bool:
+        return kind == "gpu" if flag is None else flag
+
+    part("kernel_checks", lambda: {"kernel_checks": check_kernels(plan, seed, kind, log)})
+    part("tokens", lambda: {"tokens": check_tokens(plan, seed, log)})
+    part("kernel_table", lambda: dict(zip(("kernel_table", "chunking_overhead"),
+                                          kernel_table(plan, hardware, seed, log))))
+    part("decode_breakdown", lambda: {"decode_breakdown": decode_breakdown(plan, seed, log)})
+    if wanted(args.step_variants):
+        part("step_variants",
+             lambda: {"step_variants": step_variants(plan, kind, seed, args.quick, log)})
+    if wanted(args.split_sweep):
+        part("split_sweep", lambda: {"split_sweep": split_sweep(plan, seed, log)})
+    checks, tokens = report.get("kernel_checks", []), report.get("tokens")
+    table, overhead = report.get("kernel_table", {}), report.get("chunking_overhead")
+    breakdown = report.get("decode_breakdown")
+    variants, sweep = report.get("step_variants"), report.get("split_sweep")
     ok = report["ok"] = bool(checks and all(row["ok"] for row in checks) and tokens
                              and tokens["ok"] and all(row["ok"] for row in sweep or ())
                              and not report["errors"])
