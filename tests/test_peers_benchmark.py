@@ -114,6 +114,22 @@ def test_request_bodies_ask_for_exactly_max_tokens_greedily():
     assert body["prompt"] == "bc" and body["min_tokens"] == 8 and "ignore_eos" not in body
 
 
+def test_llama_server_is_an_online_endpoint_when_its_binary_is_given():
+    args = peers.parse_args(["--llama-server", "/opt/llama-server", "--max-model-len", "512",
+                             "--cache-dir", "/tmp/c"])
+    found = peers.endpoints(args, {"gguf": "m.gguf", "hf": None}, {})
+    assert [e.name for e in found] == [peers.MEDHA, "llama-server"]
+    server = found[1]
+    assert server.command[:3] == ["/opt/llama-server", "--model", "m.gguf"]
+    flags = dict(zip(server.command[3::2], server.command[4::2]))
+    assert flags["--ctx-size"] == str(peers.LLAMA_SERVER_SLOTS * 512)
+    assert flags["--parallel"] == str(peers.LLAMA_SERVER_SLOTS) and flags["--port"] == "{port}"
+    body = peers.request_body(server, [1, 2], 8, None)       # token ids, ignore_eos
+    assert body["prompt"] == [1, 2] and body["ignore_eos"] is True
+    args = peers.parse_args(["--cache-dir", "/tmp/c"])
+    assert [e.name for e in peers.endpoints(args, {"gguf": "m.gguf"}, {})] == [peers.MEDHA]
+
+
 def test_medha_offline_batched_equals_one_at_a_time():
     rng = np.random.default_rng(0)
     prompts = peers.random_prompts([37, 90], np.arange(256), seed=0)
