@@ -17,6 +17,8 @@ import dataclasses
 import math
 import re
 
+import numpy as np
+
 COLLECTIVE_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
                   "collective-permute")
 
@@ -125,48 +127,22 @@ def replica_groups(line: str) -> list[tuple[int, ...]] | None:
     if match := _IOTA_GROUPS.search(line):
         groups, dims, perm = ([int(d) for d in text.split(",")] if text else None
                               for text in match.groups())
-        devices = list(range(math.prod(dims)))
+        devices = np.arange(math.prod(dims)).reshape(dims)
         if perm is not None:
-            devices = _transposed(devices, dims, perm)
-        size = groups[-1]
-        return [tuple(devices[i:i + size]) for i in range(0, len(devices), size)]
+            devices = devices.transpose(perm)
+        return [tuple(map(int, group)) for group in devices.reshape(-1, groups[-1])]
     if match := _MESH_GROUPS.search(line):
         axes = [(name.strip().strip("'"), int(size))
                 for name, size in (item.split("=") for item in match.group(1).split(","))]
         spanned = {name.strip().strip("'") for name in match.group(2).split(",")}
-        sizes = [size for _, size in axes]
-        groups: dict[tuple[int, ...], list[int]] = {}
-        for device in range(math.prod(sizes)):
-            coords = _coordinates(device, sizes)
-            key = tuple(c for (name, _), c in zip(axes, coords) if name not in spanned)
-            groups.setdefault(key, []).append(device)
-        return [tuple(group) for group in groups.values()]
+        # Device positions of the mesh, the spanned axes moved last: each row is a group.
+        devices = np.arange(math.prod(size for _, size in axes)).reshape(
+            [size for _, size in axes])
+        order = ([i for i, (name, _) in enumerate(axes) if name not in spanned]
+                 + [i for i, (name, _) in enumerate(axes) if name in spanned])
+        size = math.prod(size for name, size in axes if name in spanned)
+        return [tuple(map(int, group)) for group in devices.transpose(order).reshape(-1, size)]
     return None
-
-
-def _coordinates(index: int, sizes: list[int]) -> list[int]:
-    """Row-major coordinates of `index` in an array of shape `sizes`."""
-    coords = []
-    for size in reversed(sizes):
-        index, coord = divmod(index, size)
-        coords.append(coord)
-    return coords[::-1]
-
-
-def _transposed(values: list[int], dims: list[int], perm: list[int]) -> list[int]:
-    """`values` (row-major, shape `dims`) transposed by `perm`, flattened row-major."""
-    out_dims = [dims[p] for p in perm]
-    out = []
-    for index in range(len(values)):
-        coords = _coordinates(index, out_dims)
-        source = [0] * len(dims)
-        for axis, p in enumerate(perm):
-            source[p] = coords[axis]
-        flat = 0
-        for coord, size in zip(source, dims):
-            flat = flat * size + coord
-        out.append(values[flat])
-    return out
 
 
 def collectives(hlo_text: str) -> list[Collective]:
