@@ -407,9 +407,10 @@ def split_sweep(plan: Plan, seed: int, log) -> list[dict]:
             k_pages, v_pages = kernels.paged_cache(key, heads, batch * context, dtype)
             q = jax.random.normal(jax.random.fold_in(key, 2),
                                   (batch, heads.q_heads, heads.head_dim), dtype)
-            args = (q, k_pages, v_pages, kernels.shuffled_page_table(rng, batch, context),
-                    jnp.arange(batch + 1, dtype=jnp.int32),
-                    jnp.full((batch,), context, jnp.int32), jnp.array([batch], jnp.int32))
+            # The decode step's ragged arguments, as the kernel table times them.
+            _, args = kernels.decode_step(heads, plan.impl, (
+                q, k_pages, v_pages, kernels.shuffled_page_table(rng, batch, context),
+                jnp.full((batch,), context, jnp.int32)))
             moved = (kernels.kv_bytes(heads, batch * context, dtype.itemsize)
                      + 2 * batch * heads.q_heads * heads.head_dim * dtype.itemsize)
             row = {"context": context, "batch": batch, "table_splits": tiles.num_kv_splits,
