@@ -115,6 +115,19 @@ def test_a_short_prefill_rides_only_when_it_costs_the_long_one_no_deadline():
     assert waits["short"] < due[0][1] // 4 and waits["long"] > due[1][1]
 
 
+def test_a_rider_with_more_work_left_than_the_head_waits_for_it():
+    # Slack covers the short one either way; it rides only while the head has more work
+    # left than it (shortest remaining first). A head in its last chunk (0.05 s left)
+    # runs first: a 0.1 s rider ahead of it would delay it by 0.1 s to save itself 0.05 s.
+    assert [rid for rid, _ in _riders(long_deadline=100.0, long_work=1.0,
+                                      short_ttft=100.0)][0] == "short"
+    assert [rid for rid, _ in _riders(long_deadline=100.0, long_work=0.05,
+                                      short_ttft=100.0)][0] == "long"
+    # Due before the head could finish, it still rides whatever the head's work left.
+    due = _riders(long_deadline=5.0, long_work=0.05, short_ttft=0.01, now=0.0, short=8_000)
+    assert [rid for rid, _ in due] == ["short", "long"]
+
+
 def test_a_long_prefill_yields_nothing_to_other_long_ones():
     longs = [_prefill(f"long{i}", 200_000, computed=100_000, w_total=20.0, ttft=100.0)
              for i in range(2)]

@@ -106,6 +106,24 @@ def test_the_riders_ranked_ahead_share_the_slack_first():
     assert lars_ttft_s(one, 0.4, request) == pytest.approx(0.4 + 0.4)
 
 
+def test_only_prefills_with_less_work_left_than_the_head_ride_beside_it():
+    """A queued prefill with 0.3 s left and 5 s of slack: a new 0.2 s one rides ahead of
+    it (0.2 s); a new 0.4 s one, which its slack covers as well, waits for it (0.3 + 0.4
+    s): the head with less work left runs first. Likewise a queued 0.5 s prefill ranked
+    below a new 0.4 s one does not ride ahead of it."""
+    head = QueuedPrefill(0.3, 5.0, 1.0, 200)               # key 5
+    here = status(prefill_s=linear_prefill(1e-3, 0.0), queued_prefills=(head,))
+    assert lars_ttft_s(here, 0.2, RouteRequest(200, ttft_s=100.0)) == pytest.approx(0.2)
+    assert lars_ttft_s(here, 0.4, RouteRequest(400, ttft_s=100.0)) == pytest.approx(0.7)
+    below = (QueuedPrefill(0.5, 9.5, 0.5, 500),)          # key 19 > the new one's 4
+    new = RouteRequest(400, ttft_s=2.0)
+    assert lars_ttft_s(status(prefill_s=linear_prefill(1e-3, 0.0), queued_prefills=below),
+                       0.4, new) == pytest.approx(0.4)
+    shorter = (QueuedPrefill(0.3, 9.7, 0.3, 300),)
+    assert lars_ttft_s(status(prefill_s=linear_prefill(1e-3, 0.0), queued_prefills=shorter),
+                       0.4, new) == pytest.approx(0.7)
+
+
 def test_a_long_prefill_never_rides():
     """IsLong (Algorithm 2): a prompt over long_prefill_tokens waits for the queued prefill
     whose slack would cover a short one of the same seconds."""
@@ -149,10 +167,13 @@ def _lars_wait_by_plain_scan(queued, x, total, d, rides, long_tokens, rho_max):
         spare, riders = max(0.0, slack), 0.0
         for j in range(i + 1, len(ahead)):
             r = ahead[j]
-            if not served[j] and r.prompt_len <= long_tokens and r.work_s <= spare:
+            if not served[j] and r.prompt_len <= long_tokens and r.work_s <= spare \
+                    and r.work_s < q.work_s:
                 spare, riders, served[j] = spare - r.work_s, riders + r.work_s, True
-        if rides and (x <= spare or d - wait <= q.work_s):
-            share = min(q.work_s, x * due_share) if x > spare and q.prompt_len > long_tokens else 0
+        covered = x <= spare and x < q.work_s
+        if rides and (covered or d - wait <= q.work_s):
+            share = min(q.work_s, x * due_share) if not covered and q.prompt_len > long_tokens \
+                else 0
             return wait + riders + share
         wait += riders
         new_key = key - wait / total
@@ -160,7 +181,7 @@ def _lars_wait_by_plain_scan(queued, x, total, d, rides, long_tokens, rho_max):
             wait += min(q.work_s, total * (new_key - (slack - riders) / q.total_s))
     spare = d - x - wait
     for q in below:
-        if q.work_s <= spare:
+        if q.work_s <= spare and q.work_s < x:
             spare, wait = spare - q.work_s, wait + q.work_s
         elif q.slack_s + q.work_s <= wait + x:
             wait += q.work_s

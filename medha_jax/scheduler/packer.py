@@ -583,7 +583,10 @@ class AdaptivePacker(BatchPacker):
         schedule under load) yields nothing, so every short waits its whole deadline. Yet
         serving a short request early costs the long nothing in two cases:
           slack: its remaining work fits in the long's slack s = a + d - now - w(t) left
-                 after earlier riders - the long still meets its deadline;
+                 after earlier riders - the long still meets its deadline - and is less
+                 than the long's remaining work w(t) (shortest remaining first: a rider
+                 with more work left than the head would delay the head by more than it
+                 gains, so beside a head in its last chunk the TTFT of both gets worse);
           due:   a + d <= now + w_long(t) - the short is due before the long can finish,
                  so any schedule that meets the short's deadline runs it before the long
                  completes; running it now leaves the long's completion time unchanged
@@ -607,13 +610,14 @@ class AdaptivePacker(BatchPacker):
         long_tokens = self.long_prefill_tokens
         by_id = queued_work is not None
         work_of = queued_work if by_id else self.remaining_work
-        finish = now + work_of(long.request_id if by_id else long)
+        long_work = work_of(long.request_id if by_id else long)
+        finish = now + long_work
         spare = max(0.0, long.deadline - finish)
         for request in later:
             if request.prompt_len > long_tokens:         # is_long
                 continue
             work = work_of(request.request_id if by_id else request)
-            if work <= spare:
+            if work <= spare and work < long_work:
                 spare -= work
                 yield request, True
             elif request.arrival_time + request.slo.ttft_s <= finish:    # deadline
