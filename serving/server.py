@@ -586,10 +586,8 @@ def scheduler_config_for_engine(config: SchedulerConfig, engine,
                                 default_slo: SLO | None) -> SchedulerConfig:
     """The config with what the engine fixes: its token buckets (the compiled shapes), at
     most its sequences per step, its attention's query block, the default SLO (SLO()
-    when none is given), and on a CPU a budget of 16x the one-token step unless the config
-    names a multiple (`factory.CPU_BUDGET_OVER_FIXED_COST`)."""
-    from medha_jax.scheduler.factory import CPU_BUDGET_OVER_FIXED_COST
-
+    when none is given), and on a CPU a budget of the default SLO's TPOT unless the config
+    names a budget or a multiple of the one-token step (`scheduler/factory.py` says why)."""
     buckets = tuple(engine.ladder.token_buckets)
     if config.token_buckets is not None and config.token_buckets != buckets:
         raise ValueError(f"SchedulerConfig.token_buckets={config.token_buckets} differ from the "
@@ -599,13 +597,15 @@ def scheduler_config_for_engine(config: SchedulerConfig, engine,
         raise ValueError(f"default_slo={default_slo} and SchedulerConfig.default_slo="
                          f"{config.default_slo} disagree; give one")
     on_cpu = engine.model.mesh.devices.flat[0].platform == "cpu"
+    slo = config.default_slo or default_slo or SLO()
+    budget = config.target_batch_time_s
+    if budget is None and config.budget_over_fixed_cost is None and on_cpu:
+        budget = slo.tpot_s
     return dataclasses.replace(
         config, token_buckets=buckets,
         max_seqs_per_batch=min(config.max_seqs_per_batch, engine.max_seqs),
-        query_block_tokens=engine.query_block_tokens,
-        default_slo=config.default_slo or default_slo or SLO(),
-        budget_over_fixed_cost=config.budget_over_fixed_cost or (
-            CPU_BUDGET_OVER_FIXED_COST if on_cpu else None))
+        query_block_tokens=engine.query_block_tokens, default_slo=slo,
+        target_batch_time_s=budget)
 
 
 def _switching_config(switching, parallel, model, replicas, cluster, roles, offload, disagg):

@@ -37,8 +37,9 @@ class SchedulerConfig:
                             is 20 ms for tight TPOTs; 50 ms trades a little decode latency
                             for larger prefill chunks), or budget_over_fixed_cost times
                             the predicted one-token step where that is longer (a CPU).
-    budget_over_fixed_cost: that multiple. None: 8, or 16 for an engine on a CPU (set by the
-                            server, `scheduler_config_for_engine`; factory.py says why).
+    budget_over_fixed_cost: that multiple. None: 8. (A server's engine on a CPU gets the
+                            default SLO's TPOT as its budget when neither is given,
+                            `scheduler_config_for_engine`; factory.py says why.)
     rho_max:                space sharing: the most of the budget a long prefill yields.
     min_chunk_tokens:       progress guarantee: the chunk the most urgent prefill gets when
                             nothing fits the budget.

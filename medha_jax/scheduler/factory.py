@@ -27,17 +27,19 @@ DEFAULT_TARGET_BATCH_TIME_S = 0.05
 # workload of benchmarks/peers.py (an in-process replay, alternating) 8 against 4 gave
 # TTFT p99 1.80 / 2.08 s against 2.82 / 2.81 s, and TPOT p99 99 / 107 ms against 115 / 122.
 MIN_BUDGET_OVER_FIXED_COST = 8.0
-# On a CPU, 16 (the server's default for an engine on one, `scheduler_config_for_engine`),
-# since the native CPU kernels made chunks cheaper (2026-12): the same workload,
-# `benchmarks.peers --skip offline` with the server's budget at 8x a ~30 ms one-token step
-# (~240 ms) and at 0.5 s (~16x), two alternating pairs: TTFT p50 / p99 1.06 / 2.57 and
-# 1.09 / 2.97 s against 0.84 / 1.99 and 0.84 / 1.79 s, TPOT p50 / p99 31.6 / 97 and
-# 32.7 / 95 ms against 30.7 / 83 and 29.5 / 81 ms (a 0.1 s budget: 1.05 / 2.84 s, 35.4 /
-# 139 ms). A request's TPOT averages its intervals, and each step's fixed cost (reading
-# every weight once) is paid per step: fewer, larger steps cost its decodes less in all.
-# Not elsewhere: unmeasured on an accelerator, where it would also make short prompts one
-# chunk and so leave a streamed KV hand-off nothing to hide behind (tests/test_simulator).
-CPU_BUDGET_OVER_FIXED_COST = 16.0
+# On a CPU the server's default budget is the default SLO's TPOT itself (0.5 s), the bound
+# Algorithm 1 derives t_target from, not a multiple of the one-token step
+# (`scheduler_config_for_engine`). Each step's fixed cost there (reading every weight
+# once) is paid per step, so fewer, larger steps cost the decodes beside them less in all,
+# and a multiple drifts with the kernels: 16x a ~30 ms one-token step was ~0.5 s when it
+# was set (against 8x, ~240 ms, alternating pairs of `benchmarks.peers --skip offline`:
+# TTFT p50 / p99 0.84 / 1.99 and 0.84 / 1.79 s against 1.06 / 2.57 and 1.09 / 2.97 s,
+# TPOT p50 / p99 30.7 / 83 and 29.5 / 81 ms against 31.6 / 97 and 32.7 / 95 ms); once
+# the native CPU kernels brought that step to ~13 ms, 16x was ~0.21 s and every prefill
+# ran in 128-token chunks: TTFT p99 1.593 and 1.608 s against 1.511 s at 0.5 s, TPOT p50
+# 27.9 and 28.7 against 28.5 ms (2026-12-04, README). Not elsewhere: unmeasured on an
+# accelerator, where it would also make short prompts one chunk and so leave a streamed KV
+# hand-off nothing to hide behind (tests/test_simulator).
 
 
 def default_target_batch_time(predictor: RuntimePredictor, limits: EngineLimits,
