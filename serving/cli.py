@@ -39,9 +39,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                              "lars, lrs, edf, fcfs, fcfs-np, sarathi-512, sarathi-2048")
     parser.add_argument("--target-batch-time", type=float, default=None, metavar="SECONDS",
                         help="the batch-time budget a step's prefill chunks are sized to while "
-                             "a request has a TPOT objective (default: 50 ms, or 16x the "
-                             "predicted one-token step on a CPU, 8x elsewhere, where that is "
-                             "longer; capped by the default SLO's TPOT)")
+                             "a request has a TPOT objective (default: the default SLO's "
+                             "TPOT on a CPU; elsewhere 50 ms, or 8x the predicted one-token "
+                             "step where that is longer, capped by the default SLO's TPOT)")
     parser.add_argument("--prefill-hold", type=float, default=None, metavar="SECONDS",
                         help="keep a newly arrived prompt's prefill out of steps that carry "
                              "decodes for up to this long (they stream at their own rate "
