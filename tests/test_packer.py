@@ -115,15 +115,25 @@ def test_a_short_prefill_rides_only_when_it_costs_the_long_one_no_deadline():
     assert waits["short"] < due[0][1] // 4 and waits["long"] > due[1][1]
 
 
-def test_a_rider_with_more_work_left_than_the_head_waits_for_it():
-    # Slack covers the short one either way; it rides only while the head has more work
-    # left than it (shortest remaining first). A head in its last chunk (0.05 s left)
-    # runs first: a 0.1 s rider ahead of it would delay it by 0.1 s to save itself 0.05 s.
-    assert [rid for rid, _ in _riders(long_deadline=100.0, long_work=1.0,
-                                      short_ttft=100.0)][0] == "short"
-    assert [rid for rid, _ in _riders(long_deadline=100.0, long_work=0.05,
-                                      short_ttft=100.0)][0] == "long"
-    # Due before the head could finish, it still rides whatever the head's work left.
+def test_a_rider_with_more_work_left_than_the_head_goes_right_after_it():
+    # The head's slack covers the short one either way; it goes before the head only with
+    # less work left than the head (shortest remaining first). A head in its last chunk
+    # (0.05 s, 200 tokens left) runs first: a 0.1 s rider ahead of it would delay it by
+    # 0.1 s to save itself 0.05 s. The rider still takes the rest of the step, before a
+    # long prefill ranked between them (which rides beside nobody).
+    def packed(head_work):
+        head = _prefill("head", 2_000, computed=1_800, w_total=1.0, ttft=100.0)
+        other = _prefill("other", 200_000, computed=100_000, w_total=20.0, ttft=100.0)
+        short = _prefill("short", 1_000, w_total=0.1, ttft=100.0)
+        work = {"head": head_work, "other": 10.0, "short": 0.1}
+        packer = _adaptive(multi=True, remaining_work=lambda r: work[r.request_id],
+                           target_batch_time_s=0.2)
+        return [c.request.request_id for c in packer.pack([], [head, other, short],
+                                                          now=0.0).chunks]
+
+    assert packed(head_work=1.0)[:2] == ["short", "head"]
+    assert packed(head_work=0.05)[:2] == ["head", "short"]
+    # Due before the head could finish, it still rides ahead, whatever the head's work.
     due = _riders(long_deadline=5.0, long_work=0.05, short_ttft=0.01, now=0.0, short=8_000)
     assert [rid for rid, _ in due] == ["short", "long"]
 

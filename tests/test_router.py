@@ -106,22 +106,23 @@ def test_the_riders_ranked_ahead_share_the_slack_first():
     assert lars_ttft_s(one, 0.4, request) == pytest.approx(0.4 + 0.4)
 
 
-def test_only_prefills_with_less_work_left_than_the_head_ride_beside_it():
+def test_a_new_prefill_with_more_work_left_than_the_head_goes_right_after_it():
     """A queued prefill with 0.3 s left and 5 s of slack: a new 0.2 s one rides ahead of
-    it (0.2 s); a new 0.4 s one, which its slack covers as well, waits for it (0.3 + 0.4
-    s): the head with less work left runs first. Likewise a queued 0.5 s prefill ranked
-    below a new 0.4 s one does not ride ahead of it."""
+    it (0.2 s); a new 0.4 s one, which its slack covers as well, goes right after it (0.3
+    + 0.4 s), still before a long queued prefill ranked between them (1.0 s, no slack to
+    spare). A queued 0.5 s prefill ranked below a new 0.4 s one goes right after it, a
+    0.3 s one ahead of it."""
     head = QueuedPrefill(0.3, 5.0, 1.0, 200)               # key 5
-    here = status(prefill_s=linear_prefill(1e-3, 0.0), queued_prefills=(head,))
+    between = QueuedPrefill(1.0, 0.1, 0.01, 5000)          # key 10, long
+    here = status(prefill_s=linear_prefill(1e-3, 0.0), queued_prefills=(head, between),
+                  long_prefill_tokens=1000)
     assert lars_ttft_s(here, 0.2, RouteRequest(200, ttft_s=100.0)) == pytest.approx(0.2)
     assert lars_ttft_s(here, 0.4, RouteRequest(400, ttft_s=100.0)) == pytest.approx(0.7)
-    below = (QueuedPrefill(0.5, 9.5, 0.5, 500),)          # key 19 > the new one's 4
     new = RouteRequest(400, ttft_s=2.0)
-    assert lars_ttft_s(status(prefill_s=linear_prefill(1e-3, 0.0), queued_prefills=below),
-                       0.4, new) == pytest.approx(0.4)
-    shorter = (QueuedPrefill(0.3, 9.7, 0.3, 300),)
-    assert lars_ttft_s(status(prefill_s=linear_prefill(1e-3, 0.0), queued_prefills=shorter),
-                       0.4, new) == pytest.approx(0.7)
+    for work, ttft in ((0.5, 0.4), (0.3, 0.7)):
+        below = (QueuedPrefill(work, 10.0 - work, work, 100),)     # key ~19 or ~32 > 4
+        assert lars_ttft_s(status(prefill_s=linear_prefill(1e-3, 0.0), queued_prefills=below),
+                           0.4, new) == pytest.approx(ttft)
 
 
 def test_a_long_prefill_never_rides():
@@ -164,25 +165,30 @@ def _lars_wait_by_plain_scan(queued, x, total, d, rides, long_tokens, rho_max):
         if served[i]:
             continue
         slack = q.slack_s - wait
-        spare, riders = max(0.0, slack), 0.0
+        spare, riders, riders_after = max(0.0, slack), 0.0, 0.0
         for j in range(i + 1, len(ahead)):
             r = ahead[j]
-            if not served[j] and r.prompt_len <= long_tokens and r.work_s <= spare \
-                    and r.work_s < q.work_s:
-                spare, riders, served[j] = spare - r.work_s, riders + r.work_s, True
-        covered = x <= spare and x < q.work_s
-        if rides and (covered or d - wait <= q.work_s):
-            share = min(q.work_s, x * due_share) if not covered and q.prompt_len > long_tokens \
-                else 0
-            return wait + riders + share
-        wait += riders
+            if not served[j] and r.prompt_len <= long_tokens and r.work_s <= spare:
+                spare, served[j] = spare - r.work_s, True
+                if r.work_s < q.work_s:
+                    riders += r.work_s
+                else:
+                    riders_after += r.work_s
+        if rides and x <= spare:
+            after_q = x >= q.work_s and d - wait > q.work_s      # not due before q ends
+            return wait + riders + (q.work_s + riders_after if after_q else 0.0)
+        if rides and d - wait <= q.work_s:
+            return wait + riders + (min(q.work_s, x * due_share)
+                                    if q.prompt_len > long_tokens else 0)
+        wait += riders + riders_after
         new_key = key - wait / total
         if (slack - riders) / q.total_s < new_key:
             wait += min(q.work_s, total * (new_key - (slack - riders) / q.total_s))
     spare = d - x - wait
     for q in below:
-        if q.work_s <= spare and q.work_s < x:
-            spare, wait = spare - q.work_s, wait + q.work_s
+        if q.work_s <= spare:
+            spare = spare - q.work_s
+            wait += q.work_s if q.work_s < x or q.slack_s + q.work_s <= wait + x else 0
         elif q.slack_s + q.work_s <= wait + x:
             wait += q.work_s
     return wait

@@ -246,17 +246,18 @@ def lars_ttft_s(status: ReplicaStatus, prefill_s: float, request: RouteRequest) 
       ranked above it: each takes the head in turn, once the wait before it has passed
         (its slack less that wait: a queued prefill's slack falls as time passes). The
         short ones ranked between it and the new one ride beside it first, in key order,
-        as far as its slack covers them and each has less work left than q. The new one
-        then passes it when the new one may ride (it is not long, IsLong) and what is
-        left of q's slack covers x, x less than q's work left, or the new
+        as far as its slack covers them (those with more work left than q right after
+        it). The new one then passes it when the new one may ride (it is not long,
+        IsLong) and what is left of q's slack covers x (where x is not less than q's
+        work left, right after q and those riders), or the new
         one is due before q could finish (beside a long q a due rider gets rho_max of
         each step, so q runs (1 - rho_max) / rho_max x meanwhile); else q runs first
         until the new one's key, falling at 1 / w_total a second while q's holds (a
         running prefill's slack does not change), reaches q's: min(w_q, w_total (key -
         key_q));
       ranked below it, once it is the head: they ride ahead of it (in key order) if short
-        and the new one's slack covers them and they have less work left than x, or if
-        due before the new one would finish.
+        and the new one's slack covers them (one with x or more left right after it
+        instead), or if due before the new one would finish.
     Steps: the first token comes at the end of a step; a busy replica is T/2 into its
     current one, on average; and the step of the new one's last chunk is filled to T by
     the queued work, where there is that much (a rider shares the step of the prefill it
@@ -329,22 +330,27 @@ def _lars_wait_s(queued: Sequence[QueuedPrefill], x: float, total: float, d: flo
         if served[i]:
             continue
         slack = q.slack_s - wait           # it waited too (a running prefill's would hold)
-        spare, riders = max(0.0, slack), 0.0
+        # Riders with less work left than q go before it, the others right after it.
+        spare, riders, riders_after = max(0.0, slack), 0.0, 0.0
         j = open_short(i + 1)
-        while j < n and spare >= least[j] and least[j] < q.work_s:
+        while j < n and spare >= least[j]:
             r = ahead[j][1]
-            if r.work_s <= spare and r.work_s < q.work_s:
+            if r.work_s <= spare:
                 spare -= r.work_s
-                riders += r.work_s
+                if r.work_s < q.work_s:
+                    riders += r.work_s
+                else:
+                    riders_after += r.work_s
                 served[j] = True
                 after[j] = j + 1
             j = open_short(j + 1)
-        covered = x <= spare and x < q.work_s
-        if rides and (covered or d - wait <= q.work_s):
-            share = (min(q.work_s, x * due_share)
-                     if not covered and q.prompt_len > long_tokens else 0.0)
-            return wait + riders + share
-        wait += riders
+        if rides and x <= spare:
+            after_q = x >= q.work_s and d - wait > q.work_s      # not due before q ends
+            return wait + riders + (q.work_s + riders_after if after_q else 0.0)
+        if rides and d - wait <= q.work_s:
+            return wait + riders + (min(q.work_s, x * due_share)
+                                    if q.prompt_len > long_tokens else 0.0)
+        wait += riders + riders_after
         q_key = (slack - riders) / q.total_s if q.total_s > 0 else slack - riders
         new_key = key - wait / total
         if q_key < new_key:                # q runs until the new one's key reaches q's
@@ -353,9 +359,10 @@ def _lars_wait_s(queued: Sequence[QueuedPrefill], x: float, total: float, d: flo
     below.sort(key=lambda kq: kq[0])
     spare = d - x - wait
     for _, q in below:
-        if q.work_s <= spare and q.work_s < x:
+        if q.work_s <= spare:
             spare -= q.work_s
-            wait += q.work_s
+            # One with x or more left goes right after the new one, unless due before.
+            wait += q.work_s if q.work_s < x or q.slack_s + q.work_s <= wait + x else 0.0
         elif q.slack_s + q.work_s <= wait + x:
             wait += q.work_s
     return wait

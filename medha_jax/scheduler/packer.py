@@ -56,6 +56,9 @@ from medha_jax.scheduler.predictor import BatchFeatures, RuntimePredictor, chunk
 # Read per decode per step: C-level getters instead of a Python loop.
 _START = operator.itemgetter(1)                        # ScheduledChunk.start
 _TPOT = operator.attrgetter("request.slo.tpot_s")      # of a ScheduledChunk
+# A rider the head's slack covers that has more work left than the head: it joins the
+# batch right after the head's chunk, not before it (`AdaptivePacker.riders`).
+AFTER_HEAD = "after the head"
 _new_tuple = tuple.__new__      # a NamedTuple's own __new__ is Python: per chunk, this is not
 
 
@@ -482,7 +485,11 @@ class AdaptivePacker(BatchPacker):
             share_end = t_pred + self.rho_max * (t_target - t_pred)
             chunk_time_, buckets = self._chunk_time, self.limits.token_buckets
             monotone, max_seqs = self._monotone, self.limits.max_seqs_per_batch
+            after_head: list[Request] = []
             for rider, covered in riders:
+                if covered is AFTER_HEAD:
+                    after_head.append(rider)
+                    continue
                 if num_prefills + 1 >= max_prefills:       # a seat stays the head's
                     break
                 room = 0 if features.seqs >= max_seqs else self._token_limit - features.tokens
@@ -532,6 +539,19 @@ class AdaptivePacker(BatchPacker):
             features, t_pred = self._priced(features, start, n, remaining, seconds)
             num_prefills += 1
             has_long = has_long or is_long
+            # Riders with more work left than the head: right after it, in what the head
+            # left of the budget, before the prefills ranked between them.
+            for rider in after_head:
+                if t_pred >= t_target or num_prefills >= max_prefills or \
+                        self._room(features) < 1:
+                    break
+                start = rider.num_scheduled_tokens
+                added = self._add_chunk(rider, features, t_target, gate, chunks, start,
+                                        rider.num_tokens - start, None)
+                if added is not None:
+                    features, t_pred = added
+                    packed.add(rider.request_id)
+                    num_prefills += 1
         if num_prefills == 0:
             progress = self._guarantee_progress(
                 itertools.chain(unserved, itertools.islice(prefills, i, None)), features, gate,
@@ -572,9 +592,10 @@ class AdaptivePacker(BatchPacker):
         return request.prompt_len > self.long_prefill_tokens
 
     def riders(self, long: Request, later: Sequence[Request], now: float
-               ) -> list[tuple[Request, bool]]:
+               ) -> list[tuple[Request, bool | str]]:
         """The short prefills ranked below `long` that may share its batch now, in order,
-        each with whether the long one's slack covers it.
+        each with whether the long one's slack covers it (True; AFTER_HEAD where it has
+        more work left than the long one: it joins the batch right after the long chunk).
 
         Deviation from Algorithm 2, where the paper is silent on whom a long prefill yields
         to and fixes the share at min(rho, rho_max) of t_target. Under LARS order alone a
@@ -583,10 +604,12 @@ class AdaptivePacker(BatchPacker):
         schedule under load) yields nothing, so every short waits its whole deadline. Yet
         serving a short request early costs the long nothing in two cases:
           slack: its remaining work fits in the long's slack s = a + d - now - w(t) left
-                 after earlier riders - the long still meets its deadline - and is less
-                 than the long's remaining work w(t) (shortest remaining first: a rider
-                 with more work left than the head would delay the head by more than it
-                 gains, so beside a head in its last chunk the TTFT of both gets worse);
+                 after earlier riders - the long still meets its deadline. One with more
+                 work left than the long's w(t) and not due (below) goes right after
+                 the long chunk, not before it (AFTER_HEAD; shortest remaining first:
+                 ahead of a head in its last chunk it would delay the head by more than
+                 it gains, and both TTFTs get worse), still ahead of the prefills ranked
+                 between them;
           due:   a + d <= now + w_long(t) - the short is due before the long can finish,
                  so any schedule that meets the short's deadline runs it before the long
                  completes; running it now leaves the long's completion time unchanged
@@ -605,7 +628,7 @@ class AdaptivePacker(BatchPacker):
 
     def _iter_riders(self, long: Request, later: Iterable[Request], now: float,
                      queued_work: Callable[[str], float] | None = None
-                     ) -> Iterator[tuple[Request, bool]]:
+                     ) -> Iterator[tuple[Request, bool | str]]:
         """`riders`, read only as far as the packer needs them (queued_work: see pack)."""
         long_tokens = self.long_prefill_tokens
         by_id = queued_work is not None
@@ -617,10 +640,11 @@ class AdaptivePacker(BatchPacker):
             if request.prompt_len > long_tokens:         # is_long
                 continue
             work = work_of(request.request_id if by_id else request)
-            if work <= spare and work < long_work:
+            due = request.arrival_time + request.slo.ttft_s <= finish    # deadline
+            if work <= spare:
                 spare -= work
-                yield request, True
-            elif request.arrival_time + request.slo.ttft_s <= finish:    # deadline
+                yield request, True if work < long_work or due else AFTER_HEAD
+            elif due:
                 yield request, False
 
     def _add_chunk(self, request: Request, features: BatchFeatures, budget_s: float,
