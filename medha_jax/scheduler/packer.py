@@ -640,11 +640,14 @@ class AdaptivePacker(BatchPacker):
             if request.prompt_len > long_tokens:         # is_long
                 continue
             work = work_of(request.request_id if by_id else request)
-            due = request.arrival_time + request.slo.ttft_s <= finish    # deadline
             if work <= spare:
                 spare -= work
-                yield request, True if work < long_work or due else AFTER_HEAD
-            elif due:
+                # (Its deadline read only where its work does not decide: every rider is
+                # read each step.)
+                yield request, (True if work < long_work
+                                or request.arrival_time + request.slo.ttft_s <= finish
+                                else AFTER_HEAD)
+            elif request.arrival_time + request.slo.ttft_s <= finish:    # deadline
                 yield request, False
 
     def _add_chunk(self, request: Request, features: BatchFeatures, budget_s: float,
