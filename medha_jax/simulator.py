@@ -86,7 +86,7 @@ class CountingAllocator:
         return 0
 
     def reserve(self, request_id: str, num_tokens: int) -> bool:
-        extra = self.pages_needed(num_tokens) - self._pages[request_id]
+        extra = -(-num_tokens // self.page_size) - self._pages[request_id]   # pages_needed
         if extra <= 0:
             return True
         if extra > self.num_pages - self._used:

@@ -238,8 +238,9 @@ def _random_base(rng, buckets):
 def test_chunk_time_is_exactly_predict_features_of_plus_chunk(parallel, buckets):
     """The packer prices every chunk it considers through chunk_time: the very same
     float as predict_features(base.plus_chunk(...)) (the same batches as before), for the
-    analytical roofline (every axis) and a profiled fit (decode and prefill terms)."""
-    from medha_jax.scheduler.predictor import chunk_time
+    analytical roofline (every axis) and a profiled fit (decode and prefill terms); and
+    plus_chunk_time, which prices a rider's whole rest, those features with that float."""
+    from medha_jax.scheduler.predictor import chunk_time, plus_chunk_time
     rng = random.Random(hash((str(parallel), buckets)) % 2**32)
     profiled = ProfiledPredictor([rng.uniform(0, 1e-2) * 10 ** -rng.randint(0, 9)
                                   for _ in range(8)], token_buckets=buckets)
@@ -254,3 +255,6 @@ def test_chunk_time_is_exactly_predict_features_of_plus_chunk(parallel, buckets)
                                                                   buckets))
                 got = chunk_time(predictor, base, n, start, remaining, buckets)
                 assert got == want, (predictor, base, start, remaining, n)
+                features = base.plus_chunk(n, start, n == remaining, buckets)
+                assert plus_chunk_time(predictor, base, n, start, remaining, buckets) == (
+                    features, want), (predictor, base, start, remaining, n)

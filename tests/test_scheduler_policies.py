@@ -142,6 +142,30 @@ def test_candidates_read_later_keep_the_order_they_were_made_in(policy_name):
     assert [r.request_id for r in got] == expected
 
 
+def test_candidates_are_freed_when_dropped_not_left_to_the_garbage_collector():
+    """Every step makes candidates and drops them: a reference cycle (the candidates and
+    the generator of their parts) would keep each step's keys arrays until the collector's
+    next pass, whose pauses then land inside steps."""
+    import gc
+    import weakref
+
+    w = _work_per_token(0.002)
+    index = PriorityIndex(LARS(w), secondary=SRPT(w))
+    for i in range(200):
+        index.add(_request(f"r{i}", prompt_len=10 + i, arrival=0.1 * i, w_total=0.002 * (10 + i)))
+    gc.disable()
+    try:
+        for read in (0, 1, 40):             # not read, one part read, every part read
+            candidates = index.candidates(30.0, 16, 6)
+            for _ in zip(range(read), candidates):
+                pass
+            ref = weakref.ref(candidates)
+            del candidates
+            assert ref() is None, read
+    finally:
+        gc.enable()
+
+
 def test_priority_class_comes_before_the_key():
     index = PriorityIndex(EDF())
     urgent_low_class = _request("late-class", ttft=0.1, priority=1)
@@ -443,7 +467,7 @@ def _run(policy, requests, *, reference, stages, num_pages, candidates, riders):
 def test_controller_batches_equal_those_of_a_plain_sort_of_the_queue(
         seed, policy, n, stages, num_pages, candidates, riders, prefix_groups):
     """The PriorityIndex's shortcuts (stored keys, the threshold of the last top(), lazy
-    riders), the gate's bulk decode reservation and the folded chunk pricer form exactly
+    riders), the gate's bulk decode reservation and the folded chunk pricers form exactly
     the batches a full sort of the whole queue at every step gives with decodes reserved
     one by one and every chunk priced from its features, with preemption, prefix-cache
     reuse, priority classes and batches in flight."""
@@ -454,6 +478,7 @@ def test_controller_batches_equal_those_of_a_plain_sort_of_the_queue(
     # gate's C-level decode passes) and prices every probe from its features.
     with mock.patch.object(controller_module._KVGate, "reserve_decodes", reserve_each_decode), \
             mock.patch.object(AnalyticalPredictor, "chunk_time", _plain_chunk_time), \
+            mock.patch.object(AnalyticalPredictor, "plus_chunk_time", _plain_plus_chunk_time), \
             mock.patch.object(_PREDICTOR, "chunk_time_grows_with_n", False):
         plain = _run(policy, requests, reference=True, **kw)
     assert fast == plain
@@ -461,6 +486,11 @@ def test_controller_batches_equal_those_of_a_plain_sort_of_the_queue(
 
 def _plain_chunk_time(predictor, base, n, start, remaining, token_buckets):
     return predictor.predict_features(base.plus_chunk(n, start, n == remaining, token_buckets))
+
+
+def _plain_plus_chunk_time(predictor, base, n, start, remaining, token_buckets):
+    features = base.plus_chunk(n, start, n == remaining, token_buckets)
+    return features, predictor.predict_features(features)
 
 
 def test_queued_prefills_snapshot_reads_like_its_tuples():

@@ -575,15 +575,15 @@ class _KVGate:
             for request in head:
                 rid = request.request_id
                 end = request.prompt_len + len(request.output_token_ids)
-                chunk = new_chunk(ScheduledChunk, (request, end - 1, 1))
-                if end > held(rid, 0):                  # a page more (or evicted: none)
-                    if rid in preempted or not kv_reserve(rid, end):
-                        if self.reserve(chunk):         # (a failed kv reserve changed nothing)
-                            append(chunk)
-                        continue
+                if end > held(rid, 0) and (                 # a page more (or evicted: none)
+                        rid in preempted or not kv_reserve(rid, end)):
+                    chunk = new_chunk(ScheduledChunk, (request, end - 1, 1))
+                    if self.reserve(chunk):             # (a failed kv reserve changed nothing)
+                        append(chunk)
+                    continue
                 in_flight[rid] = 1
                 request.num_in_flight_tokens += 1
-                append(chunk)
+                append(new_chunk(ScheduledChunk, (request, end - 1, 1)))
         return chunks
 
     def release_unscheduled(self) -> None:

@@ -78,9 +78,9 @@ class KVReservations:
         # fast path (a reserve() of at most that many changes nothing). The dict's own get,
         # read-only and a C call: a read-only mapping view's get costs a third more.
         self.tokens_held: Callable[[str, int], int] = self._reserved_tokens.get
-
-    def has(self, request_id: str) -> bool:
-        return request_id in self._reserved_tokens
+        # has(request_id), as the dict's own C method: the gate asks it of every rider.
+        self.has: Callable[[str], bool] = self._reserved_tokens.__contains__
+        self._page_size = allocator.page_size
 
     def register(self, request: Request) -> int:
         """Gives a request without pages its page table; returns how many of its leading
@@ -113,10 +113,10 @@ class KVReservations:
         cache is short of pages."""
         if num_tokens <= self._reserved_tokens[request_id]:
             return True
-        allocator = self.allocator
-        if not allocator.reserve(request_id, num_tokens):
+        if not self.allocator.reserve(request_id, num_tokens):
             return False
-        self._reserved_tokens[request_id] = allocator.pages_needed(num_tokens) * allocator.page_size
+        page_size = self._page_size      # the allocator's pages_needed(num_tokens) pages
+        self._reserved_tokens[request_id] = -(-num_tokens // page_size) * page_size
         return True
 
     def shards_short(self, request_id: str, num_tokens: int) -> frozenset[int]:

@@ -28,14 +28,15 @@ priority requests when needed; `prepare_and_reserve` does both for a rider's who
 and `reserve_decodes` the latter for every decode of the step, each in one call. A
 chunk the gate refuses is left out of this batch.
 
-Host time (benchmarks/scheduler_overhead.py, lars-mp, 64 decodes, 1,000 queued): about 1.0 M
-instructions per batch, about 210 microseconds on a quiet 2-core host: a sixth ranks the
-queue (numpy, and only the first half of the candidates unless the packer reads on), a
-fifth books the decodes, the rest packs the ~10 prefills. The only loop over every decode
-is the gate's `reserve_decodes` (the budget reads the tightest TPOT the controller keeps);
-prefills are read from the front of the priority order only as far as the batch has room
-(`riders` is lazy, their w(t) read from the controller's SRPT keys), and a rider whose
-whole rest fits (most of them) is granted in one gate call, unsearched.
+Host time (benchmarks/scheduler_overhead.py, lars-mp, 64 decodes, 1,000 queued): about
+0.89 M instructions per batch, a median of about 92 microseconds on a 2-core AMD EPYC
+host: a sixth ranks the queue (numpy, and only the first half of the candidates unless
+the packer reads on), a fifth books the decodes, the rest packs the ~10 prefills. The
+only loop over every decode is the gate's `reserve_decodes` (the budget reads the
+tightest TPOT the controller keeps); prefills are read from the front of the priority
+order only as far as the batch has room (`riders` is lazy, their w(t) read from the
+controller's SRPT keys), and a rider whose whole rest fits (most of them) is priced with
+the batch it makes (`plus_chunk_time`) and granted in one gate call, unsearched.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ from typing import Protocol
 
 from medha_jax.buckets import padded_size
 from medha_jax.request import Batch, Request, ScheduledChunk
-from medha_jax.scheduler.predictor import BatchFeatures, RuntimePredictor, chunk_time
+from medha_jax.scheduler.predictor import (BatchFeatures, RuntimePredictor, chunk_time,
+                                           plus_chunk_time)
 
 
 # Read per decode per step: C-level getters instead of a Python loop.
@@ -302,6 +304,8 @@ class BatchPacker:
         self._token_limit = limits.token_limit      # read by every chunk: not a property call
         self._chunk_time = getattr(predictor, "chunk_time", None) or \
             functools.partial(chunk_time, predictor)
+        self._plus_chunk_time = getattr(predictor, "plus_chunk_time", None) or \
+            functools.partial(plus_chunk_time, predictor)
         # Whether a chunk's predicted time never falls as it grows (from one token on).
         self._monotone = getattr(predictor, "chunk_time_grows_with_n", False)
 
@@ -484,6 +488,7 @@ class AdaptivePacker(BatchPacker):
             # for) and leave the riders only the next bucket, which the share cannot buy.
             share_end = t_pred + self.rho_max * (t_target - t_pred)
             chunk_time_, buckets = self._chunk_time, self.limits.token_buckets
+            plus_chunk_time_ = self._plus_chunk_time
             monotone, max_seqs = self._monotone, self.limits.max_seqs_per_batch
             after_head: list[Request] = []
             for rider, covered in riders:
@@ -496,13 +501,14 @@ class AdaptivePacker(BatchPacker):
                 if room < 1:                     # no rider fits; stop reading them
                     break
                 budget = t_target if covered or not is_long else share_end
-                start = rider.num_scheduled_tokens
-                remaining = rider.num_tokens - start
+                # num_scheduled_tokens and num_tokens, inlined (properties: a call each).
+                start = rider.num_computed_tokens + rider.num_in_flight_tokens
+                remaining = rider.prompt_len + len(rider.output_token_ids) - start
                 # Worth a search if a one-token chunk fits; riders are short, and mostly
                 # the whole rest fits, which (where time grows with n) says so at once
-                # and is the search's first probe.
+                # and is the search's first probe (priced with the batch it would make).
                 n = int(min(remaining, room))
-                whole = chunk_time_(features, n, start, remaining, buckets)
+                with_whole, whole = plus_chunk_time_(features, n, start, remaining, buckets)
                 if monotone and whole <= budget and n >= 1:
                     # The whole rest: no search, unless a cached prefix moves its start
                     # (_add_chunk prepares once: a second prepare changes nothing).
@@ -510,8 +516,7 @@ class AdaptivePacker(BatchPacker):
                     if chunk is not True:
                         if chunk:
                             chunks.append(chunk)
-                            features = features.plus_chunk(n, start, n == remaining, buckets)
-                            t_pred = whole
+                            features, t_pred = with_whole, whole
                             packed.add(rider.request_id)
                             num_prefills += 1
                         continue

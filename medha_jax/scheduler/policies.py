@@ -421,51 +421,15 @@ class Candidates(Sequence[Request]):
 
     def __init__(self, index: PriorityIndex, now: float, k: int, riders: int, spare: int,
                  runnable: Callable[[Request], bool] | None):
-        self._index = index
-        self._keys = index._keys(0, now)
+        keys = index._keys(0, now)
         # Snapshot now: the secondary keys a later part orders by may move in place.
-        self._secondary_keys = index._keys(1, now) if riders and len(self._keys) > k + spare \
-            else None
-        self._class_counts = dict(index._class_counts)
-        self._k, self._riders, self._spare, self._runnable = k, riders, spare, runnable
+        secondary_keys = index._keys(1, now) if riders and len(keys) > k + spare else None
         self._items: list[Request] = []
-        self._parts = self._ordered_parts()
-
-    def _ordered_parts(self) -> Iterator[list[Request]]:
-        """The candidates part after part, each following the last."""
-        index, keys, k, spare = self._index, self._keys, self._k, self._spare
-        requests, n = index._requests, len(keys)
-        runnable, classes = self._runnable, self._class_counts
-        rows: list[int] = []
-
-        def unblocked(top: list[int]) -> list[int]:
-            # What `runnable` said when this was made: it changes while packing only for
-            # requests the packer read (a chunk granted puts one in flight), the earlier
-            # parts' rows, which stay.
-            if runnable is None:
-                return top
-            read = set(rows)
-            return [j for j in top if j in read or runnable(requests[j])]
-
-        for size in (-(-k // 2), k):             # half the top, then the whole top
-            if n <= size + spare:
-                size = k                      # every row is ranked: the whole top at once
-            # The first `size` of the first size + spare: a prefix of the next part's.
-            top = unblocked(index._top_rows(keys, size + spare, 0, classes).tolist())[:size]
-            yield list(map(requests.__getitem__, top[len(rows):]))
-            rows = top
-            if size == k:
-                break
-        if not self._riders or n <= k + spare:
-            return
-        taken = set(rows)
-        more = itertools.filterfalse(taken.__contains__, index._top_rows(
-            self._secondary_keys, k + self._riders + spare, 1, classes).tolist())
-        more = list(itertools.islice(unblocked(list(more)), self._riders))
-        if len(more) > 1:
-            at = np.array(more)        # one conversion, not one per fancy index
-            more = at[np.lexsort((keys[at], index._klass[at]))].tolist()
-        yield list(map(requests.__getitem__, more))
+        # The parts' generator holds what it reads, not this object: holding it, the two
+        # would form a cycle that only the garbage collector frees (every step's keys
+        # arrays and candidates kept until its next pass).
+        self._parts = _ordered_parts(index, keys, secondary_keys, dict(index._class_counts),
+                                     k, riders, spare, runnable)
 
     def _read_part(self) -> bool:
         """Orders the next part; False when every part was read."""
@@ -501,6 +465,45 @@ class Candidates(Sequence[Request]):
         while self._read_part():
             pass
         return len(self._items)
+
+
+def _ordered_parts(index: PriorityIndex, keys: np.ndarray, secondary_keys: np.ndarray | None,
+                   classes: dict[int, int], k: int, riders: int, spare: int,
+                   runnable: Callable[[Request], bool] | None) -> Iterator[list[Request]]:
+    """`Candidates`' parts, one after the other, each following the last: keys [rows] by
+    the policy and secondary_keys by the secondary one, as they stood when the candidates
+    were made; classes: the priority classes' counts then."""
+    requests, n = index._requests, len(keys)
+    rows: list[int] = []
+
+    def unblocked(top: list[int]) -> list[int]:
+        # What `runnable` said when this was made: it changes while packing only for
+        # requests the packer read (a chunk granted puts one in flight), the earlier
+        # parts' rows, which stay.
+        if runnable is None:
+            return top
+        read = set(rows)
+        return [j for j in top if j in read or runnable(requests[j])]
+
+    for size in (-(-k // 2), k):         # half the top, then the whole top
+        if n <= size + spare:
+            size = k                  # every row is ranked: the whole top at once
+        # The first `size` of the first size + spare: a prefix of the next part's.
+        top = unblocked(index._top_rows(keys, size + spare, 0, classes).tolist())[:size]
+        yield list(map(requests.__getitem__, top[len(rows):]))
+        rows = top
+        if size == k:
+            break
+    if not riders or n <= k + spare:
+        return
+    taken = set(rows)
+    more = itertools.filterfalse(taken.__contains__, index._top_rows(
+        secondary_keys, k + riders + spare, 1, classes).tolist())
+    more = list(itertools.islice(unblocked(list(more)), riders))
+    if len(more) > 1:
+        at = np.array(more)    # one conversion, not one per fancy index
+        more = at[np.lexsort((keys[at], index._klass[at]))].tolist()
+    yield list(map(requests.__getitem__, more))
 
 
 def _first_rows(keys: np.ndarray, order: np.ndarray, k: int, threshold: float | None

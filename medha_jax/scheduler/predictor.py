@@ -156,6 +156,21 @@ def chunk_time(predictor, base: BatchFeatures, n: int, start: int, remaining: in
     return predictor.predict_features(base.plus_chunk(n, start, n == remaining, token_buckets))
 
 
+def plus_chunk_time(predictor, base: BatchFeatures, n: int, start: int, remaining: int,
+                    token_buckets: Sequence[int] | None) -> tuple[BatchFeatures, float]:
+    """`chunk_time`'s chunk added: base.plus_chunk(n, start, n == remaining, token_buckets)
+    and its predict_features, exactly.
+
+    The packer prices a rider's whole rest this way (most riders are granted it, and then
+    it needs both); a predictor may offer a `plus_chunk_time` of its own that does it in
+    one call."""
+    own = getattr(predictor, "plus_chunk_time", None)
+    if own is not None:
+        return own(base, n, start, remaining, token_buckets)
+    features = base.plus_chunk(n, start, n == remaining, token_buckets)
+    return features, predictor.predict_features(features)
+
+
 class RuntimePredictor(Protocol):
     """Predicted seconds of one iteration."""
 
@@ -369,6 +384,45 @@ class AnalyticalPredictor:
         # (+ kvp_s * tokens is + 0.0 here, which changes no float.)
         return (overhead_s + (compute if compute > memory else memory) + context + within
                 + (fixed_s + tp_s * padded + p2p_s * padded))
+
+    def plus_chunk_time(self, base: BatchFeatures, n: int, start: int, remaining: int,
+                        token_buckets: Sequence[int] | None) -> tuple[BatchFeatures, float]:
+        """`predictor.plus_chunk_time`: the features and chunk_time's float in one call,
+        the features' sums computed once (plus_chunk's), the seconds by chunk_time's
+        operations on them."""
+        if not self._folds_chunks or token_buckets is None:
+            features = base.plus_chunk(n, start, n == remaining, token_buckets)
+            return features, self.predict_features(features)
+        (base_tokens, _, seqs, sum_cx, sum_sq, sum_context, sampling, prefills,
+         sum_prefill_ctx, max_decode_ctx, max_ctx) = base
+        (linear_s, head_s, weights_s, act_s, pair_s, kv_s, io_s, overhead_s, fixed_s, tp_s,
+         p2p_s) = self._fold_constants
+        tokens = base_tokens + n
+        padded = token_buckets[bisect.bisect_left(token_buckets, tokens)] \
+            if tokens <= token_buckets[-1] else padded_size(tokens, token_buckets)
+        end = start + n
+        seqs, sum_cx, sum_sq, sum_context = seqs + 1, sum_cx + n * end, sum_sq + n * n, \
+            sum_context + end
+        prefill = n > 1
+        features = _tuple_new(BatchFeatures, (
+            tokens, padded, seqs, sum_cx, sum_sq, sum_context,
+            sampling + n if n == remaining else sampling, prefills + prefill,
+            sum_prefill_ctx + end if prefill else sum_prefill_ctx,
+            max_decode_ctx if prefill else (max_decode_ctx if max_decode_ctx > end else end),
+            max_ctx if max_ctx > end else end))
+        compute = linear_s * padded + head_s * seqs
+        memory = weights_s + act_s * padded
+        earlier = sum_context - tokens
+        context = pair_s * (sum_cx - sum_sq) * (1.0 if earlier > 0 else 0.0)
+        earlier_kv_s = kv_s * earlier
+        if earlier_kv_s > context:
+            context = earlier_kv_s
+        within = pair_s * (sum_sq + tokens) / 2
+        chunk_io = io_s * tokens
+        if chunk_io > within:
+            within = chunk_io
+        return features, (overhead_s + (compute if compute > memory else memory) + context
+                          + within + (fixed_s + tp_s * padded + p2p_s * padded))
 
     def _busiest_kv_shard(self, earlier_tokens: int, max_context: int) -> float:
         """Earlier-context KV tokens the busiest KV shard reads (all of them at kvp = 1)."""
