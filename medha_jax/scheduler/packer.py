@@ -29,7 +29,7 @@ and `reserve_decodes` the latter for every decode of the step, each in one call.
 chunk the gate refuses is left out of this batch.
 
 Host time (benchmarks/scheduler_overhead.py, lars-mp, 64 decodes, 1,000 queued): about
-0.89 M instructions per batch, a median of about 92 microseconds on a 2-core AMD EPYC
+0.82 M instructions per batch, a median of 92-97 microseconds on a 2-core AMD EPYC
 host: a sixth ranks the queue (numpy, and only the first half of the candidates unless
 the packer reads on), a fifth books the decodes, the rest packs the ~10 prefills. The
 only loop over every decode is the gate's `reserve_decodes` (the budget reads the
