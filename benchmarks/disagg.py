@@ -145,9 +145,12 @@ def make_server(args):
 def gate_config(name: str, server):
     from medha_jax.cluster.offload import OffloadConfig
 
+    # "<gate>+move": running decodes move too (OffloadConfig.move_decodes; Ray only).
+    name, plus, _ = name.partition("+move")
     if name == "always":
-        return OffloadConfig("always-heavy", heavy_new_tokens=1)
-    return OffloadConfig(name, link_bytes_per_s=server._measured_link_bytes_per_s)
+        return OffloadConfig("always-heavy", heavy_new_tokens=1, move_decodes=bool(plus))
+    return OffloadConfig(name, link_bytes_per_s=server._measured_link_bytes_per_s,
+                         move_decodes=bool(plus))
 
 
 def bandwidth(args, server, between_processes: bool = True) -> list[dict]:
@@ -398,11 +401,15 @@ def h8(args, server) -> tuple[list[dict], list[dict], list[dict]]:
                          f"--heavy-tokens, --turns, --turn-tokens or --output-tokens")
     run_gate(args, server, "never", seed=0)                  # warm-up, not measured
     results = {gate: [] for gate in gates}
+    pauses = {gate: [] for gate in gates}       # of the running decodes moved (Ray)
+    outcomes = {gate: [] for gate in gates}
     for r in range(args.h8_rounds):
         for k in range(len(gates)):
             gate = gates[(k + r) % len(gates)]
             results[gate] += [dict(done, gate=gate, round=r) for done in run_gate(
                 args, server, gate, seed=1 + r * len(gates) + k)]
+            pauses[gate] += getattr(server, "move_pauses", ())
+            outcomes[gate] += getattr(server, "move_outcomes", ())
     rows, cache_rows = [], []
     for gate in gates:
         done = results[gate]
@@ -415,6 +422,13 @@ def h8(args, server) -> tuple[list[dict], list[dict], list[dict]]:
         rows.append({"gate": gate, "requests": len(done),
                      "offload_decided": sum(r["offload_decided"] for r in done),
                      "offloaded": sum(r["offloaded"] for r in done),
+                     "moved": sum(r.get("moved_to") is not None for r in done),
+                     "move_pause_p50_s": percentile(pauses[gate], 50) if pauses[gate] else "-",
+                     # A move's price of a token of the rest of the decode over what one
+                     # measured.
+                     "move_priced_over_measured_p50": percentile(
+                         [d.offloaded_s / priced / (s / n) for _, d, s, n, priced
+                          in outcomes[gate] if n], 50) if outcomes[gate] else "-",
                      "ttft_p50_s": percentile(ttft, 50), "ttft_p90_s": percentile(ttft, 90),
                      "ttft_predicted_over_measured_p10": percentile(ttft_ratio, 10),
                      "ttft_predicted_over_measured_p50": percentile(ttft_ratio, 50),
@@ -500,6 +514,12 @@ def run_gate(args, server, gate: str, seed: int) -> list[dict]:
     transfers = getattr(owner, "transfers", None)     # in process only
     vocab = server.config.vocab_size
     owner.offload = gate_config(gate, server)
+    for kept in ("move_pauses", "move_outcomes"):
+        if hasattr(owner, kept):
+            getattr(owner, kept).clear()
+    if owner.offload.move_decodes and transfers is not None:
+        raise SystemExit(f"gate {gate!r}: running decodes move between Ray actors only: "
+                         f"run it in (g) (--skip c,d)")
     if transfers is not None:
         transfers.config = DisaggConfig()
     results, lock = [], threading.Lock()
@@ -524,6 +544,9 @@ def run_gate(args, server, gate: str, seed: int) -> list[dict]:
             routed = next((d for rid, d in itertools.islice(
                 reversed(owner.routing_decisions), 200) if rid == handle.id), None)
             decode = None if decision is None else decision.decode
+            moved = next((to for rid, _, to, _ in itertools.islice(
+                reversed(getattr(owner, "move_decisions", ())), 200) if rid == handle.id),
+                None)
             m = out.metrics
             # Decided and done: a mixed prefill replica whose first token came before the
             # decode side's grant decodes the request itself.
@@ -543,7 +566,8 @@ def run_gate(args, server, gate: str, seed: int) -> list[dict]:
                                 "cached": cached, "prompt": len(prompt),
                                 "offloaded": offloaded, "offload_decided": decode is not None,
                                 "replica": m.replica,
-                                "decode_replica": decode, "queue_s": m.queue_time,
+                                "decode_replica": decode, "moved_to": moved,
+                                "queue_s": m.queue_time,
                                 "preemptions": m.num_preemptions,
                                 # The gate's predicted seconds of the request's own
                                 # decode, staying and moving (less what it adds to the

@@ -109,7 +109,9 @@ def _make_server(args, *, warmup: bool, calibrate: bool, engine=None):
         parse_roles(args.roles, replicas)
     if getattr(args, "offload", None) is not None:
         from medha_jax.cluster.offload import OffloadConfig
-        OffloadConfig(args.offload)
+        if OffloadConfig.parse(args.offload).move_decodes and getattr(args, "ray", None) is None:
+            raise ValueError(f"--offload {args.offload}: running decodes move between Ray "
+                             f"replica actors only (add --ray)")
     per_replica = [ParallelConfig.parse(part) for part in args.parallel.split("/")]
     if len(per_replica) > 1 and len(per_replica) != replicas:
         raise ValueError(f"--parallel names {len(per_replica)} replica meshes but "
@@ -416,7 +418,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "its KV streamed there chunk by chunk")
     serve.add_argument("--offload", default=None,
                        help="when a mixed replica hands a request's decode to another: time "
-                            "(predicted seconds), never, always-heavy, cached-fraction, dynamo")
+                            "(predicted seconds), never, always-heavy, cached-fraction, dynamo; "
+                            "+move after it (time+move, with --ray): a running decode also "
+                            "moves when a prefill queued beside it would slow it more than "
+                            "moving its KV costs")
     serve.add_argument("--dp", type=int, default=1,
                        help="with --switching: this many base replicas (DP; one device each, "
                             "or TP-b with --parallel tp=b) that bind into TP groups of 2, 4, "

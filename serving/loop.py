@@ -91,6 +91,9 @@ class ServingLoop:
         # when it was handed off (its decode goes on elsewhere: serving.kv_transfer), so
         # this loop releases it here without finishing its stream.
         self.on_prefilled = None
+        # Requests (ids here) whose decode moves to another replica at their next token:
+        # on_prefilled is asked then too (serving.ray_handoff's move_out).
+        self.moving: set[str] = set()
         self.max_step_failures = max_step_failures
         self._step_failures = 0                     # failed steps in a row
         self.down_reason: str | None = None
@@ -370,7 +373,8 @@ class ServingLoop:
             self._finish(stream, request.finish_reason or FinishReason.STOP, error=request.error)
         else:
             stream.push()
-            if (self.on_prefilled is not None and len(request.output_token_ids) == 1
+            if (self.on_prefilled is not None
+                    and (len(request.output_token_ids) == 1 or request.request_id in self.moving)
                     and self.on_prefilled(stream)):
                 self._handed_off(request.request_id)
 

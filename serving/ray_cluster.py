@@ -43,6 +43,7 @@ import collections
 import dataclasses
 import inspect
 import itertools
+import logging
 import os
 import secrets
 import threading
@@ -62,11 +63,12 @@ from serving.kv_wire import WireChunk
 from serving.metrics import ServerMetrics
 from serving.outputs import (IncrementalDetokenizer, RequestHandle, RequestMetrics,
                              StreamDelta)
-from serving.ray_handoff import HandedOff, PagesOffered, ReplicaHandoffs
+from serving.ray_handoff import HandedOff, Moved, PagesOffered, ReplicaHandoffs
 from serving.server import Server
 
 NAMESPACE = "medha"
 ACTOR_NAME = "medha-replica-{}"
+logger = logging.getLogger(__name__)
 POLL_S = 0.05                 # how often the front reads each replica's load and events
 MAX_BUFFERED_EVENTS = 10_000  # past this an actor folds its events into one resync event
 UNAVAILABLE = "UNAVAILABLE"
@@ -201,14 +203,32 @@ class ReplicaActor:
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                        slo: SLO | None, priority: int, paced: bool = True,
-                       reservation: str | None = None, prefill_s: float | None = None):
+                       reservation: str | None = None, prefill_s: float | None = None,
+                       moved: tuple[int, int, WireChunk] | None = None):
         """Streams the request's StreamDeltas (the last one finished). paced: as
         Server.submit's _paced (False: the front's generate(), no TPOT). reservation: a
         hand-off's, registered here: the request takes its pages when every prompt page
         landed (serving.ray_handoff). prefill_s: the front's predicted prefill seconds
-        (counted in the queued prefills until the loop takes the request in)."""
+        (counted in the queued prefills until the loop takes the request in). moved:
+        (tid, computed, wire) of a running decode that moved here: the pages of its first
+        `computed` tokens, pulled and taken in the loop turn that adds it (without them,
+        as when they cannot be booked, it computes what is not cached here)."""
         kv_from = (self.handoffs.whole_prompt(reservation)
                    if reservation is not None and self.handoffs is not None else None)
+        if moved is not None and self.handoffs is not None:
+            tid, computed, wire = moved
+            try:
+                chunk = await asyncio.to_thread(self.handoffs.pull, wire)
+            except Exception:                # the source died: nothing to pull
+                logger.warning("replica %d: the pages of moved request %s could not be "
+                               "pulled; it computes them", self.index, request_id,
+                               exc_info=True)
+            else:
+                tokens = prompt_ids[:computed]
+                # Before the add, in the same turn of the loop (its inbox keeps the order).
+                self.replica.loop.call(lambda: self.handoffs.take_moved(
+                    request_id, tid, tokens, chunk))
+                kv_from = (reservation_id(request_id, tid), computed)
         handle = self.server.submit(validation.TokensPrompt(prompt_ids), params, slo=slo,
                                     priority=priority, request_id=request_id,
                                     _loop=asyncio.get_running_loop(), _paced=paced,
@@ -216,12 +236,14 @@ class ReplicaActor:
         self._handles[request_id] = handle
         if self.handoffs is not None:         # a hand-off's pages may be waiting for it here
             self.replica.loop.call(lambda: self.handoffs.bind(request_id, handle.id))
+        moved_on = False
         try:
             async for delta in handle:
+                moved_on = isinstance(delta, Moved)   # its decode goes on elsewhere
                 yield delta
         finally:
             self._handles.pop(request_id, None)
-            if not handle.finished:       # the front went away: free its pages
+            if not handle.finished and not moved_on:  # the front went away: free its pages
                 handle.cancel()
             if self.handoffs is not None:     # a reservation or hold it took its pages from
                 self.replica.loop.call(lambda: self.handoffs.request_ended(request_id))
@@ -229,6 +251,15 @@ class ReplicaActor:
     async def cancel(self, request_id: str) -> bool:
         handle = self._handles.get(request_id)
         return handle is not None and handle.cancel()
+
+    async def move_out(self, request_id: str) -> bool:
+        """The request's decode moves to another replica: its generate stream ends with
+        Moved at its next token (serving.ray_handoff). False: it is not decoding here."""
+        handle = self._handles.get(request_id)
+        if handle is None or self.handoffs is None:
+            return False
+        return await self._on_loop(
+            lambda: self.handoffs.move_out(request_id, handle.id, handle._push_item))
 
     # ------------------------------------------------------------------ KV hand-offs
     # The actor side of serving.ray_handoff; the front (RayServer._hand_off) calls these.
@@ -486,6 +517,13 @@ class _InFlight:
     paced: bool = True                    # Server.submit's _paced (generate(): False)
     prefill_s: float | None = None        # predicted where it was routed (its first run's)
     predicted_ttft_s: float = 0.0         # there, the router's Decision
+    streaming_from: int | None = None     # the replica whose generate stream it reads now
+    moving_to: int | None = None          # its decode moves there at its next token
+    moves: int = 0                        # times its running decode moved
+    move_decision: object = None          # the OffloadDecision of its move (None: asked)
+    moved_at: float | None = None         # when its last move's Moved came, until its next token
+    moved_pages: tuple | None = None      # (tid, computed, wire) for its generate() there
+    move_decided: tuple[float, int] | None = None   # (when, tokens streamed then)
 
 
 class RayServer(Server):
@@ -526,14 +564,15 @@ class RayServer(Server):
             raise TypeError(f"router must be a policy name or a RoutingConfig, got "
                             f"{type(router).__name__}")
         if isinstance(offload, str):
-            offload = OffloadConfig(offload)
+            offload = OffloadConfig.parse(offload)
         if (roles is not None or offload is not None) and replicas < 2:
             raise ValueError("roles and offload need replicas >= 2 (a hand-off goes from "
                              "one replica to another)")
         self.roles = parse_roles(roles, replicas)
         self.offload = offload or OffloadConfig("never")
         self.disagg = disagg or DisaggConfig()
-        handoffs = self.roles != (MIXED,) * replicas or self.offload.gate != "never"
+        handoffs = (self.roles != (MIXED,) * replicas or self.offload.gate != "never"
+                    or self.offload.move_decodes)
         self._handoffs_on = handoffs
         self._decode_only = frozenset(i for i, r in enumerate(self.roles) if r == DECODE)
         self._prefill_only = frozenset(i for i, r in enumerate(self.roles) if r == PREFILL)
@@ -595,11 +634,21 @@ class RayServer(Server):
         self.reruns = 0                    # requests re-run after their replica died
         self._states: list[ReplicaState | None] = [None] * replicas   # last poll's
         self.handoffs = 0                  # requests whose decode moved to another replica
+        self.moves = 0                     # running decodes moved (OffloadConfig.move_decodes)
         self.chunks_moved = 0              # page chunks they moved (several per long prompt)
         # The latest requests' (front id, router Decision) and (front id, OffloadDecision):
         # what was predicted for each, beside what it measured.
         self.routing_decisions: collections.deque = collections.deque(maxlen=10_000)
         self.offload_decisions: collections.deque = collections.deque(maxlen=10_000)
+        # (front id, replica it left, replica it went to, OffloadDecision or None when
+        # asked by move_decode) of each running decode moved.
+        self.move_decisions: collections.deque = collections.deque(maxlen=10_000)
+        # Seconds from each move's Moved to the request's next token (what it paused).
+        self.move_pauses: collections.deque = collections.deque(maxlen=10_000)
+        # Per moved request that ended: (front id, OffloadDecision, seconds from the
+        # decision to its end, tokens it decoded in them, tokens the decision priced): the
+        # move's price against what it measured.
+        self.move_outcomes: collections.deque = collections.deque(maxlen=10_000)
         self._tids = itertools.count(1)
         self._grant_tasks: set[asyncio.Task] = set()   # handshakes of prefills running
         # Per replica, the decodes offloaded to it that its polled state may not show yet
@@ -840,6 +889,8 @@ class RayServer(Server):
                 pending = self._pending_prefills[i]
                 for rid in [rid for rid, (_, at, *_) in pending.items() if at <= sent - POLL_S]:
                     del pending[rid]
+                if self.offload.move_decodes:
+                    self._consider_moves(i)
             self.metrics.observe_state(
                 pages_in_use=state.pages_in_use, pages_total=state.pages_total,
                 waiting=state.num_waiting, running=state.num_running,
@@ -889,14 +940,21 @@ class RayServer(Server):
                 replica = request.replica
                 stream = self._actors[replica].generate.remote(
                     server_id, request.prompt_ids + request.tokens, run_params, request.slo,
-                    request.priority, request.paced, request.reservation, request.prefill_s)
-                request.reservation = None        # a re-run elsewhere finds none
+                    request.priority, request.paced, request.reservation, request.prefill_s,
+                    request.moved_pages)
+                request.reservation = request.moved_pages = None   # a re-run elsewhere finds none
                 request.prefill_s = None          # nor is it priced by the first routing
+                request.streaming_from, moved = replica, None
                 try:
                     async for ref in stream:
-                        if self._deliver(server_id, request, await ref):
+                        item = await ref
+                        if isinstance(item, Moved):
+                            moved = item
+                            break
+                        if self._deliver(server_id, request, item):
                             return
-                    error = f"replica {replica} ended the stream without a final delta"
+                    else:
+                        error = f"replica {replica} ended the stream without a final delta"
                 except RayActorError as e:
                     self._replica_down(replica)
                     error = f"replica {replica} died ({type(e).__name__})"
@@ -904,6 +962,12 @@ class RayServer(Server):
                     self._finish(server_id, request, "error", None,
                                  f"replica {replica}: {e.cause!r}")
                     return
+                finally:
+                    request.streaming_from = None
+                if moved is not None:
+                    if await self._move_in(server_id, request, moved):
+                        return
+                    continue
                 if request.cancelled or request.stopped or self._closing:
                     self._finish(server_id, request,
                                  "stop" if request.stopped else "cancelled", None, None)
@@ -941,7 +1005,7 @@ class RayServer(Server):
         """The replica to decode a new request on, when not where it prefills
         (medha_jax.cluster.offload.choose_decode on the replicas as last polled). A seeded
         sampled request stays: its random stream could not go on elsewhere."""
-        from medha_jax.cluster.offload import OffloadReplica, OffloadRequest, choose_decode
+        from medha_jax.cluster.offload import OffloadRequest, choose_decode
 
         params = request.params
         if (not self._handoffs_on or params.max_tokens <= 1
@@ -956,33 +1020,150 @@ class RayServer(Server):
             prompt_len, request.cached_tokens, params.max_tokens,
             statuses[prefill].prefill_s(prompt_len, request.cached_tokens),
             request.predicted_ttft_s, -(-prompt_len // self.page_size), self._page_bytes)
-        views = [OffloadReplica(
-            can_decode=status.healthy and state is not None,
-            prefill_only=i in self._prefill_only,
-            queued_prefill_s=status.queued_prefills.work_s,
-            chunk_step_s=state.chunk_step_s if state else 0.0,
-            decode_token_s=status.decode_token_s, cached_pages=cached_pages[i],
-            prefill_share=state.prefill_share if state else 0.0,
-            **self._decode_steps(i, state, prompt_len))
-            for i, (status, state) in enumerate(zip(statuses, states))]
+        views = self._offload_views(statuses, states, cached_pages, prompt_len)
         decision = choose_decode(offload_request, prefill, views, self.offload)
         if decision.decode is not None:
             self._pending_decodes[decision.decode][server_id] = prompt_len
         self.offload_decisions.append((server_id, decision))
         return decision.decode
 
-    def _decode_steps(self, replica: int, state, context: int) -> dict:
+    def _offload_views(self, statuses, states, cached_pages, context: int,
+                       running_on: int | None = None) -> list:
+        """The replicas as the offload decision sees them, for a request of `context`
+        tokens (already decoding on `running_on`, counted in its polled decodes)."""
+        from medha_jax.cluster.offload import OffloadReplica
+
+        return [OffloadReplica(
+            can_decode=status.healthy and state is not None,
+            prefill_only=i in self._prefill_only,
+            queued_prefill_s=status.queued_prefills.work_s,
+            chunk_step_s=state.chunk_step_s if state else 0.0,
+            decode_token_s=status.decode_token_s, cached_pages=cached_pages[i],
+            prefill_share=state.prefill_share if state else 0.0,
+            **self._decode_steps(i, state, context, running=i == running_on))
+            for i, (status, state) in enumerate(zip(statuses, states))]
+
+    def _decode_steps(self, replica: int, state, context: int, running: bool = False) -> dict:
         """OffloadReplica's decode fields for `replica`: its decode step's predicted
         seconds with one more decode of this context and without it, and the decodes it
         runs: its polled ones plus those offloaded to it and not yet polled there (each
-        adds its own share: the predictor's decode features add up per sequence)."""
+        adds its own share: the predictor's decode features add up per sequence).
+        running: the request decodes there already (its polled step has it)."""
         if state is None:
             return {}
         step = _interpolated(state.decode_step_table)
         pending = self._pending_decodes[replica].values()
         base = state.decode_base_s + sum(step(c) - state.decode_base_s for c in pending)
-        return dict(decode_step_s=base + step(context) - state.decode_base_s,
-                    decode_base_step_s=base, decodes=state.decodes + len(pending))
+        own = step(context) - state.decode_base_s
+        if running:
+            return dict(decode_step_s=base, decode_base_step_s=base - own,
+                        decodes=max(0, state.decodes - 1) + len(pending))
+        return dict(decode_step_s=base + own, decode_base_step_s=base,
+                    decodes=state.decodes + len(pending))
+
+    # ------------------------------------------------------------------ moving decodes
+
+    def _consider_moves(self, i: int) -> None:
+        """Under self._lock, after replica i's poll: while i has prefill queued, the one
+        of its running decodes that `choose_move` gains most by moving starts to move (one
+        a poll: the next poll prices the destination with it among its decodes)."""
+        from medha_jax.cluster.offload import choose_move
+
+        statuses = self._with_pending_prefills(self._statuses)
+        states = list(self._states)
+        if states[i] is None or statuses[i].queued_prefills.work_s <= 0:
+            return
+        best = None
+        for server_id, request in self._in_flight.items():
+            params = request.params
+            left = params.max_tokens - len(request.tokens)
+            if (request.streaming_from != i or not request.tokens or request.moves
+                    or request.moving_to is not None or request.cancelled or request.stopped
+                    or left <= 1 or (params.seed is not None and not params.greedy)):
+                continue
+            context = len(request.prompt_ids) + len(request.tokens)
+            views = self._offload_views(statuses, states,
+                                        self._router.index.cached_pages(request.hashes),
+                                        context, running_on=i)
+            decision = choose_move(context, left, self.page_size, self._page_bytes, i, views,
+                                   self.offload)
+            gain = decision.colocated_s - decision.offloaded_s
+            if decision.decode is not None and (best is None or gain > best[0]):
+                best = (gain, server_id, request, context, decision)
+        if best is not None:
+            _, server_id, request, context, decision = best
+            self._start_move(server_id, request, i, decision.decode, decision)
+
+    def move_decode(self, request_id: str, to: int) -> bool:
+        """Moves the request's running decode to replica `to` at its next token, as
+        OffloadConfig.move_decodes does by itself (needs hand-offs on: roles, an offload
+        gate or move_decodes). False when it is not decoding on another replica now, or
+        is moving already."""
+        with self._lock:
+            request = self._in_flight.get(request_id)
+            if (not self._handoffs_on or request is None or not request.tokens
+                    or request.streaming_from in (None, to) or request.moving_to is not None
+                    or not 0 <= to < len(self._actors)):
+                return False
+            self._start_move(request_id, request, request.streaming_from, to, None)
+            return True
+
+    def _start_move(self, server_id: str, request: _InFlight, source: int, decode: int,
+                    decision) -> None:
+        """Under self._lock, any thread."""
+        request.moving_to, request.move_decision = decode, decision
+        request.move_decided = (time.monotonic(), len(request.tokens))
+        self._pending_decodes[decode][server_id] = len(request.prompt_ids) + len(request.tokens)
+
+        def spawn():
+            task = asyncio.ensure_future(self._move_out(server_id, request, source))
+            self._grant_tasks.add(task)            # (the loop keeps only weak references)
+            task.add_done_callback(self._grant_tasks.discard)
+        self._aloop.call_soon_threadsafe(spawn)
+
+    async def _move_out(self, server_id: str, request: _InFlight, source: int) -> None:
+        """Asks `source` to end the request's stream with Moved at its next token; when it
+        cannot (the request ended or is not decoding there), the move is dropped."""
+        from ray.exceptions import RayActorError
+
+        try:
+            started = await self._actors[source].move_out.remote(server_id)
+        except RayActorError:
+            started = False
+        if not started:
+            self._moved(server_id, request)
+
+    def _moved(self, server_id: str, request: _InFlight) -> None:
+        """The move ended (done or dropped): the destination's polls count it from here."""
+        if request.moving_to is not None:
+            asyncio.get_running_loop().call_later(
+                2 * POLL_S, self._pending_decodes[request.moving_to].pop, server_id, None)
+            request.moving_to = None
+
+    async def _move_in(self, server_id: str, request: _InFlight, moved: Moved) -> bool:
+        """The request's decode left request.replica, every page it computed offered as
+        moved.wire: `_serve` runs the rest on the destination, whose generate takes those
+        pages (a decode step first). When the destination is down it goes on where it
+        was, from the full pages cached there. True when it ended here."""
+        decode = request.moving_to
+        self._moved(server_id, request)
+        if decode is None:
+            return False
+        request.moved_at = time.monotonic()
+        if request.prefill_metrics is None:          # TTFT and TPOT on this process's clock
+            request.prefill_metrics = moved.metrics
+        if request.cancelled or request.stopped or self._closing:
+            self._finish(server_id, request, "stop" if request.stopped else "cancelled",
+                         None, None)
+            return True
+        if not self._statuses[decode].healthy:
+            return False
+        self.move_decisions.append((server_id, request.replica, decode, request.move_decision))
+        request.replica = decode
+        request.moved_pages = (next(self._tids), moved.computed, moved.wire)
+        request.moves += 1
+        self.moves += 1
+        return False
 
     async def _hand_off(self, server_id: str, request: _InFlight, decode: int) -> bool:
         """Prefills on request.replica while the KV streams to `decode`, then moves the
@@ -1116,6 +1297,9 @@ class RayServer(Server):
         tokens = () if request.stopped else delta.token_ids
         if tokens and request.first_token_at is None:
             request.first_token_at = time.monotonic()
+        if tokens and request.moved_at is not None:
+            self.move_pauses.append(time.monotonic() - request.moved_at)
+            request.moved_at = None
         request.tokens.extend(tokens)
         if delta.prompt_logprobs is not None:
             request.sent_prompt_logprobs = True
@@ -1141,6 +1325,14 @@ class RayServer(Server):
         with self._lock:
             if self._in_flight.pop(server_id, None) is None:
                 return
+            if request.moving_to is not None:      # it ended before its move started
+                self._pending_decodes[request.moving_to].pop(server_id, None)
+            if request.moves and request.move_decision is not None:
+                at, streamed = request.move_decided
+                self.move_outcomes.append((server_id, request.move_decision,
+                                           time.monotonic() - at,
+                                           len(request.tokens) - streamed,
+                                           request.params.max_tokens - streamed))
         metrics = delta.metrics if delta is not None and delta.metrics is not None else \
             RequestMetrics(0.0, None, None, 0.0, 0.0, 0.0, 0, 0, 0)
         # The replica counted the re-run's prompt (prompt + tokens streamed) as its prompt.

@@ -47,6 +47,23 @@ a reservation not registered within transfer_timeout_s, or registered and not ta
 ack_timeout_s, is freed; a hold not released within ack_timeout_s is dropped; the front gives
 a handshake not granted within handshake_timeout_s back to co-located serving.
 
+A running decode moves the same way, later (medha_jax.cluster.offload's choose_move):
+
+    move_out(id) -----------------------------------------------> at the request's next
+                                                                  token: every page of
+                                                                  what it computed offered,
+          <---------------------------------------------------- Moved(wire, tokens);
+                                                                  released here (its full
+                                                                  pages stay cached)
+    generate(prompt + outputs, ..., moved=(tid, computed, wire))
+                               -> pulls them; in the loop turn that adds the request,
+                                  books them, writes those not cached here and
+                                  registers them (`take_moved`); the request takes them
+                                  whole: its first step is a decode step
+
+If D cannot book them it computes what it does not hold; if D is down the request re-runs
+on P from its cached full pages.
+
 Pages move per chunk, after the step that computed them (not per layer: the layers of a step
 run as one scanned program), as in serving.kv_transfer. Pulls run off the loop thread; only
 the write into the cache runs on it.
@@ -84,6 +101,18 @@ class HandedOff:
     """The last item of a prefill stream whose decode goes on elsewhere: its first token
     went out in the delta before it; metrics: the prefill side's (TTFT, cached tokens)."""
 
+    metrics: RequestMetrics
+    finished: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Moved:
+    """The last item of a generate stream whose decode moves on (`move_out`): every page
+    of its first `computed` tokens (prompt and outputs; the last output's K/V is not
+    computed yet) is offered as `wire`; metrics: this side's (TTFT, cached tokens)."""
+
+    wire: WireChunk
+    computed: int
     metrics: RequestMetrics
     finished: bool = True
 
@@ -136,6 +165,9 @@ class ReplicaHandoffs:
         # The front's request id -> (pages the decode side has cached, when it came), for
         # prefills started before the grant; written from any thread (`grant`).
         self._grants: dict[str, tuple[int, float]] = {}
+        # This replica's request id -> (the front's id, its stream's push): decodes that
+        # move on at their next token (`move_out`).
+        self._moving: dict[str, tuple[str, Callable]] = {}
         self._sender: PageSender | None = None
         self._receiver: PageReceiver | None = None
         self._scatter = page_scatter(self.engine)      # the receiver's writes, warmed up once
@@ -192,15 +224,42 @@ class ReplicaHandoffs:
     def _offer(self, out: _Outgoing, owner: str, hi: int) -> None:
         if hi <= out.sent:
             return
+        ids = global_pages(self.engine.allocator, owner)[out.sent:hi]
+        out.push(PagesOffered(self._send(ids), out.sent, hi))
+        out.sent = hi
+
+    def _send(self, page_ids: np.ndarray) -> WireChunk:
         if self._sender is None:
             self._sender = PageSender(self.engine)
-        ids = global_pages(self.engine.allocator, owner)[out.sent:hi]
-        out.push(PagesOffered(self._sender.send(ids), out.sent, hi))
-        out.sent = hi
+        return self._sender.send(page_ids)
+
+    def move_out(self, request_id: str, internal: str, push: Callable) -> bool:
+        """The front moves the decode of its request `request_id` (here `internal`) to
+        another replica: at its next token every page it computed is offered and it ends
+        here with Moved (`_on_prefilled`). False when it is not decoding here."""
+        request = self.replica.controller.get(internal)
+        if (request is None or request.state is RequestState.FINISHED
+                or not request.output_token_ids or request_id in self._outgoing):
+            return False
+        self._moving[internal] = (request_id, push)
+        self.replica.loop.moving.add(internal)
+        return True
+
+    def _move_out(self, stream, request_id: str, push: Callable) -> bool:
+        request = stream.request
+        computed = request.num_computed_tokens
+        ids = global_pages(self.engine.allocator, request.request_id)[
+            :self.engine.allocator.pages_needed(computed)]
+        push(Moved(self._send(ids), computed, RequestMetrics.from_request(request)))
+        return True
 
     def _on_prefilled(self, stream) -> bool:
         """The loop's hook at the first token: offers what is left, pins the pages and ends
         the stream with HandedOff (the loop then releases the request here)."""
+        moving = self._moving.pop(stream.request_id, None)
+        if moving is not None:
+            self.replica.loop.moving.discard(stream.request_id)
+            return self._move_out(stream, *moving)
         request_id = self._front_id.get(stream.request_id)
         out = self._outgoing.get(request_id)
         if out is None or out.hold is not None:
@@ -261,6 +320,26 @@ class ReplicaHandoffs:
             granted, res.granted = res.granted, None
             granted(reused // ps)
 
+    def take_moved(self, request_id: str, tid: int, tokens: list[int], chunk) -> str | None:
+        """Loop thread, just before the moved request's add: its pages (every page of
+        `tokens`, pulled as `chunk`) booked, written where not cached here and registered;
+        the reservation id the request takes them by (`kv_from`), or None (nothing kept:
+        it computes them) when the pages are not free now. It does not queue behind
+        handshakes: its pages were in use on its replica, where it already decodes."""
+        res_id = reservation_id(request_id, tid)
+        allocator = self.engine.allocator
+        num_pages = len(tokens) // allocator.page_size
+        reused = allocator.allocate(res_id, tokens[:num_pages * allocator.page_size + 1])
+        if not allocator.reserve(res_id, len(tokens)):
+            allocator.free(res_id)
+            return None
+        res = self._incoming[res_id] = _Incoming(request_id, list(tokens), num_pages,
+                                                 time.monotonic(), None)
+        res.landed = np.arange(allocator.pages_needed(len(tokens))) < reused // allocator.page_size
+        self.land(res_id, chunk, 0, len(res.landed))
+        self.register(res_id)
+        return res_id
+
     def pull(self, wire: WireChunk):
         """Any thread: the offered pages on this replica's devices."""
         if self._receiver is None:
@@ -274,7 +353,11 @@ class ReplicaHandoffs:
         if res is None or res.landed is None or res.registered_at is not None:
             self.stale_writes += 1
             return False
-        self._receiver.writer.write(global_pages(self.engine.allocator, res_id)[lo:hi], chunk)
+        ids = global_pages(self.engine.allocator, res_id)[lo:hi].copy()
+        # Pages cached here already (a moved decode's offer starts at page 0) may be
+        # shared with other requests: an out-of-range id drops that page's write.
+        ids[res.landed[lo:hi]] = self.engine.kv_cache.num_pages
+        self._receiver.writer.write(ids, chunk)
         res.landed[lo:hi] = True
         return True
 
@@ -329,6 +412,10 @@ class ReplicaHandoffs:
 
     def request_ended(self, request_id: str) -> None:
         """A request of this id ended here: what was kept for it goes."""
+        for internal, (moving, _) in list(self._moving.items()):
+            if moving == request_id:
+                del self._moving[internal]
+                self.replica.loop.moving.discard(internal)
         for res_id, res in list(self._incoming.items()):
             if res.request_id == request_id and res.registered_at is not None:
                 self.release_reservation(res_id)

@@ -328,6 +328,9 @@ class ReplicaSet:
         self._exclude: frozenset[int] = frozenset()  # under _lock, for one decision
         self.roles = parse_roles(roles, len(self.replicas))
         self.offload = offload or OffloadConfig("never")
+        if self.offload.move_decodes:
+            raise ValueError("OffloadConfig.move_decodes moves running decodes between Ray "
+                             "replica actors only (Server(..., cluster='ray'))")
         # The latest requests' (request id, router Decision) and (request id,
         # OffloadDecision): what was predicted for each, beside what it measured.
         self.routing_decisions: collections.deque = collections.deque(maxlen=10_000)

@@ -253,7 +253,7 @@ class Server:
         self._loops = [replica.loop for replica in self.replicas]
         if isinstance(offload, str):
             from medha_jax.cluster.offload import OffloadConfig
-            offload = OffloadConfig(offload)
+            offload = OffloadConfig.parse(offload)
         if (roles is not None or offload is not None) and len(self.replicas) < 2:
             raise ValueError("roles and offload need replicas >= 2 (a hand-off goes from "
                              "one replica to another)")

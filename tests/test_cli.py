@@ -57,6 +57,8 @@ def test_generate_prints_the_greedy_text(model_dir, capsys):
     (["serve", "--replicas", "2", "--roles", "x:2"], "unknown role 'x'"),
     (["serve", "--replicas", "2", "--roles", "prefill:1,decode:2"], "roles name 3 replicas"),
     (["serve", "--replicas", "2", "--offload", "sometimes"], "unknown gate 'sometimes'"),
+    (["serve", "--replicas", "2", "--offload", "time+later"], "a gate then +move"),
+    (["serve", "--replicas", "2", "--offload", "time+move"], "Ray replica actors only (add --ray)"),
     (["serve", "--replicas", "3", "--parallel", "tp=2/tp=1"],
      "--parallel names 2 replica meshes but --replicas is 3"),
     (["serve", "--replicas", "2", "--parallel", "tp=2/tp=1", "--ray"],

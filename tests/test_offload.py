@@ -6,7 +6,8 @@ import math
 import pytest
 
 from medha_jax.cluster.offload import (OffloadConfig, OffloadReplica, OffloadRequest,
-                                       choose_decode, colocated_seconds, decode_seconds,
+                                       choose_decode, choose_move, colocated_seconds,
+                                       decode_seconds,
                                        exposed_transfer_s, first_token_s, offloaded_seconds,
                                        others_delay_s)
 
@@ -172,3 +173,29 @@ def test_the_decodes_a_request_would_slow_are_priced_on_both_sides():
     loaded_d = dataclasses.replace(slow_d, decodes=8, decode_base_step_s=0.034)
     assert offloaded_seconds(REQ, p, loaded_d, CFG) == pytest.approx(3.641 + 1.6)
     assert choose_decode(REQ, 0, [p, loaded_d], CFG).decode is None
+
+
+def test_a_running_decode_moves_off_a_replica_a_long_prefill_was_queued_on():
+    """100 tokens left, a 3 s prefill queued beside it at 0.1 s a chunk step: 30 tokens
+    pay a chunk step there, (a) = 30 * 0.1 + 70 * 0.02 = 4.4 s. Moving 1,000 pages of 1 MB
+    at 10 GB/s: nothing hides them, (b) = 0.1 + 2 * 0.02 (the step boundary that takes
+    them, the first step there) + 100 * 0.02 = 2.14 s. With nothing queued where it is,
+    it stays whatever the gate."""
+    busy = dataclasses.replace(BUSY_P, decode_step_s=0.02, decodes=0)
+    d = choose_move(16_000, 100, 16, 1_000_000, 0, [busy, IDLE],
+                    dataclasses.replace(CFG, gate="never"))
+    assert d.decode == 1 and d.gate == "time"
+    assert (d.colocated_s, d.offloaded_s) == (pytest.approx(4.4), pytest.approx(2.14))
+    # A 100 GB context: 10 s to move, more than staying costs.
+    assert choose_move(1_600_000, 100, 16, 1_000_000, 0, [busy, IDLE], CFG).decode is None
+    assert choose_move(16_000, 100, 16, 1_000_000, 0, [IDLE, IDLE], CFG).decode is None
+    # The pages the other replica holds do not move.
+    cached = dataclasses.replace(IDLE, cached_pages=1000)
+    assert choose_move(16_000, 100, 16, 1_000_000, 0, [busy, cached], CFG).offloaded_s == \
+        pytest.approx(2.04)
+    # A destination with prefill queued waits a chunk step at each boundary, and its
+    # queue slows the decode there too: 3 s queued at both, the move cannot pay.
+    assert choose_move(16_000, 100, 16, 1_000_000, 0, [busy, busy], CFG).decode is None
+    half = dataclasses.replace(IDLE, queued_prefill_s=0.5)
+    assert choose_move(16_000, 100, 16, 1_000_000, 0, [busy, half], CFG).offloaded_s == \
+        pytest.approx(0.1 + 2 * 0.1 + 5 * 0.1 + 95 * 0.02)

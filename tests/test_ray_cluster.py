@@ -383,6 +383,110 @@ def test_ray_handoff_survives_either_actor_dying_mid_transfer(ray_cluster, dies)
         assert _settled([survivor])
 
 
+@pytest.mark.parametrize("destination_dies", [False, True])
+def test_a_running_decode_moves_to_the_other_actor_with_one_replicas_tokens(
+        ray_cluster, destination_dies):
+    """OffloadConfig.move_decodes (Llumnix's migration): a request decoding on one actor
+    moves at its next token, every page it computed pulled by the other actor, which
+    takes them whole (its first step there is a decode step). Its greedy tokens are one
+    replica's; both pools come back whole. Nothing moves by itself here: no prefill is
+    queued beside it. With the destination killed just before the move, the request,
+    stopped at its next token, re-runs where it was from the full pages it left cached."""
+    from medha_jax.cluster.offload import OffloadConfig
+
+    prompt = TokensPrompt([int(t) for t in np.random.default_rng(21).integers(1, 256, 100)])
+    params = SamplingParams(temperature=0.0, max_tokens=140)
+    with Server("tiny", engine_config=TINY_ENGINE, warmup=False, cache_dir=False) as local:
+        expected = local.generate(prompt, params).token_ids
+    with Server("tiny", engine_config=TINY_ENGINE, warmup=False, replicas=2, cluster="ray",
+                cache_dir=False, actor_options={"num_cpus": 0}, max_restarts=0,
+                offload=OffloadConfig("never", move_decodes=True)) as server:
+        handle = server.submit(prompt, params)
+        seen = 0
+        for delta in handle:
+            seen += len(delta.token_ids)
+            if seen >= 5:
+                break
+        source = server._in_flight[handle.id].streaming_from
+        destination = ray.get_actor(ACTOR_NAME.format(1 - source), namespace=NAMESPACE)
+        if destination_dies:
+            ray.kill(destination, no_restart=True)
+            server.move_decode(handle.id, 1 - source)     # (False once the front saw it die)
+        else:
+            assert server.move_decode(handle.id, 1 - source)
+            assert not server.move_decode(handle.id, 1 - source)      # moving already
+        out = handle.result(timeout=120)
+        assert out.token_ids == expected and out.finish_reason == "length"
+        if destination_dies:
+            assert out.metrics.replica == source
+            assert _settled([source])
+            return
+        assert out.metrics.replica == 1 - source and server.moves == 1
+        assert ray.get(destination.handoffs_state.remote())["taken_whole"] == 1
+        assert server.reruns == 0 and out.metrics.ttft > 0 and out.metrics.tpot > 0
+        assert not server.move_decode(handle.id, source)          # finished
+        assert _settled()
+
+
+def test_the_front_moves_the_decode_that_gains_most_off_a_replica_with_prefill_queued():
+    """OffloadConfig.move_decodes after replica 0's poll: 6 s of prefill queued there at
+    0.4 s a chunk step, replica 1 idle. Of the requests decoding on 0, the one with the
+    most tokens left moves (one a poll); none that moved before, is moving or has one
+    token left does; nothing moves once 0's queue is empty."""
+    from types import SimpleNamespace
+
+    from medha_jax.cluster.offload import OffloadConfig
+    from medha_jax.cluster.router import ReplicaStatus
+    from medha_jax.scheduler.policies import QueuedPrefill
+    from serving.ray_cluster import RayServer
+
+    table = tuple((n, 0.05 + 1e-5 * n) for n in (0, 1000, 10_000))
+    state = SimpleNamespace(decode_step_table=table, decode_base_s=0.05, decodes=4,
+                            chunk_step_s=0.4, prefill_share=0.0)
+    idle = SimpleNamespace(decode_step_table=table, decode_base_s=0.0, decodes=0,
+                           chunk_step_s=0.4, prefill_share=0.0)
+
+    def decoding(left, **kwargs):
+        params = SamplingParams(temperature=0.0, max_tokens=10 + left)
+        fields = dict(params=params, tokens=[7] * 10, prompt_ids=[1] * 200, hashes=(),
+                      streaming_from=0, moves=0, moving_to=None, cancelled=False,
+                      stopped=False)
+        return SimpleNamespace(**{**fields, **kwargs})
+
+    def front(queued):
+        statuses = [ReplicaStatus(prefill_s=lambda n, c: 0.0, page_size=16,
+                                  queued_prefills=queued, decodes=4),
+                    ReplicaStatus(prefill_s=lambda n, c: 0.0, page_size=16)]
+        started = []
+        f = SimpleNamespace(
+            _statuses=statuses, _states=[state, idle], _prefill_only=frozenset(),
+            _pending_decodes=[{}, {}], page_size=16, _page_bytes=1000,
+            offload=OffloadConfig("never", move_decodes=True, link_bytes_per_s=1e9),
+            _router=SimpleNamespace(index=SimpleNamespace(cached_pages=lambda h: [0, 0])),
+            _in_flight={"short": decoding(20), "long": decoding(100),
+                        "moved": decoding(200, moves=1), "last": decoding(1),
+                        "elsewhere": decoding(300, streaming_from=1),
+                        "moving": decoding(400, moving_to=1)},
+            _start_move=lambda sid, request, source, to, decision: started.append(
+                (sid, source, to)))
+        f._with_pending_prefills = lambda statuses: list(statuses)
+        f._offload_views = lambda *a, **k: RayServer._offload_views(f, *a, **k)
+        f._decode_steps = lambda *a, **k: RayServer._decode_steps(f, *a, **k)
+        RayServer._consider_moves(f, 0)
+        return started
+
+    assert front((QueuedPrefill(6.0, 4.0, 6.0, 1024),)) == [("long", 0, 1)]
+    assert front(()) == []
+
+
+def test_moving_running_decodes_is_refused_in_process():
+    from medha_jax.cluster.offload import OffloadConfig
+
+    with pytest.raises(ValueError, match="move_decodes moves running decodes between Ray"):
+        Server("tiny", engine_config=TINY_ENGINE, warmup=False, cache_dir=False, replicas=2,
+               offload=OffloadConfig("time", move_decodes=True))
+
+
 def test_serve_takes_a_ray_address():
     from serving.cli import build_parser
 

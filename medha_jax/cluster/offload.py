@@ -78,6 +78,20 @@ Fixed gates, the baselines (each offloads to the D with the smallest (b)):
   share of the prompt >= 0.3, seed 003 H4); dynamo (stays local only when the uncached
   tokens are < 2048 and < 70% of the prompt).
 A prefill-role P always offloads when some replica can decode.
+
+Moving a running decode (Llumnix's live migration; `OffloadConfig.move_decodes`, on Ray
+replicas). The decision above is made once, before the prefill: a long prefill routed
+later to the replica a decode stays on (or moved to) is not in its price, and that is
+where the decodes the time gate placed lost most (benchmarks/disagg.py (g)). So while a
+request decodes, each time its replica has prefill queued the same comparison runs again
+for the rest of it (`choose_move`): (a) the n tokens it has left there, behind that
+queue; (b) on D, its whole context's pages moved (nothing hides them: the decode pauses
+while they move) and two of D's step boundaries waited for. The pages go stop-and-copy:
+at its next token the source stops the request and offers every page of what it has
+computed, D pulls them and books, writes and registers them in one turn of its loop, and
+the request takes them as its own (serving.ray_handoff); its first step there is a
+decode step. A request moves at most once (no ping-pong between
+two replicas that take turns prefilling).
 """
 
 from __future__ import annotations
@@ -94,7 +108,9 @@ OFFLOAD_GATES = (NEVER, ALWAYS_HEAVY, CACHED_FRACTION, DYNAMO, TIME)
 @dataclasses.dataclass(frozen=True)
 class OffloadConfig:
     """gate: one of OFFLOAD_GATES. link_bytes_per_s: measured bandwidth between two
-    replicas' devices; handshake_s: a reservation's round trip."""
+    replicas' devices; handshake_s: a reservation's round trip. move_decodes: a running
+    decode whose replica has prefill queued may move to another (`choose_move`, priced as
+    the time gate prices, whatever the gate)."""
 
     gate: str = TIME
     margin: float = 0.1
@@ -104,6 +120,16 @@ class OffloadConfig:
     dynamo_max_local_fraction: float = 0.7
     link_bytes_per_s: float = 10e9
     handshake_s: float = 0.001
+    move_decodes: bool = False      # also move running decodes (`choose_move`; Ray only)
+
+    @classmethod
+    def parse(cls, text: str) -> OffloadConfig:
+        """A gate name, "+move" after it for move_decodes ("time+move")."""
+        gate, plus, rest = text.partition("+")
+        if plus and rest != "move":
+            raise ValueError(f"offload {text!r}: write a gate, or a gate then +move "
+                             f"(e.g. time+move)")
+        return cls(gate, move_decodes=bool(plus))
 
     def __post_init__(self):
         if self.gate not in OFFLOAD_GATES:
@@ -263,3 +289,42 @@ def choose_decode(request: OffloadRequest, prefill_index: int,
     else:
         go = offloaded[best] < colocated * (1 - config.margin)
     return OffloadDecision(best if go else None, colocated, offloaded[best], gate, *others)
+
+
+def choose_move(context_tokens: int, remaining_tokens: int, page_size: int, page_bytes: int,
+                source_index: int, replicas: Sequence[OffloadReplica],
+                config: OffloadConfig = OffloadConfig()) -> OffloadDecision:
+    """Whether a request decoding on `source_index`, context_tokens computed and
+    remaining_tokens left to decode, moves now, and where: the time gate's rule for the
+    rest of its decode, whatever config.gate says. Nothing is left to prefill, so each
+    replica's whole queued prefill is ahead of it:
+
+        (a) = decode_s(source, n, Q_source) + others(source)
+        (b) = bytes / link + 2 * boundary(D) + decode_s(D, n, Q_D) + others(D)
+
+    Nothing hides the pages (the decode waits while they move: every page of its context,
+    less those D holds, `cached_pages`); D takes them at a step boundary, then runs the
+    request's first step there, so the decode waits two of D's steps, a chunk step each
+    while D has prefill queued (`boundary`). The source's view counts the request among
+    its decodes already (`decodes` the others, `decode_step_s` the step with it)."""
+    source = replicas[source_index]
+    n = remaining_tokens
+    stay = (decode_seconds(source, n, source.queued_prefill_s)
+            + others_delay_s(source, n))
+    pages = -(-context_tokens // page_size)
+
+    def moved(d: OffloadReplica) -> float:
+        boundary = max(d.step_s, d.chunk_step_s) if d.queued_prefill_s > 0 else d.step_s
+        transfer = max(0, pages - d.cached_pages) * page_bytes / config.link_bytes_per_s
+        return (transfer + 2 * boundary + decode_seconds(d, n, d.queued_prefill_s)
+                + others_delay_s(d, n))
+
+    candidates = [i for i, r in enumerate(replicas)
+                  if r.can_decode and not r.prefill_only and i != source_index]
+    if not candidates or n <= 1:
+        return OffloadDecision(None, stay, math.inf, TIME, others_delay_s(source, n))
+    plans = {i: moved(replicas[i]) for i in candidates}
+    best = min(candidates, key=lambda i: (plans[i], i))
+    go = plans[best] < stay * (1 - config.margin)
+    return OffloadDecision(best if go else None, stay, plans[best], TIME,
+                           others_delay_s(source, n), others_delay_s(replicas[best], n))
