@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import itertools
 import json
 import os
@@ -101,7 +102,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gates", default="never,always,cached-fraction,time",
                    help="(c) gates, comma-separated")
     p.add_argument("--decode-delay-weight", type=float, default=None,
-                   help="(g) the router's RoutingConfig.decode_delay_weight (default: its own)")
+                   help="(e), (g) the router's RoutingConfig.decode_delay_weight (default: "
+                        "its own)")
+    p.add_argument("--ttft-floor", action="store_true",
+                   help="(e), (g) the router's RoutingConfig.ttft_floor")
     p.add_argument("--h8-rounds", type=int, default=2,
                    help="(c) rounds of every gate after an unmeasured warm-up round, the "
                         "order rotated each round")
@@ -346,6 +350,16 @@ def ray_part(args, skip) -> list[dict]:
     return rows
 
 
+def routing_config(args):
+    """The router's config of (e) and (g): its defaults, or what the flags set."""
+    from medha_jax.cluster.router import RoutingConfig
+
+    routing = RoutingConfig(ttft_floor=args.ttft_floor)
+    if args.decode_delay_weight is not None:
+        routing = dataclasses.replace(routing, decode_delay_weight=args.decode_delay_weight)
+    return routing
+
+
 def ray_h8(args, link_bytes_per_s: float | None) -> tuple[list[dict], list[dict]]:
     """Part (g): (c)'s rounds over two Ray replica actors bound to disjoint CPUs; the
     rows of (c) and every measured request. link_bytes_per_s: kv_wire's pull as (a)
@@ -356,12 +370,10 @@ def ray_h8(args, link_bytes_per_s: float | None) -> tuple[list[dict], list[dict]
         print("(g) skipped: Ray is not installed (pip install -e '.[cluster]')")
         return [], []
     from medha_jax.cluster.offload import OffloadConfig
-    from medha_jax.cluster.router import RoutingConfig
     from medha_jax.scheduler.config import SchedulerConfig
     from serving.server import Server
 
-    routing = (RoutingConfig() if args.decode_delay_weight is None
-               else RoutingConfig(decode_delay_weight=args.decode_delay_weight))
+    routing = routing_config(args)
     if link_bytes_per_s is None:
         from medha_jax.engine import Engine
         from medha_jax.model import load_model
@@ -628,7 +640,8 @@ def simulated(args) -> list[dict]:
                    OffloadConfig(gate, link_bytes_per_s=bandwidth, handshake_s=0.0005))
         result = simulate(requests, scheduler="lars-mp", model=model,
                           parallel=ParallelConfig(), hardware="h100",
-                          num_replicas=args.sim_replicas, prefix_caching=True, offload=offload)
+                          num_replicas=args.sim_replicas, prefix_caching=True, offload=offload,
+                          routing=routing_config(args))
         done = [r for r in result.requests if r.finish_time is not None]
         ttft = [r.first_token_time - r.arrival_time for r in done]
         tpot = [(r.finish_time - r.first_token_time) / (len(r.output_token_ids) - 1)

@@ -352,3 +352,20 @@ def test_a_prefill_is_charged_for_the_decodes_its_chunks_would_slow():
     assert decide(RouteRequest(100), snapshot(statuses, [0, 0]), priced).replica == 0
     with pytest.raises(ValueError, match="decode_delay_weight"):
         RoutingConfig(decode_delay_weight=-1.0)
+
+
+def test_the_ttft_floor_prices_a_short_prefills_wait_behind_late_long_ones():
+    """Two late 6 s long prefills on replica 0; 3 decodes on replica 1, charged at the
+    router's decode weight 1. Sharing the steps evenly, a short 0.11 s prefill would wait
+    0.11 s per queued prefill there: 0.33 s against 0.11 + 3 x 0.11 = 0.44 s, so it goes
+    to replica 0. lars-mp runs the first late one to its end first (it is not due before
+    then) and the short one rides beside the second: with the floor, that TTFT (over 6 s)
+    is replica 0's charge, and it goes to replica 1."""
+    longs = tuple(QueuedPrefill(6.0, 0.0, 6.0, 5000) for _ in range(2))
+    statuses = [status(queued_prefills=longs, long_prefill_tokens=1000), status(decodes=3)]
+    request = RouteRequest(100, ttft_s=10.0)
+    weighted = RoutingConfig(decode_delay_weight=1.0)
+    assert lars_ttft_s(statuses[0], 0.11, request) > 6.0
+    assert decide(request, snapshot(statuses, [0, 0]), weighted).replica == 0
+    floored = RoutingConfig(decode_delay_weight=1.0, ttft_floor=True)
+    assert decide(request, snapshot(statuses, [0, 0]), floored).replica == 1

@@ -65,6 +65,9 @@ Policies (`ROUTING_POLICIES`):
   a short prefill ride beside a more urgent long one only when the long one's slack
   covers it or the short one is due first, so it waits for a late long one that ends
   before its deadline, as `lars_ttft_s` predicts).
+  Optionally (`ttft_floor`) a replica's even-sharing term is at least the TTFT
+  `lars_ttft_s` predicts there, so the wait of a short prefill behind late long ones is
+  priced where the even-sharing charge prices it at about twice its own prefill.
   The session's previous replica is kept unless another's charge is lower by more than
   `affinity_margin` (relative) + `affinity_margin_s`; a session's first turn goes, among
   the replicas within that margin of the lowest, to the one with the least load placed on
@@ -181,6 +184,7 @@ class RoutingConfig:
     affinity_margin_s: float = 0.05
     recompute_weight: float = 2.0
     decode_delay_weight: float = 0.0
+    ttft_floor: bool = False
     recent_load_halflife_s: float = 60.0
     sglang_cache_threshold: float = 0.3
     sglang_balance_abs: int = 64
@@ -393,7 +397,10 @@ def _predicted_time(request: RouteRequest, snapshot: RouterSnapshot, healthy: li
         status = snapshot.replicas[i]
         prefill = status.prefill_s(request.prompt_len, snapshot.cached_tokens[i])
         recompute = prefill - status.prefill_s(request.prompt_len, most_cached)
-        charge[i] = (mutual_delay_s(status, prefill)
+        shared = mutual_delay_s(status, prefill)
+        if config.ttft_floor:
+            shared = max(shared, lars_ttft_s(status, prefill, request))
+        charge[i] = (shared
                      + config.recompute_weight * recompute
                      + config.decode_delay_weight * status.decodes * prefill)
     lowest = min(charge.values())
