@@ -303,22 +303,30 @@ class ReplicaHandoffs:
     def _admit(self) -> None:
         """Grants queued handshakes in arrival order: the head waits for pages and none
         behind it passes it."""
-        allocator = self.engine.allocator
-        ps = allocator.page_size
         while self._queue:
             res_id = self._queue[0]
             res = self._incoming.get(res_id)
             if res is None:                        # withdrawn
                 self._queue.popleft()
                 continue
-            reused = allocator.allocate(res_id, res.tokens[:res.num_pages * ps + 1])
-            if not allocator.reserve(res_id, len(res.tokens)):
-                allocator.free(res_id)
+            cached = self._book(res_id, res)
+            if cached is None:
                 return
             self._queue.popleft()
-            res.landed = np.arange(allocator.pages_needed(len(res.tokens))) < reused // ps
             granted, res.granted = res.granted, None
-            granted(reused // ps)
+            granted(cached)
+
+    def _book(self, res_id: str, res: _Incoming) -> int | None:
+        """Books every page of res.tokens under res_id, taking those cached here; the
+        pages cached here, or None (nothing kept) when the rest are not free now."""
+        allocator = self.engine.allocator
+        ps = allocator.page_size
+        reused = allocator.allocate(res_id, res.tokens[:res.num_pages * ps + 1])
+        if not allocator.reserve(res_id, len(res.tokens)):
+            allocator.free(res_id)
+            return None
+        res.landed = np.arange(allocator.pages_needed(len(res.tokens))) < reused // ps
+        return reused // ps
 
     def take_moved(self, request_id: str, tid: int, tokens: list[int], chunk) -> str | None:
         """Loop thread, just before the moved request's add: its pages (every page of
@@ -327,15 +335,11 @@ class ReplicaHandoffs:
         it computes them) when the pages are not free now. It does not queue behind
         handshakes: its pages were in use on its replica, where it already decodes."""
         res_id = reservation_id(request_id, tid)
-        allocator = self.engine.allocator
-        num_pages = len(tokens) // allocator.page_size
-        reused = allocator.allocate(res_id, tokens[:num_pages * allocator.page_size + 1])
-        if not allocator.reserve(res_id, len(tokens)):
-            allocator.free(res_id)
+        res = _Incoming(request_id, list(tokens), len(tokens) // self.engine.allocator.page_size,
+                        time.monotonic(), None)
+        if self._book(res_id, res) is None:
             return None
-        res = self._incoming[res_id] = _Incoming(request_id, list(tokens), num_pages,
-                                                 time.monotonic(), None)
-        res.landed = np.arange(allocator.pages_needed(len(tokens))) < reused // allocator.page_size
+        self._incoming[res_id] = res
         self.land(res_id, chunk, 0, len(res.landed))
         self.register(res_id)
         return res_id
