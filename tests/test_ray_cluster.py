@@ -249,22 +249,30 @@ def test_a_mixed_prefill_actor_starts_before_the_grant_and_hands_off_once_it_com
     and both pools come back whole with no reservation or hold kept."""
     from medha_jax.cluster.offload import OffloadConfig
 
-    long = TokensPrompt([int(t) for t in np.random.default_rng(12).integers(1, 256, 200)])
-    prompts = HANDOFF_PROMPTS + [long]
+    # A fresh long prompt per try (a repeat would find the first one's pages cached).
+    longs = [TokensPrompt([int(t) for t in np.random.default_rng(12 + i).integers(1, 256, 200)])
+             for i in range(3)]
+    prompts = HANDOFF_PROMPTS + longs
     params = SamplingParams(temperature=0.0, max_tokens=8)
     with Server("tiny", engine_config=TINY_ENGINE, warmup=False, cache_dir=False) as local:
         expected = [out.token_ids for out in local.generate(prompts, params)]
     with Server("tiny", engine_config=TINY_ENGINE, warmup=False, replicas=2, cluster="ray",
                 cache_dir=False, actor_options={"num_cpus": 0},
                 offload=OffloadConfig("always-heavy", heavy_new_tokens=1)) as server:
-        # The short ones together, then the long one alone: with both actors idle and
+        # The short ones together, then a long one alone: with both actors idle and
         # their steps compiled, its grant comes within its first prefill steps (a step
-        # that compiles on the decode actor answers the handshake seconds late).
+        # that compiles on the decode actor answers the handshake seconds late). Under a
+        # loaded suite its 13 short prefill steps can still end first (1 of 3 fresh-clone
+        # runs): it then decodes where it prefilled, and the next long one tries again.
         handles = [server.submit(p, params) for p in HANDOFF_PROMPTS]
         outputs = [h.result(timeout=120) for h in handles]
-        handles.append(server.submit(long, params))
-        outputs.append(handles[-1].result(timeout=120))
-        assert [o.token_ids for o in outputs] == expected
+        for long in longs:
+            handles.append(server.submit(long, params))
+            outputs.append(handles[-1].result(timeout=120))
+            if dict(server.offload_decisions)[handles[-1].id].decode == \
+                    outputs[-1].metrics.replica:
+                break
+        assert [o.token_ids for o in outputs] == expected[:len(outputs)]
         decided = dict(server.offload_decisions)
         moved = [decided[h.id].decode == o.metrics.replica for h, o in zip(handles, outputs)]
         assert all(decided[h.id].decode is not None for h in handles)
