@@ -132,16 +132,31 @@ def engine_config(quick: bool):
                         max_tokens_per_step=128 if quick else 256, max_seqs=16 if quick else 8)
 
 
+def scheduler_config(args):
+    """lars-mp at a 0.2 s batch budget, its IsLong (Algorithm 2) at half the HEAVY turn.
+
+    Seed 000's 8192 tokens is past this engine's max_model_len (2048): no prompt here would
+    be long, so lars-mp's riders would never run, and a short turn queued beside a HEAVY
+    prefill (5 s of prefill on one core, ~15 chunk steps) waited in LARS order until its
+    relative slack fell below the HEAVY one's, near its 10 s TTFT SLO (in one run of (g)
+    10 short turns waited 9.5-10.3 s). Half the HEAVY turn puts it long and every prompt of
+    a session without one (at most warm + (turns - 1) x (turn + output) tokens, 256 by
+    default) short."""
+    from medha_jax.scheduler.config import SchedulerConfig
+
+    return SchedulerConfig("lars-mp", target_batch_time_s=0.2,
+                           long_prefill_tokens=args.heavy_tokens // 2)
+
+
 def make_server(args):
     from medha_jax.cluster.offload import OffloadConfig
     from medha_jax.model import load_model
-    from medha_jax.scheduler.config import SchedulerConfig
     from serving.server import Server
 
     model = load_model(args.model, verbose=False)
     # Transfers on from the start (a gate other than never); each run sets its own gate.
     return Server(model, engine_config=engine_config(args.quick), replicas=2, warmup=True,
-                  scheduler=SchedulerConfig("lars-mp", target_batch_time_s=0.2),
+                  scheduler=scheduler_config(args),
                   offload=OffloadConfig("always-heavy", heavy_new_tokens=1),
                   metrics_port=None)
 
@@ -370,7 +385,6 @@ def ray_h8(args, link_bytes_per_s: float | None) -> tuple[list[dict], list[dict]
         print("(g) skipped: Ray is not installed (pip install -e '.[cluster]')")
         return [], []
     from medha_jax.cluster.offload import OffloadConfig
-    from medha_jax.scheduler.config import SchedulerConfig
     from serving.server import Server
 
     routing = routing_config(args)
@@ -386,7 +400,7 @@ def ray_h8(args, link_bytes_per_s: float | None) -> tuple[list[dict], list[dict]
     try:
         # Transfers on from the start, as make_server's; each round sets its own gate.
         with Server(args.model, engine_config=engine_config(args.quick), replicas=2,
-                    warmup=True, scheduler=SchedulerConfig("lars-mp", target_batch_time_s=0.2),
+                    warmup=True, scheduler=scheduler_config(args),
                     offload=OffloadConfig("always-heavy", heavy_new_tokens=1),
                     metrics_port=None, cluster="ray", actor_options={"num_cpus": 0},
                     cpu_binding="auto", router=routing) as server:

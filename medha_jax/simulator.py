@@ -534,6 +534,7 @@ class SimulatedHandoffs:
                                 chunk_step_s=_chunk_step_s(c),
                                 decode_token_s=self.decode_token_s, cached_pages=cached_pages[j],
                                 prefill_share=self._prefill_share(j, request.arrival_time),
+                                max_seqs=c.packer.limits.max_seqs_per_batch,
                                 **self._decode_steps(j, request.prompt_len))
                  for j, c in enumerate(self.controllers)]
         decision = choose_decode(OffloadRequest(

@@ -145,6 +145,7 @@ class ReplicaState:
     decode_base_s: float = 0.0
     decodes: int = 0
     handoffs_in_flight: int = 0
+    max_seqs: int = 0              # sequences one of its steps holds (decodes fill it first)
 
 
 class ReplicaActor:
@@ -373,7 +374,8 @@ class ReplicaActor:
                     for n, _ in self._table[::8] + self._table[-1:]),
                 decode_base_s=decode_step_seconds(replica.predictor, contexts),
                 decodes=len(contexts),
-                handoffs_in_flight=self.handoffs.in_flight)
+                handoffs_in_flight=self.handoffs.in_flight,
+                max_seqs=replica.max_seqs)
         return ReplicaState(self.incarnation, waiting, running, prefills,
                             self.replica.decode_token_s, self._table, events,
                             allocator.num_pages - allocator.num_free_pages, allocator.num_pages,
@@ -1040,6 +1042,7 @@ class RayServer(Server):
             chunk_step_s=state.chunk_step_s if state else 0.0,
             decode_token_s=status.decode_token_s, cached_pages=cached_pages[i],
             prefill_share=state.prefill_share if state else 0.0,
+            max_seqs=state.max_seqs if state else 0,
             **self._decode_steps(i, state, context, running=i == running_on))
             for i, (status, state) in enumerate(zip(statuses, states))]
 

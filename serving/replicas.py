@@ -161,6 +161,11 @@ class LocalReplica:
         return prefill_time(num_tokens) - prefill_time(cached_tokens)
 
     @property
+    def max_seqs(self) -> int:
+        """Sequences one step holds (the packer's limit: decodes fill it first)."""
+        return self.controller.packer.limits.max_seqs_per_batch
+
+    @property
     def chunk_step_s(self) -> float:
         """Seconds of a step that carries a prefill chunk, as a decode beside prefill work
         pays them (read from the router's thread: a snapshot): the mean of this replica's
@@ -409,7 +414,8 @@ class ReplicaSet:
                 prefill_share=r.prefill_share,
                 decode_step_s=decode_step_seconds(r.predictor, decodes + (prompt_len,)),
                 decodes=len(decodes),
-                decode_base_step_s=decode_step_seconds(r.predictor, decodes)))
+                decode_base_step_s=decode_step_seconds(r.predictor, decodes),
+                max_seqs=r.max_seqs))
         return choose_decode(request, prefill, views, self.offload)
 
     def decode_target(self, prefill: int, exclude=frozenset()) -> int | None:

@@ -455,6 +455,18 @@ def test_h8_spread_puts_each_heavy_sessions_cold_tokens_in_a_later_turn():
     assert session_plan(first, 1) == ([64, 32, 32, 32], None)
 
 
+def test_h8_makes_the_heavy_turns_long_to_lars_mp_and_the_other_sessions_short():
+    """IsLong (Algorithm 2) at half the HEAVY turn: seed 000's 8192 is past the engine's
+    max_model_len, where no prompt would be long and no short prefill would ride."""
+    from benchmarks.disagg import engine_config, parse_args, scheduler_config
+
+    args = parse_args(["--turns", "4", "--heavy-tokens", "1024", "--output-tokens", "32"])
+    long_tokens = scheduler_config(args).long_prefill_tokens
+    assert long_tokens < engine_config(False).max_model_len
+    # A HEAVY turn is long; a session without one reaches 64 + 3 x (32 + 32) tokens.
+    assert args.warm_tokens + 3 * (args.turn_tokens + args.output_tokens) < long_tokens < 1024
+
+
 def test_a_ray_prefill_started_before_its_grant_offers_nothing_and_decodes_here_if_late():
     """serving.ray_handoff on a mixed prefill actor (start_page None): no page offered and
     no hold before the grant; a first token before it keeps the request here (the loop's

@@ -199,3 +199,33 @@ def test_a_running_decode_moves_off_a_replica_a_long_prefill_was_queued_on():
     half = dataclasses.replace(IDLE, queued_prefill_s=0.5)
     assert choose_move(16_000, 100, 16, 1_000_000, 0, [busy, half], CFG).offloaded_s == \
         pytest.approx(0.1 + 2 * 0.1 + 5 * 0.1 + 95 * 0.02)
+
+
+def test_a_replica_whose_batch_the_decode_would_fill_takes_none():
+    """A step holds max_seqs sequences and decodes fill it first, so a destination must
+    keep a slot for prefill: with 6 decodes of max_seqs 8 the request makes 7 and goes;
+    with 7 it would fill the batch, and neither a hand-off nor a move goes there, whatever
+    the gate. A prefill-only P hands off to it all the same: it cannot keep the decode."""
+    roomy = dataclasses.replace(IDLE, decodes=6, max_seqs=8)
+    full = dataclasses.replace(IDLE, decodes=7, max_seqs=8)
+    assert roomy.has_room and not full.has_room
+    assert choose_decode(REQ, 0, [BUSY_P, roomy], CFG).decode == 1
+    assert choose_decode(REQ, 0, [BUSY_P, full], CFG).decode is None
+    assert choose_decode(REQ, 0, [BUSY_P, full, roomy], CFG).decode == 2
+    assert choose_decode(REQ, 0, [BUSY_P, full], OffloadConfig("always-heavy")).decode is None
+    p = OffloadReplica(True, prefill_only=True, decode_token_s=0.02)
+    assert choose_decode(REQ, 0, [p, full], CFG).decode == 1
+    busy = dataclasses.replace(BUSY_P, decode_step_s=0.02, decodes=0)
+    assert choose_move(16_000, 100, 16, 1_000_000, 0, [busy, roomy], CFG).decode == 1
+    assert choose_move(16_000, 100, 16, 1_000_000, 0, [busy, full], CFG).decode is None
+
+
+def test_decodes_past_the_batch_take_turns_and_price_it():
+    """11 decodes and this one on a replica whose step holds 8: each gets a step in 1.5,
+    so staying costs 1.5x (a 2 s decode: 3 s), and an idle D wins."""
+    crowded = dataclasses.replace(IDLE, decodes=11, max_seqs=8)
+    assert crowded.turns == pytest.approx(1.5)
+    assert decode_seconds(crowded, 100) == pytest.approx(1.5 * 100 * 0.02)
+    assert decode_seconds(dataclasses.replace(crowded, max_seqs=0), 100) == \
+        pytest.approx(100 * 0.02)
+    assert choose_decode(REQ, 0, [crowded, IDLE], CFG).decode == 1

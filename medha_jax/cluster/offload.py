@@ -60,6 +60,16 @@ them (their own remaining tokens are not known here: n bounds it, on both sides 
 Offload when (b) < (a) * (1 - margin). A cold turn on an idle P has
 (a) = n * decode_token_s, which (b) cannot beat: it stays.
 
+Batch slots. A step holds at most max_seqs sequences, and the packer fills them with
+decodes first (`medha_jax.scheduler.packer`: decodes are never left out): on a replica
+whose decodes fill the batch, no prefill chunk runs until one of them ends, and with more
+decodes than slots they take turns. So a replica is a destination only while it keeps a
+slot for prefill once the request is there (m_r + 1 < max_seqs), and a decode that stays
+where m_r + 1 decodes share max_seqs slots gets a step every (m_r + 1) / max_seqs of them
+(its decode_s grows by that factor). In one run of benchmarks/disagg.py (g) without this,
+hand-offs and moves piled 8-10 decodes onto one replica of max_seqs 8: a short turn
+routed there waited 8.5 s for a slot (its TTFT 9.0 s, predicted 0.37 s), another 23 s.
+
 Worked numbers (test_offload.py): n = 100, a request of 1.0 s of prefill on P with a
 3 s prefill queued there (TTFT_P = 2 s: 1 s of it run first, Q_P = 2 s left) at 0.1 s a chunk step
 and 0.02 s a decode token, rho 0: k = 20, (a) = 20 * 0.1 + 80 * 0.02 = 3.6 s (with
@@ -162,11 +172,23 @@ class OffloadReplica:
     # without this request: what one more slows each of them by (0 decodes: nothing).
     decodes: int = 0
     decode_base_step_s: float = 0.0
+    max_seqs: int = 0               # sequences one of its steps holds (0: not known)
 
     @property
     def step_s(self) -> float:
         """Seconds of one of its decode steps carrying this request."""
         return self.decode_step_s if self.decode_step_s > 0 else self.decode_token_s
+
+    @property
+    def turns(self) -> float:
+        """Steps per token of a decode there beside its `decodes`: above 1 when they and
+        this one are more than a step holds (they take turns)."""
+        return max(1.0, (self.decodes + 1) / self.max_seqs) if self.max_seqs > 0 else 1.0
+
+    @property
+    def has_room(self) -> bool:
+        """Whether one more decode there still leaves its batch a slot for prefill."""
+        return self.max_seqs <= 0 or self.decodes + 1 < self.max_seqs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,8 +233,8 @@ def decode_seconds(replica: OffloadReplica, num_tokens: int,
          if step > 0 and queued_prefill_s > 0 else 0)
     rho = min(max(replica.prefill_share, 0.0), 1.0)
     if decode <= 0:
-        return k * step + (num_tokens - k) * rho * step
-    return k * step + (num_tokens - k) / ((1 - rho) / decode + rho / step)
+        return replica.turns * (k * step + (num_tokens - k) * rho * step)
+    return replica.turns * (k * step + (num_tokens - k) / ((1 - rho) / decode + rho / step))
 
 
 def others_delay_s(replica: OffloadReplica, num_tokens: int) -> float:
@@ -265,8 +287,10 @@ def choose_decode(request: OffloadRequest, prefill_index: int,
     prefill = replicas[prefill_index]
     n = request.max_new_tokens
     colocated = colocated_seconds(request, prefill)
+    # A prefill-only P cannot keep the decode: any replica that decodes takes it.
     candidates = [i for i, r in enumerate(replicas)
-                  if r.can_decode and not r.prefill_only and i != prefill_index]
+                  if r.can_decode and not r.prefill_only and i != prefill_index
+                  and (r.has_room or prefill.prefill_only)]
     if not candidates or n <= 1:
         return OffloadDecision(None, colocated, math.inf, config.gate,
                                others_delay_s(prefill, n))
@@ -320,7 +344,7 @@ def choose_move(context_tokens: int, remaining_tokens: int, page_size: int, page
                 + others_delay_s(d, n))
 
     candidates = [i for i, r in enumerate(replicas)
-                  if r.can_decode and not r.prefill_only and i != source_index]
+                  if r.can_decode and not r.prefill_only and r.has_room and i != source_index]
     if not candidates or n <= 1:
         return OffloadDecision(None, stay, math.inf, TIME, others_delay_s(source, n))
     plans = {i: moved(replicas[i]) for i in candidates}
