@@ -68,7 +68,7 @@ slot for prefill once the request is there (m_r + 1 < max_seqs), and a decode th
 where m_r + 1 decodes share max_seqs slots gets a step every (m_r + 1) / max_seqs of them
 (its decode_s grows by that factor). In one run of benchmarks/disagg.py (g) without this,
 hand-offs and moves piled 8-10 decodes onto one replica of max_seqs 8: a short turn
-routed there waited 8.5 s for a slot (its TTFT 9.0 s, predicted 0.37 s), another 23 s.
+routed there waited 8.5 s for a slot (its TTFT 9.0 s, predicted 0.37 s).
 
 Worked numbers (test_offload.py): n = 100, a request of 1.0 s of prefill on P with a
 3 s prefill queued there (TTFT_P = 2 s: 1 s of it run first, Q_P = 2 s left) at 0.1 s a chunk step
