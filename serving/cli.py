@@ -101,7 +101,9 @@ def _make_server(args, *, warmup: bool, calibrate: bool, engine=None):
                                 target_batch_time_s=getattr(args, "target_batch_time", None),
                                 prefill_hold_s=getattr(args, "prefill_hold", None) or 0.0)
     replicas = getattr(args, "replicas", 1)
-    router = RoutingConfig(getattr(args, "router", PREDICTED_TIME))
+    router = RoutingConfig(getattr(args, "router", PREDICTED_TIME),
+                           decode_delay_weight=getattr(args, "decode_delay_weight", 0.0),
+                           ttft_floor=getattr(args, "ttft_floor", False))
     if replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {replicas}")
     if getattr(args, "roles", None) is not None:       # named before the model loads
@@ -411,6 +413,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="how a request picks a replica: predicted-time (default: the "
                             "least predicted time to first token, cache- and "
                             "session-aware), round-robin, least-load, sglang-cache-aware")
+    serve.add_argument("--decode-delay-weight", type=float, default=0.0,
+                       help="predicted-time also charges each replica this weight x its "
+                            "decodes x the prefill's seconds there: long prefills keep off "
+                            "the replica whose decodes they would slow (default 0; with "
+                            "--offload time+move and --ttft-floor, 1 is what beat co-located "
+                            "decoding in benchmarks.disagg (g))")
+    serve.add_argument("--ttft-floor", action="store_true",
+                       help="predicted-time charges each replica at least the request's "
+                            "predicted TTFT there (its wait behind late long prefills)")
     serve.add_argument("--roles", default=None,
                        help="what each replica does, counts in replica order: e.g. "
                             "prefill:1,decode:1 (roles mixed, prefill, decode; default all "

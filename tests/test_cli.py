@@ -59,6 +59,7 @@ def test_generate_prints_the_greedy_text(model_dir, capsys):
     (["serve", "--replicas", "2", "--offload", "sometimes"], "unknown gate 'sometimes'"),
     (["serve", "--replicas", "2", "--offload", "time+later"], "a gate then +move"),
     (["serve", "--replicas", "2", "--offload", "time+move"], "Ray replica actors only (add --ray)"),
+    (["serve", "--decode-delay-weight", "-1"], "decode_delay_weight must be >= 0"),
     (["serve", "--replicas", "3", "--parallel", "tp=2/tp=1"],
      "--parallel names 2 replica meshes but --replicas is 3"),
     (["serve", "--replicas", "2", "--parallel", "tp=2/tp=1", "--ray"],
@@ -78,6 +79,22 @@ def test_generate_prints_the_greedy_text(model_dir, capsys):
 def test_errors_name_the_value(model_dir, capsys, argv, message):
     assert main([*argv, "--model", model_dir, *SMALL_ENGINE]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_serve_hands_the_router_its_decode_weight_and_ttft_floor(model_dir, monkeypatch):
+    import serving.server
+    from medha_jax.cluster.router import RoutingConfig
+    from serving.cli import _make_server, build_parser
+
+    seen = {}
+    monkeypatch.setattr(serving.server, "Server", lambda *args, **kwargs: seen.update(kwargs))
+    args = build_parser().parse_args(["serve", "--replicas", "2", "--decode-delay-weight", "1",
+                                      "--ttft-floor", "--model", model_dir, *SMALL_ENGINE])
+    _make_server(args, warmup=False, calibrate=False)
+    assert seen["router"] == RoutingConfig(decode_delay_weight=1.0, ttft_floor=True)
+    args = build_parser().parse_args(["serve", "--replicas", "2", "--model", model_dir])
+    _make_server(args, warmup=False, calibrate=False)
+    assert seen["router"] == RoutingConfig()
 
 
 def test_unknown_model_is_named(capsys):
