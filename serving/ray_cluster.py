@@ -145,7 +145,6 @@ class ReplicaState:
     decode_base_s: float = 0.0
     decodes: int = 0
     handoffs_in_flight: int = 0
-    max_seqs: int = 0              # sequences one of its steps holds (decodes fill it first)
 
 
 class ReplicaActor:
@@ -196,6 +195,7 @@ class ReplicaActor:
                 "max_model_len": server.max_model_len, "page_size":
                     self.replica.engine.allocator.page_size,
                 "num_pages": server.num_total_pages, "default_slo": server.default_slo,
+                "max_seqs": self.replica.max_seqs,
                 "policy": server.policy, "startup": server.startup,
                 "scheduler_fields": ReplicaStatus.scheduler_fields(server.scheduler_config),
                 "incarnation": self.incarnation, "pid": os.getpid(),
@@ -374,8 +374,7 @@ class ReplicaActor:
                     for n, _ in self._table[::8] + self._table[-1:]),
                 decode_base_s=decode_step_seconds(replica.predictor, contexts),
                 decodes=len(contexts),
-                handoffs_in_flight=self.handoffs.in_flight,
-                max_seqs=replica.max_seqs)
+                handoffs_in_flight=self.handoffs.in_flight)
         return ReplicaState(self.incarnation, waiting, running, prefills,
                             self.replica.decode_token_s, self._table, events,
                             allocator.num_pages - allocator.num_free_pages, allocator.num_pages,
@@ -614,6 +613,9 @@ class RayServer(Server):
         self.engine = None
         self._max_model_len = first["max_model_len"]
         self._num_pages = [info["num_pages"] for info in infos]
+        # Sequences a step of each holds (decodes fill it first): an offload's or a move's
+        # destination keeps a slot for prefill (medha_jax.cluster.offload).
+        self._max_seqs = [info["max_seqs"] for info in infos]
         self.page_size = first["page_size"]
         self._page_bytes = first["page_bytes"]
         self.default_slo, self.policy = first["default_slo"], first["policy"]
@@ -1042,7 +1044,7 @@ class RayServer(Server):
             chunk_step_s=state.chunk_step_s if state else 0.0,
             decode_token_s=status.decode_token_s, cached_pages=cached_pages[i],
             prefill_share=state.prefill_share if state else 0.0,
-            max_seqs=state.max_seqs if state else 0,
+            max_seqs=self._max_seqs[i],
             **self._decode_steps(i, state, context, running=i == running_on))
             for i, (status, state) in enumerate(zip(statuses, states))]
 

@@ -450,9 +450,9 @@ def test_the_front_moves_the_decode_that_gains_most_off_a_replica_with_prefill_q
 
     table = tuple((n, 0.05 + 1e-5 * n) for n in (0, 1000, 10_000))
     state = SimpleNamespace(decode_step_table=table, decode_base_s=0.05, decodes=4,
-                            chunk_step_s=0.4, prefill_share=0.0, max_seqs=8)
+                            chunk_step_s=0.4, prefill_share=0.0)
     idle = SimpleNamespace(decode_step_table=table, decode_base_s=0.0, decodes=0,
-                           chunk_step_s=0.4, prefill_share=0.0, max_seqs=8)
+                           chunk_step_s=0.4, prefill_share=0.0)
 
     def decoding(left, **kwargs):
         params = SamplingParams(temperature=0.0, max_tokens=10 + left)
@@ -461,13 +461,14 @@ def test_the_front_moves_the_decode_that_gains_most_off_a_replica_with_prefill_q
                       stopped=False)
         return SimpleNamespace(**{**fields, **kwargs})
 
-    def front(queued, destination=idle):
+    def front(queued, destination_max_seqs=8):
         statuses = [ReplicaStatus(prefill_s=lambda n, c: 0.0, page_size=16,
                                   queued_prefills=queued, decodes=4),
                     ReplicaStatus(prefill_s=lambda n, c: 0.0, page_size=16)]
         started = []
         f = SimpleNamespace(
-            _statuses=statuses, _states=[state, destination], _prefill_only=frozenset(),
+            _statuses=statuses, _states=[state, idle], _prefill_only=frozenset(),
+            _max_seqs=[8, destination_max_seqs],
             _pending_decodes=[{}, {}], page_size=16, _page_bytes=1000,
             offload=OffloadConfig("never", move_decodes=True, link_bytes_per_s=1e9),
             _router=SimpleNamespace(index=SimpleNamespace(cached_pages=lambda h: [0, 0])),
@@ -485,9 +486,8 @@ def test_the_front_moves_the_decode_that_gains_most_off_a_replica_with_prefill_q
 
     assert front((QueuedPrefill(6.0, 4.0, 6.0, 1024),)) == [("long", 0, 1)]
     assert front(()) == []
-    # One more decode would fill the destination's batch (its polled max_seqs): none goes.
-    one_slot = SimpleNamespace(**{**vars(idle), "max_seqs": 1})
-    assert front((QueuedPrefill(6.0, 4.0, 6.0, 1024),), one_slot) == []
+    # One more decode would fill the destination's batch (its max_seqs): none goes.
+    assert front((QueuedPrefill(6.0, 4.0, 6.0, 1024),), destination_max_seqs=1) == []
 
 
 def test_moving_running_decodes_is_refused_in_process():
